@@ -1,0 +1,5 @@
+"""``python -m asyncdbo demo`` == ``asyncdbo demo``."""
+
+from .cli import main
+
+raise SystemExit(main())

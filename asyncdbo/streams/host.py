@@ -1,0 +1,171 @@
+"""Host backend: DBO on a CPU with no accelerator.
+
+A CPU has no device queue: ``torch.Event('cpu').record()`` raises, and every CPU op returns when
+it is done. So this backend keeps its own streams:
+
+* the **compute** stream is the CPU itself: work on it is finished when the call returns;
+* a **comm** stream is a FIFO of outstanding ``torch.distributed`` async works (gloo). Gloo runs
+  them on its own threads, so they progress while the other ubatch computes.
+
+An event recorded on a stream snapshots that stream's unfinished works (CUDA's FIFO meaning: "all
+work queued here so far"). Waiting on it returns a :class:`Signal` that completes when those works
+do; the waiting ubatch parks on it while the others run. Completion comes from gloo's callback
+thread straight into the scheduler's wake queue (no event-loop round trip, no polling).
+
+With a :class:`LinkSpec` the backend models the link: each work's completion is also held back
+until ``issue time + latency + bytes / bandwidth`` on a serialized link, taking no CPU, so a
+2-core machine can show the overlap a real NIC would give.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .._core import Signal, get_ubatch
+from .base import StreamBackend, StreamPolicy
+from .links import LinkSpec, link_spec
+
+if TYPE_CHECKING:
+    from .._core import DBORun
+
+__all__ = ["HostBackend", "HostEvent", "HostStream", "HostWork"]
+
+
+@dataclass(eq=False)
+class HostStream:
+    """A host stream. ``inline`` streams run their work synchronously (the CPU)."""
+
+    name: str
+    inline: bool
+    pending: list[HostWork] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        return f"<HostStream {self.name} pending={len(self.pending)}>"
+
+
+@dataclass(eq=False)
+class HostEvent:
+    works: tuple[HostWork, ...] = ()
+    recorded: bool = False
+
+
+class HostWork:
+    """One async comm work. ``await work`` parks the ubatch until it completes; ``wait()`` blocks
+    (outside a DBO run). ``t_issue``/``t_done`` (perf_counter seconds) feed the trace numbers."""
+
+    __slots__ = ("what", "nbytes", "signal", "t_issue", "t_done", "t_release", "work")
+
+    def __init__(self, what: str, nbytes: int, work: Any, arrivals: int) -> None:
+        self.what = what
+        self.nbytes = nbytes
+        self.work = work
+        self.signal = Signal(what, external=True, arrivals=arrivals)
+        self.t_issue = time.perf_counter()
+        self.t_done: float | None = None
+        self.t_release: float | None = None
+
+    def done(self) -> bool:
+        return self.signal.done()
+
+    def _on_complete(self, fut: Any) -> None:  # gloo's thread, or inline if already complete
+        self.t_done = time.perf_counter()
+        exc = None
+        try:
+            fut.value()
+        except BaseException as e:  # noqa: BLE001 - forwarded to the waiting ubatch
+            exc = RuntimeError(f"comm work {self.what!r} failed: {e}")
+        self.signal.set(exc)
+
+    def __await__(self) -> Any:
+        return self.signal.__await__()
+
+    def wait(self) -> None:
+        """Block this thread until the work (and the modeled link) completes."""
+        self.work.wait()
+        if self.t_release is not None:
+            delay = self.t_release - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+        if self.signal.exception() is not None:
+            raise self.signal.exception()  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"<HostWork {self.what} {self.nbytes}B {'done' if self.done() else 'pending'}>"
+
+
+class HostBackend(StreamBackend):
+    """DBO streams for a CPU-only machine (see the module docstring)."""
+
+    name = "host"
+
+    def __init__(self, *, link: str | LinkSpec | None = None) -> None:
+        self.link = None if link is None else link_spec(link)
+        self._link_free_at = 0.0
+        self._lock = threading.Lock()
+
+    def describe(self) -> str:
+        if self.link is None:
+            return "host (real gloo comm)"
+        return f"host (modeled link {self.link.name}: {self.link.latency_s * 1e6:g} us + {self.link.bandwidth_Bps / 1e9:g} GB/s)"
+
+    def attach(self, run: DBORun, policy: StreamPolicy) -> None:
+        run.backend = self
+        cpu = HostStream("compute", inline=True)
+        shared_comm = HostStream("comm", inline=False)
+        for ub in run.ubatches:
+            comm = shared_comm if policy == "role" else HostStream(f"ub{ub.id}", inline=False)
+            compute = cpu if policy == "role" else comm
+            ub.streams = {"compute": compute, "comm": comm}
+            ub.events = {"compute": HostEvent(), "comm": HostEvent()}
+            ub.stream = compute
+
+    def new_event(self) -> HostEvent:
+        return HostEvent()
+
+    def record(self, event: HostEvent, stream: HostStream) -> None:
+        stream.pending = [w for w in stream.pending if not w.done()]
+        event.works = tuple(stream.pending)
+        event.recorded = True
+
+    def wait(self, stream: HostStream, event: HostEvent) -> Signal | None:
+        pending = [w for w in event.works if not w.done()]
+        if not pending:
+            return None
+        if len(pending) == 1:
+            return pending[0].signal
+        joined = Signal(f"{len(pending)} comm works", external=True, arrivals=len(pending))
+        for w in pending:
+            w.signal.add_waiter(joined.set)
+        return joined
+
+    def submit(self, work: Any, *, nbytes: int = 0, what: str = "comm") -> HostWork:
+        """Track ``work`` (a torch.distributed Work with ``get_future()``).
+
+        Inside a DBO run it joins the running ubatch's current stream; outside, it is waited for at
+        once (serial semantics)."""
+        hw = HostWork(what, nbytes, work, arrivals=2 if self.link is not None else 1)
+        ub = get_ubatch()
+        if self.link is not None:
+            with self._lock:
+                start = max(hw.t_issue, self._link_free_at)
+                self._link_free_at = start + nbytes / self.link.bandwidth_Bps
+                hw.t_release = start + self.link.transfer_s(nbytes)
+            if ub is not None:
+                ub.run.call_at(hw.t_release, hw.signal.set)
+            else:
+                hw.signal.set()  # the blocking wait() below sleeps until the release time
+        work.get_future().add_done_callback(hw._on_complete)
+        if ub is None:
+            hw.wait()
+            return hw
+        stream = ub.stream
+        assert isinstance(stream, HostStream), stream
+        stream.pending.append(hw)
+        if stream.inline:
+            # Comm issued on the compute stream (LL-style send): later compute may not read its
+            # output before it completes; the caller awaits the returned work where it needs it.
+            pass
+        return hw
