@@ -51,6 +51,9 @@ class Instrument:
     def run_started(self, run: DBORun) -> None:
         """Before the first ubatch step."""
 
+    def resuming(self, ub: UBatch) -> None:
+        """Just before ``ub`` is resumed (its stream is already installed)."""
+
     def stepped(self, ub: UBatch, request: object) -> None:
         """After each step of ``ub``; ``request`` is SWITCH, what it parked on, or None if done."""
 
@@ -173,6 +176,8 @@ class DBORun:
                     ub = ready.popleft()
                     if ub.stream is not self._installed:
                         self.install_stream(ub.stream)
+                    if inst is not None:
+                        inst.resuming(ub)
                     try:
                         request = ub.ctx_run(ub.send, None)
                     except BaseException as exc:

@@ -164,8 +164,6 @@ class HostBackend(StreamBackend):
         stream = ub.stream
         assert isinstance(stream, HostStream), stream
         stream.pending.append(hw)
-        if stream.inline:
-            # Comm issued on the compute stream (LL-style send): later compute may not read its
-            # output before it completes; the caller awaits the returned work where it needs it.
-            pass
+        # Every work of the run, for the numbers tools report (comm time, share hidden).
+        ub.run.data.setdefault("comm_works", []).append((ub.id, hw))
         return hw
