@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from ._core import DBORun, Instrument
+from ._core import DBORun, Fanout, Instrument
 from .streams import StreamBackend, StreamPolicy, get_backend
 
 __all__ = ["DBOOptions", "run", "run_ubatches"]
@@ -24,14 +24,17 @@ class DBOOptions:
     backend: a :class:`StreamBackend` or its name (``auto``: the accelerator if torch has one, else
         ``host``). stream_policy: ``role`` (vLLM: shared compute + comm streams) or ``ubatch`` (CANN:
         a stream per ubatch). watchdog_s: fail with the ubatch stacks when every ubatch stays parked
-        this long (None: no watchdog). instrument: scheduler hooks (tracing, checks). name: shows in
-        errors and traces.
+        this long (None: no watchdog). instrument: scheduler hooks (tracing, checks), one or a
+        sequence. debug: also run the yield-discipline checker (asyncdbo.checks.YieldChecker), which
+        reports the first place the ubatches' yield-tag sequences diverge. name: shows in errors
+        and traces.
     """
 
     backend: str | StreamBackend | None = "auto"
     stream_policy: StreamPolicy = "role"
     watchdog_s: float | None = None
-    instrument: Instrument | None = None
+    instrument: Instrument | Sequence[Instrument] | None = None
+    debug: bool = False
     name: str | None = None
 
     def __post_init__(self) -> None:
@@ -113,7 +116,7 @@ async def run_ubatches(
     dbo = DBORun(
         coros,
         install_stream=backend.install_stream,
-        instrument=opts.instrument,
+        instrument=_instrument(opts),
         watchdog_s=opts.watchdog_s,
         name=opts.name,
     )
@@ -122,6 +125,21 @@ async def run_ubatches(
         return await dbo.drive()
     finally:
         backend.detach(dbo)
+
+
+def _instrument(opts: DBOOptions) -> Instrument | None:
+    insts: list[Instrument] = []
+    if isinstance(opts.instrument, Instrument):
+        insts.append(opts.instrument)
+    elif opts.instrument is not None:
+        insts.extend(opts.instrument)
+    if opts.debug:
+        from .checks import YieldChecker
+
+        insts.append(YieldChecker())
+    if not insts:
+        return None
+    return insts[0] if len(insts) == 1 else Fanout(*insts)
 
 
 def _loop_factory(loop: LoopName) -> Callable[[], asyncio.AbstractEventLoop] | None:

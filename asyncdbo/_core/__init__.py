@@ -6,7 +6,7 @@ is built on this package's names (curio's rule: new features go outside the kern
 
 from .context import UBatch, current_ubatch, get_ubatch
 from .errors import AsyncDBOError, DeadlockError, NoOverlapWarning, WatchdogTimeout, YieldMismatchError
-from .scheduler import DBORun, Instrument
+from .scheduler import DBORun, Fanout, Instrument
 from .stacks import await_chain, format_run, format_ubatch
 from .traps import SWITCH, Signal, trap
 
@@ -15,6 +15,7 @@ __all__ = [
     "AsyncDBOError",
     "DBORun",
     "DeadlockError",
+    "Fanout",
     "Instrument",
     "NoOverlapWarning",
     "Signal",

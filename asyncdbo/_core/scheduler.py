@@ -39,7 +39,7 @@ from .errors import DeadlockError, NoOverlapWarning, WatchdogTimeout
 from .stacks import format_run
 from .traps import SWITCH, Signal
 
-__all__ = ["DBORun", "Instrument"]
+__all__ = ["DBORun", "Fanout", "Instrument"]
 
 log = logging.getLogger("asyncdbo")
 
@@ -65,6 +65,37 @@ class Instrument:
 
     def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
         """After the last ubatch finished (or the run failed with ``exc``)."""
+
+
+class Fanout(Instrument):
+    """Several instruments as one (a tracer and the yield checker, say)."""
+
+    def __init__(self, *instruments: Instrument) -> None:
+        self.instruments = tuple(instruments)
+
+    def run_started(self, run: DBORun) -> None:
+        for i in self.instruments:
+            i.run_started(run)
+
+    def resuming(self, ub: UBatch) -> None:
+        for i in self.instruments:
+            i.resuming(ub)
+
+    def stepped(self, ub: UBatch, request: object) -> None:
+        for i in self.instruments:
+            i.stepped(ub, request)
+
+    def sleeping(self, run: DBORun) -> None:
+        for i in self.instruments:
+            i.sleeping(run)
+
+    def woke(self, run: DBORun) -> None:
+        for i in self.instruments:
+            i.woke(run)
+
+    def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
+        for i in self.instruments:
+            i.run_finished(run, exc)
 
 
 class DBORun:
