@@ -1,0 +1,243 @@
+"""Deciding whether a step microbatches: the local threshold test and the DP-wide agreement.
+
+Every DP rank's MoE all-to-all must run the same number of collectives per step, so either every
+rank microbatches or none does, and when they do, every rank pads to the same total so that the
+token split gives the same per-ubatch sizes everywhere.  The decision takes ONE ``all_reduce``
+(SUM) over an int64 tensor of shape [ROWS, W] in which each rank fills its own column.
+
+Rules (differences from vLLM marked *):
+
+* A busy rank votes *no* when it is below its threshold, disabled, or its policy refuses: then
+  nobody splits (``RANK_DECLINED``, the detail names the ranks and their reasons).
+* * An idle rank (no real tokens, or a dummy batch the caller marks ``is_idle``) votes *idle*,
+  not no: it follows the busy ranks and runs padding-only ubatches.  vLLM's dummy batch votes no
+  and so kills DBO for the whole group whenever one rank has no work.
+* * No "last ubatch would be empty" veto: a rank whose real tokens do not reach the last ubatch
+  runs it with padding only.  **Every ubatch, even an empty one, must take part in every
+  collective of the step** (dispatch/combine with zero rows), or the group deadlocks.
+* * Imbalance: padding makes any imbalance *correct*; it only wastes the small rank's compute,
+  which it would otherwise spend waiting in the all-to-all.  So the default allows any ratio.
+  With ``max_imbalance=x``, the step falls out (``IMBALANCE``) when the largest busy rank has
+  more than ``x`` times the real tokens of the smallest busy rank.
+* If every rank is idle, nobody splits (``ALL_IDLE``).
+"""
+
+# Shape legend: W = DP world size.
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from .records import PlanReason, RankVote
+from .slices import as_query_start_loc
+
+__all__ = [
+    "DPDecision",
+    "LocalStepInfo",
+    "ThresholdConfig",
+    "agree_across_dp",
+    "decide_from_votes",
+    "should_microbatch",
+]
+
+# Rows of the vote tensor.
+_VOTE, _UNPADDED, _PADDED, _IDLE, _REASON, _NUM_UBATCHES = range(6)
+_ROWS = 6
+_REASON_CODES: tuple[PlanReason, ...] = tuple(PlanReason)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ThresholdConfig:
+    """Minimum real tokens for a step to microbatch (vLLM's defaults).
+
+    A uniform-decode step (every request has exactly ``1 + num_spec_tokens`` query tokens) is
+    memory-bound: splitting it reads the expert weights twice, so it needs enough tokens to hide
+    the all-to-all.  Mixed and prefill steps get a higher bar (vLLM runs them eagerly).
+    """
+
+    decode_threshold: int = 32
+    prefill_threshold: int = 512
+    num_spec_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("decode_threshold", "prefill_threshold", "num_spec_tokens"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"{name} ({value}) must be >= 0; use 0 to always microbatch")
+
+
+def is_uniform_decode(qsl: Sequence[int], num_spec_tokens: int = 0) -> bool:
+    """Every request has exactly ``1 + num_spec_tokens`` query tokens (and there is one)."""
+    q = 1 + num_spec_tokens
+    return len(qsl) > 1 and all(qsl[r + 1] - qsl[r] == q for r in range(len(qsl) - 1))
+
+
+def should_microbatch(
+    num_tokens_unpadded: int,
+    query_start_loc: Sequence[int] | torch.Tensor,
+    cfg: ThresholdConfig = ThresholdConfig(),
+) -> tuple[bool, str]:
+    """Is this rank's step big enough to microbatch?  Returns ``(ok, detail)``."""
+    if num_tokens_unpadded < 0:
+        raise ValueError(f"num_tokens_unpadded ({num_tokens_unpadded}) must be >= 0")
+    qsl = as_query_start_loc(query_start_loc)
+    if is_uniform_decode(qsl, cfg.num_spec_tokens):
+        kind, threshold = "uniform decode", cfg.decode_threshold
+    else:
+        kind, threshold = "mixed/prefill", cfg.prefill_threshold
+    if num_tokens_unpadded >= threshold:
+        return True, f"{kind}: {num_tokens_unpadded} tokens >= threshold {threshold}"
+    return False, f"{kind}: {num_tokens_unpadded} tokens < threshold {threshold}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LocalStepInfo:
+    """This rank's input to the DP vote.
+
+    ``reason`` is why it does not want to microbatch (ignored when ``wants_ubatch``).
+    ``num_tokens_padded`` defaults to the unpadded count (e.g. a CUDA-graph size if padded).
+    """
+
+    num_tokens_unpadded: int
+    wants_ubatch: bool
+    num_tokens_padded: int | None = None
+    reason: PlanReason = PlanReason.MICROBATCHED
+    detail: str = ""
+    is_idle: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_tokens_unpadded < 0:
+            raise ValueError(f"num_tokens_unpadded ({self.num_tokens_unpadded}) must be >= 0")
+        if self.num_tokens_padded is not None and self.num_tokens_padded < self.num_tokens_unpadded:
+            raise ValueError(
+                f"num_tokens_padded ({self.num_tokens_padded}) is below num_tokens_unpadded "
+                f"({self.num_tokens_unpadded})"
+            )
+
+    @property
+    def padded(self) -> int:
+        return self.num_tokens_unpadded if self.num_tokens_padded is None else self.num_tokens_padded
+
+    @property
+    def vote(self) -> str:
+        if self.is_idle or self.num_tokens_unpadded == 0:
+            return "idle"
+        return "yes" if self.wants_ubatch else "no"
+
+
+@dataclass(frozen=True, slots=True)
+class DPDecision:
+    """The group's decision, identical on every rank.
+
+    ``num_tokens_padded`` is the common padded total (max over ranks); when microbatching every
+    rank must run exactly this many tokens.  ``num_tokens_across_dp`` has each rank's real count.
+    """
+
+    should_ubatch: bool
+    reason: PlanReason
+    detail: str
+    num_tokens_padded: int
+    num_tokens_across_dp: tuple[int, ...]
+    ranks: tuple[RankVote, ...]
+    rank: int
+    world_size: int
+
+
+def decide_from_votes(
+    votes: Sequence[RankVote], *, rank: int = 0, max_imbalance: float | None = None
+) -> DPDecision:
+    """Apply the module's rules to the gathered votes (pure; every rank computes the same)."""
+    declined = [v for v in votes if v.vote == "no"]
+    busy = [v for v in votes if v.vote != "idle"]
+    padded = max((v.num_tokens_padded for v in votes), default=0)
+    common: dict[str, Any] = dict(
+        num_tokens_padded=padded,
+        num_tokens_across_dp=tuple(v.num_tokens_unpadded for v in votes),
+        ranks=tuple(votes),
+        rank=rank,
+        world_size=len(votes),
+    )
+    if declined:
+        if len(votes) == 1:
+            return DPDecision(False, declined[0].reason, "", **common)
+        who = "; ".join(f"rank {v.rank}: {v.reason.value}" for v in declined)
+        return DPDecision(False, PlanReason.RANK_DECLINED, who, **common)
+    if not busy:
+        return DPDecision(False, PlanReason.ALL_IDLE, "no rank has real tokens", **common)
+    if max_imbalance is not None:
+        hi = max(busy, key=lambda v: v.num_tokens_unpadded)
+        lo = min(busy, key=lambda v: v.num_tokens_unpadded)
+        if hi.num_tokens_unpadded > max_imbalance * lo.num_tokens_unpadded:
+            detail = (
+                f"rank {hi.rank} has {hi.num_tokens_unpadded} tokens, rank {lo.rank} has "
+                f"{lo.num_tokens_unpadded}: ratio above max_imbalance {max_imbalance:g}"
+            )
+            return DPDecision(False, PlanReason.IMBALANCE, detail, **common)
+    idle = [v.rank for v in votes if v.vote == "idle"]
+    detail = f"idle rank(s) {idle} run padding-only ubatches" if idle else ""
+    return DPDecision(True, PlanReason.MICROBATCHED, detail, **common)
+
+
+Device = Union[torch.device, str, None]
+
+
+def agree_across_dp(
+    local: LocalStepInfo,
+    num_ubatches: int,
+    group: Any = None,
+    *,
+    device: Device = None,
+    max_imbalance: float | None = None,
+) -> DPDecision:
+    """Vote with every rank of ``group`` (torch.distributed; None = the default group).
+
+    One ``all_reduce`` (SUM) on an int64 tensor on ``device`` (CPU for gloo, the rank's GPU for
+    NCCL), then one host read of the result.  Every rank must call this once per step with the
+    same ``num_ubatches``; a mismatch raises RuntimeError on every rank.  Without an initialised
+    process group the decision is local (a group of one).
+    """
+    import torch.distributed as dist
+
+    if num_ubatches < 1:
+        raise ValueError(f"num_ubatches ({num_ubatches}) must be at least 1")
+    if max_imbalance is not None and max_imbalance < 1:
+        raise ValueError(f"max_imbalance ({max_imbalance}) must be >= 1 (a max/min token ratio) or None")
+    if not dist.is_available() or not dist.is_initialized():
+        rank, world = 0, 1
+    else:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+    reason = PlanReason.MICROBATCHED if local.wants_ubatch else local.reason
+    col = [
+        int(local.vote == "yes"),
+        local.num_tokens_unpadded,
+        local.padded,
+        int(local.vote == "idle"),
+        _REASON_CODES.index(reason),
+        num_ubatches,
+    ]
+    votes_RW = torch.zeros(_ROWS, world, dtype=torch.int64)
+    votes_RW[:, rank] = torch.tensor(col, dtype=torch.int64)
+    if world > 1:
+        votes_RW = votes_RW.to(device) if device is not None else votes_RW
+        dist.all_reduce(votes_RW, op=dist.ReduceOp.SUM, group=group)
+    table = votes_RW.cpu().tolist()
+    if len(set(table[_NUM_UBATCHES])) != 1:
+        raise RuntimeError(
+            f"ranks disagree on num_ubatches ({table[_NUM_UBATCHES]}, by rank); every rank must "
+            f"plan the same number of ubatches"
+        )
+    votes = [
+        RankVote(
+            rank=r,
+            vote="idle" if table[_IDLE][r] else ("yes" if table[_VOTE][r] else "no"),
+            reason=_REASON_CODES[table[_REASON][r]],
+            num_tokens_unpadded=table[_UNPADDED][r],
+            num_tokens_padded=table[_PADDED][r],
+        )
+        for r in range(world)
+    ]
+    return decide_from_votes(votes, rank=rank, max_imbalance=max_imbalance)

@@ -1,0 +1,281 @@
+"""Cut one step's batch into microbatches (ubatches).
+
+A batch is described by ``query_start_loc``: R+1 non-decreasing token offsets starting at 0,
+request ``r`` owning tokens ``[qsl[r], qsl[r+1])``.  Every policy here reduces to choosing N+1
+token cuts ``0 = c0 <= c1 <= ... <= cN = T``; ubatch k gets real tokens ``[c_k, c_k+1)`` and every
+request that has a token there.  A request crossing a cut appears in both ubatches, its tokens
+split and never duplicated: the second part is a chunked-prefill continuation (it attends over
+the prefix the earlier ubatch wrote to the KV cache first, on the same compute stream).
+
+Policies:
+
+* ``"token"`` (vLLM): cut at multiples of ``padded // N``.  Every rank of a DP group that pads to
+  the same total gets the same per-ubatch sizes, which is what CUDA graphs and per-ubatch
+  collectives need.  All padding goes to the last ubatch, except when the real tokens do not
+  reach the last cut: the earlier ubatches then carry padding too (possibly only padding), since
+  their size is fixed by the group, not by this rank.
+* ``"request"``: cuts only at request boundaries, each at the boundary nearest the even cut
+  ``k*T/N`` (for N=2 this is SGLang's min |left - right|).  No request is ever cut.
+* ``"balanced"``: ``"request"``, unless that leaves a ubatch too small; then the cuts bordering
+  too-small ubatches move to their even point, cutting the request there (SGLang's two-chunk
+  split, PR #8144).  ``min_share`` is SGLang's threshold (default 0.48): the fraction of all
+  tokens the smaller half must hold for N=2.  For N parts it scales to ``2*min_share/N`` of the
+  tokens, i.e. each ubatch must hold at least ``2*min_share`` (96%) of an even share.
+  ``min_share=0`` never cuts a request.
+
+The non-token policies put all padding at the end of the last ubatch; only the padded *total*
+then matches across DP ranks, not the per-ubatch sizes.
+"""
+
+# Shape legend: R = requests, T = tokens (real), P = tokens (padded).
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Union, get_args
+
+import torch
+
+__all__ = [
+    "SplitPolicy",
+    "UBatchSlice",
+    "as_query_start_loc",
+    "plan_slices",
+    "split_balanced",
+    "split_requests",
+    "split_tokens",
+    "whole_batch_slice",
+]
+
+SplitPolicy = Literal["token", "request", "balanced"]
+SPLIT_POLICIES: tuple[str, ...] = get_args(SplitPolicy)
+
+QueryStartLoc = Union[Sequence[int], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class UBatchSlice:
+    """One ubatch's share of the batch.
+
+    ``token_slice`` holds the ubatch's real tokens; ``padded_token_slice`` is its range in the
+    padded input buffer (real tokens first, then ``num_padding`` padding tokens).
+    ``request_slice`` lists every request with a token in the ubatch; ``first_is_continuation``
+    says its first request started in an earlier ubatch and ``last_is_truncated`` that its last
+    request continues in a later one.
+    """
+
+    request_slice: slice
+    token_slice: slice
+    padded_token_slice: slice
+    first_is_continuation: bool = False
+    last_is_truncated: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (unpadded) tokens."""
+        return int(self.token_slice.stop - self.token_slice.start)
+
+    @property
+    def num_tokens_padded(self) -> int:
+        return int(self.padded_token_slice.stop - self.padded_token_slice.start)
+
+    @property
+    def num_padding(self) -> int:
+        return self.num_tokens_padded - self.num_tokens
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.request_slice.stop - self.request_slice.start)
+
+    def is_empty(self) -> bool:
+        """True when the ubatch has no real token (it may still carry padding)."""
+        return self.num_tokens == 0
+
+
+def as_query_start_loc(query_start_loc: QueryStartLoc) -> list[int]:
+    """Validate ``query_start_loc`` and return it as a list of ints.
+
+    A tensor is read with ``.tolist()``: pass the CPU mirror, a device tensor would sync.
+    """
+    if isinstance(query_start_loc, torch.Tensor):
+        if query_start_loc.dim() != 1 or query_start_loc.is_floating_point():
+            raise ValueError(
+                f"query_start_loc must be a 1-D integer tensor (got shape "
+                f"{tuple(query_start_loc.shape)}, dtype {query_start_loc.dtype})"
+            )
+        qsl = [int(v) for v in query_start_loc.tolist()]
+    else:
+        qsl = [int(v) for v in query_start_loc]
+    if not qsl or qsl[0] != 0:
+        raise ValueError(
+            f"query_start_loc must start at 0 (got {qsl[:4]}); it holds R+1 token offsets, "
+            f"the first being 0"
+        )
+    for r in range(len(qsl) - 1):
+        if qsl[r + 1] < qsl[r]:
+            raise ValueError(
+                f"query_start_loc must be non-decreasing, but entry {r + 1} ({qsl[r + 1]}) is "
+                f"below entry {r} ({qsl[r]}); request {r} would have a negative length "
+                f"({qsl[r + 1] - qsl[r]})"
+            )
+    return qsl
+
+
+def _check_num_ubatches(num_ubatches: int) -> None:
+    if num_ubatches < 1:
+        raise ValueError(f"num_ubatches ({num_ubatches}) must be at least 1")
+
+
+def _check_padded(num_tokens: int, num_tokens_padded: int | None) -> int:
+    if num_tokens_padded is None:
+        return num_tokens
+    if num_tokens_padded < num_tokens:
+        raise ValueError(
+            f"num_tokens_padded ({num_tokens_padded}) is below the real token count "
+            f"({num_tokens}); pass None or a count >= {num_tokens}"
+        )
+    return num_tokens_padded
+
+
+def _slices_from_cuts(qsl: list[int], cuts: list[int], padded_cuts: list[int]) -> list[UBatchSlice]:
+    """Turn token cuts into ubatch slices.
+
+    A request with zero query tokens sitting exactly on a cut goes to the ubatch starting there
+    (or the last ubatch), so every request belongs to at least one ubatch.
+    """
+    num_reqs = len(qsl) - 1
+    n = len(cuts) - 1
+    out: list[UBatchSlice] = []
+    for k in range(n):
+        t0, t1 = cuts[k], cuts[k + 1]
+        assert t0 <= t1 and padded_cuts[k] <= padded_cuts[k + 1]
+        # First request: the one starting at t0, else the one containing t0 (a continuation).
+        # An empty ubatch takes no request it would have zero tokens of.
+        r0 = bisect.bisect_left(qsl, t0)
+        if qsl[r0] > t0 and t1 > t0:
+            r0 -= 1
+        r0 = r0 if k else 0
+        # Requests starting before t1 (the last is truncated if it ends after t1).
+        r1 = num_reqs if k == n - 1 else max(bisect.bisect_left(qsl, t1), r0)
+        cont = r1 > r0 and qsl[r0] < t0
+        trunc = r1 > r0 and qsl[r1] > t1
+        out.append(
+            UBatchSlice(
+                request_slice=slice(r0, r1),
+                token_slice=slice(t0, t1),
+                padded_token_slice=slice(padded_cuts[k], padded_cuts[k + 1]),
+                first_is_continuation=cont,
+                last_is_truncated=trunc,
+            )
+        )
+    return out
+
+
+def split_tokens(
+    query_start_loc: QueryStartLoc, num_ubatches: int, num_tokens_padded: int | None = None
+) -> list[UBatchSlice]:
+    """vLLM's token split: cut at multiples of ``padded // N``; see the module docstring."""
+    qsl = as_query_start_loc(query_start_loc)
+    _check_num_ubatches(num_ubatches)
+    num_tokens = qsl[-1]
+    padded = _check_padded(num_tokens, num_tokens_padded)
+    step = padded // num_ubatches
+    padded_cuts = [k * step for k in range(num_ubatches)] + [padded]
+    cuts = [min(c, num_tokens) for c in padded_cuts]
+    return _slices_from_cuts(qsl, cuts, padded_cuts)
+
+
+def _request_cuts(qsl: list[int], num_ubatches: int) -> list[int]:
+    """Interior cuts at the request boundary nearest each even cut ``k*T/N`` (ties go left)."""
+    num_tokens = qsl[-1]
+    cuts = [0]
+    for k in range(1, num_ubatches):
+        # Compare k*T/N with a boundary b as N*b vs k*T: exact integer arithmetic.
+        target = k * num_tokens
+        i = bisect.bisect_left([b * num_ubatches for b in qsl], target)
+        best = qsl[min(i, len(qsl) - 1)]
+        if i > 0 and abs(qsl[i - 1] * num_ubatches - target) <= abs(best * num_ubatches - target):
+            best = qsl[i - 1]
+        cuts.append(max(best, cuts[-1]))
+    return cuts + [num_tokens]
+
+
+def _with_padding(cuts: list[int], padded: int) -> list[int]:
+    return cuts[:-1] + [padded]
+
+
+def split_requests(
+    query_start_loc: QueryStartLoc, num_ubatches: int, num_tokens_padded: int | None = None
+) -> list[UBatchSlice]:
+    """Request-aligned split: no request is cut; see the module docstring."""
+    qsl = as_query_start_loc(query_start_loc)
+    _check_num_ubatches(num_ubatches)
+    padded = _check_padded(qsl[-1], num_tokens_padded)
+    cuts = _request_cuts(qsl, num_ubatches)
+    return _slices_from_cuts(qsl, cuts, _with_padding(cuts, padded))
+
+
+def split_balanced(
+    query_start_loc: QueryStartLoc,
+    num_ubatches: int,
+    num_tokens_padded: int | None = None,
+    *,
+    min_share: float = 0.48,
+) -> list[UBatchSlice]:
+    """Request-aligned split, cutting a request only where a ubatch would be too small.
+
+    A ubatch is too small below ``2*min_share/N`` of the tokens.  Each cut bordering a
+    too-small ubatch moves to its even point ``k*T//N``; moving can make a neighbour too small,
+    so this repeats until nothing changes (at most N passes).
+    """
+    if not 0.0 <= min_share <= 0.5:
+        raise ValueError(
+            f"min_share ({min_share}) must lie in [0, 0.5]: it is the fraction of tokens the "
+            f"smaller of two halves must hold (0.48 in SGLang; 0 never cuts a request)"
+        )
+    qsl = as_query_start_loc(query_start_loc)
+    _check_num_ubatches(num_ubatches)
+    num_tokens = qsl[-1]
+    padded = _check_padded(num_tokens, num_tokens_padded)
+    cuts = _request_cuts(qsl, num_ubatches)
+    even = [k * num_tokens // num_ubatches for k in range(num_ubatches + 1)]
+    # size >= 2*min_share*T/N, in integers: size*N >= 2*min_share*T.
+    min_scaled = 2.0 * min_share * num_tokens
+    for _ in range(num_ubatches):  # bounded: each pass moves at least one cut or stops
+        changed = False
+        for k in range(num_ubatches):
+            if (cuts[k + 1] - cuts[k]) * num_ubatches >= min_scaled:
+                continue
+            for c in (k, k + 1):  # the two cuts bordering ubatch k (never the ends 0 and T)
+                if 0 < c < num_ubatches and cuts[c] != even[c]:
+                    cuts[c] = even[c]
+                    changed = True
+        cuts = [max(cuts[: i + 1]) for i in range(len(cuts))]  # keep them sorted
+        if not changed:
+            break
+    return _slices_from_cuts(qsl, cuts, _with_padding(cuts, padded))
+
+
+def plan_slices(
+    query_start_loc: QueryStartLoc,
+    num_ubatches: int,
+    policy: SplitPolicy = "token",
+    *,
+    num_tokens_padded: int | None = None,
+    min_share: float = 0.48,
+) -> list[UBatchSlice]:
+    """Split with the named policy (``"token"``, ``"request"`` or ``"balanced"``)."""
+    if policy == "token":
+        return split_tokens(query_start_loc, num_ubatches, num_tokens_padded)
+    if policy == "request":
+        return split_requests(query_start_loc, num_ubatches, num_tokens_padded)
+    if policy == "balanced":
+        return split_balanced(query_start_loc, num_ubatches, num_tokens_padded, min_share=min_share)
+    raise ValueError(f"unknown split policy {policy!r}; use one of {SPLIT_POLICIES}")
+
+
+def whole_batch_slice(query_start_loc: QueryStartLoc, num_tokens_padded: int | None = None) -> UBatchSlice:
+    """The single slice of a step that does not microbatch."""
+    return split_tokens(query_start_loc, 1, num_tokens_padded)[0]

@@ -1,0 +1,146 @@
+"""``plan_step``: everything a runner needs to know before it runs one step.
+
+threshold test -> DP vote (optional) -> slices -> per-ubatch attention metadata -> a record.
+"""
+
+# Shape legend: R = requests, T = tokens (real), P = tokens (padded).
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .dp import DPDecision, LocalStepInfo, ThresholdConfig, agree_across_dp, decide_from_votes, should_microbatch
+from .metadata import AttentionMetadata, split_attn_metadata
+from .records import PlanReason, PlanStats, RankVote, StepRecord
+from .slices import SPLIT_POLICIES, SplitPolicy, UBatchSlice, as_query_start_loc, plan_slices, whole_batch_slice
+
+__all__ = ["StepPlan", "plan_step"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """The plan for one step.
+
+    ``slices`` has one entry per ubatch, or a single whole-batch slice when the step does not
+    microbatch.  ``num_tokens_padded`` is the length of the padded input the step runs (the DP
+    group's common total when microbatching).  ``attn_metadata`` holds one metadata per slice
+    (empty if none was given).  ``decision`` is the DP vote, None without a DP group.
+    """
+
+    microbatched: bool
+    slices: tuple[UBatchSlice, ...]
+    num_tokens_padded: int
+    attn_metadata: tuple[AttentionMetadata, ...]
+    record: StepRecord
+    decision: DPDecision | None = None
+
+
+def _local_vote(
+    qsl: list[int],
+    num_ubatches: int,
+    policy: SplitPolicy,
+    thresholds: ThresholdConfig,
+    enabled: bool,
+    is_idle: bool,
+    num_tokens_padded: int | None,
+    min_share: float,
+) -> LocalStepInfo:
+    num_tokens = qsl[-1]
+    common: dict[str, Any] = dict(num_tokens_unpadded=num_tokens, num_tokens_padded=num_tokens_padded, is_idle=is_idle)
+    if not enabled:
+        return LocalStepInfo(wants_ubatch=False, reason=PlanReason.DISABLED, detail="disabled by the caller", **common)
+    ok, detail = should_microbatch(num_tokens, qsl, thresholds)
+    if not ok:
+        return LocalStepInfo(wants_ubatch=False, reason=PlanReason.BELOW_THRESHOLD, detail=detail, **common)
+    if policy != "token":
+        sizes = [s.num_tokens for s in plan_slices(qsl, num_ubatches, policy, min_share=min_share)]
+        if 0 in sizes:
+            detail = f"{policy} split leaves a ubatch without real tokens (sizes {sizes})"
+            return LocalStepInfo(wants_ubatch=False, reason=PlanReason.POLICY_REFUSED, detail=detail, **common)
+    return LocalStepInfo(wants_ubatch=True, detail=detail, **common)
+
+
+def plan_step(
+    query_start_loc: Sequence[int] | torch.Tensor,
+    *,
+    num_ubatches: int = 2,
+    policy: SplitPolicy = "token",
+    thresholds: ThresholdConfig = ThresholdConfig(),
+    enabled: bool = True,
+    num_tokens_padded: int | None = None,
+    is_idle: bool = False,
+    attn_metadata: AttentionMetadata | None = None,
+    dp_group: Any = None,
+    device: torch.device | str | None = None,
+    max_imbalance: float | None = None,
+    min_share: float = 0.48,
+    stats: PlanStats | None = None,
+    step: int | None = None,
+) -> StepPlan:
+    """Plan one step: decide whether to microbatch, and if so how.
+
+    ``query_start_loc``: this rank's R+1 token offsets (CPU list or tensor).
+    ``num_tokens_padded``: this rank's padded count (e.g. a CUDA-graph size); default unpadded.
+    ``is_idle``: this rank runs a dummy batch; it follows the group with padding-only ubatches.
+    ``dp_group``: a torch.distributed group to agree with (``torch.distributed.group.WORLD`` for
+    the default group); None plans locally.  With a group, EVERY rank must call ``plan_step``
+    every step (it runs one all-reduce on ``device``), and every ubatch of the resulting plan,
+    even an empty one, must take part in every collective of the step.
+    ``enabled=False`` votes no for this step (e.g. a vetoed prefix-cache case).
+    ``stats``: if given, the step's record is counted there (and logged at DEBUG).
+    """
+    qsl = as_query_start_loc(query_start_loc)
+    if num_ubatches < 1:
+        raise ValueError(f"num_ubatches ({num_ubatches}) must be at least 1")
+    if policy not in SPLIT_POLICIES:
+        raise ValueError(f"unknown split policy {policy!r}; use one of {SPLIT_POLICIES}")
+    if not 0.0 <= min_share <= 0.5:
+        raise ValueError(f"min_share ({min_share}) must lie in [0, 0.5]")
+    if attn_metadata is not None and attn_metadata.num_actual_tokens != qsl[-1]:
+        raise ValueError(
+            f"attn_metadata has {attn_metadata.num_actual_tokens} tokens but query_start_loc has "
+            f"{qsl[-1]}; plan with the metadata's query_start_loc_cpu"
+        )
+    if step is None:
+        step = stats.num_steps if stats is not None else 0
+
+    local = _local_vote(qsl, num_ubatches, policy, thresholds, enabled, is_idle, num_tokens_padded, min_share)
+    decision: DPDecision | None = None
+    if num_ubatches == 1:
+        # Every rank passes the same num_ubatches, so every rank skips the vote alike.
+        microbatched, reason, detail, padded = False, PlanReason.SINGLE_UBATCH, "num_ubatches is 1", local.padded
+    elif dp_group is not None:
+        decision = agree_across_dp(local, num_ubatches, dp_group, device=device, max_imbalance=max_imbalance)
+        microbatched, reason = decision.should_ubatch, decision.reason
+        detail = decision.detail or local.detail
+        padded = decision.num_tokens_padded if microbatched else local.padded
+    else:
+        vote = RankVote(0, local.vote, local.reason, local.num_tokens_unpadded, local.padded)
+        d = decide_from_votes([vote])
+        microbatched, reason, detail, padded = d.should_ubatch, d.reason, d.detail or local.detail, local.padded
+
+    if microbatched:
+        slices = tuple(plan_slices(qsl, num_ubatches, policy, num_tokens_padded=padded, min_share=min_share))
+    else:
+        slices = (whole_batch_slice(qsl, padded),)
+    metas: tuple[AttentionMetadata, ...] = ()
+    if attn_metadata is not None:
+        metas = tuple(split_attn_metadata(attn_metadata, slices)) if microbatched else (attn_metadata,)
+    record = StepRecord(
+        step=step,
+        microbatched=microbatched,
+        reason=reason,
+        detail=detail,
+        ubatch_num_tokens=tuple(s.num_tokens for s in slices),
+        ubatch_num_tokens_padded=tuple(s.num_tokens_padded for s in slices),
+        num_tokens_padded=padded,
+        policy=policy,
+        ranks=decision.ranks if decision is not None else (),
+    )
+    if stats is not None:
+        stats.record(record)
+    return StepPlan(microbatched, slices, padded, metas, record, decision)
