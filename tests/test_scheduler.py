@@ -1,0 +1,367 @@
+"""The DBO loop's invariants, as specifications: whole interleaving traces, exact errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import re
+import threading
+import time
+
+import pytest
+
+import asyncdbo
+from asyncdbo import (
+    DeadlockError,
+    Instrument,
+    NoOverlapWarning,
+    WatchdogTimeout,
+    dbo_current_ubatch_id,
+    dbo_enabled,
+    dbo_register_recv_hook,
+    dbo_wait_event,
+    dbo_yield,
+    run_ubatches,
+)
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
+
+
+def make_forward(trace: list[str], steps: dict[int, int] | int = 3):
+    async def forward(name: str) -> str:
+        ub = dbo_current_ubatch_id()
+        n = steps if isinstance(steps, int) else steps[ub]
+        for i in range(n):
+            trace.append(f"ub{ub}:{name}{i}")
+            await dbo_yield(f"{name}{i}")
+        trace.append(f"ub{ub}:done")
+        return f"{name}-result"
+
+    return forward
+
+
+# ---------------------------------------------------------------- ordering and results
+
+
+async def test_two_ubatches_alternate_strictly_and_return_results_in_order() -> None:
+    trace: list[str] = []
+    results = await run_ubatches(make_forward(trace), [("a",), ("b",)])
+    assert results == ["a-result", "b-result"]
+    assert trace == [
+        "ub0:a0", "ub1:b0",
+        "ub0:a1", "ub1:b1",
+        "ub0:a2", "ub1:b2",
+        "ub0:done", "ub1:done",
+    ]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+async def test_round_robin_for_n_ubatches(n: int) -> None:
+    trace: list[str] = []
+    results = await run_ubatches(make_forward(trace, steps=2), [(f"x{i}-",) for i in range(n)])
+    assert results == [f"x{i}--result" for i in range(n)]
+    expected = [f"ub{i}:x{i}-{k}" for k in range(2) for i in range(n)] + [f"ub{i}:done" for i in range(n)]
+    assert trace == expected
+
+
+async def test_ubatches_with_different_numbers_of_yields() -> None:
+    trace: list[str] = []
+    await run_ubatches(make_forward(trace, steps={0: 1, 1: 3, 2: 2}), [("a",), ("b",), ("c",)])
+    assert trace == [
+        "ub0:a0", "ub1:b0", "ub2:c0",
+        "ub0:done", "ub1:b1", "ub2:c1",
+        "ub1:b2", "ub2:done",
+        "ub1:done",
+    ]
+
+
+async def test_same_program_gives_same_interleaving_every_run() -> None:
+    traces = set()
+    for _ in range(10):
+        trace: list[str] = []
+        await run_ubatches(make_forward(trace, steps={0: 2, 1: 4, 2: 3, 3: 1}), [("p",), ("q",), ("r",), ("s",)])
+        traces.add(tuple(trace))
+    assert len(traces) == 1
+
+
+async def test_single_ubatch_never_warns_and_runs_to_completion() -> None:
+    trace: list[str] = []
+    assert await run_ubatches(make_forward(trace, steps=2), [("solo",)]) == ["solo-result"]
+    assert trace == ["ub0:solo0", "ub0:solo1", "ub0:done"]
+
+
+async def test_two_ubatches_that_never_yield_warn_that_nothing_could_overlap() -> None:
+    async def no_yields(x: int) -> int:
+        return x * 2
+
+    with pytest.warns(NoOverlapWarning, match=r"2 ubatches ran without a single yield, so nothing could overlap"):
+        assert await run_ubatches(no_yields, [(1,), (2,)]) == [2, 4]
+
+
+# ---------------------------------------------------------------- foreign awaitables
+
+
+async def test_a_ubatch_parked_on_asyncio_sleep_does_not_block_the_others() -> None:
+    trace: list[str] = []
+
+    async def forward(i: int) -> None:
+        if i == 0:
+            trace.append("ub0:sleep")
+            await asyncio.sleep(0.05)
+            trace.append("ub0:woke")
+            return
+        for k in range(3):
+            trace.append(f"ub1:{k}")
+            await dbo_yield("k")
+
+    await run_ubatches(forward, [(0,), (1,)])
+    # ub1 runs all its steps while ub0 is parked; ub0 wakes after the timer.
+    assert trace == ["ub0:sleep", "ub1:0", "ub1:1", "ub1:2", "ub0:woke"]
+
+
+async def test_future_completed_from_another_thread_wakes_its_ubatch() -> None:
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[int] = loop.create_future()
+    seen: list[str] = []
+
+    async def forward(i: int) -> int:
+        if i == 0:
+            return await fut
+        seen.append("ub1 ran while ub0 was parked")
+        threading.Timer(0.02, lambda: loop.call_soon_threadsafe(fut.set_result, 42)).start()
+        await dbo_yield()
+        return -1
+
+    assert await run_ubatches(forward, [(0,), (1,)]) == [42, -1]
+    assert seen == ["ub1 ran while ub0 was parked"]
+
+
+class CountSleeps(Instrument):
+    def __init__(self) -> None:
+        self.sleeps = 0
+        self.wakes = 0
+
+    def sleeping(self, run: object) -> None:
+        self.sleeps += 1
+
+    def woke(self, run: object) -> None:
+        self.wakes += 1
+
+
+async def test_when_every_ubatch_is_parked_the_loop_sleeps_instead_of_spinning() -> None:
+    counter = CountSleeps()
+
+    async def forward(delay: float) -> float:
+        await asyncio.sleep(delay)
+        return delay
+
+    cpu0 = time.process_time()
+    assert await run_ubatches(forward, [(0.10,), (0.15,)], instrument=counter) == [0.10, 0.15]
+    cpu = time.process_time() - cpu0
+    # One sleep per completion: the scheduler awaited the loop, it did not poll.
+    assert counter.sleeps == counter.wakes == 2
+    assert cpu < 0.1  # 150 ms of waiting used (almost) no CPU
+
+
+async def test_bare_yield_to_the_event_loop_is_allowed() -> None:
+    async def forward(i: int) -> int:
+        await asyncio.sleep(0)
+        await dbo_yield()
+        return i
+
+    assert await run_ubatches(forward, [(0,), (1,)]) == [0, 1]
+
+
+async def test_awaiting_an_object_from_another_framework_raises_inside_the_ubatch() -> None:
+    class Alien:
+        def __await__(self):
+            yield "not an asyncio future"
+
+    async def forward(i: int) -> str:
+        try:
+            await Alien()
+        except TypeError as exc:
+            return str(exc)
+        return "no error"
+
+    msgs = await run_ubatches(forward, [(0,)])
+    assert msgs[0].startswith("ubatch 0 awaited something that yielded 'not an asyncio future'; asyncdbo can park")
+
+
+# ---------------------------------------------------------------- failure
+
+
+async def test_an_exception_cancels_the_others_and_names_the_ubatch_and_its_last_yield() -> None:
+    cleanup: list[str] = []
+
+    async def forward(i: int) -> None:
+        try:
+            await dbo_yield("attn")
+            if i == 1:
+                raise ValueError("router exploded")
+            await dbo_yield("dispatch")
+            await dbo_yield("combine")
+        except asyncio.CancelledError:
+            cleanup.append(f"ub{i} cancelled")
+            raise
+
+    with pytest.raises(ValueError, match="router exploded") as info:
+        await run_ubatches(forward, [(0,), (1,), (2,)])
+    assert info.value.__notes__ == [
+        "asyncdbo: raised in ubatch 1 of 3 while running (last yield point 'attn'); the other ubatches were cancelled"
+    ]
+    assert cleanup == ["ub0 cancelled", "ub2 cancelled"]
+    # The traceback is the coroutine's own chain: it ends in the frame that raised.
+    assert info.traceback[-1].name == "forward"
+
+
+async def test_cancelling_the_outer_task_cancels_every_ubatch() -> None:
+    cancelled: list[int] = []
+
+    async def forward(i: int) -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.append(i)
+            raise
+
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(run_ubatches(forward, [(0,), (1,)]), timeout=0.05)
+    assert sorted(cancelled) == [0, 1]
+
+
+async def test_a_wait_on_an_event_nobody_records_is_a_deadlock_with_every_stack() -> None:
+    async def layer(i: int) -> None:
+        await dbo_yield("attn")
+        await dbo_wait_event(("dispatch-done", i))  # nobody records these
+
+    async def forward(i: int) -> None:
+        await layer(i)
+
+    with pytest.raises(DeadlockError) as info:
+        await run_ubatches(forward, [(0,), (1,)], name="dl")
+    msg = str(info.value)
+    assert msg.startswith(
+        "asyncdbo deadlock in run 'dl': every live ubatch waits on something only another ubatch could produce"
+    )
+    for i in (0, 1):
+        assert f"ubatch {i}: parked, last yield point 'attn', parked on <Signal \"event ('dispatch-done', {i}) (never recorded yet)\"" in msg
+    # each ubatch's await chain, outermost first, with file:line of the test's own frames
+    assert len(re.findall(r'test_scheduler.py", line \d+, in .*forward', msg)) == 2
+    assert len(re.findall(r'test_scheduler.py", line \d+, in .*layer\n    await dbo_wait_event', msg)) == 2
+
+
+async def test_awaiting_a_recv_hook_no_one_will_run_is_a_deadlock() -> None:
+    async def forward(i: int) -> None:
+        if i == 1:
+            return  # finishes at once: nobody is left to run ub0's hook
+        await dbo_yield("send")
+        handle = dbo_register_recv_hook(lambda: None)  # lands on ub0 itself
+        await handle
+
+    with pytest.raises(DeadlockError, match=r"recv hook of ubatch 0 \(to be run by ubatch 0\)"):
+        await run_ubatches(forward, [(0,), (1,)])
+
+
+async def test_watchdog_fails_a_run_stuck_on_an_outside_event_with_the_stacks() -> None:
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def stuck_in_comm(i: int) -> None:
+        await dbo_yield("dispatch")
+        await never
+
+    t0 = time.monotonic()
+    with pytest.raises(WatchdogTimeout) as info:
+        await run_ubatches(stuck_in_comm, [(0,), (1,)], watchdog_s=0.2, name="wd")
+    assert time.monotonic() - t0 < 5
+    msg = str(info.value)
+    assert msg.startswith("asyncdbo watchdog: run 'wd' made no progress for 0.2 s")
+    assert msg.count("stuck_in_comm\n    await never") == 2
+
+
+# ---------------------------------------------------------------- bad input
+
+
+async def test_passing_a_coroutine_object_instead_of_the_function_is_a_type_error_with_the_fix() -> None:
+    async def forward(x: int) -> int:
+        return x
+
+    with pytest.raises(TypeError) as info:
+        await run_ubatches(forward(1), [(1,)])  # type: ignore[arg-type]
+    assert str(info.value).splitlines()[1:] == [
+        "Probably you wrote:",
+        "    run_ubatches(forward(...), ...)      # incorrect",
+        "Pass the function and its arguments instead:",
+        "    run_ubatches(forward, ...)",
+    ]
+
+
+async def test_zero_ubatches_is_a_value_error() -> None:
+    async def forward() -> None:
+        return None
+
+    with pytest.raises(ValueError, match=r"run_ubatches needs at least 1 ubatch \(got 0 argument tuples\)"):
+        await run_ubatches(forward, [])
+
+
+async def test_bare_arguments_instead_of_tuples_get_a_type_error_naming_the_entry() -> None:
+    async def forward(x: int) -> int:
+        return x
+
+    with pytest.raises(TypeError, match=r"ubatch_args\[1\] is 7; each entry must be a tuple of arguments for fn \(write \(7,\)"):
+        await run_ubatches(forward, [(1,), 7])  # type: ignore[list-item]
+
+
+async def test_a_sync_function_is_a_type_error() -> None:
+    def forward(x: int) -> int:
+        return x
+
+    with pytest.raises(TypeError, match=r"fn must be an async def function: .*forward'\(\*ubatch_args\[0\]\) returned int"):
+        await run_ubatches(forward, [(1,)])  # type: ignore[arg-type]
+
+
+async def test_unknown_options_and_bad_values_are_rejected() -> None:
+    async def forward() -> None:
+        return None
+
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'stream_polcy'"):
+        await run_ubatches(forward, [()], stream_polcy="role")
+    with pytest.raises(ValueError, match=r"stream_policy must be 'role' or 'ubatch' \(got 'roles'\)"):
+        await run_ubatches(forward, [()], stream_policy="roles")
+    with pytest.raises(ValueError, match=r"unknown stream backend 'tpu'"):
+        await run_ubatches(forward, [()], backend="tpu")
+
+
+# ---------------------------------------------------------------- isolation
+
+
+user_var: contextvars.ContextVar[str] = contextvars.ContextVar("user_var", default="unset")
+
+
+async def test_two_runs_in_two_tasks_never_see_each_others_state() -> None:
+    traces: dict[str, list[str]] = {"A": [], "B": []}
+
+    async def forward(run: str, i: int) -> tuple[str, int, str]:
+        user_var.set(f"{run}{i}")  # per-ubatch: each ubatch has its own context
+        for k in range(3):
+            traces[run].append(f"{run}.ub{dbo_current_ubatch_id()}:{k}:{user_var.get()}")
+            await dbo_yield()
+            if run == "A" and k == 0:
+                await asyncio.sleep(0.01)  # let the other run's task interleave at the loop level
+        return run, dbo_current_ubatch_id(), user_var.get()
+
+    ra, rb = await asyncio.gather(
+        run_ubatches(forward, [("A", 0), ("A", 1)]),
+        run_ubatches(forward, [("B", 0), ("B", 1), ("B", 2)]),
+    )
+    assert ra == [("A", 0, "A0"), ("A", 1, "A1")]
+    assert rb == [("B", 0, "B0"), ("B", 1, "B1"), ("B", 2, "B2")]
+    assert traces["B"] == [f"B.ub{i}:{k}:B{i}" for k in range(3) for i in range(3)]
+    assert sorted(traces["A"]) == sorted(f"A.ub{i}:{k}:A{i}" for k in range(3) for i in range(2))
+    assert user_var.get() == "unset" and not dbo_enabled()
+
+
+async def test_primitives_are_no_ops_outside_a_run() -> None:
+    assert not dbo_enabled()
+    assert dbo_current_ubatch_id() == 0
+    await dbo_yield()  # returns at once
