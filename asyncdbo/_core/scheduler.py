@@ -184,15 +184,8 @@ class DBORun:
         ready, woken, timers = self._ready, self._woken, self._timers
         inst = self.instrument
         while self._live:
-            if timers:
-                self._fire_timers()
-            while woken:
-                ub = woken.popleft()
-                if ub.state == PARKED:
-                    ub.state = READY
-                    ub.parked_on = None
-                    self._num_parked -= 1
-                    ready.append(ub)
+            if timers or woken:
+                self._drain()
             if not ready:
                 await self._sleep()
                 continue
@@ -216,12 +209,12 @@ class DBORun:
                         break
                     if request is SWITCH:
                         n += 1
+                        if watch and (woken or timers):
+                            self._drain()  # woken during this step: they were runnable first
                         ready.append(ub)
                         if inst is not None:
                             ub.num_yields += 1
                             inst.stepped(ub, request)
-                        if watch and (woken or timers):
-                            break
                     else:
                         self._park(ub, request)
                         if inst is not None:
@@ -288,6 +281,19 @@ class DBORun:
                 self._ready.append(ub)
             else:
                 self._park(ub, request)
+
+    def _drain(self) -> None:
+        """Fire due timers, then move woken ubatches to the back of the ready ring."""
+        if self._timers:
+            self._fire_timers()
+        woken = self._woken
+        while woken:
+            ub = woken.popleft()
+            if ub.state == PARKED:
+                ub.state = READY
+                ub.parked_on = None
+                self._num_parked -= 1
+                self._ready.append(ub)
 
     def _fire_timers(self) -> None:
         now = time.perf_counter()
