@@ -1,0 +1,245 @@
+"""Thresholds and the DP-wide vote: pure rules first, then real gloo groups of 2 and 4 ranks."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from asyncdbo.launch import RankError, RankPool
+from asyncdbo.plan import (
+    LocalStepInfo,
+    PlanReason,
+    PlanStats,
+    RankVote,
+    StepPlan,
+    ThresholdConfig,
+    agree_across_dp,
+    decide_from_votes,
+    plan_step,
+    should_microbatch,
+)
+
+LOW = ThresholdConfig(decode_threshold=4, prefill_threshold=8)
+
+
+def prefill(*lens: int) -> list[int]:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out
+
+
+# ---- local rules --------------------------------------------------------------------------------
+
+
+def test_uniform_decode_uses_the_decode_threshold() -> None:
+    decode_32 = list(range(33))  # 32 requests of 1 token
+    assert should_microbatch(32, decode_32) == (True, "uniform decode: 32 tokens >= threshold 32")
+    assert should_microbatch(31, decode_32[:-1]) == (False, "uniform decode: 31 tokens < threshold 32")
+    # With one speculative token, a uniform decode step has 2 query tokens per request.
+    spec = list(range(0, 66, 2))
+    assert should_microbatch(64, spec, ThresholdConfig(num_spec_tokens=1))[0]
+    assert should_microbatch(64, spec) == (False, "mixed/prefill: 64 tokens < threshold 512")
+
+
+def test_mixed_and_prefill_use_the_prefill_threshold() -> None:
+    assert should_microbatch(512, prefill(500, 12)) == (True, "mixed/prefill: 512 tokens >= threshold 512")
+    assert should_microbatch(100, prefill(1, 1, 98)) == (False, "mixed/prefill: 100 tokens < threshold 512")
+
+
+def test_bad_thresholds_are_named() -> None:
+    with pytest.raises(ValueError, match=r"^decode_threshold \(-1\) must be >= 0; use 0 to always microbatch$"):
+        ThresholdConfig(decode_threshold=-1)
+    with pytest.raises(ValueError, match=r"^num_spec_tokens \(-2\) must be >= 0"):
+        ThresholdConfig(num_spec_tokens=-2)
+    with pytest.raises(ValueError, match=r"num_tokens_padded \(3\) is below num_tokens_unpadded \(5\)"):
+        LocalStepInfo(num_tokens_unpadded=5, num_tokens_padded=3, wants_ubatch=True)
+    with pytest.raises(ValueError, match=r"max_imbalance \(0\.5\) must be >= 1"):
+        agree_across_dp(LocalStepInfo(num_tokens_unpadded=5, wants_ubatch=True), 2, max_imbalance=0.5)
+
+
+def V(rank: int, vote: str, tokens: int, padded: int | None = None,
+      reason: PlanReason = PlanReason.MICROBATCHED) -> RankVote:
+    return RankVote(rank, vote, reason, tokens, tokens if padded is None else padded)
+
+
+def test_rules_busy_no_vetoes_idle_follows_imbalance_optional() -> None:
+    d = decide_from_votes([V(0, "yes", 600), V(1, "no", 100, reason=PlanReason.BELOW_THRESHOLD)])
+    assert (d.should_ubatch, d.reason, d.detail) == (False, PlanReason.RANK_DECLINED, "rank 1: below_threshold")
+    d = decide_from_votes([V(0, "yes", 600, 640), V(1, "idle", 0)])
+    assert (d.should_ubatch, d.num_tokens_padded, d.detail) == (True, 640, "idle rank(s) [1] run padding-only ubatches")
+    d = decide_from_votes([V(0, "yes", 1000), V(1, "yes", 600)], max_imbalance=2.0)
+    assert d.should_ubatch and d.num_tokens_across_dp == (1000, 600)
+    d = decide_from_votes([V(0, "yes", 1300), V(1, "yes", 600), V(2, "idle", 0)], max_imbalance=2.0)
+    assert (d.should_ubatch, d.reason) == (False, PlanReason.IMBALANCE)
+    assert d.detail == "rank 0 has 1300 tokens, rank 1 has 600: ratio above max_imbalance 2"
+    d = decide_from_votes([V(0, "idle", 0), V(1, "idle", 0)])
+    assert (d.should_ubatch, d.reason) == (False, PlanReason.ALL_IDLE)
+
+
+def test_without_a_group_the_vote_is_local() -> None:
+    d = agree_across_dp(LocalStepInfo(num_tokens_unpadded=9, num_tokens_padded=16, wants_ubatch=True), 2)
+    assert (d.should_ubatch, d.num_tokens_padded, d.world_size) == (True, 16, 1)
+
+
+def test_plan_step_records_every_reason_and_logs_it(caplog: pytest.LogCaptureFixture) -> None:
+    stats = PlanStats()
+    caplog.set_level(logging.DEBUG, logger="asyncdbo.plan")
+    plan = plan_step(prefill(5, 7), thresholds=LOW, num_tokens_padded=16, stats=stats)
+    assert plan.microbatched and [s.num_tokens for s in plan.slices] == [8, 4]
+    assert plan.record.ubatch_num_tokens_padded == (8, 8) and plan.num_tokens_padded == 16
+    assert plan_step(prefill(3), thresholds=LOW, stats=stats).record.reason is PlanReason.BELOW_THRESHOLD
+    assert plan_step(prefill(9), enabled=False, stats=stats).record.reason is PlanReason.DISABLED
+    assert plan_step(prefill(9), num_ubatches=1, stats=stats).record.reason is PlanReason.SINGLE_UBATCH
+    refused = plan_step(prefill(9), policy="request", thresholds=LOW, stats=stats).record
+    assert refused.reason is PlanReason.POLICY_REFUSED
+    assert refused.detail == "request split leaves a ubatch without real tokens (sizes [0, 9])"  # a tie goes left
+    assert plan_step([0], thresholds=LOW, stats=stats).record.reason is PlanReason.ALL_IDLE
+    assert stats.num_steps == 6 and stats.last is not None and stats.last.step == 5
+    assert stats.summary() == ("6 steps, 17% microbatched; all_idle=1; below_threshold=1; disabled=1; "
+                               "policy_refused=1; single_ubatch=1")
+    assert "step 1: below_threshold (mixed/prefill: 3 tokens < threshold 8)" in caplog.messages[1]
+
+
+def test_plan_step_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match=r"^num_ubatches \(0\) must be at least 1$"):
+        plan_step(prefill(4), num_ubatches=0)
+    with pytest.raises(ValueError, match=r"^min_share \(-0\.1\) must lie in \[0, 0\.5\]$"):
+        plan_step(prefill(4), min_share=-0.1)
+
+
+# ---- real process groups ------------------------------------------------------------------------
+
+
+def _plan_on_rank(rank: int, world_size: int, qsl_by_rank: list[list[int]], kwargs: dict[str, Any]) -> StepPlan:
+    idle = kwargs.pop("idle_ranks", ())
+    enabled = rank not in kwargs.pop("disabled_ranks", ())
+    padded = kwargs.pop("padded_by_rank", None)
+    return plan_step(qsl_by_rank[rank], dp_group=dist.group.WORLD, is_idle=rank in idle, enabled=enabled,
+                     num_tokens_padded=None if padded is None else padded[rank], **kwargs)
+
+
+def _every_ubatch_joins_the_collectives(rank: int, world_size: int, qsl_by_rank: list[list[int]]) -> list[int]:
+    """Run one all_reduce per ubatch, as dispatch/combine would: empty ubatches included."""
+    plan = plan_step(qsl_by_rank[rank], dp_group=dist.group.WORLD, thresholds=LOW, num_ubatches=3)
+    sums = []
+    for s in plan.slices:
+        t = torch.tensor([s.num_tokens_padded])
+        dist.all_reduce(t)
+        sums.append(int(t))
+    return sums
+
+
+def _mismatched_num_ubatches(rank: int, world_size: int) -> str:
+    try:
+        plan_step(prefill(100), dp_group=dist.group.WORLD, thresholds=LOW, num_ubatches=2 + rank)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.fixture(scope="module")
+def pool2() -> Iterator[RankPool]:
+    with RankPool(2, timeout_s=30.0) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def pool4() -> Iterator[RankPool]:
+    with RankPool(4, timeout_s=30.0) as p:
+        yield p
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_two_ranks_agree_and_pad_to_the_larger(pool2: RankPool) -> None:
+    a, b = pool2.run(_plan_on_rank, [prefill(10, 10), prefill(5, 4)],
+                     {"thresholds": LOW, "padded_by_rank": [24, 9]})
+    assert a.microbatched and b.microbatched
+    assert a.num_tokens_padded == b.num_tokens_padded == 24
+    assert a.record.ubatch_num_tokens_padded == b.record.ubatch_num_tokens_padded == (12, 12)
+    assert a.record.ubatch_num_tokens == (12, 8)
+    assert b.record.ubatch_num_tokens == (9, 0)  # its last ubatch is padding only, and still runs
+    assert a.decision is not None and a.decision.num_tokens_across_dp == (20, 9)
+    assert [v.vote for v in a.record.ranks] == ["yes", "yes"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_busy_rank_below_threshold_stops_everyone_and_is_named(pool2: RankPool) -> None:
+    plans = pool2.run(_plan_on_rank, [prefill(600), prefill(100)], {})
+    for p in plans:
+        assert (p.microbatched, p.record.reason, p.record.detail) == (
+            False, PlanReason.RANK_DECLINED, "rank 1: below_threshold")
+        assert len(p.slices) == 1
+    assert [p.num_tokens_padded for p in plans] == [600, 100]  # unsplit steps keep their own size
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_an_idle_rank_joins_with_padding_ubatches(pool2: RankPool) -> None:
+    busy, idle = pool2.run(_plan_on_rank, [prefill(300, 300), [0, 1]], {"idle_ranks": (1,), "padded_by_rank": [608, 1]})
+    assert busy.microbatched and idle.microbatched
+    assert busy.record.detail == idle.record.detail == "idle rank(s) [1] run padding-only ubatches"
+    assert idle.record.ubatch_num_tokens == (1, 0) and idle.record.ubatch_num_tokens_padded == (304, 304)
+    assert busy.record.ubatch_num_tokens == (304, 296) and busy.record.ubatch_num_tokens_padded == (304, 304)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_imbalance_falls_out_only_when_asked(pool2: RankPool) -> None:
+    qsls = [prefill(1300), prefill(600)]
+    allowed = pool2.run(_plan_on_rank, qsls, {})
+    assert all(p.microbatched for p in allowed)
+    limited = pool2.run(_plan_on_rank, qsls, {"max_imbalance": 2.0})
+    assert {(p.microbatched, p.record.reason) for p in limited} == {(False, PlanReason.IMBALANCE)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_mismatched_num_ubatches_fails_on_every_rank(pool2: RankPool) -> None:
+    msg = "ranks disagree on num_ubatches ([2, 3], by rank); every rank must plan the same number of ubatches"
+    assert pool2.run(_mismatched_num_ubatches) == [msg, msg]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_four_ranks_busy_idle_and_uneven_padding(pool4: RankPool) -> None:
+    qsls = [prefill(40), prefill(10, 10), [0], prefill(3, 3, 3)]
+    plans = pool4.run(_plan_on_rank, qsls, {"thresholds": LOW, "policy": "token", "padded_by_rank": [48, 20, 0, 9]})
+    assert all(p.microbatched for p in plans)
+    assert {p.num_tokens_padded for p in plans} == {48}
+    assert {p.record.ubatch_num_tokens_padded for p in plans} == {(24, 24)}
+    assert [p.record.ubatch_num_tokens for p in plans] == [(24, 16), (20, 0), (0, 0), (9, 0)]
+    assert [v.vote for v in plans[0].record.ranks] == ["yes", "yes", "idle", "yes"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_four_ranks_one_disabled_rank_declines_for_all(pool4: RankPool) -> None:
+    qsls = [prefill(40)] * 4
+    plans = pool4.run(_plan_on_rank, qsls, {"thresholds": LOW, "disabled_ranks": (1, 3)})
+    assert {(p.microbatched, p.record.reason, p.record.detail) for p in plans} == {
+        (False, PlanReason.RANK_DECLINED, "rank 1: disabled; rank 3: disabled")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_four_ranks_every_ubatch_even_empty_joins_each_collective(pool4: RankPool) -> None:
+    qsls = [prefill(30), prefill(9), [0], prefill(12)]
+    assert pool4.run(_every_ubatch_joins_the_collectives, qsls) == [[40, 40, 40]] * 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_an_error_on_one_rank_reaches_the_test_as_rank_error() -> None:
+    # A rank whose query_start_loc is invalid raises before the vote; its peer is blocked in the
+    # all-reduce.  The pool reports the failing rank and ends the blocked one.
+    with RankPool(2, timeout_s=20.0) as pool, pytest.raises(RankError, match=r"rank\(s\) \[1\]") as info:
+        pool.run(_plan_on_rank, [prefill(40), [0, 5, 3]], {"thresholds": LOW})
+    assert "query_start_loc must be non-decreasing" in info.value.details[1]

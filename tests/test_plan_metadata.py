@@ -1,0 +1,167 @@
+"""Attention-metadata validation, split and output merge, as specifications."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import pytest
+import torch
+
+from asyncdbo.plan import (
+    AttentionMetadata,
+    SplitKind,
+    merge_outputs,
+    slice_tokens,
+    split_attn_metadata,
+    split_extra,
+    split_tokens,
+)
+
+# Requests with query lengths 3, 7, 1, 9 (20 tokens) over prefixes of 2, 0, 3, 11 tokens.
+QUERY_LENS = [3, 7, 1, 9]
+SEQ_LENS = [5, 7, 4, 20]
+
+
+def make_meta(cls: type[AttentionMetadata] = AttentionMetadata, **extra: object) -> AttentionMetadata:
+    block_table_RB = torch.arange(8, dtype=torch.int32).reshape(4, 2)
+    slot_mapping_T = torch.arange(100, 120, dtype=torch.int64)
+    return cls.from_lengths(QUERY_LENS, SEQ_LENS, block_table_RB, slot_mapping_T, **extra)
+
+
+def test_from_lengths_builds_consistent_metadata() -> None:
+    meta = make_meta()
+    assert meta.query_start_loc_cpu.tolist() == [0, 3, 10, 11, 20]
+    assert meta.query_start_loc.dtype == torch.int32 and meta.seq_lens.dtype == torch.int32
+    assert (meta.num_reqs, meta.num_actual_tokens, meta.max_query_len, meta.max_seq_len) == (4, 20, 9, 20)
+
+
+def test_split_with_a_straddling_request_rebases_and_adjusts_seq_lens() -> None:
+    # Padded to 24, the token split cuts at 12, inside request 3 (tokens 11..20, prefix 11).
+    first, second = split_attn_metadata(make_meta(), split_tokens([0, 3, 10, 11, 20], 2, 24))
+
+    # Truncated head: request 3 has 1 of its 9 tokens here and sees only 11 + 1 = 12 positions.
+    assert first.query_start_loc_cpu.tolist() == [0, 3, 10, 11, 12]
+    assert first.query_start_loc.tolist() == [0, 3, 10, 11, 12]
+    assert first.seq_lens_cpu.tolist() == [5, 7, 4, 12] == first.seq_lens.tolist()
+    assert first.block_table.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert first.slot_mapping.tolist() == list(range(100, 112))
+    assert (first.num_reqs, first.num_actual_tokens, first.max_query_len, first.max_seq_len) == (4, 12, 7, 12)
+
+    # Continuation: the other 8 tokens of request 3 keep the full seq_len (attend over the prefix).
+    assert second.query_start_loc_cpu.tolist() == [0, 8]
+    assert second.seq_lens_cpu.tolist() == [20]
+    assert second.block_table.tolist() == [[6, 7]]
+    assert second.slot_mapping.tolist() == list(range(112, 120))
+    assert (second.num_reqs, second.num_actual_tokens, second.max_query_len, second.max_seq_len) == (1, 8, 8, 20)
+
+
+def test_split_does_not_modify_the_original() -> None:
+    meta = make_meta()
+    split_attn_metadata(meta, split_tokens([0, 3, 10, 11, 20], 2, 24))
+    assert meta.seq_lens.tolist() == SEQ_LENS and meta.query_start_loc.tolist() == [0, 3, 10, 11, 20]
+
+
+def test_an_empty_ubatch_gets_empty_metadata() -> None:
+    meta = AttentionMetadata.from_lengths([5], [5], torch.zeros(1, 2, dtype=torch.int32), torch.arange(5))
+    first, second = split_attn_metadata(meta, split_tokens([0, 5], 2, 100))
+    assert first.num_actual_tokens == 5
+    assert second.query_start_loc_cpu.tolist() == [0]
+    assert (second.num_reqs, second.num_actual_tokens, second.max_query_len, second.max_seq_len) == (0, 0, 0, 0)
+    assert tuple(second.block_table.shape) == (0, 2) and tuple(second.slot_mapping.shape) == (0,)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WithPositions(AttentionMetadata):
+    positions: torch.Tensor
+    temperature: torch.Tensor
+    scale: float
+    split_rules: ClassVar = {"positions": SplitKind.PER_TOKEN, "temperature": SplitKind.PER_REQUEST,
+                             "scale": SplitKind.SHARED}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WithUndeclared(AttentionMetadata):
+    positions: torch.Tensor
+
+
+def test_a_subclass_splits_its_declared_fields() -> None:
+    meta = make_meta(WithPositions, positions=torch.arange(20), temperature=torch.tensor([1.0, 2.0, 3.0, 4.0]),
+                     scale=0.5)
+    first, second = split_attn_metadata(meta, split_tokens([0, 3, 10, 11, 20], 2, 24))
+    assert isinstance(second, WithPositions)
+    assert second.positions.tolist() == list(range(12, 20))
+    assert first.temperature.tolist() == [1.0, 2.0, 3.0, 4.0] and second.temperature.tolist() == [4.0]
+    assert first.scale == second.scale == 0.5
+
+
+def test_a_field_without_a_split_rule_is_an_error_never_copied() -> None:
+    meta = make_meta(WithUndeclared, positions=torch.arange(20))
+    with pytest.raises(ValueError, match=r"WithUndeclared has field\(s\) \['positions'\] with no split rule; "
+                                         r"declare one per field, e\.g\. split_rules = \{'positions': SplitKind"):
+        split_attn_metadata(meta, split_tokens([0, 3, 10, 11, 20], 2))
+
+
+def test_split_extra_needs_a_kind_for_every_field() -> None:
+    slices = split_tokens([0, 3, 10, 11, 20], 2, 24)
+    parts = split_extra({"positions": torch.arange(20), "temp": torch.arange(4)},
+                        {"positions": "token", "temp": SplitKind.PER_REQUEST}, slices)
+    assert parts[1]["positions"].tolist() == list(range(12, 20)) and parts[1]["temp"].tolist() == [3]
+    with pytest.raises(ValueError, match=r"extra field\(s\) \['mrope'\] have no declared split kind; pass kinds="):
+        split_extra({"mrope": torch.arange(20)}, {}, slices)
+    with pytest.raises(ValueError, match=r"split kind 'tokens' of extra field 'p' is unknown; use 'token', 'request' or 'shared'"):
+        split_extra({"p": torch.arange(20)}, {"p": "tokens"}, slices)
+
+
+def test_slices_that_do_not_fit_the_batch_are_rejected() -> None:
+    with pytest.raises(ValueError, match=r"ubatch 1 \(tokens 15:30, requests 1:2\) exceeds the batch \(20 tokens, 4 requests\)"):
+        split_attn_metadata(make_meta(), split_tokens([0, 15, 30], 2))
+
+
+def test_merge_strips_padding_and_restores_token_order() -> None:
+    slices = split_tokens([0, 3, 10, 11, 20], 2, 24)
+    x_PD = torch.arange(24 * 2).reshape(24, 2)
+    out = merge_outputs(slice_tokens(x_PD, slices), slices, 20)
+    assert torch.equal(out, x_PD[:20])
+    pair = merge_outputs([(o, o + 1) for o in slice_tokens(x_PD, slices)], slices, 20)
+    assert isinstance(pair, tuple) and torch.equal(pair[1], x_PD[:20] + 1)
+
+
+def test_merge_rejects_mismatches() -> None:
+    slices = split_tokens([0, 3, 10, 11, 20], 2)
+    with pytest.raises(ValueError, match=r"^got 1 outputs for 2 ubatches; pass one per ubatch$"):
+        merge_outputs([torch.zeros(20)], slices, 20)
+    with pytest.raises(ValueError, match=r"the slices hold 20 real tokens but num_tokens_unpadded is 24"):
+        merge_outputs([torch.zeros(10), torch.zeros(10)], slices, 24)
+    with pytest.raises(ValueError, match=r"output of ubatch 1 has 4 rows but the ubatch has 10 real tokens"):
+        merge_outputs([torch.zeros(10), torch.zeros(4)], slices, 20)
+
+
+def _meta(**changes: object) -> AttentionMetadata:
+    return dataclasses.replace(make_meta(), **changes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"query_start_loc_cpu": torch.tensor([0, 3, 2, 11, 20], dtype=torch.int32)},
+         r"query_start_loc must be non-decreasing, but request 1 has a negative query length \(2 - 3 = -1\)"),
+        ({"seq_lens_cpu": torch.tensor([2, 7, 4, 20], dtype=torch.int32)},
+         r"seq_len of request 0 \(2\) is below its query length \(3\)"),
+        ({"block_table": torch.zeros(3, 2, dtype=torch.int32)},
+         r"block_table has 3 rows but there are 4 requests"),
+        ({"slot_mapping": torch.zeros(19, dtype=torch.int64)},
+         r"slot_mapping has 19 entries but there are 20 tokens"),
+        ({"num_actual_tokens": 21}, r"num_actual_tokens \(21\) must equal query_start_loc\[-1\] \(20\)"),
+        ({"max_query_len": 8}, r"max_query_len \(8\) is below the longest query \(9\)"),
+        ({"seq_lens": torch.zeros(4)}, r"seq_lens must be a 1-D integer tensor \(got shape \(4,\), dtype torch.float32\)"),
+    ],
+)
+def test_invalid_metadata_is_rejected_with_the_bad_value(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _meta(**changes)
+
+
+def test_negative_query_length_in_from_lengths() -> None:
+    with pytest.raises(ValueError, match=r"query length of request 1 \(-2\) is negative"):
+        AttentionMetadata.from_lengths([3, -2], [3, 3], torch.zeros(2, 1, dtype=torch.int32), torch.arange(1))
