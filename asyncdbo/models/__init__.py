@@ -1,0 +1,9 @@
+"""Models for DBO tests, examples and the demo: a small DeepSeek-like MoE model and its paged
+attention.  ``MiniModel`` imports the MoE layer lazily, so importing this package is cheap."""
+
+from __future__ import annotations
+
+from .attention import KVCacheConfig, PagedKVCache, paged_causal_attention
+from .mini import MiniConfig, MiniModel
+
+__all__ = ["KVCacheConfig", "MiniConfig", "MiniModel", "PagedKVCache", "paged_causal_attention"]

@@ -1,0 +1,191 @@
+"""A small DeepSeek-like MoE model: the workload for DBO tests, examples and the demo.
+
+Embedding -> L x [RMSNorm -> causal self-attention (RoPE, paged KV cache) -> residual -> RMSNorm
+-> MoE (routed experts over the EP group + shared expert) -> residual] -> RMSNorm -> LM head.
+Weights come from a seed, so every rank builds the same global model and keeps only its own
+expert shard (the MoE layer's job).  Each DP rank owns its KV cache and its requests.
+
+Why attention needs no yield and no event to be correct under DBO, even for a request that
+straddles two ubatches (token split):
+
+* the ubatches run round-robin on one OS thread, and the only yield points are inside the MoE
+  layer (routing -> dispatch -> experts -> combine); attention never yields;
+* so in every layer ``l``, ubatch ``k`` runs its whole attention block (write K/V, then read)
+  before it first yields in layer ``l``'s MoE, and ubatch ``k+1`` cannot reach layer ``l``'s
+  attention before ubatch ``k`` has yielded there (strict round-robin, same program order);
+* hence the continuation part of a straddling request, in ubatch ``k+1``, reads the prefix K/V
+  that ubatch ``k`` wrote *in the same layer* — just as a chunked-prefill continuation does in
+  vLLM.  On an accelerator both ubatches' attention is queued on the compute stream in that same
+  order, so the stream orders it.
+
+``tests/test_runner.py`` checks the consequence: a token split with a straddling request gives
+the same logits as the serial run.
+"""
+
+# Shape legend: T = tokens, D = hidden, H = heads, K = head dim, V = vocab, F = H*K.
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..plan.metadata import AttentionMetadata
+from .attention import KVCacheConfig, PagedKVCache, paged_causal_attention
+
+__all__ = ["MiniConfig", "MiniModel"]
+
+logger = logging.getLogger("asyncdbo.models")
+
+SCHEDULES = ("ht", "ll")
+SCORINGS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MiniConfig:
+    """Sizes of the model and of one rank's KV cache.  Defaults run a demo step in tens of ms on
+    2 CPU cores.  ``schedule`` is the MoE layer's DBO schedule (``ht`` high-throughput, ``ll``
+    low-latency)."""
+
+    vocab_size: int = 1024
+    hidden_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    head_dim: int = 64
+    num_experts: int = 8
+    top_k: int = 2
+    moe_intermediate_size: int = 256
+    num_shared_experts: int = 1
+    scoring: str = "softmax"
+    schedule: str = "ht"
+    rms_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    block_size: int = 16
+    num_kv_blocks: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "num_experts",
+                     "top_k", "moe_intermediate_size", "block_size", "num_kv_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MiniConfig.{name} must be >= 1 (got {getattr(self, name)})")
+        if self.num_shared_experts < 0:
+            raise ValueError(f"MiniConfig.num_shared_experts must be >= 0 (got {self.num_shared_experts})")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts}); pick top_k <= num_experts"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown MoE schedule {self.schedule!r}; use one of {SCHEDULES}")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"unknown router scoring {self.scoring!r}; use one of {SCORINGS}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+
+    def check_ep_size(self, ep_size: int) -> None:
+        """Experts are sharded evenly over the EP group: refuse a size that does not divide them."""
+        if ep_size < 1 or self.num_experts % ep_size:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) is not divisible by the EP group size ({ep_size}); "
+                f"use a multiple of {ep_size} experts or a different number of ranks"
+            )
+
+    @property
+    def kv_cache_config(self) -> KVCacheConfig:
+        return KVCacheConfig(num_layers=self.num_layers, num_blocks=self.num_kv_blocks,
+                             block_size=self.block_size, num_heads=self.num_heads, head_dim=self.head_dim)
+
+
+def _rms_norm(x_TD: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
+    return x_TD * torch.rsqrt(x_TD.pow(2).mean(-1, keepdim=True) + eps) * w_D
+
+
+def _rope(x_THK: torch.Tensor, positions_T: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half form) by absolute position."""
+    half = x_THK.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x_THK.device) / half)
+    angles_TK = positions_T.to(torch.float32)[:, None] * inv_freq[None, :]
+    cos, sin = angles_TK.cos()[:, None, :].to(x_THK.dtype), angles_TK.sin()[:, None, :].to(x_THK.dtype)
+    x1, x2 = x_THK[..., :half], x_THK[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MiniModel:
+    """The model on one rank.  ``ep_group`` is the expert-parallel process group (None: the MoE
+    layer's default, see :class:`asyncdbo.moe.MoELayer`); the KV cache is this rank's own."""
+
+    def __init__(self, cfg: MiniConfig, *, ep_group: Any = None, ep_size: int = 1,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        from ..moe import MoEConfig, MoELayer  # the MoE package imports torch.distributed helpers
+
+        cfg.check_ep_size(ep_size)
+        self.cfg = cfg
+        gen = torch.Generator().manual_seed(cfg.seed)
+        d, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+
+        def init(*shape: int, fan_in: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen) / fan_in**0.5).to(dtype=dtype, device=device)
+
+        self.embed_VD = init(cfg.vocab_size, d, fan_in=1)
+        self.layers: list[dict[str, Any]] = []
+        moe_cfg = MoEConfig(
+            hidden_size=d,
+            intermediate_size=cfg.moe_intermediate_size,
+            num_experts=cfg.num_experts,
+            top_k=cfg.top_k,
+            scoring=cfg.scoring,
+            num_shared_experts=cfg.num_shared_experts,
+            schedule=cfg.schedule,
+        )
+        for layer in range(cfg.num_layers):
+            self.layers.append({
+                "attn_norm_D": torch.ones(d, dtype=dtype, device=device),
+                "wq_DF": init(d, f, fan_in=d),
+                "wk_DF": init(d, f, fan_in=d),
+                "wv_DF": init(d, f, fan_in=d),
+                "wo_FD": init(f, d, fan_in=f),
+                "moe_norm_D": torch.ones(d, dtype=dtype, device=device),
+                "moe": MoELayer(moe_cfg, ep_group=ep_group, seed=cfg.seed * 1000 + layer + 1, dtype=dtype),
+            })
+        self.final_norm_D = torch.ones(d, dtype=dtype, device=device)
+        self.lm_head_DV = init(d, cfg.vocab_size, fan_in=d)
+        self.kv_cache = PagedKVCache(cfg.kv_cache_config, dtype=dtype, device=device)
+
+    def _attention(self, layer: int, p: dict[str, Any], h_TD: torch.Tensor, positions_T: torch.Tensor,
+                   attn: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        n = attn.num_actual_tokens  # rows past n are padding: no K/V written, zero attention output
+        q_THK = (h_TD @ p["wq_DF"]).view(-1, cfg.num_heads, cfg.head_dim)
+        k_THK = (h_TD[:n] @ p["wk_DF"]).view(-1, cfg.num_heads, cfg.head_dim)
+        v_THK = (h_TD[:n] @ p["wv_DF"]).view(-1, cfg.num_heads, cfg.head_dim)
+        q_THK = _rope(q_THK, positions_T, cfg.rope_theta)
+        k_THK = _rope(k_THK, positions_T[:n], cfg.rope_theta)
+        self.kv_cache.write(layer, k_THK, v_THK, attn.slot_mapping)
+        o_THK = paged_causal_attention(q_THK, positions_T, self.kv_cache, layer, attn)
+        return o_THK.reshape(-1, cfg.num_heads * cfg.head_dim) @ p["wo_FD"]
+
+    async def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor,
+                      attn: AttentionMetadata) -> torch.Tensor:
+        """Logits ``[T, V]`` of a (u)batch.  ``T`` may exceed ``attn.num_actual_tokens``: the
+        extra rows are padding, which joins the MoE collectives (same sizes on every rank) but
+        writes no K/V; their logits are meaningless and dropped by the runner.  ``T`` may be 0
+        (an empty ubatch still takes part in every collective)."""
+        if input_ids_T.shape[0] != positions_T.shape[0]:
+            raise ValueError(
+                f"input_ids has {input_ids_T.shape[0]} tokens but positions has {positions_T.shape[0]}; "
+                f"pass one position per token"
+            )
+        if input_ids_T.shape[0] < attn.num_actual_tokens:
+            raise ValueError(
+                f"the attention metadata covers {attn.num_actual_tokens} tokens but only "
+                f"{input_ids_T.shape[0]} were given"
+            )
+        x_TD = self.embed_VD[input_ids_T]
+        for layer, p in enumerate(self.layers):
+            h_TD = _rms_norm(x_TD, p["attn_norm_D"], self.cfg.rms_eps)
+            x_TD = x_TD + self._attention(layer, p, h_TD, positions_T, attn)
+            h_TD = _rms_norm(x_TD, p["moe_norm_D"], self.cfg.rms_eps)
+            x_TD = x_TD + await p["moe"].forward(h_TD)
+        return _rms_norm(x_TD, self.final_norm_D, self.cfg.rms_eps) @ self.lm_head_DV
