@@ -1,0 +1,84 @@
+"""Configuration of one MoE layer: routing rule, expert sizes and the DBO schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["MoEConfig"]
+
+Scoring = Literal["softmax", "sigmoid"]
+Schedule = Literal["ht", "ll"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """One MoE layer's shape and routing.
+
+    Routing covers both families asyncdbo is tested against: Mixtral (``softmax`` scores, top-k,
+    renormalised) and DeepSeek-V3 (``sigmoid`` scores plus a selection-only correction bias,
+    group-limited top-k over ``n_group`` groups keeping ``topk_group``, weights renormalised and
+    scaled by ``routed_scaling_factor``, plus ``num_shared_experts`` always-on experts fused into
+    one MLP of ``num_shared_experts * intermediate_size``).
+
+    ``schedule`` picks where the layer yields under DBO: ``ht`` (high-throughput: dispatch and
+    combine on the comm stream, three yields per layer) or ``ll`` (low-latency: send/receive
+    halves with the receive launched by the next ubatch's recv hook, two yields per layer). Both
+    give the same numbers; they differ only in what overlaps what.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    scoring: Scoring = "softmax"
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    num_shared_experts: int = 0
+    schedule: Schedule = "ht"
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "n_group", "topk_group"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoEConfig.{name} must be an integer >= 1 (got {value!r})")
+        if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
+            raise ValueError(f"MoEConfig.num_shared_experts must be an integer >= 0 (got {self.num_shared_experts!r})")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"MoEConfig.top_k ({self.top_k}) is larger than num_experts ({self.num_experts}); "
+                "a token cannot pick more experts than exist: lower top_k"
+            )
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoEConfig.scoring must be 'softmax' or 'sigmoid' (got {self.scoring!r})")
+        if self.schedule not in ("ht", "ll"):
+            raise ValueError(
+                f"MoEConfig.schedule must be 'ht' (high-throughput) or 'll' (low-latency) (got {self.schedule!r})"
+            )
+        if self.num_experts % self.n_group != 0:
+            raise ValueError(
+                f"MoEConfig.n_group ({self.n_group}) must divide num_experts ({self.num_experts}) "
+                "so that every expert group has the same size"
+            )
+        if self.topk_group > self.n_group:
+            raise ValueError(
+                f"MoEConfig.topk_group ({self.topk_group}) is larger than n_group ({self.n_group}); "
+                "it counts the groups a token may use: lower it to at most n_group"
+            )
+        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ValueError(
+                f"MoEConfig: group-limited routing scores a group by its top-2 experts, so each of the "
+                f"n_group ({self.n_group}) groups needs >= 2 of the num_experts ({self.num_experts}) experts"
+            )
+        if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(
+                f"MoEConfig.top_k ({self.top_k}) exceeds the experts in the kept groups "
+                f"(topk_group {self.topk_group} x {self.num_experts // self.n_group} per group)"
+            )
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        """Intermediate size of the fused shared-expert MLP (0: no shared experts)."""
+        return self.num_shared_experts * self.intermediate_size

@@ -1,0 +1,319 @@
+"""The DP+EP MoE layer, written once as ``async def``, with the DBO yields where vLLM puts them.
+
+Legend (shape suffixes): T tokens of this call, D hidden, F expert intermediate, S shared-expert
+intermediate, E experts, L local experts (E / EP size), K top-k, R rows received by this rank,
+N = T*K routed pairs.
+
+One ``forward`` serves three situations with the same numbers:
+
+* a plain call (outside DBO): every primitive is a no-op and every collective is synchronous;
+* a DBO run with **role streams** (vLLM): the layer switches between the compute and the comm
+  stream with the ``dbo_yield_and_switch_*`` primitives;
+* a DBO run with **ubatch streams** (the CANN prefill case): each ubatch owns one stream, so the
+  layer orders its stages (routed -> dispatched -> experts -> combined) with explicit
+  ``dbo_record_event``/``dbo_wait_event`` pairs keyed by (layer, call, ubatch, stage) and yields
+  with plain ``dbo_yield`` at the same points. The layer tells the policies apart by asking the
+  ubatch whether its compute and comm streams are the same object; no option is needed.
+
+Schedules (``MoEConfig.schedule``), per ubatch and layer:
+
+* ``ht``: yield "dispatch" before the counts exchange (it blocks the CPU until peers answer, so
+  the other ubatch's compute must already be queued), dispatch on comm, sync back to compute,
+  experts, yield "combine", combine on comm, shared expert on compute while it is in flight, yield
+  "combine_done" (host: parks until the combine arrived), weighted sum. Three yields.
+* ``ll``: no comm stream. Each half issues its sends, registers the receive as a recv hook and
+  yields; the *next* ubatch launches that receive (``dbo_maybe_run_recv_hook`` at the start of its
+  own prepare/finalize), then the owner awaits the hook and the comm handles. Two yields. On the
+  host a receive cannot be launched without blocking, so the hook only marks it launched; the
+  owner issues the row exchange itself (on its own process group, so the order stays the same on
+  every rank) and parks on it.
+
+Every ubatch takes part in every collective even with T = 0: the other ranks' same ubatch waits
+for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core import get_ubatch
+from ..comm import DispatchPlan, EPComm, ep_comm, plan_dispatch
+from ..primitives import (
+    dbo_maybe_run_recv_hook,
+    dbo_record_event,
+    dbo_register_recv_hook,
+    dbo_switch_to_comm,
+    dbo_switch_to_compute,
+    dbo_switch_to_compute_sync,
+    dbo_wait_event,
+    dbo_yield,
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+)
+from .config import MoEConfig
+from .experts import expert_init, router_init, run_experts, shared_init, swiglu
+from .router import route
+
+__all__ = ["MoELayer"]
+
+_layer_ids = itertools.count()
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class _Stages:
+    """Stage ordering for one call under the ubatch-stream policy: record, then wait, per key."""
+
+    __slots__ = ("prefix",)
+
+    def __init__(self, prefix: tuple[Hashable, ...]) -> None:
+        self.prefix = prefix
+
+    def record(self, stage: str) -> None:
+        dbo_record_event((*self.prefix, stage))
+
+    def wait(self, stage: str) -> Any:
+        return dbo_wait_event((*self.prefix, stage))
+
+
+def _noop() -> None:
+    return None
+
+
+class MoELayer(nn.Module):
+    """A routed-experts layer (plus optional shared experts) under DP+EP, as ``async def``.
+
+    Every rank derives the same global weights from ``seed`` and keeps its shard (experts
+    ``rank*L .. rank*L+L-1``); router, correction bias and shared experts are replicated. EP size
+    and rank come from ``ep_group`` (None: the default group when torch.distributed is
+    initialised, else a single rank). With EP size > 1, building the first layer of a group is a
+    collective call (it creates ``max_ubatches`` per-ubatch process groups, see
+    :mod:`asyncdbo.comm`), so every rank must build its layers in the same order.
+    """
+
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        *,
+        ep_group: Any = None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        max_ubatches: int = 4,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        comm = ep_comm(ep_group, max_ubatches=max_ubatches)
+        if cfg.num_experts % comm.size != 0:
+            raise ValueError(
+                f"num_experts ({cfg.num_experts}) is not divisible by the EP size ({comm.size}); "
+                "every rank must hold the same number of experts: change num_experts or the number of ranks"
+            )
+        self.cfg = cfg
+        self.comm: EPComm = comm
+        self.name = name if name is not None else f"moe{next(_layer_ids)}"
+        self.experts_per_rank = cfg.num_experts // comm.size
+        self.first_expert = comm.rank * self.experts_per_rank
+        router_ED, bias_E = router_init(cfg, seed)
+        self.router_ED = _frozen(router_ED.to(dtype))
+        self.bias_E: torch.Tensor | None
+        self.register_buffer("bias_E", bias_E)
+        local = [expert_init(cfg, seed, e) for e in self._local_range()]
+        self.gate_LFD = _frozen(torch.stack([w[0] for w in local]).to(dtype))
+        self.up_LFD = _frozen(torch.stack([w[1] for w in local]).to(dtype))
+        self.down_LDF = _frozen(torch.stack([w[2] for w in local]).to(dtype))
+        shared = shared_init(cfg, seed)
+        self.shared_gate_SD = None if shared is None else _frozen(shared["gate_proj"].to(dtype))
+        self.shared_up_SD = None if shared is None else _frozen(shared["up_proj"].to(dtype))
+        self.shared_down_DS = None if shared is None else _frozen(shared["down_proj"].to(dtype))
+
+    def _local_range(self) -> range:
+        return range(self.first_expert, self.first_expert + self.experts_per_rank)
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return (
+            f"name={self.name}, experts={c.num_experts} (local {self.first_expert}..{self.first_expert + self.experts_per_rank - 1}"
+            f" of EP {self.comm.size}), top_k={c.top_k}, scoring={c.scoring}, shared={c.num_shared_experts}, "
+            f"schedule={c.schedule}"
+        )
+
+    # -- weights --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_global_weights(
+        self,
+        *,
+        router_weight_ED: torch.Tensor,
+        w_gate_EFD: torch.Tensor,
+        w_up_EFD: torch.Tensor,
+        w_down_EDF: torch.Tensor,
+        shared: dict[str, torch.Tensor] | None,
+        e_score_correction_bias_E: torch.Tensor | None = None,
+    ) -> None:
+        """Take the full model's weights and keep this rank's shard. ``shared`` holds
+        ``gate_proj`` (S x D), ``up_proj`` (S x D), ``down_proj`` (D x S), or is None when the
+        config has no shared experts."""
+        c = self.cfg
+        E, D, Fi = c.num_experts, c.hidden_size, c.intermediate_size
+        expect = {
+            "router_weight_ED": (router_weight_ED, (E, D)),
+            "w_gate_EFD": (w_gate_EFD, (E, Fi, D)),
+            "w_up_EFD": (w_up_EFD, (E, Fi, D)),
+            "w_down_EDF": (w_down_EDF, (E, D, Fi)),
+        }
+        if e_score_correction_bias_E is not None:
+            expect["e_score_correction_bias_E"] = (e_score_correction_bias_E, (E,))
+        S = c.shared_intermediate_size
+        if (shared is None) != (S == 0):
+            raise ValueError(
+                f"shared weights are {'missing' if shared is None else 'given'} but the config has "
+                f"num_shared_experts={c.num_shared_experts}; pass shared=None exactly when it is 0"
+            )
+        if shared is not None:
+            for key, shape in (("gate_proj", (S, D)), ("up_proj", (S, D)), ("down_proj", (D, S))):
+                if key not in shared:
+                    raise ValueError(f"shared weights lack {key!r}; expected keys gate_proj, up_proj, down_proj")
+                expect[f"shared[{key!r}]"] = (shared[key], shape)
+        for label, (tensor, shape) in expect.items():
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"{label} has shape {tuple(tensor.shape)}; this layer expects {shape}")
+        lo, hi = self.first_expert, self.first_expert + self.experts_per_rank
+        self.router_ED.copy_(router_weight_ED)
+        self.gate_LFD.copy_(w_gate_EFD[lo:hi])
+        self.up_LFD.copy_(w_up_EFD[lo:hi])
+        self.down_LDF.copy_(w_down_EDF[lo:hi])
+        if e_score_correction_bias_E is not None:
+            self.bias_E = e_score_correction_bias_E.detach().float().clone().to(self.router_ED.device)
+        if shared is not None:
+            assert self.shared_gate_SD is not None and self.shared_up_SD is not None and self.shared_down_DS is not None
+            self.shared_gate_SD.copy_(shared["gate_proj"])
+            self.shared_up_SD.copy_(shared["up_proj"])
+            self.shared_down_DS.copy_(shared["down_proj"])
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def _shared(self, x_TD: torch.Tensor) -> torch.Tensor | None:
+        if self.shared_gate_SD is None:
+            return None
+        assert self.shared_up_SD is not None and self.shared_down_DS is not None
+        return swiglu(x_TD, self.shared_gate_SD, self.shared_up_SD, self.shared_down_DS)
+
+    def _experts(self, plan: DispatchPlan, recv_x_RD: torch.Tensor) -> torch.Tensor:
+        return run_experts(recv_x_RD, plan.local_expert_ids(), self.gate_LFD, self.up_LFD, self.down_LDF)
+
+    def _stages(self) -> _Stages | None:
+        """Explicit-event stage keys under the ubatch-stream policy, else None (role streams or
+        no run). Keys carry a per-ubatch call count so one layer may run many times per run."""
+        ub = get_ubatch()
+        if ub is None or ub.streams.get("compute") is not ub.streams.get("comm"):
+            return None
+        counter_key = ("asyncdbo.moe.calls", self.name)
+        call = ub.data.get(counter_key, 0)
+        ub.data[counter_key] = call + 1  # type: ignore[operator]
+        return _Stages((self.name, call, ub.id))
+
+    async def forward(self, x_TD: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """Route, dispatch to the experts' ranks, run the local experts, combine back. Same shape
+        and dtype out. Inside a DBO run it yields per ``cfg.schedule``; outside it is serial."""
+        D = self.cfg.hidden_size
+        if x_TD.shape[-1] != D:
+            raise ValueError(f"MoELayer expects inputs of hidden size {D}, got shape {tuple(x_TD.shape)}")
+        lead = x_TD.shape[:-1]
+        x_TD = x_TD.reshape(-1, D)
+        if self.cfg.schedule == "ht":
+            out_TD = await self._forward_ht(x_TD)
+        else:
+            out_TD = await self._forward_ll(x_TD)
+        return out_TD.reshape(*lead, D)
+
+    def _prepare(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, DispatchPlan]:
+        topk_w_TK, topk_ids_TK = route(x_TD, self.router_ED, self.cfg, bias_E=self.bias_E)
+        ub = get_ubatch()
+        plan = plan_dispatch(
+            topk_ids_TK, num_experts=self.cfg.num_experts, comm=self.comm, ub_id=None if ub is None else ub.id
+        )
+        return topk_w_TK, plan
+
+    def _finalize(
+        self, plan: DispatchPlan, back_ND: torch.Tensor, topk_w_TK: torch.Tensor, shared_TD: torch.Tensor | None,
+        x_TD: torch.Tensor,
+    ) -> torch.Tensor:
+        out_TD = torch.zeros_like(x_TD)
+        plan.finish(back_ND, topk_w_TK, out_TD)
+        return out_TD if shared_TD is None else out_TD + shared_TD
+
+    async def _forward_ht(self, x_TD: torch.Tensor) -> torch.Tensor:
+        st = self._stages()
+        topk_w_TK, plan = self._prepare(x_TD)
+        # dispatch: yield first, so the other ubatch's compute is queued before we block on counts
+        if st is None:
+            await dbo_yield_and_switch_from_compute_to_comm("dispatch")
+        else:
+            st.record("routed")
+            await dbo_yield("dispatch")
+            await st.wait("routed")
+        await plan.start_counts()  # host: parks until every peer's counts arrived
+        recv_x_RD, dispatched = plan.start_tokens(x_TD)
+        if st is None:
+            await dbo_switch_to_compute_sync()  # host: parks until the dispatch arrived
+        else:
+            st.record("dispatched")
+            await st.wait("dispatched")
+        await dispatched
+        y_RD = self._experts(plan, recv_x_RD)
+        # combine
+        if st is None:
+            await dbo_yield_and_switch_from_compute_to_comm("combine")
+        else:
+            st.record("experts")
+            await dbo_yield("combine")
+            await st.wait("experts")
+        back_ND, combined = plan.start_combine(y_RD)
+        if st is None:
+            dbo_switch_to_compute()  # no sync: the shared expert overlaps the combine in flight
+            shared_TD = self._shared(x_TD)
+            dbo_switch_to_comm()
+            await dbo_yield_and_switch_from_comm_to_compute("combine_done")
+        else:
+            st.record("combined")
+            shared_TD = self._shared(x_TD)
+            await dbo_yield("combine_done")
+            await st.wait("combined")
+        await combined
+        return self._finalize(plan, back_ND, topk_w_TK, shared_TD, x_TD)
+
+    async def _forward_ll(self, x_TD: torch.Tensor) -> torch.Tensor:
+        st = self._stages()
+        dbo_maybe_run_recv_hook()  # launch the previous ubatch's pending receive
+        topk_w_TK, plan = self._prepare(x_TD)
+        counts = plan.start_counts()  # the send half, on the compute stream
+        if st is not None:
+            st.record("dispatch_sent")
+        received = dbo_register_recv_hook(_noop)
+        await dbo_yield("dispatch_send")
+        await received  # the next ubatch launched our receive
+        if st is not None:
+            await st.wait("dispatch_sent")
+        await counts
+        recv_x_RD, dispatched = plan.start_tokens(x_TD)
+        await dispatched
+        y_RD = self._experts(plan, recv_x_RD)
+        dbo_maybe_run_recv_hook()
+        back_ND, combined = plan.start_combine(y_RD)
+        if st is not None:
+            st.record("combine_sent")
+        shared_TD = self._shared(x_TD)  # overlaps the combine in flight
+        received = dbo_register_recv_hook(_noop)
+        await dbo_yield("combine_send")
+        await received
+        if st is not None:
+            await st.wait("combine_sent")
+        await combined
+        return self._finalize(plan, back_ND, topk_w_TK, shared_TD, x_TD)
