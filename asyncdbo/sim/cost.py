@@ -1,0 +1,118 @@
+"""Cost model: how long one torch op takes on a modeled device.
+
+Legend: M, K, N are GEMM dimensions (rows, reduction, columns); T tokens, D hidden size.
+
+``time = kernel_overhead + max(flops / (peak * gemm_efficiency), bytes / (hbm * mem_efficiency))``
+(a roofline with a fixed per-kernel cost). FLOPs come from torch's own formulas
+(``torch.utils.flop_counter.flop_registry``: mm, addmm, bmm, baddbmm, convolutions, SDPA) so the
+sim counts exactly what ``FlopCounterMode`` would; ops without a formula count one FLOP per output
+element. GEMM rows and columns are rounded up to the device's ``min_tile``: a 16-row GEMM on a
+64-row tile pays for 64 rows. That is what makes two half-size GEMMs more than half as slow as the
+full one at small batches, the effect behind DBO's loss at small decode batches.
+
+Bytes are every tensor read plus every tensor written, counted with the device's element size for
+floating tensors (the CPU run may use float32; the modeled model is BF16). Views and other
+metadata-only ops cost nothing: they launch no kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from .devices import DeviceSpec
+
+__all__ = ["CostModel", "OpCost"]
+
+_aten = torch.ops.aten
+_GEMMS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm}
+_FREE = {
+    _aten._local_scalar_dense,  # a host read: no kernel (it synchronizes the stream instead)
+    _aten.empty,
+    _aten.empty_like,
+    _aten.empty_strided,
+    _aten.lift_fresh,
+    _aten.detach,
+    _aten.alias,
+}
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One op's modeled cost. ``seconds`` is 0 for metadata-only ops."""
+
+    flops: float
+    nbytes: int
+    seconds: float
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def is_metadata_only(func: Any) -> bool:
+    """True for ops that only make views (every return aliases an input, none is written)."""
+    if func in _FREE or getattr(func, "_overloadpacket", None) in _FREE:
+        return True
+    rets = func._schema.returns
+    return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+
+
+class CostModel:
+    """Modeled durations of torch ops on one :class:`DeviceSpec`."""
+
+    def __init__(self, device: DeviceSpec) -> None:
+        self.device = device
+
+    def nbytes(self, t: torch.Tensor) -> int:
+        size = self.device.dtype_bytes if t.is_floating_point() else t.element_size()
+        return t.numel() * size
+
+    def gemm_time(self, m: int, k: int, n: int, batch: int = 1) -> float:
+        """Seconds for a ``[m, k] @ [k, n]`` GEMM (``batch`` of them), tile-rounded, BF16 operands."""
+        d = self.device
+        tile = d.min_tile
+        flops = 2.0 * batch * math.ceil(m / tile) * tile * k * math.ceil(n / tile) * tile
+        nbytes = batch * (m * k + k * n + m * n) * d.dtype_bytes
+        return self._time(flops, nbytes)
+
+    def _time(self, flops: float, nbytes: float) -> float:
+        d = self.device
+        return d.kernel_overhead_s + max(
+            flops / (d.peak_flops * d.gemm_efficiency), nbytes / (d.hbm_Bps * d.mem_efficiency)
+        )
+
+    def op_cost(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> OpCost:
+        """The cost of ``func(*args, **kwargs)`` that returned ``out``."""
+        if is_metadata_only(func):
+            return OpCost(0.0, 0, 0.0)
+        ins = _tensors(args) + _tensors(kwargs)
+        outs = _tensors(out)
+        nbytes = sum(self.nbytes(t) for t in ins) + sum(self.nbytes(t) for t in outs)
+        packet = func._overloadpacket
+        formula = flop_registry.get(packet)
+        if formula is not None:
+            flops = float(formula(*args, out_val=out, **kwargs))  # the registry maps tensors to shapes itself
+            if packet in _GEMMS and outs:
+                flops *= self._tile_waste(outs[0])
+        else:
+            flops = float(sum(t.numel() for t in outs))
+        return OpCost(flops, nbytes, self._time(flops, nbytes))
+
+    def _tile_waste(self, out_MN: torch.Tensor) -> float:
+        """Factor by which tile rounding inflates a GEMM whose output is ``[..., M, N]``."""
+        if out_MN.dim() < 2 or out_MN.numel() == 0:
+            return 1.0
+        tile = self.device.min_tile
+        m, n = out_MN.shape[-2], out_MN.shape[-1]
+        return (math.ceil(m / tile) * tile / m) * (math.ceil(n / tile) * tile / n)
