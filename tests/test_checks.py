@@ -1,0 +1,81 @@
+"""The yield-discipline checker: the first divergence of yield tags, named exactly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncdbo import YieldMismatchError, dbo_current_ubatch_id, dbo_yield, run_ubatches
+from asyncdbo.checks import YieldChecker
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
+
+
+def layer(tags_by_ub: dict[int, list[str]], log: list[str]):
+    async def forward() -> int:
+        ub = dbo_current_ubatch_id()
+        for tag in tags_by_ub[ub]:
+            log.append(f"ub{ub}:{tag}")
+            await dbo_yield(tag)
+        return ub
+
+    return forward
+
+
+async def test_matching_yields_pass_in_debug_mode() -> None:
+    log: list[str] = []
+    tags = {0: ["attn", "dispatch", "combine"], 1: ["attn", "dispatch", "combine"]}
+    assert await run_ubatches(layer(tags, log), [(), ()], debug=True) == [0, 1]
+    assert log == ["ub0:attn", "ub1:attn", "ub0:dispatch", "ub1:dispatch", "ub0:combine", "ub1:combine"]
+
+
+async def test_a_mismatched_pair_is_reported_at_the_first_divergence() -> None:
+    log: list[str] = []
+    tags = {0: ["attn", "dispatch", "combine"], 1: ["attn", "combine", "dispatch"]}
+    msg = (
+        r"^yield mismatch in run 'mismatch': ubatch 1 yield #1 is 'combine' but ubatch 0 yield #1 was 'dispatch'\. "
+        r"Sequences so far: ubatch 0: \['attn', 'dispatch'\]; ubatch 1: \['attn', 'combine'\]\. "
+    )
+    with pytest.raises(YieldMismatchError, match=msg):
+        await run_ubatches(layer(tags, log), [(), ()], debug=True, name="mismatch")
+    # the run stopped right there: ubatch 0 never reached its third yield
+    assert log == ["ub0:attn", "ub1:attn", "ub0:dispatch", "ub1:combine"]
+
+
+async def test_a_ubatch_that_stops_yielding_early_is_a_length_mismatch() -> None:
+    tags = {0: ["attn", "dispatch", "combine"], 1: ["attn", "dispatch"]}
+    msg = (
+        r"^yield mismatch in run 'short': ubatch 1 finished after 2 yields but ubatch 0 made 3 "
+        r"\(its yield #2 was 'combine'\)\. Sequences: ubatch 0: \['attn', 'dispatch', 'combine'\]; "
+        r"ubatch 1: \['attn', 'dispatch'\]\. "
+    )
+    with pytest.raises(YieldMismatchError, match=msg):
+        await run_ubatches(layer(tags, []), [(), ()], debug=True, name="short")
+
+
+async def test_an_empty_ubatch_that_never_yields_is_allowed() -> None:
+    tags = {0: ["attn", "combine"], 1: [], 2: ["attn", "combine"]}
+    assert await run_ubatches(layer(tags, []), [(), (), ()], debug=True) == [0, 1, 2]
+
+
+async def test_parking_on_a_completion_is_not_a_yield() -> None:
+    # ubatch 0 parks on an asyncio timer between its yields; ubatch 1 does not. Same yield tags.
+    async def forward() -> int:
+        ub = dbo_current_ubatch_id()
+        await dbo_yield("a")
+        if ub == 0:
+            await asyncio.sleep(0.01)
+        await dbo_yield("b")
+        return ub
+
+    assert await run_ubatches(forward, [(), ()], debug=True) == [0, 1]
+
+
+async def test_the_checker_works_as_an_explicit_instrument_and_is_reusable() -> None:
+    checker = YieldChecker()
+    tags = {0: ["x", "y"], 1: ["x", "y"]}
+    await run_ubatches(layer(tags, []), [(), ()], instrument=checker)
+    with pytest.raises(YieldMismatchError, match=r"ubatch 1 yield #0 is 'y' but ubatch 0 yield #0 was 'x'"):
+        await run_ubatches(layer({0: ["x"], 1: ["y"]}, []), [(), ()], instrument=checker)
+    await run_ubatches(layer(tags, []), [(), ()], instrument=checker)
