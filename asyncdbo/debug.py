@@ -1,0 +1,101 @@
+"""Where is each ubatch stuck? ``dump_stacks()`` and a signal that prints it.
+
+A thread-based DBO hang shows N threads blocked in ``Event.wait``; here every ubatch is a suspended
+coroutine, so its whole await chain (file:line down to the yield it is parked at), its last yield
+tag and what it waits on can be printed. :func:`dump_stacks` uses the same printer as the deadlock
+error and the watchdog (:func:`asyncdbo._core.format_run`), so all three read alike.
+
+Live runs are found through a weak registry (a run never stays alive because of it). The scheduler
+does not register its runs itself yet, so a run is registered while a :class:`~asyncdbo.trace.Tracer`
+or :class:`LiveRuns` instruments it, and the running ubatch's own run is always included; if the
+core grows a ``LIVE_RUNS`` set in ``asyncdbo._core.scheduler``, it is used as well.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import weakref
+from collections.abc import Callable
+from typing import IO, Any
+
+from ._core import DBORun, Instrument, format_run, get_ubatch
+from ._core import scheduler as _scheduler
+
+__all__ = ["LiveRuns", "dump_stacks", "install_stack_dump_signal", "live_runs", "track_run", "untrack_run"]
+
+_LIVE: weakref.WeakSet[DBORun] = weakref.WeakSet()
+
+
+def track_run(run: DBORun) -> None:
+    """Make ``run`` visible to :func:`dump_stacks` until :func:`untrack_run` (or it is collected)."""
+    _LIVE.add(run)
+
+
+def untrack_run(run: DBORun) -> None:
+    _LIVE.discard(run)
+
+
+class LiveRuns(Instrument):
+    """The smallest instrument: registers the runs it sees for :func:`dump_stacks`."""
+
+    def run_started(self, run: DBORun) -> None:
+        track_run(run)
+
+    def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
+        untrack_run(run)
+
+
+def live_runs() -> list[DBORun]:
+    """Runs that are in progress and known to the registry, oldest name first."""
+    runs: dict[int, DBORun] = {id(r): r for r in list(_LIVE)}
+    core = getattr(_scheduler, "LIVE_RUNS", None)
+    if core is not None:
+        runs.update((id(r), r) for r in list(core))
+    ub = get_ubatch()
+    if ub is not None:
+        runs[id(ub.run)] = ub.run
+    return sorted((r for r in runs.values() if r._live), key=lambda r: r.name)
+
+
+def dump_stacks(file: IO[str] | None = None) -> str:
+    """Every live ubatch's await chain (file:line), last yield tag and what it is parked on.
+
+    Returns the text, and also writes it to ``file`` when one is given (the library prints nothing
+    on its own)."""
+    runs = live_runs()
+    if not runs:
+        text = "asyncdbo: no live DBO run (runs show here while a Tracer or debug.LiveRuns instruments them)\n"
+    else:
+        parts = []
+        me = get_ubatch()
+        for run in runs:
+            title = f"asyncdbo run {run.name!r}: {len(run.ubatches)} ubatches on {getattr(run.backend, 'name', '?')}"
+            if me is not None and me.run is run:
+                title += f"; ubatch {me.id} is running (it called dump_stacks)"
+            parts.append(format_run(run.ubatches, title))
+        text = "\n\n".join(parts) + "\n"
+    if file is not None:
+        file.write(text)
+        file.flush()
+    return text
+
+
+def install_stack_dump_signal(signum: int = signal.SIGUSR1, file: IO[str] | None = None) -> Callable[[], None]:
+    """On ``signum`` (default SIGUSR1) write :func:`dump_stacks` to ``file`` (default stderr).
+
+    ``kill -USR1 <pid>`` then shows where each ubatch of a stuck server is. Python runs signal
+    handlers in the main thread between bytecodes, so a main thread blocked inside C code prints
+    when that call returns; pair it with ``faulthandler.register`` for thread-level stacks. Returns
+    a function that restores the previous handler."""
+    out = file
+
+    def handler(sig: int, frame: Any) -> None:
+        dump_stacks(out if out is not None else sys.stderr)
+
+    previous = signal.signal(signum, handler)
+
+    def uninstall() -> None:
+        signal.signal(signum, previous)
+
+    return uninstall
