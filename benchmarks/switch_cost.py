@@ -179,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out if args.out is not None else (None if args.quick else RESULTS)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        path = out / f"switch_cost_{hardware_tag(info)}_{datetime.date.today().isoformat()}.md"
+        stem = f"switch_cost_{hardware_tag(info)}_{datetime.date.today().isoformat()}"
+        path = out / f"{stem}.md"
+        n = 2
+        while path.exists():  # keep earlier runs of the day: noisy machines need more than one
+            path = out / f"{stem}_run{n}.md"
+            n += 1
         path.write_text(text)
         print(f"wrote {path}", file=sys.stderr)
     return 0
