@@ -269,6 +269,10 @@ class DBORunner:
             return await self.model.forward(ids, pos, meta)  # type: ignore[no-any-return]
 
         insts = [i for i in (self.instrument, instrument) if i is not None]
+        for inst in insts:
+            mark_step = getattr(inst, "mark_step", None)  # a Tracer labels the run with the record
+            if mark_step is not None:
+                mark_step(plan.record)
         outputs = await run_ubatches(
             ubatch_forward,
             args,

@@ -84,14 +84,6 @@ class MiniConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
 
-    def check_ep_size(self, ep_size: int) -> None:
-        """Experts are sharded evenly over the EP group: refuse a size that does not divide them."""
-        if ep_size < 1 or self.num_experts % ep_size:
-            raise ValueError(
-                f"num_experts ({self.num_experts}) is not divisible by the EP group size ({ep_size}); "
-                f"use a multiple of {ep_size} experts or a different number of ranks"
-            )
-
     @property
     def kv_cache_config(self) -> KVCacheConfig:
         return KVCacheConfig(num_layers=self.num_layers, num_blocks=self.num_kv_blocks,
@@ -113,14 +105,16 @@ def _rope(x_THK: torch.Tensor, positions_T: torch.Tensor, theta: float) -> torch
 
 
 class MiniModel:
-    """The model on one rank.  ``ep_group`` is the expert-parallel process group (None: the MoE
-    layer's default, see :class:`asyncdbo.moe.MoELayer`); the KV cache is this rank's own."""
+    """The model on one rank.  ``ep_group`` is the expert-parallel process group (None: the default
+    group when torch.distributed is initialised, else one rank; see :class:`asyncdbo.moe.MoELayer`,
+    which also refuses experts that do not divide over the group).  ``max_ubatches`` bounds the
+    ubatches of a DBO run (one comm group clone each).  The KV cache is this rank's own.  With EP
+    size > 1, building the model is a collective: every rank builds it at the same time."""
 
-    def __init__(self, cfg: MiniConfig, *, ep_group: Any = None, ep_size: int = 1,
+    def __init__(self, cfg: MiniConfig, *, ep_group: Any = None, max_ubatches: int = 4,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         from ..moe import MoEConfig, MoELayer  # the MoE package imports torch.distributed helpers
 
-        cfg.check_ep_size(ep_size)
         self.cfg = cfg
         gen = torch.Generator().manual_seed(cfg.seed)
         d, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim
@@ -147,7 +141,8 @@ class MiniModel:
                 "wv_DF": init(d, f, fan_in=d),
                 "wo_FD": init(f, d, fan_in=f),
                 "moe_norm_D": torch.ones(d, dtype=dtype, device=device),
-                "moe": MoELayer(moe_cfg, ep_group=ep_group, seed=cfg.seed * 1000 + layer + 1, dtype=dtype),
+                "moe": MoELayer(moe_cfg, ep_group=ep_group, seed=cfg.seed * 1000 + layer + 1, dtype=dtype,
+                                max_ubatches=max_ubatches).to(device),
             })
         self.final_norm_D = torch.ones(d, dtype=dtype, device=device)
         self.lm_head_DV = init(d, cfg.vocab_size, fan_in=d)
