@@ -25,8 +25,9 @@ Schedules (``MoEConfig.schedule``), per ubatch and layer:
   yields; the *next* ubatch launches that receive (``dbo_maybe_run_recv_hook`` at the start of its
   own prepare/finalize), then the owner awaits the hook and the comm handles. Two yields. On the
   host a receive cannot be launched without blocking, so the hook only marks it launched; the
-  owner issues the row exchange itself (on its own process group, so the order stays the same on
-  every rank) and parks on it.
+  owner issues the row exchange itself as soon as it resumes (on its own process group, so the
+  order stays the same on every rank), then parks on the hook and the exchange before it touches
+  the received rows.
 
 Every ubatch takes part in every collective even with T = 0: the other ranks' same ubatch waits
 for it.
@@ -298,11 +299,11 @@ class MoELayer(nn.Module):
             st.record("dispatch_sent")
         received = dbo_register_recv_hook(_noop)
         await dbo_yield("dispatch_send")
-        await received  # the next ubatch launched our receive
         if st is not None:
             await st.wait("dispatch_sent")
         await counts
-        recv_x_RD, dispatched = plan.start_tokens(x_TD)
+        recv_x_RD, dispatched = plan.start_tokens(x_TD)  # issued at once: overlaps the peer's experts
+        await received  # the next ubatch launched our receive
         await dispatched
         y_RD = self._experts(plan, recv_x_RD)
         dbo_maybe_run_recv_hook()

@@ -1,0 +1,181 @@
+"""Functions the MoE and comm tests run on RankPool ranks (module level: pickled by reference).
+
+Legend (shape suffixes): T tokens on this rank, D hidden, P ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import asyncdbo
+from asyncdbo._core import Instrument
+from asyncdbo.comm import ep_comm, plan_dispatch
+from asyncdbo.moe import MoEConfig, MoELayer
+from asyncdbo.streams.host import HostBackend
+
+MIXTRAL_LIKE = dict(hidden_size=32, intermediate_size=16, num_experts=8, top_k=2)
+DEEPSEEK_LIKE = dict(
+    hidden_size=32, intermediate_size=16, num_experts=8, top_k=3, scoring="sigmoid", n_group=4, topk_group=2,
+    routed_scaling_factor=2.5, num_shared_experts=2,
+)
+
+
+def rank_input(rank: int, T: int, D: int, salt: int = 0) -> torch.Tensor:
+    return torch.randn(T, D, generator=torch.Generator().manual_seed(1000 * rank + T + salt))
+
+
+def cut(x_TD: torch.Tensor, sizes: list[int]) -> list[tuple[torch.Tensor]]:
+    assert sum(sizes) == x_TD.shape[0], (sizes, x_TD.shape)
+    return [(part,) for part in torch.split(x_TD, sizes)]
+
+
+class StepLog(Instrument):
+    """Records (ubatch id, perf_counter) at every resume."""
+
+    def __init__(self) -> None:
+        self.resumes: list[tuple[int, float]] = []
+
+    def resuming(self, ub: Any) -> None:
+        self.resumes.append((ub.id, time.perf_counter()))
+
+
+def moe_dbo_vs_serial(
+    rank: int,
+    world_size: int,
+    cfg_kwargs: dict[str, Any],
+    tokens_per_rank: list[int],
+    sizes_per_rank: list[list[int]],
+    policy: str = "role",
+    link: str | None = None,
+) -> dict[str, Any]:
+    """Serial forward of this rank's whole batch vs the DBO run over its ubatch slices."""
+    cfg = MoEConfig(**cfg_kwargs)
+    layer = MoELayer(cfg, seed=7)
+    x_TD = rank_input(rank, tokens_per_rank[rank], cfg.hidden_size)
+    ref_TD = asyncdbo.run(layer, x_TD)
+
+    async def dbo() -> list[torch.Tensor]:
+        backend = HostBackend(link=link) if link else "host"
+        return await asyncdbo.run_ubatches(layer, cut(x_TD, sizes_per_rank[rank]), backend=backend, stream_policy=policy)
+
+    outs = asyncdbo.run(dbo)
+    out_TD = torch.cat(outs)
+    return {
+        "shapes": [tuple(o.shape) for o in outs],
+        "max_abs_diff": float((out_TD - ref_TD).abs().max()) if out_TD.numel() else 0.0,
+        "bitwise": bool(torch.equal(out_TD, ref_TD)),
+        "finite": bool(torch.isfinite(ref_TD).all()),
+    }
+
+
+def moe_overlap_trace(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
+    """One layer, 2 ubatches, a slow modeled link (5 ms latency) so each comm completes well after
+    the issuing ubatch parks: returns which ubatch resumed while ubatch 0's dispatch was in flight,
+    the comm works per ubatch, the yield count and the park count."""
+    cfg = MoEConfig(**MIXTRAL_LIKE, schedule=schedule)
+    layer = MoELayer(cfg, seed=7)
+    x_TD = rank_input(rank, 16, cfg.hidden_size)
+    log = StepLog()
+    holder: dict[str, Any] = {}
+
+    class Keep(Instrument):
+        def run_finished(self, run: Any, exc: BaseException | None) -> None:
+            holder["run"] = run
+
+    link = asyncdbo.link_spec("ib400", latency_s=5e-3)
+
+    async def dbo() -> list[torch.Tensor]:
+        return await asyncdbo.run_ubatches(
+            layer, cut(x_TD, [8, 8]), backend=HostBackend(link=link), instrument=[log, Keep()]
+        )
+
+    asyncdbo.run(dbo)
+    run = holder["run"]
+    works = run.data["comm_works"]
+    disp0 = next(w for ub, w in works if ub == 0 and w.what == "dispatch")
+    during = sorted({ub for ub, t in log.resumes if disp0.t_issue < t < disp0.t_release})
+    return {
+        "works": [(ub, w.what) for ub, w in works],
+        "resumed_during_dispatch0": during,
+        "yields": [ub.num_yields for ub in run.ubatches],
+        "parked": run.num_parks > 0,
+    }
+
+
+def moe_raise_mid_forward(rank: int, world_size: int) -> str:
+    """Rank 1's experts raise after the dispatch; it reports its error as a value, so the pool
+    keeps waiting for rank 0, which must then fail in the combine (collective timeout), not hang."""
+    cfg = MoEConfig(**MIXTRAL_LIKE)
+    layer = MoELayer(cfg, seed=7)
+    x_TD = rank_input(rank, 8, cfg.hidden_size)
+    if rank == 1:
+        def boom(*args: Any) -> torch.Tensor:
+            raise RuntimeError("expert shard corrupted on rank 1")
+
+        layer._experts = boom  # type: ignore[method-assign]
+
+    async def dbo() -> list[torch.Tensor]:
+        return await asyncdbo.run_ubatches(layer, cut(x_TD, [4, 4]), backend="host")
+
+    try:
+        asyncdbo.run(dbo)
+    except RuntimeError as exc:
+        if rank == 1:
+            return f"rank 1 raised: {exc}"
+        raise
+    return "finished"
+
+
+def moe_layer_error(rank: int, world_size: int, cfg_kwargs: dict[str, Any]) -> str:
+    try:
+        MoELayer(MoEConfig(**cfg_kwargs))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def comm_round_trip(rank: int, world_size: int, ids_per_rank: list[list[list[int]]], in_run: bool) -> dict[str, Any]:
+    """Dispatch rows tagged with (rank, token) to their experts' ranks and back.
+
+    Returns what this rank received per (source, local expert) and the round-tripped rows, which
+    must equal the sent rows in expert order."""
+    comm = ep_comm(None)
+    E = 2 * world_size
+    ids_TK = torch.tensor(ids_per_rank[rank], dtype=torch.int64).reshape(-1, 2)
+    T = ids_TK.shape[0]
+    x_TD = torch.stack([torch.full((T,), float(rank)), torch.arange(T, dtype=torch.float32)], dim=1)
+    result: dict[str, Any] = {}
+
+    async def body() -> None:
+        ub = asyncdbo._core.get_ubatch()
+        plan = plan_dispatch(ids_TK, num_experts=E, comm=comm, ub_id=None if ub is None else ub.id)
+        await plan.start_counts()
+        recv_x_RD, handle = plan.start_tokens(x_TD)
+        await handle
+        result["recv_PL"] = plan.recv_PL.tolist()
+        result["recv_rows"] = recv_x_RD.tolist()
+        result["local_ids"] = plan.local_expert_ids().tolist()
+        back_ND, handle = plan.start_combine(recv_x_RD * 10)
+        await handle
+        result["back_ok"] = bool(torch.equal(back_ND, x_TD[plan.order_N // 2] * 10))
+        out_TD = torch.zeros_like(x_TD)
+        plan.finish(back_ND, torch.full((T, 2), 0.5), out_TD)
+        result["finish_ok"] = bool(torch.equal(out_TD, x_TD * 10))
+
+    if in_run:
+        async def one() -> list[None]:
+            return await asyncdbo.run_ubatches(body, [()], backend="host")
+
+        asyncdbo.run(one)
+    else:
+        asyncdbo.run(body)
+    return result
+
+
+def group_sizes(rank: int, world_size: int) -> list[int]:
+    comm = ep_comm(None)
+    return [dist.get_world_size(g) for g in comm.ubatch_groups]

@@ -1,0 +1,59 @@
+"""EP dispatch/combine on a real 2-rank gloo group: uneven and zero-length splits, an idle rank,
+serial and inside a DBO run, and the per-ubatch process groups."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from asyncdbo.launch import RankPool
+
+from _moe_ranks import comm_round_trip, group_sizes
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[RankPool]:
+    with RankPool(2, timeout_s=60.0) as p:
+        yield p
+
+
+# 4 experts over 2 ranks (2 local experts each); top-2 ids per token, flattened.
+# Rank 0 sends tokens 0..2 to experts (0,3), (1,2), (0,1): 4 rows to itself, 2 rows to rank 1.
+# Rank 1 sends one token to experts (2,3): nothing to rank 0 (a zero-length split), 2 rows to itself.
+UNEVEN = [[0, 3, 1, 2, 0, 1], [2, 3]]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("in_run", [False, True], ids=["serial", "dbo"])
+def test_uneven_and_zero_length_splits_round_trip(pool: RankPool, in_run: bool) -> None:
+    r0, r1 = pool.run(comm_round_trip, UNEVEN, in_run)
+    # rank 0 receives (source rank, local expert): from itself 2 rows for expert 0 and 2 for expert 1
+    assert r0["recv_PL"] == [[2, 2], [0, 0]]
+    # rows are (source rank, token), grouped by expert in flat (token, k) order:
+    # expert 0 <- tokens 0, 2; expert 1 <- tokens 1, 2
+    assert r0["recv_rows"] == [[0.0, 0.0], [0.0, 2.0], [0.0, 1.0], [0.0, 2.0]]
+    assert r0["local_ids"] == [0, 0, 1, 1]
+    # rank 1 holds experts 2, 3: token 1 of rank 0 (expert 2), token 0 of rank 0 (expert 3), then its own token
+    assert r1["recv_PL"] == [[1, 1], [1, 1]]
+    assert r1["recv_rows"] == [[0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [1.0, 0.0]]
+    assert r1["local_ids"] == [0, 1, 0, 1]
+    assert [r["back_ok"] for r in (r0, r1)] == [True, True]
+    assert [r["finish_ok"] for r in (r0, r1)] == [True, True]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("in_run", [False, True], ids=["serial", "dbo"])
+def test_rank_with_no_tokens_still_takes_part(pool: RankPool, in_run: bool) -> None:
+    r0, r1 = pool.run(comm_round_trip, [UNEVEN[0], []], in_run)
+    assert r0["recv_PL"] == [[2, 2], [0, 0]]
+    assert r1["recv_PL"] == [[1, 1], [0, 0]]
+    assert r1["recv_rows"] == [[0.0, 1.0], [0.0, 0.0]]
+    assert [r["back_ok"] and r["finish_ok"] for r in (r0, r1)] == [True, True]
+
+
+@pytest.mark.timeout(60)
+def test_each_ubatch_slot_gets_its_own_group_over_the_same_ranks(pool: RankPool) -> None:
+    assert pool.run(group_sizes) == [[2, 2, 2, 2], [2, 2, 2, 2]]
