@@ -1,0 +1,524 @@
+"""Spans, numbers and Chrome/Perfetto export of DBO runs: did overlap engage, and if not, why.
+
+:class:`Tracer` is a scheduler :class:`~asyncdbo._core.Instrument`. Pass it as
+``instrument=tracer`` to :func:`~asyncdbo.run_ubatches`; each run it sees is one *step*. Without a
+tracer the scheduler pays one ``if inst is not None`` branch per yield and nothing else.
+
+What a step records (all times ``time.perf_counter()`` seconds, one clock for every process on a
+host, so per-rank traces merge without alignment):
+
+* **CPU steps**: one span per resume of a ubatch, from ``resuming`` to ``stepped``. On the host
+  backend the CPU *is* the compute stream, so these are the compute spans. A step is named by the
+  yield point it resumed from (``ub1:compute->comm``; ``start`` for the first), the stage tag;
+  ``args.role`` is the stream role the step ended on (a step that issues a collective ends on
+  ``comm``).
+* **Waits**: from the moment a ubatch parks (on a comm signal, an event, a timer) to its next
+  resume, named by what it parked on.
+* **Yield points**: an instant event per ``SWITCH``, named by its tag.
+* **Comm** (host backend): each comm work in ``run.data["comm_works"]`` from issue to its effective
+  completion ``max(t_done, t_release)`` (the modeled link may release it later than gloo).
+* **Device spans** (accelerators): timing events recorded on each of the ubatch's streams at every
+  resume and step end. A span ``[start, end]`` on stream S is when S executed the work that step
+  queued on it. Events are only *recorded* inside the step; they are read (``synchronize`` +
+  ``elapsed_time``) when numbers or the trace are asked for, so tracing adds no host sync to the
+  step. Device times are placed on the host clock through a base event recorded at run start,
+  which assumes the stream was idle then (it is, between steps of a serving loop).
+
+"Comm hidden" (:attr:`RunNumbers.comm_hidden_s`) is the measure of
+``union(comm intervals) ∩ union(compute intervals)``: time in which some comm was in flight while
+some ubatch computed. On the host, compute intervals are the CPU steps of all ubatches; on an
+accelerator, the device spans on compute streams and comm intervals the device spans on comm
+streams. ``comm_hidden_share = comm_hidden_s / comm_s`` (0 when there is no comm).
+
+Profiler ranges (``profiler_ranges=True``): every CPU step is wrapped in a
+``torch.profiler.record_function("ub{id}:{tag}")`` range and, on CUDA, an NVTX range of the same
+name, so the DBO schedule shows in torch.profiler and Nsight traces.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ._core import SWITCH, DBORun, Instrument, UBatch
+from .debug import track_run, untrack_run
+
+__all__ = ["RunNumbers", "Span", "Tracer", "hidden_seconds", "merge_traces", "union_seconds"]
+
+log = logging.getLogger("asyncdbo")
+
+Interval = tuple[float, float]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Span:
+    """One interval of a step. ``kind``: ``compute`` (a CPU step or compute-stream device span),
+    ``wait`` (parked), ``comm`` (a comm work or a comm-stream device span)."""
+
+    ub: int
+    kind: str
+    role: str
+    name: str
+    t0: float
+    t1: float
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunNumbers:
+    """The numbers of one step (or several, summed by :meth:`Tracer.numbers`).
+
+    wall_s: first resume to run end. switches: ``SWITCH`` yields. parks: times a ubatch parked.
+    yields_per_ubatch: ``SWITCH`` yields of each ubatch. parked_s: total time ubatches spent
+    parked (summed over ubatches). idle_s: time every ubatch was parked (the CPU had nothing to do).
+    compute_s: total CPU (or compute-stream) time of ubatch steps. comm_s: measure of the union of
+    comm intervals. comm_hidden_s / comm_hidden_share: see the module docstring. microbatched /
+    reason: from :meth:`Tracer.mark_step` (None when the step was not marked).
+    """
+
+    step: int
+    rank: int
+    name: str
+    backend: str
+    num_ubatches: int
+    wall_s: float
+    switches: int
+    parks: int
+    yields_per_ubatch: tuple[int, ...]
+    parked_s: float
+    idle_s: float
+    compute_s: float
+    comm_s: float
+    comm_hidden_s: float
+    comm_hidden_share: float
+    num_comm_works: int
+    comm_bytes: int
+    microbatched: bool | None = None
+    reason: str | None = None
+
+    def summary(self) -> str:
+        """One line for logs, the demo and the PNG title."""
+        text = (
+            f"wall {self.wall_s * 1e3:.2f} ms, compute {self.compute_s * 1e3:.2f} ms, "
+            f"comm {self.comm_s * 1e3:.2f} ms ({self.comm_hidden_share:.0%} hidden), "
+            f"parked {self.parked_s * 1e3:.2f} ms, {self.switches} switches, yields/ub {list(self.yields_per_ubatch)}"
+        )
+        if self.microbatched is not None:
+            text += ", microbatched" if self.microbatched else f", not microbatched ({self.reason})"
+        return text
+
+
+# ---------------------------------------------------------------------------------------- intervals
+def _union(intervals: Iterable[Interval]) -> list[Interval]:
+    merged: list[Interval] = []
+    for a, b in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and a <= merged[-1][1]:
+            if b > merged[-1][1]:
+                merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def union_seconds(intervals: Iterable[Interval]) -> float:
+    """Measure of the union of ``intervals`` (overlaps counted once)."""
+    return sum((b - a for a, b in _union(intervals)), 0.0)
+
+
+def hidden_seconds(comm: Iterable[Interval], compute: Iterable[Interval]) -> float:
+    """Measure of ``union(comm) ∩ union(compute)``: comm time that ran under some compute."""
+    xs, ys = _union(comm), _union(compute)
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if hi > lo:
+            total += hi - lo
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+# ---------------------------------------------------------------------------------------- one step
+class _Step:
+    """Everything recorded about one run."""
+
+    def __init__(self, index: int, run: DBORun, record: object | None) -> None:
+        self.index = index
+        self.name = run.name
+        self.backend = getattr(run.backend, "name", "?")
+        self.num_ubatches = len(run.ubatches)
+        self.t0: float | None = None
+        self.t1 = 0.0
+        self.spans: list[Span] = []
+        self.instants: list[tuple[int, str, float]] = []  # (ub, tag, t)
+        self.yields = [0] * len(run.ubatches)
+        self.parks = 0
+        self.switches = 0
+        self.idle_s = 0.0
+        self.works: list[tuple[int, Any]] = []
+        self.device: _DeviceTimer | None = None
+        self.record = record
+        self._numbers: RunNumbers | None = None
+
+    def comm_spans(self) -> list[Span]:
+        spans = []
+        for ub_id, w in self.works:
+            if w.t_done is None:
+                continue  # still in flight (never awaited): it has no end to show yet
+            end = w.t_done if w.t_release is None else max(w.t_done, w.t_release)
+            args = {"ub": ub_id, "kind": "comm", "nbytes": w.nbytes, "t_done": w.t_done, "t_release": w.t_release}
+            spans.append(Span(ub=ub_id, kind="comm", role="comm", name=w.what, t0=w.t_issue, t1=end, args=args))
+        return spans
+
+    def all_spans(self) -> list[Span]:
+        spans = self.spans + self.comm_spans()
+        if self.device is not None:
+            spans += self.device.resolve()
+        return spans
+
+    def numbers(self, rank: int) -> RunNumbers:
+        if self._numbers is not None:
+            return self._numbers
+        spans = self.all_spans()
+        if self.device is not None:  # accelerator: device spans carry compute and comm
+            compute = [(s.t0, s.t1) for s in spans if s.args.get("device") and s.role == "compute"]
+            comm = [(s.t0, s.t1) for s in spans if s.args.get("device") and s.role == "comm"]
+            compute_s = sum(b - a for a, b in compute)
+        else:
+            compute = [(s.t0, s.t1) for s in spans if s.kind == "compute"]
+            comm = [(s.t0, s.t1) for s in spans if s.kind == "comm"]
+            compute_s = sum(b - a for a, b in compute)
+        comm_s = union_seconds(comm)
+        hidden = hidden_seconds(comm, compute)
+        rec = self.record
+        reason = getattr(rec, "reason", None)
+        numbers = RunNumbers(
+            step=self.index,
+            rank=rank,
+            name=self.name,
+            backend=self.backend,
+            num_ubatches=self.num_ubatches,
+            wall_s=self.t1 - (self.t0 if self.t0 is not None else self.t1),
+            switches=self.switches,
+            parks=self.parks,
+            yields_per_ubatch=tuple(self.yields),
+            parked_s=sum(s.t1 - s.t0 for s in self.spans if s.kind == "wait"),
+            idle_s=self.idle_s,
+            compute_s=compute_s,
+            comm_s=comm_s,
+            comm_hidden_s=hidden,
+            comm_hidden_share=hidden / comm_s if comm_s > 0 else 0.0,
+            num_comm_works=len(self.works),
+            comm_bytes=sum(int(w.nbytes) for _, w in self.works),
+            microbatched=None if rec is None else bool(getattr(rec, "microbatched")),
+            reason=None if reason is None else str(getattr(reason, "value", reason)),
+        )
+        if all(w.t_done is not None for _, w in self.works):
+            self._numbers = numbers  # final: nothing left in flight
+        return numbers
+
+
+class _DeviceTimer:
+    """Timing events on an accelerator's streams; resolved only when read (see module docstring)."""
+
+    def __init__(self, run: DBORun) -> None:
+        import torch
+
+        self._torch = torch
+        self.device = run.backend.device  # type: ignore[attr-defined]
+        self.base = self._event()
+        self.base.record(torch.accelerator.current_stream(self.device))
+        self.t_base = time.perf_counter()
+        self.open: dict[int, list[tuple[str, Any, Any]]] = {}
+        self.pending: list[tuple[int, str, str, Any, Any]] = []  # (ub, role, name, start, end)
+        self._spans: list[Span] | None = None
+
+    def _event(self) -> Any:
+        return self._torch.Event(device=self.device, enable_timing=True)
+
+    def _streams(self, ub: UBatch) -> list[tuple[str, Any]]:
+        seen: dict[int, tuple[str, Any]] = {}
+        for role, stream in ub.streams.items():
+            seen.setdefault(id(stream), (role, stream))
+        return list(seen.values())
+
+    def resuming(self, ub: UBatch) -> None:
+        opened = []
+        for role, stream in self._streams(ub):
+            ev = self._event()
+            ev.record(stream)
+            opened.append((role, stream, ev))
+        self.open[ub.id] = opened
+
+    def stepped(self, ub: UBatch, name: str) -> None:
+        for role, stream, start in self.open.pop(ub.id, []):
+            end = self._event()
+            end.record(stream)
+            self.pending.append((ub.id, role, name, start, end))
+
+    def resolve(self) -> list[Span]:
+        if self._spans is None:
+            spans = []
+            for ub_id, role, name, start, end in self.pending:
+                end.synchronize()
+                t0 = self.t_base + self.base.elapsed_time(start) / 1e3
+                t1 = self.t_base + self.base.elapsed_time(end) / 1e3
+                if t1 - t0 > 1e-6:  # the step queued nothing on this stream
+                    kind = "comm" if role == "comm" else "compute"
+                    args = {"ub": ub_id, "kind": kind, "device": True}
+                    spans.append(Span(ub=ub_id, kind=kind, role=role, name=name, t0=t0, t1=t1, args=args))
+            self._spans = spans
+        return self._spans
+
+
+# ---------------------------------------------------------------------------------------- tracer
+class Tracer(Instrument):
+    """Records spans and numbers of every run it instruments (one run = one step).
+
+    ``rank`` becomes the trace's process id; ``profiler_ranges`` adds torch.profiler / NVTX ranges;
+    ``device_timing`` (default: on for accelerator backends) records stream timing events.
+    """
+
+    def __init__(self, *, rank: int = 0, profiler_ranges: bool = False, device_timing: bool = True) -> None:
+        self.rank = rank
+        self.profiler_ranges = profiler_ranges
+        self.device_timing = device_timing
+        self.steps: list[_Step] = []
+        self._cur: _Step | None = None
+        self._pending_record: object | None = None
+        self._resumed: dict[int, tuple[float, str]] = {}
+        self._parked: dict[int, tuple[float, str]] = {}
+        self._ranges: dict[int, tuple[Any, bool]] = {}
+        self._t_sleep = 0.0
+        self._record_function: Any = None
+        self._nvtx: Any = None
+        if profiler_ranges:
+            import torch
+
+            self._record_function = torch.profiler.record_function
+            self._nvtx = torch.cuda.nvtx if torch.cuda.is_available() else None
+
+    # ------------------------------------------------------------------ Instrument hooks
+    def run_started(self, run: DBORun) -> None:
+        track_run(run)
+        step = _Step(len(self.steps), run, self._pending_record)
+        self._pending_record = None
+        if self.device_timing and getattr(run.backend, "device", None) is not None:
+            step.device = _DeviceTimer(run)
+        self.steps.append(step)
+        self._cur = step
+        self._resumed.clear()
+        self._parked.clear()
+
+    def resuming(self, ub: UBatch) -> None:
+        step = self._cur
+        assert step is not None, "resuming() before run_started()"
+        t = time.perf_counter()
+        if step.t0 is None:
+            step.t0 = t
+        parked = self._parked.pop(ub.id, None)
+        if parked is not None:
+            step.spans.append(
+                Span(ub=ub.id, kind="wait", role=ub.role, name=f"wait: {parked[1]}", t0=parked[0], t1=t,
+                     args={"ub": ub.id, "kind": "wait", "parked_on": parked[1]})
+            )
+        tag = ub.tag or "start"
+        self._resumed[ub.id] = (t, tag)
+        if step.device is not None:
+            step.device.resuming(ub)
+        if self._record_function is not None:
+            name = f"ub{ub.id}:{tag}"
+            rf = self._record_function(name)
+            rf.__enter__()
+            if self._nvtx is not None:
+                self._nvtx.range_push(name)
+            self._ranges[ub.id] = (rf, self._nvtx is not None)
+
+    def stepped(self, ub: UBatch, request: object) -> None:
+        t = time.perf_counter()
+        step = self._cur
+        assert step is not None, "stepped() before run_started()"
+        rng = self._ranges.pop(ub.id, None)
+        if rng is not None:
+            if rng[1]:
+                self._nvtx.range_pop()
+            rng[0].__exit__(None, None, None)
+        t0, tag = self._resumed.pop(ub.id, (t, ub.tag or "start"))
+        name = f"ub{ub.id}:{tag}"
+        args: dict[str, Any] = {"ub": ub.id, "kind": "compute", "from": tag, "role": ub.role}
+        if request is SWITCH:
+            step.switches += 1
+            step.yields[ub.id] += 1
+            step.instants.append((ub.id, ub.tag or "yield", t))
+            args["to"] = ub.tag
+        elif ub.state == "done":
+            args["to"] = "finished"
+        else:  # parked: on a Signal (has .what), an asyncio future, or a bare yield (a string)
+            step.parks += 1
+            parked_on = ub.parked_on if ub.parked_on is not None else request
+            what = parked_on if isinstance(parked_on, str) else getattr(parked_on, "what", None) or type(parked_on).__name__
+            self._parked[ub.id] = (t, str(what))
+            args["to"] = f"parked on {what}"
+        step.spans.append(Span(ub=ub.id, kind="compute", role=ub.role, name=name, t0=t0, t1=t, args=args))
+        if step.device is not None:
+            step.device.stepped(ub, name)
+
+    def sleeping(self, run: DBORun) -> None:
+        self._t_sleep = time.perf_counter()
+
+    def woke(self, run: DBORun) -> None:
+        if self._cur is not None:
+            self._cur.idle_s += time.perf_counter() - self._t_sleep
+
+    def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
+        step = self._cur
+        untrack_run(run)
+        if step is None:
+            return
+        step.t1 = time.perf_counter()
+        if step.t0 is None:
+            step.t0 = step.t1
+        step.works = list(run.data.get("comm_works", ()))  # type: ignore[call-overload]
+        for rf, nvtx in self._ranges.values():  # a failed step may leave ranges open
+            if nvtx:
+                self._nvtx.range_pop()
+            rf.__exit__(None, None, None)
+        self._ranges.clear()
+        self._cur = None
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rank %d step %d: %s", self.rank, step.index, step.numbers(self.rank).summary())
+
+    # ------------------------------------------------------------------ results
+    def mark_step(self, record: object) -> None:
+        """Attach a planning record (anything with ``microbatched`` and ``reason``, such as
+        :class:`asyncdbo.plan.StepRecord`) to the step in progress, or, between steps, to the next
+        step this tracer records."""
+        if not hasattr(record, "microbatched"):
+            raise ValueError(f"mark_step expects a record with .microbatched and .reason (a StepRecord), got {record!r}")
+        if self._cur is not None:
+            self._cur.record = record
+            self._cur._numbers = None
+        else:
+            self._pending_record = record
+
+    def step_numbers(self) -> list[RunNumbers]:
+        """The numbers of every step, in order."""
+        return [s.numbers(self.rank) for s in self.steps]
+
+    def numbers(self) -> RunNumbers:
+        """The numbers of the last step (raises if no step was recorded)."""
+        if not self.steps:
+            raise ValueError("this Tracer has recorded no step yet; pass instrument=tracer to run_ubatches first")
+        return self.steps[-1].numbers(self.rank)
+
+    def spans(self, step: int = -1) -> list[Span]:
+        """Every span of one step (default: the last), sorted by start time."""
+        return sorted(self.steps[step].all_spans(), key=lambda s: (s.t0, s.ub))
+
+    def to_chrome(self) -> dict[str, Any]:
+        """Chrome trace event JSON (ui.perfetto.dev, chrome://tracing): pid = rank, one thread per
+        (ubatch, track), ``ts``/``dur`` in microseconds of ``perf_counter``."""
+        return _chrome(self.rank, self.steps)
+
+    def export(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`to_chrome` to ``path`` as JSON."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_chrome(), f)
+
+
+# ---------------------------------------------------------------------------------------- export
+_TRACKS = ("compute", "comm")
+
+
+def _tid(ub: int, track: int) -> int:
+    return ub * 100 + track  # ubatch-major: ub0 compute, ub0 comm lanes..., ub1 compute, ...
+
+
+def _lanes(spans: Sequence[Span]) -> list[int]:
+    """Greedy lanes so that spans on one Chrome thread never partly overlap (two comm works of one
+    ubatch may be in flight at once)."""
+    ends: list[float] = []
+    lanes = []
+    for s in spans:
+        for k, end in enumerate(ends):
+            if s.t0 >= end:
+                ends[k] = s.t1
+                lanes.append(k)
+                break
+        else:
+            ends.append(s.t1)
+            lanes.append(len(ends) - 1)
+    return lanes
+
+
+def _chrome(rank: int, steps: Sequence[_Step]) -> dict[str, Any]:
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
+        {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
+    ]
+    named: set[int] = set()
+
+    def thread(ub: int, track: int, label: str) -> int:
+        tid = _tid(ub, track)
+        if tid not in named:
+            named.add(tid)
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": label}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
+        return tid
+
+    for step in steps:
+        spans = step.all_spans()
+        for s in sorted((s for s in spans if s.kind != "comm"), key=lambda s: s.t0):
+            tid = thread(s.ub, 0, f"ub{s.ub} compute") if not s.args.get("device") else thread(
+                s.ub, 50 if s.role == "compute" else 60, f"ub{s.ub} {s.role} stream")
+            events.append(_x(rank, tid, s, step.index))
+        comm = sorted((s for s in spans if s.kind == "comm"), key=lambda s: s.t0)
+        for s, lane in zip(comm, _lanes(comm)):
+            tid = thread(s.ub, 1 + lane, f"ub{s.ub} comm" + (f" {lane}" if lane else ""))
+            events.append(_x(rank, tid, s, step.index))
+        for ub, tag, t in step.instants:
+            events.append({"ph": "i", "s": "t", "name": tag, "cat": "yield", "pid": rank, "tid": thread(ub, 0, f"ub{ub} compute"),
+                           "ts": t * 1e6, "args": {"ub": ub, "step": step.index}})
+    numbers = [asdict(s.numbers(rank)) for s in steps]
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"asyncdbo": {"ranks": [{"rank": rank, "steps": numbers}], "clock": "perf_counter"}},
+    }
+
+
+def _x(pid: int, tid: int, s: Span, step: int) -> dict[str, Any]:
+    args = {k: v for k, v in s.args.items() if v is not None}
+    args["step"] = step
+    return {"ph": "X", "name": s.name, "cat": s.kind, "pid": pid, "tid": tid, "ts": s.t0 * 1e6,
+            "dur": max(0.0, (s.t1 - s.t0) * 1e6), "args": args}
+
+
+def merge_traces(traces: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One trace from per-rank traces (:meth:`Tracer.to_chrome`): one process lane per rank. Ranks
+    on one host share ``perf_counter``, so their spans line up as recorded."""
+    events: list[dict[str, Any]] = []
+    ranks: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    for i, trace in enumerate(traces):
+        if not isinstance(trace, dict) or "traceEvents" not in trace:
+            raise ValueError(f"merge_traces: traces[{i}] is not a Chrome trace dict with 'traceEvents' (got {type(trace).__name__})")
+        info = trace.get("otherData", {}).get("asyncdbo", {}).get("ranks", [])
+        pids = {e["pid"] for e in trace["traceEvents"]}
+        clash = pids & seen
+        if clash:
+            raise ValueError(f"merge_traces: rank(s) {sorted(clash)} appear in more than one trace; give each Tracer its own rank=")
+        seen |= pids
+        events += trace["traceEvents"]
+        ranks += info
+    ranks.sort(key=lambda r: r["rank"])
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"asyncdbo": {"ranks": ranks, "clock": "perf_counter"}}}

@@ -1,0 +1,233 @@
+"""Tracer: spans and numbers of a step, Chrome trace export, profiler ranges, PNG, `asyncdbo trace`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncdbo import dbo_current_ubatch_id, dbo_yield, run_ubatches
+from asyncdbo.cli import main as cli_main
+from asyncdbo.plan.records import PlanReason, StepRecord
+from asyncdbo.timeline import render_png
+from asyncdbo.trace import RunNumbers, Tracer, hidden_seconds, merge_traces, union_seconds
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def two_stage(x: int) -> int:
+    await dbo_yield("attn")
+    x += 1
+    await dbo_yield("moe")
+    return x * 2
+
+
+async def parks_on_a_timer(x: int) -> int:
+    await dbo_yield("attn")
+    if dbo_current_ubatch_id() == 0:
+        await asyncio.sleep(0.02)  # ubatch 0 waits; ubatch 1 runs on
+    await dbo_yield("moe")
+    return x
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+# ----------------------------------------------------------------------------------- intervals
+def test_union_and_hidden_seconds_count_overlaps_once() -> None:
+    comm = [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]  # union: [0, 3] + [5, 6] = 4 s
+    compute = [(2.5, 5.5), (0.5, 1.0), (0.8, 0.9)]  # union: [0.5, 1] + [2.5, 5.5]
+    assert union_seconds(comm) == 4.0
+    assert hidden_seconds(comm, compute) == pytest.approx(0.5 + 0.5 + 0.5)
+    assert union_seconds([]) == 0.0 and hidden_seconds([], compute) == 0.0
+
+
+# ----------------------------------------------------------------------------------- spans
+@pytest.mark.asyncio
+async def test_spans_follow_the_round_robin_with_yield_points_between_them() -> None:
+    tracer = Tracer(rank=3)
+    assert await run_ubatches(two_stage, [(1,), (10,)], backend="host", instrument=tracer, name="s") == [4, 22]
+    assert [(s.ub, s.kind, s.name, s.args["to"]) for s in tracer.spans()] == [
+        (0, "compute", "ub0:start", "attn"),
+        (1, "compute", "ub1:start", "attn"),
+        (0, "compute", "ub0:attn", "moe"),
+        (1, "compute", "ub1:attn", "moe"),
+        (0, "compute", "ub0:moe", "finished"),
+        (1, "compute", "ub1:moe", "finished"),
+    ]
+    spans = tracer.spans()
+    assert all(a.t1 <= b.t0 for a, b in zip(spans, spans[1:]))  # one thread: CPU steps never overlap
+    assert [(ub, tag) for ub, tag, _ in tracer.steps[0].instants] == [(0, "attn"), (1, "attn"), (0, "moe"), (1, "moe")]
+    n = tracer.numbers()
+    assert (n.rank, n.step, n.name, n.backend, n.num_ubatches) == (3, 0, "s", "host", 2)
+    assert (n.switches, n.parks, n.yields_per_ubatch) == (4, 0, (2, 2))
+    assert (n.comm_s, n.comm_hidden_s, n.comm_hidden_share, n.num_comm_works, n.parked_s) == (0.0, 0.0, 0.0, 0, 0.0)
+    assert n.compute_s == pytest.approx(sum(s.t1 - s.t0 for s in spans))
+    assert n.wall_s >= n.compute_s
+
+
+@pytest.mark.asyncio
+async def test_a_park_is_a_wait_span_and_counts_as_time_parked() -> None:
+    tracer = Tracer()
+    await run_ubatches(parks_on_a_timer, [(0,), (1,)], backend="host", instrument=tracer)
+    spans = tracer.spans()
+    assert [(s.ub, s.kind, s.name) for s in spans] == [
+        (0, "compute", "ub0:start"),
+        (1, "compute", "ub1:start"),
+        (0, "compute", "ub0:attn"),  # ends parked on the timer's future
+        (0, "wait", "wait: Future"),
+        (1, "compute", "ub1:attn"),
+        (1, "compute", "ub1:moe"),  # ubatch 1 finishes while ubatch 0 still waits
+        (0, "compute", "ub0:attn"),  # the rest of ubatch 0's stage, after the wait
+        (0, "compute", "ub0:moe"),
+    ]
+    assert spans[2].args["to"] == "parked on Future"
+    wait = spans[3]
+    assert wait.t1 - wait.t0 >= 0.02
+    n = tracer.numbers()
+    assert (n.switches, n.parks, n.yields_per_ubatch) == (4, 1, (2, 2))
+    assert n.parked_s == pytest.approx(wait.t1 - wait.t0)
+    assert 0 < n.idle_s <= n.parked_s
+
+
+@pytest.mark.asyncio
+async def test_steps_are_kept_apart_and_carry_their_plan_record() -> None:
+    tracer = Tracer()
+    tracer.mark_step(StepRecord(step=0, microbatched=True, reason=PlanReason.MICROBATCHED))
+    await run_ubatches(two_stage, [(1,), (2,)], backend="host", instrument=tracer)
+    tracer.mark_step(StepRecord(step=1, microbatched=False, reason=PlanReason.BELOW_THRESHOLD))
+    await run_ubatches(two_stage, [(1,)], backend="host", instrument=tracer)
+    first, second = tracer.step_numbers()
+    assert (first.step, first.microbatched, first.reason, first.yields_per_ubatch) == (0, True, "microbatched", (2, 2))
+    assert (second.step, second.microbatched, second.reason, second.yields_per_ubatch) == (1, False, "below_threshold", (2,))
+    assert tracer.numbers() == second
+    assert second.summary().endswith(", 2 switches, yields/ub [2], not microbatched (below_threshold)")
+    with pytest.raises(ValueError, match=r"mark_step expects a record with \.microbatched and \.reason"):
+        tracer.mark_step("microbatched")
+    with pytest.raises(ValueError, match=r"this Tracer has recorded no step yet"):
+        Tracer().numbers()
+
+
+# ----------------------------------------------------------------------------------- export
+def check_chrome_trace(trace: dict) -> None:
+    """The Chrome trace event format, as ui.perfetto.dev and chrome://tracing read it."""
+    assert set(trace) == {"traceEvents", "displayTimeUnit", "otherData"} and trace["displayTimeUnit"] == "ms"
+    json.loads(json.dumps(trace))  # plain JSON, no NaN
+    named_threads = set()
+    for e in trace["traceEvents"]:
+        assert e["ph"] in ("M", "X", "i") and isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        if e["ph"] == "M":
+            assert e["name"] in ("process_name", "process_sort_index", "thread_name", "thread_sort_index")
+            if e["name"] == "thread_name":
+                named_threads.add((e["pid"], e["tid"]))
+        else:
+            assert isinstance(e["name"], str) and e["ts"] >= 0 and (e["pid"], e["tid"]) in named_threads
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and e["cat"] in ("compute", "wait", "comm") and e["args"]["kind"] == e["cat"]
+        if e["ph"] == "i":
+            assert e["s"] == "t" and e["cat"] == "yield"
+    # per ubatch and track, spans are in time order and never partly overlap
+    by_track: dict[tuple[int, int], list[dict]] = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X":
+            by_track.setdefault((e["pid"], e["tid"]), []).append(e)
+    for events in by_track.values():
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(events, events[1:]))
+
+
+@pytest.mark.asyncio
+async def test_chrome_export_has_a_track_per_ubatch_and_the_numbers(tmp_path: Path) -> None:
+    tracer = Tracer(rank=1)
+    await run_ubatches(parks_on_a_timer, [(0,), (1,)], backend="host", instrument=tracer)
+    trace = tracer.to_chrome()
+    check_chrome_trace(trace)
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {0: "ub0 compute", 100: "ub1 compute"}
+    assert [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"] == ["rank 1"]
+    xs = [(e["tid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert xs == [(0, "ub0:start"), (100, "ub1:start"), (0, "ub0:attn"), (0, "wait: Future"),
+                  (100, "ub1:attn"), (100, "ub1:moe"), (0, "ub0:attn"), (0, "ub0:moe")]
+    assert trace["otherData"]["asyncdbo"]["ranks"] == [{"rank": 1, "steps": [_asdict(tracer.numbers())]}]
+    path = tmp_path / "rank1.json"
+    tracer.export(path)
+    assert json.loads(path.read_text()) == json.loads(json.dumps(trace))
+
+
+def _asdict(n: RunNumbers) -> dict:
+    from dataclasses import asdict
+
+    return asdict(n)
+
+
+@pytest.mark.asyncio
+async def test_merge_gives_one_process_lane_per_rank() -> None:
+    traces = []
+    for rank in (1, 0):
+        tracer = Tracer(rank=rank)
+        await run_ubatches(two_stage, [(1,), (2,)], backend="host", instrument=tracer)
+        traces.append(tracer.to_chrome())
+    merged = merge_traces(traces)
+    check_chrome_trace(merged)
+    lanes = {e["pid"]: e["args"]["name"] for e in merged["traceEvents"] if e["name"] == "process_name"}
+    assert lanes == {0: "rank 0", 1: "rank 1"}
+    assert [r["rank"] for r in merged["otherData"]["asyncdbo"]["ranks"]] == [0, 1]
+    with pytest.raises(ValueError, match=r"rank\(s\) \[1\] appear in more than one trace; give each Tracer its own rank="):
+        merge_traces([traces[0], traces[0]])
+    with pytest.raises(ValueError, match=r"traces\[0\] is not a Chrome trace dict"):
+        merge_traces([{"events": []}])
+
+
+# ----------------------------------------------------------------------------------- profiler
+@pytest.mark.asyncio
+async def test_profiler_ranges_name_each_stage_by_ubatch_and_tag() -> None:
+    tracer = Tracer(profiler_ranges=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        await run_ubatches(two_stage, [(1,), (2,)], backend="host", instrument=tracer)
+    names = [e.name for e in prof.events() if e.name.startswith("ub")]
+    assert sorted(names) == sorted(["ub0:start", "ub1:start", "ub0:attn", "ub1:attn", "ub0:moe", "ub1:moe"])
+
+
+# ----------------------------------------------------------------------------------- PNG + CLI
+@pytest.mark.asyncio
+async def test_png_timeline_and_the_trace_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tracer = Tracer()
+    tracer.mark_step(StepRecord(step=0, microbatched=True, reason=PlanReason.MICROBATCHED))
+    await run_ubatches(parks_on_a_timer, [(0,), (1,)], backend="host", instrument=tracer)
+    out = tmp_path / "direct.png"
+    assert render_png(tracer.to_chrome(), out, width_px=800) == (800, 160 + 36 * 2)
+    assert png_size(out) == (800, 232)
+
+    path = tmp_path / "trace.json"
+    tracer.export(path)
+    cli_png = tmp_path / "cli.png"
+    assert cli_main(["trace", str(path), "--png", str(cli_png), "--width", "640", "--print-numbers"]) == 0
+    assert png_size(cli_png) == (640, 232)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"wrote {cli_png} (640x232 px)"
+    assert lines[1].split() == ["rank", "step", "wall", "ms", "compute", "ms", "comm", "ms", "hidden", "parked", "ms",
+                                "switches", "yields/ub", "plan"]
+    assert lines[2].split()[:2] == ["0", "0"] and lines[2].endswith("[2, 2]  microbatched")
+
+
+def test_the_trace_command_reports_unreadable_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert cli_main(["trace", str(bad)]) == 2
+    assert capsys.readouterr().err == (
+        f"asyncdbo trace: cannot read {str(bad)!r}: {str(bad)!r} is not a Chrome trace JSON object with 'traceEvents'\n"
+    )
+    with pytest.raises(ValueError, match=r"the trace has no asyncdbo spans to draw"):
+        render_png({"traceEvents": []}, tmp_path / "x.png")
+
+
+def test_a_tracer_that_saw_no_run_exports_an_empty_valid_trace() -> None:
+    trace = Tracer(rank=0).to_chrome()
+    check_chrome_trace(trace)
+    assert trace["otherData"]["asyncdbo"]["ranks"] == [{"rank": 0, "steps": []}]
