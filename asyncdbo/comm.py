@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -96,11 +97,25 @@ def ep_comm(group: Any = None, *, max_ubatches: int = 4) -> EPComm:
         return cached
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     backend = dist.get_backend(group)
-    subs = tuple(dist.new_group(ranks, backend=backend) for _ in range(max_ubatches))
+    timeout = _group_timeout(group)
+    subs = tuple(dist.new_group(ranks, backend=backend, timeout=timeout) for _ in range(max_ubatches))
     log.debug("created %d per-ubatch %s groups over ranks %s", max_ubatches, backend, ranks)
     comm = EPComm(size=size, rank=rank, group=group, ubatch_groups=subs)
     _CACHE[key] = comm
     return comm
+
+
+def _group_timeout(group: Any) -> timedelta | None:
+    """The base group's collective timeout, so a dead peer fails the per-ubatch groups as fast as
+    it fails the base group (``new_group`` would otherwise use torch's 30-minute default)."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout  # type: ignore[no-any-return]
+        except (RuntimeError, AttributeError):
+            continue
+    log.warning("could not read the EP group's timeout; the per-ubatch groups use torch's default")
+    return None
 
 
 def _all_to_all(

@@ -1,0 +1,146 @@
+"""MoELayer under DP+EP on real gloo ranks: every DBO mode gives the serial forward's output,
+the overlap really happens on the host backend, config errors are exact, and a failing rank
+makes its peer fail in bounded time.
+
+Numbers: on CPU fp32 the DBO output is bitwise equal on ranks whose slices route the same rows to
+each expert matmul, and within ~5e-7 otherwise (a GEMM over fewer rows may round differently),
+so the tests assert max-abs-diff <= 1e-5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from asyncdbo.launch import RankError, RankPool
+from asyncdbo.moe import MoEConfig
+
+from _moe_ranks import (
+    DEEPSEEK_LIKE,
+    MIXTRAL_LIKE,
+    moe_dbo_vs_serial,
+    moe_layer_error,
+    moe_overlap_trace,
+    moe_raise_mid_forward,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[RankPool]:
+    with RankPool(2, timeout_s=60.0) as p:
+        yield p
+
+
+def _check(results: list[dict[str, Any]], sizes_per_rank: list[list[int]]) -> None:
+    for rank, res in enumerate(results):
+        assert res["shapes"] == [(n, 32) for n in sizes_per_rank[rank]]
+        assert res["finite"]
+        assert res["max_abs_diff"] <= 1e-5, (rank, res)
+
+
+CASES = {
+    # name: (tokens per rank, ubatch sizes per rank)
+    "decode_2ub": ([8, 8], [[4, 4], [4, 4]]),
+    "prefill_2ub_uneven": ([256, 256], [[100, 156], [200, 56]]),
+    "3ub_with_empty": ([256, 8], [[100, 0, 156], [5, 0, 3]]),
+    "rank1_idle": ([8, 0], [[4, 4], [0, 0]]),
+}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("schedule", ["ht", "ll"])
+@pytest.mark.parametrize("policy", ["role", "ubatch"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_dbo_equals_serial_mixtral_like(pool: RankPool, case: str, policy: str, schedule: str) -> None:
+    tokens, sizes = CASES[case]
+    _check(pool.run(moe_dbo_vs_serial, dict(MIXTRAL_LIKE, schedule=schedule), tokens, sizes, policy), sizes)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("schedule", ["ht", "ll"])
+@pytest.mark.parametrize("case", ["decode_2ub", "3ub_with_empty"])
+def test_dbo_equals_serial_deepseek_like_with_shared_experts(pool: RankPool, case: str, schedule: str) -> None:
+    tokens, sizes = CASES[case]
+    _check(pool.run(moe_dbo_vs_serial, dict(DEEPSEEK_LIKE, schedule=schedule), tokens, sizes, "role"), sizes)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("schedule", ["ht", "ll"])
+def test_dbo_equals_serial_on_a_modeled_ib400_link(pool: RankPool, schedule: str) -> None:
+    tokens, sizes = CASES["prefill_2ub_uneven"]
+    _check(pool.run(moe_dbo_vs_serial, dict(DEEPSEEK_LIKE, schedule=schedule), tokens, sizes, "role", "ib400"), sizes)
+
+
+@pytest.mark.timeout(60)
+def test_ht_overlaps_ubatch1_with_ubatch0_dispatch(pool: RankPool) -> None:
+    # With a 5 ms modeled link every comm completes long after its ubatch parked, so the order is
+    # fixed: both counts exchanges, both dispatches, both combines; ubatch 1 runs while ubatch 0's
+    # dispatch is in flight; three yields per ubatch.
+    expected = {
+        "works": [(0, "counts"), (1, "counts"), (0, "dispatch"), (1, "dispatch"), (0, "combine"), (1, "combine")],
+        "resumed_during_dispatch0": [1],
+        "yields": [3, 3],
+        "parked": True,
+    }
+    assert pool.run(moe_overlap_trace, "ht") == [expected, expected]
+
+
+@pytest.mark.timeout(60)
+def test_ll_overlaps_ubatch1_with_ubatch0_dispatch(pool: RankPool) -> None:
+    expected = {
+        "works": [(0, "counts"), (1, "counts"), (0, "dispatch"), (1, "dispatch"), (0, "combine"), (1, "combine")],
+        "resumed_during_dispatch0": [1],
+        "yields": [2, 2],
+        "parked": True,
+    }
+    assert pool.run(moe_overlap_trace, "ll") == [expected, expected]
+
+
+@pytest.mark.timeout(60)
+def test_experts_not_divisible_by_ranks(pool: RankPool) -> None:
+    msg = (
+        "num_experts (3) is not divisible by the EP size (2); every rank must hold the same number "
+        "of experts: change num_experts or the number of ranks"
+    )
+    assert pool.run(moe_layer_error, dict(hidden_size=8, intermediate_size=4, num_experts=3, top_k=1)) == [msg, msg]
+
+
+def test_top_k_larger_than_experts() -> None:
+    with pytest.raises(ValueError, match=r"^MoEConfig\.top_k \(5\) is larger than num_experts \(4\); a token cannot pick more experts than exist: lower top_k$"):
+        MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=5)
+
+
+def test_unknown_schedule() -> None:
+    with pytest.raises(ValueError, match=r"^MoEConfig\.schedule must be 'ht' \(high-throughput\) or 'll' \(low-latency\) \(got 'fast'\)$"):
+        MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2, schedule="fast")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(scoring="relu"), r"MoEConfig\.scoring must be 'softmax' or 'sigmoid' \(got 'relu'\)"),
+        (dict(n_group=3), r"MoEConfig\.n_group \(3\) must divide num_experts \(4\)"),
+        (dict(n_group=2, topk_group=3), r"MoEConfig\.topk_group \(3\) is larger than n_group \(2\)"),
+        (dict(hidden_size=0), r"MoEConfig\.hidden_size must be an integer >= 1 \(got 0\)"),
+        (dict(num_shared_experts=-1), r"MoEConfig\.num_shared_experts must be an integer >= 0 \(got -1\)"),
+    ],
+)
+def test_other_config_errors(kwargs: dict[str, Any], message: str) -> None:
+    base: dict[str, Any] = dict(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2)
+    with pytest.raises(ValueError, match=message):
+        MoEConfig(**{**base, **kwargs})
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_failing_mid_forward_makes_its_peer_fail_not_hang() -> None:
+    # A separate pool with a 10 s collective timeout: rank 1's experts raise after the dispatch
+    # (it returns its error as a value); rank 0 waits in the combine until gloo's timeout.
+    with RankPool(2, timeout_s=10.0) as small:
+        with pytest.raises(RankError, match=r"rank\(s\) \[0\] failed during moe_raise_mid_forward") as info:
+            small.run(moe_raise_mid_forward, timeout_s=40.0)
+    assert info.value.ranks == (0,)
+    assert "comm work 'combine' failed" in info.value.details[0]
