@@ -480,14 +480,15 @@ def _chrome(rank: int, steps: Sequence[_Step]) -> dict[str, Any]:
             tid = thread(s.ub, 0, f"ub{s.ub} compute") if not s.args.get("device") else thread(
                 s.ub, 50 if s.role == "compute" else 60, f"ub{s.ub} {s.role} stream")
             events.append(_x(rank, tid, s, step.index))
-        comm = sorted((s for s in spans if s.kind == "comm"), key=lambda s: s.t0)
-        for s, lane in zip(comm, _lanes(comm)):
-            tid = thread(s.ub, 1 + lane, f"ub{s.ub} comm" + (f" {lane}" if lane else ""))
-            events.append(_x(rank, tid, s, step.index))
+        for ub in range(step.num_ubatches):
+            comm = sorted((s for s in spans if s.kind == "comm" and s.ub == ub), key=lambda s: s.t0)
+            for s, lane in zip(comm, _lanes(comm)):
+                tid = thread(ub, 1 + lane, f"ub{ub} comm" + (f" {lane}" if lane else ""))
+                events.append(_x(rank, tid, s, step.index))
         for ub, tag, t in step.instants:
             events.append({"ph": "i", "s": "t", "name": tag, "cat": "yield", "pid": rank, "tid": thread(ub, 0, f"ub{ub} compute"),
                            "ts": t * 1e6, "args": {"ub": ub, "step": step.index}})
-    numbers = [asdict(s.numbers(rank)) for s in steps]
+    numbers = [dict(asdict(n), yields_per_ubatch=list(n.yields_per_ubatch)) for n in (s.numbers(rank) for s in steps)]
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",

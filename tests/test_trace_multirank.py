@@ -1,0 +1,133 @@
+"""Tracing a 2-rank gloo DBO step on a modeled link: comm of one ubatch runs under the other's
+compute, and the merged trace has one process lane per rank.
+
+Legend: T tokens of a ubatch, D hidden size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import asyncdbo
+from asyncdbo import (
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+    run_ubatches,
+)
+from asyncdbo._core import get_ubatch
+from asyncdbo.launch import RankPool
+from asyncdbo.streams.host import HostBackend
+from asyncdbo.streams.links import LinkSpec
+from asyncdbo.timeline import render_png
+from asyncdbo.trace import Tracer, merge_traces
+from test_trace import check_chrome_trace, png_size
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+T, D = 64, 256  # 64 KiB of float32 per all-to-all
+COMPUTE_S = 0.010
+# Bandwidth-bound link: each all-to-all holds it for 25 ms and the link is serialized, so ubatch 1's
+# dispatch is still in flight for the whole of ubatch 0's 10 ms expert stage. Overlap is certain.
+LINK = LinkSpec(name="test-25ms", latency_s=0.0, bandwidth_Bps=T * D * 4 / 0.025)
+
+
+def busy(x_TD: torch.Tensor, seconds: float) -> torch.Tensor:
+    """Stand-in for a stage's compute: ``tanh(x)``, keeping the CPU busy for ``seconds`` of wall
+    time (the result does not depend on how many rounds fit)."""
+    end = time.perf_counter() + seconds
+    y_TD = torch.tanh(x_TD)
+    while time.perf_counter() < end:
+        torch.tanh(x_TD, out=y_TD)
+    return y_TD
+
+
+def all_to_all(x_TD: torch.Tensor, what: str) -> Any:
+    out_TD = torch.empty_like(x_TD)
+    work = dist.all_to_all_single(out_TD, x_TD.contiguous(), async_op=True)
+    ub = get_ubatch()
+    backend = ub.run.backend if ub is not None else HostBackend(link=LINK)
+    backend.submit(work, nbytes=x_TD.numel() * x_TD.element_size(), what=what)
+    return out_TD
+
+
+async def moe_step(x_TD: torch.Tensor) -> torch.Tensor:
+    h_TD = busy(x_TD, COMPUTE_S) + 1.0  # attention
+    await dbo_yield_and_switch_from_compute_to_comm("dispatch")
+    recv_TD = all_to_all(h_TD, "dispatch")
+    await dbo_yield_and_switch_from_comm_to_compute("experts")  # parks until the dispatch lands
+    e_TD = busy(recv_TD, COMPUTE_S) * 2.0  # experts
+    await dbo_yield_and_switch_from_compute_to_comm("combine")
+    back_TD = all_to_all(e_TD, "combine")
+    await dbo_yield_and_switch_from_comm_to_compute("finalize")
+    return back_TD + x_TD
+
+
+def _traced_step(rank: int, world_size: int) -> tuple[dict[str, Any], bool]:
+    torch.manual_seed(rank)
+    xs = [torch.randn(T, D), torch.randn(T, D)]
+
+    async def main() -> list[torch.Tensor]:
+        serial = [await moe_step(x) for x in xs]  # outside a run: every comm waits at once
+        tracer = Tracer(rank=rank)
+        dist.barrier()  # both ranks start the DBO step together, so gloo completions come promptly
+        dbo = await run_ubatches(moe_step, [(x,) for x in xs], backend=HostBackend(link=LINK), instrument=tracer,
+                                 debug=True, name=f"rank{rank}")
+        main.tracer = tracer  # type: ignore[attr-defined]
+        return [torch.equal(a, b) for a, b in zip(serial, dbo)]
+
+    same = asyncdbo.run(main, loop="asyncio")
+    return main.tracer.to_chrome(), all(same)  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def traces() -> Iterator[list[tuple[dict[str, Any], bool]]]:
+    with RankPool(2, timeout_s=60.0) as pool:
+        yield pool.run(_traced_step)
+
+
+def test_dbo_matches_the_serial_run_on_every_rank(traces: list[tuple[dict[str, Any], bool]]) -> None:
+    assert [same for _, same in traces] == [True, True]
+
+
+def test_each_rank_trace_is_well_formed_with_comm_tracks(traces: list[tuple[dict[str, Any], bool]]) -> None:
+    for rank, (trace, _) in enumerate(traces):
+        check_chrome_trace(trace)
+        assert {e["pid"] for e in trace["traceEvents"]} == {rank}
+        comm = [(e["tid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "comm"]
+        assert sorted(comm) == [(1, "combine"), (1, "dispatch"), (101, "combine"), (101, "dispatch")]
+        (step,) = trace["otherData"]["asyncdbo"]["ranks"][0]["steps"]
+        assert (step["num_comm_works"], step["comm_bytes"], step["yields_per_ubatch"]) == (4, 4 * T * D * 4, [4, 4])
+        assert step["backend"] == "host"
+        # the modeled link holds each work >= 25 ms and serializes them
+        assert step["comm_s"] >= 4 * 0.025 * 0.99
+
+
+def test_comm_of_one_ubatch_runs_under_the_others_compute(traces: list[tuple[dict[str, Any], bool]]) -> None:
+    for trace, _ in traces:
+        xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        d1 = next(e for e in xs if e["cat"] == "comm" and e["name"] == "dispatch" and e["args"]["ub"] == 1)
+        experts0 = next(e for e in xs if e["name"] == "ub0:experts" and e["dur"] >= COMPUTE_S * 1e6)
+        assert d1["ts"] < experts0["ts"] and experts0["ts"] + experts0["dur"] <= d1["ts"] + d1["dur"]
+        (step,) = trace["otherData"]["asyncdbo"]["ranks"][0]["steps"]
+        assert step["comm_hidden_s"] >= COMPUTE_S * 0.99 and step["comm_hidden_share"] > 0
+
+
+def test_merged_trace_has_one_process_lane_per_rank_and_renders(
+    traces: list[tuple[dict[str, Any], bool]], tmp_path: Path
+) -> None:
+    merged = merge_traces([t for t, _ in traces])
+    check_chrome_trace(merged)
+    lanes = [(e["pid"], e["args"]["name"]) for e in merged["traceEvents"] if e["name"] == "process_name"]
+    assert lanes == [(0, "rank 0"), (1, "rank 1")]
+    threads = {(e["pid"], e["args"]["name"]) for e in merged["traceEvents"] if e["name"] == "thread_name"}
+    assert threads == {(r, f"ub{u} {k}") for r in (0, 1) for u in (0, 1) for k in ("compute", "comm")}
+    out = tmp_path / "merged.png"
+    assert render_png(merged, out, width_px=1200) == (1200, 160 + 36 * 8)
+    assert png_size(out) == (1200, 448)
