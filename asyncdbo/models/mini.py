@@ -5,21 +5,27 @@ Embedding -> L x [RMSNorm -> causal self-attention (RoPE, paged KV cache) -> res
 Weights come from a seed, so every rank builds the same global model and keeps only its own
 expert shard (the MoE layer's job).  Each DP rank owns its KV cache and its requests.
 
-Why attention needs no yield and no event to be correct under DBO, even for a request that
-straddles two ubatches (token split):
+Why a request that straddles two ubatches (token split) still reads the right K/V under DBO:
+ubatch ``k+1`` holds the continuation of a request whose first tokens are in ubatch ``k``, so
+in every layer ``l`` it must read the K/V that ubatch ``k`` writes in layer ``l``, after ubatch
+``k`` wrote them (a chunked-prefill continuation, exactly as in vLLM).
 
-* the ubatches run round-robin on one OS thread, and the only yield points are inside the MoE
-  layer (routing -> dispatch -> experts -> combine); attention never yields;
-* so in every layer ``l``, ubatch ``k`` runs its whole attention block (write K/V, then read)
-  before it first yields in layer ``l``'s MoE, and ubatch ``k+1`` cannot reach layer ``l``'s
-  attention before ubatch ``k`` has yielded there (strict round-robin, same program order);
-* hence the continuation part of a straddling request, in ubatch ``k+1``, reads the prefix K/V
-  that ubatch ``k`` wrote *in the same layer* — just as a chunked-prefill continuation does in
-  vLLM.  On an accelerator both ubatches' attention is queued on the compute stream in that same
-  order, so the stream orders it.
+* vLLM gets this order for free: both ubatches queue their attention on one compute stream, in
+  CPU order, and a ubatch thread only hands over at the MoE yields.
+* The DBO loop runs the ubatches round-robin and attention never yields, so in the common case
+  ubatch ``k`` runs layer ``l``'s attention before ubatch ``k+1`` gets there.  But a ubatch
+  *parked* on its comm is skipped: with per-ubatch comm streams (or a comm completion that
+  arrives out of order) ubatch ``k+1`` can overtake a parked ubatch ``k`` and reach layer
+  ``l``'s attention first.  Round-robin alone is therefore not enough (tests caught exactly
+  this with 3 ubatches on ubatch streams).
+* So the order is made explicit, CANN-style: after writing its K/V in layer ``l`` each ubatch
+  records event ``kv(l, k)``, and ubatch ``k+1`` waits for ``kv(l, k)`` before reading.  In the
+  common case the event is already recorded and the wait costs a dict lookup; when it is not,
+  the overtaking ubatch parks until ubatch ``k`` catches up.  On an accelerator the same pair
+  becomes a stream wait on an event (no CPU wait).
 
-``tests/test_runner.py`` checks the consequence: a token split with a straddling request gives
-the same logits as the serial run.
+``tests/test_runner.py`` checks the consequence: token splits with straddling requests give the
+same logits as the serial run for both stream policies and 2 and 3 ubatches.
 """
 
 # Shape legend: T = tokens, D = hidden, H = heads, K = head dim, V = vocab, F = H*K.
@@ -33,6 +39,7 @@ from typing import Any
 import torch
 
 from ..plan.metadata import AttentionMetadata
+from ..primitives import dbo_current_ubatch_id, dbo_record_event, dbo_wait_event
 from .attention import KVCacheConfig, PagedKVCache, paged_causal_attention
 
 __all__ = ["MiniConfig", "MiniModel"]
@@ -148,8 +155,8 @@ class MiniModel:
         self.lm_head_DV = init(d, cfg.vocab_size, fan_in=d)
         self.kv_cache = PagedKVCache(cfg.kv_cache_config, dtype=dtype, device=device)
 
-    def _attention(self, layer: int, p: dict[str, Any], h_TD: torch.Tensor, positions_T: torch.Tensor,
-                   attn: AttentionMetadata) -> torch.Tensor:
+    async def _attention(self, layer: int, p: dict[str, Any], h_TD: torch.Tensor, positions_T: torch.Tensor,
+                         attn: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
         n = attn.num_actual_tokens  # rows past n are padding: no K/V written, zero attention output
         q_THK = (h_TD @ p["wq_DF"]).view(-1, cfg.num_heads, cfg.head_dim)
@@ -158,6 +165,12 @@ class MiniModel:
         q_THK = _rope(q_THK, positions_T, cfg.rope_theta)
         k_THK = _rope(k_THK, positions_T[:n], cfg.rope_theta)
         self.kv_cache.write(layer, k_THK, v_THK, attn.slot_mapping)
+        # Order the read after the previous ubatch's write in this layer (module docstring).
+        # No-ops outside a DBO run.
+        ub_id = dbo_current_ubatch_id()
+        dbo_record_event(("mini.kv", id(self), layer, ub_id))
+        if ub_id > 0:
+            await dbo_wait_event(("mini.kv", id(self), layer, ub_id - 1))
         o_THK = paged_causal_attention(q_THK, positions_T, self.kv_cache, layer, attn)
         return o_THK.reshape(-1, cfg.num_heads * cfg.head_dim) @ p["wo_FD"]
 
@@ -180,7 +193,7 @@ class MiniModel:
         x_TD = self.embed_VD[input_ids_T]
         for layer, p in enumerate(self.layers):
             h_TD = _rms_norm(x_TD, p["attn_norm_D"], self.cfg.rms_eps)
-            x_TD = x_TD + self._attention(layer, p, h_TD, positions_T, attn)
+            x_TD = x_TD + await self._attention(layer, p, h_TD, positions_T, attn)
             h_TD = _rms_norm(x_TD, p["moe_norm_D"], self.cfg.rms_eps)
             x_TD = x_TD + await p["moe"].forward(h_TD)
         return _rms_norm(x_TD, self.final_norm_D, self.cfg.rms_eps) @ self.lm_head_DV

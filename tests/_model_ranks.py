@@ -1,0 +1,80 @@
+"""Functions the runner and demo tests run on RankPool ranks (module level: pickled by name).
+
+A *case* describes one scenario: per-rank steps of chunks ``(request_id, token_ids)``, the runner
+config, and per-rank overrides.  :func:`serial_vs_dbo` runs the steps twice on two models with
+the same weights and separate KV caches, once with DBO off and once on, so a DBO step can only
+read K/V that DBO steps wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import asyncdbo
+from asyncdbo.models import MiniConfig, MiniModel
+from asyncdbo.plan import ThresholdConfig
+from asyncdbo.runner import BatchBuilder, DBORunner, RunnerConfig
+
+# Shape legend: T = tokens, V = vocab.
+
+SMALL = MiniConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=2, head_dim=32, num_experts=4,
+                   top_k=2, moe_intermediate_size=64, block_size=4, num_kv_blocks=64)
+ALWAYS = ThresholdConfig(decode_threshold=1, prefill_threshold=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """``steps[rank][i]``: the chunks rank ``rank`` runs in step ``i`` (empty: idle)."""
+
+    steps: tuple[tuple[tuple[tuple[int, tuple[int, ...]], ...], ...], ...]
+    model: MiniConfig = SMALL
+    runner: RunnerConfig = field(default_factory=lambda: RunnerConfig(thresholds=ALWAYS))
+    disabled_ranks: tuple[int, ...] = ()  # these ranks vote no (enabled=False) in the DBO run
+    loop: str = "auto"
+
+
+def tokens(n: int, seed: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, SMALL.vocab_size, (n,), generator=g).tolist())
+
+
+async def _serial_vs_dbo(rank: int, case: Case) -> dict[str, Any]:
+    group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+    max_ub = max(case.runner.num_ubatches, 2)
+    serial = DBORunner(MiniModel(case.model, ep_group=group, max_ubatches=max_ub), case.runner, dp_group=group)
+    dbo = DBORunner(MiniModel(case.model, ep_group=group, max_ubatches=max_ub), case.runner, dp_group=group)
+    builder = BatchBuilder(case.model.kv_cache_config)
+    out: dict[str, Any] = {"max_abs_diff": 0.0, "records": [], "serial_records": [], "num_tokens": []}
+    for chunks in case.steps[rank]:
+        batch = builder.build([(rid, list(toks)) for rid, toks in chunks])
+        s = await serial.step(batch, enabled=False)
+        d = await dbo.step(batch, enabled=rank not in case.disabled_ranks)
+        assert s.logits_TV.shape == d.logits_TV.shape == (batch.num_tokens, case.model.vocab_size)
+        if batch.num_tokens:
+            out["max_abs_diff"] = max(out["max_abs_diff"], (s.logits_TV - d.logits_TV).abs().max().item())
+        out["records"].append(d.record)
+        out["serial_records"].append(s.record)
+        out["num_tokens"].append(batch.num_tokens)
+    out["stats"] = dbo.stats.summary()
+    return out
+
+
+def serial_vs_dbo(rank: int, world_size: int, case: Case) -> dict[str, Any]:
+    return asyncdbo.run(_serial_vs_dbo, rank, case, loop=case.loop)  # type: ignore[arg-type]
+
+
+async def _fail_mid_step(rank: int, world_size: int) -> None:
+    group = torch.distributed.group.WORLD
+    runner = DBORunner(MiniModel(SMALL, ep_group=group), RunnerConfig(thresholds=ALWAYS, watchdog_s=None), dp_group=group)
+    batch = BatchBuilder(SMALL.kv_cache_config).build([(0, list(tokens(16, rank)))])
+    await runner.step(batch)  # one good step on every rank
+    if rank == 1:
+        raise RuntimeError("rank 1 lost its expert weights")
+    await runner.step(batch)  # rank 0 waits in a collective rank 1 never joins
+
+
+def fail_mid_step(rank: int, world_size: int) -> None:
+    asyncdbo.run(_fail_mid_step, rank, world_size)

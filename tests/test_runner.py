@@ -1,0 +1,211 @@
+"""DBORunner: the overlapped step equals the single-batch step, and every fall-back says why.
+
+In-process tests (one rank, no DP group) cover the split itself, straddling requests and local
+fall-backs; a 2-rank gloo pool covers DP+EP: both MoE schedules, both stream policies, 2 and 3
+ubatches, uneven/empty ubatches, an idle rank, decode steps, a declining rank, and a rank that
+fails mid-step.  Equality is checked as max-abs-diff <= 1e-5 (fp32 CPU: the expert matmuls of a
+ubatch cover other rows than the whole batch's, so results may differ in the last bits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from asyncdbo.launch import RankError, RankPool
+from asyncdbo.models import MiniModel
+from asyncdbo.plan import PlanReason, ThresholdConfig
+from asyncdbo.runner import Batch, BatchBuilder, DBORunner, RunnerConfig
+from asyncdbo.trace import Tracer
+
+from _model_ranks import ALWAYS, SMALL, Case, fail_mid_step, serial_vs_dbo, tokens
+
+TOL = 1e-5
+
+
+# ------------------------------------------------------------------------- one process, no DP
+
+
+async def _pair(cfg: RunnerConfig, steps: list[list[tuple[int, list[int]]]]) -> tuple[list, list]:
+    """Run steps serially on one model and with cfg on another (separate KV caches)."""
+    serial, dbo = DBORunner(MiniModel(SMALL), cfg), DBORunner(MiniModel(SMALL), cfg)
+    builder = BatchBuilder(SMALL.kv_cache_config)
+    outs_s, outs_d = [], []
+    for chunks in steps:
+        batch = builder.build(chunks)
+        outs_s.append(await serial.step(batch, enabled=False))
+        outs_d.append(await dbo.step(batch))
+    return outs_s, outs_d
+
+
+@pytest.mark.asyncio
+async def test_token_split_with_a_straddling_request_equals_serial() -> None:
+    # 13 + 20 tokens split at 16: request 1 straddles; its tail in ubatch 1 attends over the
+    # prefix ubatch 0 wrote to the KV cache in the same layer.
+    steps = [[(0, list(tokens(13, 1))), (1, list(tokens(20, 2)))]]
+    (s,), (d,) = await _pair(RunnerConfig(thresholds=ALWAYS), steps)
+    assert d.record.microbatched and d.record.reason is PlanReason.MICROBATCHED
+    first, second = d.plan.slices
+    assert (first.last_is_truncated, second.first_is_continuation) == (True, True)
+    assert d.record.ubatch_num_tokens == (16, 17)
+    assert d.num_switches > 0
+    assert (s.logits_TV - d.logits_TV).abs().max().item() <= TOL
+
+
+@pytest.mark.asyncio
+async def test_prefill_then_decode_through_dbo_equals_serial_with_three_ubatches() -> None:
+    prefill = [(r, list(tokens(7 + 5 * r, r))) for r in range(4)]
+    decode = [[(r, [int(tokens(1, 100 + 10 * i + r)[0])]) for r in range(4)] for i in range(2)]
+    outs_s, outs_d = await _pair(RunnerConfig(thresholds=ALWAYS, num_ubatches=3), [prefill, *decode])
+    assert [d.record.ubatch_num_tokens for d in outs_d] == [(19, 19, 20), (1, 1, 2), (1, 1, 2)]
+    for s, d in zip(outs_s, outs_d):
+        assert (s.logits_TV - d.logits_TV).abs().max().item() <= TOL
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", ["request", "balanced"])
+async def test_request_aligned_policies_equal_serial(policy: str) -> None:
+    steps = [[(0, list(tokens(9, 3))), (1, list(tokens(11, 4))), (2, list(tokens(6, 5)))]]
+    (s,), (d,) = await _pair(RunnerConfig(thresholds=ALWAYS, policy=policy), steps)  # type: ignore[arg-type]
+    assert d.record.microbatched
+    assert (s.logits_TV - d.logits_TV).abs().max().item() <= TOL
+
+
+@pytest.mark.asyncio
+async def test_below_threshold_falls_back_to_one_batch_and_says_why() -> None:
+    steps = [[(0, list(tokens(40, 6)))]]
+    (s,), (d,) = await _pair(RunnerConfig(thresholds=ThresholdConfig(prefill_threshold=64)), steps)
+    assert not d.record.microbatched
+    assert d.record.reason is PlanReason.BELOW_THRESHOLD
+    assert d.record.detail == "mixed/prefill: 40 tokens < threshold 64"
+    assert d.record.ubatch_num_tokens == (40,)
+    assert torch.equal(s.logits_TV, d.logits_TV)
+
+
+@pytest.mark.asyncio
+async def test_steps_are_counted_and_traced_with_their_record() -> None:
+    cfg = RunnerConfig(thresholds=ThresholdConfig(prefill_threshold=20))
+    runner = DBORunner(MiniModel(SMALL), cfg)
+    builder = BatchBuilder(SMALL.kv_cache_config)
+    tracer = Tracer()
+    await runner.step(builder.build([(0, list(tokens(30, 7)))]), instrument=tracer)
+    await runner.step(builder.build([(1, list(tokens(10, 8)))]), instrument=tracer)
+    assert runner.stats.summary() == "2 steps, 50% microbatched; below_threshold=1"
+    assert [(n.microbatched, n.reason, n.num_ubatches) for n in tracer.step_numbers()] == [
+        (True, "microbatched", 2),
+        (False, "below_threshold", 1),
+    ]
+
+
+def test_bad_runner_config_and_batch_are_value_errors() -> None:
+    with pytest.raises(ValueError, match=r"num_ubatches \(0\) must be at least 1"):
+        RunnerConfig(num_ubatches=0)
+    with pytest.raises(ValueError, match=r"unknown split policy 'halves'"):
+        RunnerConfig(policy="halves")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"stream_policy must be 'role' or 'ubatch' \(got 'both'\)"):
+        RunnerConfig(stream_policy="both")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"unknown link 'carrier-pigeon'"):
+        RunnerConfig(backend="host", link="carrier-pigeon").make_backend()
+    attn = BatchBuilder(SMALL.kv_cache_config).build([(0, [1, 2, 3])]).attn
+    with pytest.raises(ValueError, match=r"input_ids \(2,\) and positions \(3,\) must both have shape \(3,\)"):
+        Batch(input_ids_T=torch.zeros(2, dtype=torch.int64), positions_T=torch.arange(3), attn=attn)
+
+
+# ------------------------------------------------------------------------- 2 ranks, DP + EP
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[RankPool]:
+    with RankPool(2, timeout_s=60.0) as p:
+        yield p
+
+
+def _prefill_case(**kw: object) -> Case:
+    # Rank 0: 3 requests, 30 tokens; rank 1: 2 requests, 21 tokens -> both pad to 30.
+    steps = (
+        (((0, tokens(12, 10)), (1, tokens(11, 11)), (2, tokens(7, 12))),),
+        (((0, tokens(5, 20)), (1, tokens(16, 21))),),
+    )
+    return Case(steps=steps, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("schedule", "stream_policy", "num_ubatches", "loop"),
+    [("ht", "role", 2, "uvloop"), ("ll", "role", 2, "asyncio"), ("ht", "ubatch", 3, "asyncio"), ("ll", "ubatch", 3, "uvloop")],
+)
+def test_dp_ep_prefill_equals_serial(pool: RankPool, schedule: str, stream_policy: str, num_ubatches: int, loop: str) -> None:
+    from dataclasses import replace
+
+    case = _prefill_case(
+        model=replace(SMALL, schedule=schedule),
+        runner=RunnerConfig(thresholds=ALWAYS, stream_policy=stream_policy, num_ubatches=num_ubatches),  # type: ignore[arg-type]
+        loop=loop,
+    )
+    r0, r1 = pool.run(serial_vs_dbo, case)
+    for r in (r0, r1):
+        (rec,) = r["records"]
+        assert rec.microbatched and rec.num_tokens_padded == 30
+        assert r["max_abs_diff"] <= TOL
+    even = 30 // num_ubatches
+    assert r0["records"][0].ubatch_num_tokens_padded == (even,) * (num_ubatches - 1) + (30 - even * (num_ubatches - 1),)
+    assert r0["records"][0].ranks == r1["records"][0].ranks  # one vote, the same table everywhere
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_uneven_ranks_give_padding_only_ubatches_and_an_idle_rank_follows(pool: RankPool) -> None:
+    # Step 0: rank 0 has 6 tokens, rank 1 has 40 -> rank 0's ubatch 1 is padding only.
+    # Step 1: rank 1 is idle (no requests) -> it runs two padding-only ubatches.
+    steps = (
+        (((0, tokens(6, 30)),), ((1, tokens(40, 31)),)),  # rank 0: 6 tokens, then 40
+        (((0, tokens(40, 32)),), ()),  # rank 1: 40 tokens, then idle
+    )
+    r0, r1 = pool.run(serial_vs_dbo, Case(steps=steps))
+    assert r0["records"][0].ubatch_num_tokens == (6, 0)
+    assert r0["records"][0].ubatch_num_tokens_padded == (20, 20)
+    assert r1["records"][0].ubatch_num_tokens == (20, 20)
+    assert r1["records"][1].microbatched and r1["records"][1].ubatch_num_tokens == (0, 0)
+    assert r1["records"][1].ubatch_num_tokens_padded == (20, 20)
+    assert r1["records"][1].detail == "idle rank(s) [1] run padding-only ubatches"
+    assert r0["max_abs_diff"] <= TOL and r1["max_abs_diff"] <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_decode_steps_over_a_prefilled_context_equal_serial(pool: RankPool) -> None:
+    def steps_for(rank: int) -> tuple:
+        prefill = tuple((r, tokens(5 + r, 40 + rank * 10 + r)) for r in range(6))
+        decode = tuple(tuple((r, tokens(1, 60 + rank * 100 + i * 10 + r)) for r in range(6)) for i in range(3))
+        return (prefill, *decode)
+
+    r0, r1 = pool.run(serial_vs_dbo, Case(steps=(steps_for(0), steps_for(1))))
+    for r in (r0, r1):
+        assert [rec.ubatch_num_tokens for rec in r["records"][1:]] == [(3, 3)] * 3
+        assert r["max_abs_diff"] <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_declining_rank_makes_every_rank_fall_back_with_the_reason(pool: RankPool) -> None:
+    case = _prefill_case(disabled_ranks=(0,))
+    r0, r1 = pool.run(serial_vs_dbo, case)
+    for r in (r0, r1):
+        (rec,) = r["records"]
+        assert not rec.microbatched
+        assert rec.reason is PlanReason.RANK_DECLINED
+        assert rec.detail == "rank 0: disabled"
+        assert r["max_abs_diff"] <= TOL
+    assert r1["stats"] == "1 steps, 0% microbatched; rank_declined=1"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_rank_that_fails_mid_step_fails_the_group_in_bounded_time_naming_it(pool: RankPool) -> None:
+    # Runs last: a failure closes the pool (ranks may be stuck half-way through a collective).
+    with pytest.raises(RankError, match=r"rank\(s\) \[1\] failed during fail_mid_step") as info:
+        pool.run(fail_mid_step, timeout_s=30.0)
+    assert "RuntimeError: rank 1 lost its expert weights" in info.value.details[1]
