@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -161,9 +162,8 @@ async def test_chrome_export_has_a_track_per_ubatch_and_the_numbers(tmp_path: Pa
 
 
 def _asdict(n: RunNumbers) -> dict:
-    from dataclasses import asdict
-
-    return asdict(n)
+    """RunNumbers as the trace stores it: plain JSON values."""
+    return dict(asdict(n), yields_per_ubatch=list(n.yields_per_ubatch))
 
 
 @pytest.mark.asyncio
