@@ -1,0 +1,66 @@
+"""``asyncdbo demo`` end to end: it starts its own ranks, prints the table, checks the outputs
+match, writes a trace, says why a step did not microbatch, and turns bad flags into one error
+line with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from asyncdbo.cli import main
+
+SMALL = ["--hidden", "64", "--layers", "1", "--experts", "4", "--steps", "2", "--warmup", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_demo_prints_the_table_on_a_modeled_link_and_writes_a_trace(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc = main(["demo", *SMALL, "--tokens", "512", "--schedule", "ll", "--stream-policy", "ubatch",
+               "--link", "ib400", "--loop", "asyncio", "--trace", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.startswith(
+        "asyncdbo demo: 2 ranks x 512 tokens (prefill), 1 layers, 4 experts top-2, hidden 64, schedule ll, "
+        "stream policy ubatch, 2 ubatches, loop asyncio, 2 steps after 1 warm-up\n"
+        "comm: MODELED LINK ib400 x1000 (10000 us + 50 MB/s per message;"
+    )
+    for row in ("step time (median)", "DBO / serial", "time in comm", "comm hidden", "switches / step"):
+        assert re.search(rf"^  {re.escape(row)} ", out, re.M), row
+    assert "DBO steps: microbatched, every step on every rank (real tokens per ubatch by rank: [256, 256] [256, 256])" in out
+    assert re.search(r"^outputs serial vs DBO: max \|logits diff\| = \S+ \((bitwise equal|match), tolerance 0.0001\)$", out, re.M)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
+    numbers = json.loads((tmp_path / "numbers.json").read_text())
+    assert numbers["config"]["link"] == "ib400" and numbers["summary"]["max_abs_diff"] <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_demo_decode_below_threshold_says_why_it_did_not_microbatch(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["demo", *SMALL, "--tokens", "8", "--shape", "decode", "--context", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "comm: real gloo all-to-all over loopback" in out
+    assert ("DBO steps: NOT microbatched in some steps: rank_declined "
+            "(rank 0: below_threshold; rank 1: below_threshold)") in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--experts", "9"], "--experts 9 is not divisible by --ranks 2: each rank owns an equal share of experts; use a multiple of 2"),
+        (["--top-k", "9"], "top_k (9) exceeds num_experts (8); pick top_k <= num_experts"),
+        (["--tokens", "0"], "--tokens 0 gives every rank zero tokens: there is nothing to run; use --tokens >= 1"),
+        (["--schedule", "fast"], "unknown MoE schedule 'fast'; use one of ('ht', 'll')"),
+        (["--link", "pigeon"], "unknown --link 'pigeon'; use one of ('none', 'nvlink', 'ib400', 'eth100')"),
+        (["--shape", "square"], "unknown --shape 'square'; use 'prefill' or 'decode'"),
+    ],
+)
+def test_bad_flags_give_one_error_line_and_exit_2(capsys: pytest.CaptureFixture[str], flags: list[str], message: str) -> None:
+    assert main(["demo", *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"asyncdbo demo: error: {message}\n"
