@@ -4,8 +4,9 @@ Reads the Chrome trace JSON that :class:`asyncdbo.trace.Tracer` exports (one ran
 ``asyncdbo trace TRACE.json --png out.png`` renders a trace recorded anywhere. Per rank and ubatch
 there are two lanes: *compute* (CPU steps, or compute-stream device spans; waits drawn hatched)
 and *comm* (comm works or comm-stream spans). Comm time of one ubatch that coincides with compute
-of another ubatch of the same rank is drawn green on the comm lane: that is the overlap DBO is
-for. The title carries each rank's numbers.
+on the same rank (in practice: of the other ubatch) is drawn green on the comm lane: that is the
+overlap DBO is for, and the same measure as ``RunNumbers.comm_hidden_s``. The title carries each
+rank's numbers.
 
 matplotlib is an optional extra (``pip install 'asyncdbo[plot]'``); it is imported only here, and
 drawn through the Agg canvas directly so that no global matplotlib backend is changed.
@@ -105,7 +106,7 @@ def render_png(
                 ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=_COLORS[style], hatch="//" if style == "wait" else None,
                                edgecolor="#999999" if style == "wait" else "none", linewidth=0.3)
         if key[2] == "comm":
-            others = [(s, s + d) for k2 in keys if k2[0] == key[0] and k2[1] != key[1] and k2[2] == "compute"
+            others = [(s, s + d) for k2 in keys if k2[0] == key[0] and k2[2] == "compute"
                       for s, d, st in lanes[k2] if st in ("compute", "issue")]
             hidden = _intersections([(s, s + d) for s, d, _ in lanes[key]], others)
             if hidden:
@@ -117,7 +118,8 @@ def render_png(
     ax.grid(axis="x", linewidth=0.3)
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color=c, label=n) for n, c in _COLORS.items()], fontsize=7, loc="upper right", ncol=5)
+    ax.legend(handles=[Patch(color=c, label=n) for n, c in _COLORS.items()], fontsize=7, loc="lower right",
+              bbox_to_anchor=(1.0, 1.0), ncol=5, frameon=False)
     ax.set_title(_title(data), fontsize=8, loc="left")
     fig.subplots_adjust(left=0.12, right=0.98, top=1 - 70 / height, bottom=50 / height)
     fig.savefig(out, dpi=dpi, format="png")

@@ -31,12 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-numbers", action="store_true", help="print each rank's per-step numbers")
 
 
+def _value(rank: dict, step: dict, key: str) -> object:
+    if key == "rank":
+        return rank["rank"]
+    return step[key] * 1e3 if key.endswith("_s") else step[key]  # seconds are shown in ms
+
+
 def format_numbers(trace: dict) -> str:
     """A plain table of the per-step numbers stored in the trace."""
     rows = []
     for r in trace.get("otherData", {}).get("asyncdbo", {}).get("ranks", []):
         for s in r.get("steps", []):
-            row = [fmt.format(s[key] if key != "rank" else r["rank"]) for _, key, fmt in _COLUMNS]
+            row = [fmt.format(_value(r, s, key)) for _, key, fmt in _COLUMNS]
             mb = s.get("microbatched")
             row.append("" if mb is None else ("microbatched" if mb else f"fell out: {s.get('reason')}"))
             rows.append(row)
