@@ -53,6 +53,23 @@ def test_there_are_docs_and_examples() -> None:
     }
 
 
+def test_reference_covers_every_public_name() -> None:
+    """docs/reference.md has a ``### `module.name` `` entry for every name in the ``__all__`` of
+    every module it documents, and it documents at least the modules users import."""
+    import importlib
+
+    text = (ROOT / "docs" / "reference.md").read_text()
+    modules = re.findall(r"^## (asyncdbo[\w.]*)$", text, re.M)
+    assert set(modules) >= {"asyncdbo", "asyncdbo.plan", "asyncdbo.moe", "asyncdbo.trace", "asyncdbo.runner", "asyncdbo.sim"}
+    missing = [
+        f"{m}.{name}"
+        for m in modules
+        for name in getattr(importlib.import_module(m), "__all__", ())
+        if f"### `{m}.{name}`" not in text
+    ]
+    assert missing == []
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("page", DOCS, ids=[p.name for p in DOCS])
 def test_doc_code_blocks_run(page: Path) -> None:
