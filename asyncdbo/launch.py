@@ -37,6 +37,7 @@ import multiprocessing as mp
 import os
 import pickle
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -145,7 +146,11 @@ def _worker_main(
         except BaseException:
             reply = pickle.dumps(("err", traceback.format_exc()))
         conn.send_bytes(reply)
-    dist.destroy_process_group()
+    # Leave without tearing the group down: destroy_process_group() and the interpreter's own
+    # teardown can wait seconds on peers that are leaving at the same moment.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -82,35 +82,48 @@ def test_free_port_is_bindable() -> None:
         s.bind(("127.0.0.1", port))
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_results_come_back_in_rank_order(pool: RankPool) -> None:
     assert pool.run(_identity, "x") == [(0, 2, "x"), (1, 2, "x")]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_ranks_share_one_group_and_the_pool_is_reusable(pool: RankPool) -> None:
     assert pool.run(_all_reduce_rank) == [3, 3]
     assert pool.run(_all_reduce_rank) == [3, 3]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_workers_get_loopback_gloo_and_one_thread(pool: RankPool) -> None:
     assert pool.run(_env_and_threads) == [("lo", 1, (0, 2), "gloo"), ("lo", 1, (1, 2), "gloo")]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_unpicklable_function_fails_before_any_rank_starts(pool: RankPool) -> None:
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
         pool.run(lambda rank, world_size: rank)
     assert pool.run(_identity, "still usable") == [(0, 2, "still usable"), (1, 2, "still usable")]
 
 
-@pytest.mark.timeout(60)
-def test_run_ranks_is_one_shot() -> None:
-    assert run_ranks(_all_reduce_rank, 3) == [6, 6, 6]
+@pytest.mark.timeout(120)
+def test_run_ranks_is_one_shot_and_ends_its_processes() -> None:
+    pids = run_ranks(_pid, 2)
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert not any(_alive(pid) for pid in pids)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
+def test_close_ends_every_process_and_the_pool_refuses_later_calls() -> None:
+    with RankPool(3, timeout_s=30.0) as pool:
+        assert pool.run(_all_reduce_rank) == [6, 6, 6]
+        pids = pool.pids
+        assert all(_alive(pid) for pid in pids)
+    assert not any(_alive(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match=r"^RankPool is closed; create a new RankPool$"):
+        pool.run(_pid)
+
+
+@pytest.mark.timeout(120)
 def test_rank_exception_names_the_rank_and_carries_its_traceback() -> None:
     pool = RankPool(2, timeout_s=30.0)
     with pytest.raises(RankError, match=r"rank\(s\) \[1\] failed during _raise_on_rank1") as info:
@@ -121,9 +134,10 @@ def test_rank_exception_names_the_rank_and_carries_its_traceback() -> None:
     with pytest.raises(RuntimeError, match=r"RankPool is closed after a failure .*create a new"):
         pool.run(_identity, "x")
     pool.close()  # idempotent
+    pool.close()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_dead_rank_fails_fast_even_while_its_peer_is_busy() -> None:
     pool = RankPool(2, timeout_s=30.0)
     pids = pool.pids
@@ -137,7 +151,7 @@ def test_dead_rank_fails_fast_even_while_its_peer_is_busy() -> None:
     assert not any(_alive(pid) for pid in pids)  # the busy rank 0 was ended too
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_call_past_its_timeout_names_the_silent_rank() -> None:
     pool = RankPool(2, timeout_s=30.0)
     start = time.monotonic()
@@ -147,18 +161,7 @@ def test_call_past_its_timeout_names_the_silent_rank() -> None:
     assert info.value.details == {0: "no answer within 1 s during _sleep_on_rank0"}
 
 
-@pytest.mark.timeout(60)
-def test_close_ends_every_process() -> None:
-    pool = RankPool(2, timeout_s=30.0)
-    pids = pool.run(_pid)
-    assert pids == pool.pids and all(_alive(pid) for pid in pids)
-    pool.close()
-    assert not any(_alive(pid) for pid in pids)
-    with pytest.raises(RuntimeError, match=r"^RankPool is closed; create a new RankPool$"):
-        pool.run(_pid)
-
-
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_workers_exit_when_the_parent_dies() -> None:
     import subprocess
     import sys
