@@ -85,6 +85,8 @@ def test_rules_busy_no_vetoes_idle_follows_imbalance_optional() -> None:
 def test_without_a_group_the_vote_is_local() -> None:
     d = agree_across_dp(LocalStepInfo(num_tokens_unpadded=9, num_tokens_padded=16, wants_ubatch=True), 2)
     assert (d.should_ubatch, d.num_tokens_padded, d.world_size) == (True, 16, 1)
+    d = agree_across_dp(LocalStepInfo(num_tokens_unpadded=9, wants_ubatch=False), 2)
+    assert (d.should_ubatch, d.reason) == (False, PlanReason.DISABLED)  # a "no" without a reason
 
 
 def test_plan_step_records_every_reason_and_logs_it(caplog: pytest.LogCaptureFixture) -> None:

@@ -29,6 +29,7 @@ from .records import (
     PlanStats as PlanStats,
     RankVote as RankVote,
     StepRecord as StepRecord,
+    log_record as log_record,
 )
 from .slices import (
     SplitPolicy as SplitPolicy,
@@ -59,6 +60,7 @@ __all__ = (
     "as_query_start_loc",
     "decide_from_votes",
     "is_uniform_decode",
+    "log_record",
     "merge_outputs",
     "plan_slices",
     "plan_step",

@@ -98,7 +98,8 @@ def should_microbatch(
 class LocalStepInfo:
     """This rank's input to the DP vote.
 
-    ``reason`` is why it does not want to microbatch (ignored when ``wants_ubatch``).
+    ``reason`` is why it does not want to microbatch (ignored when ``wants_ubatch``; DISABLED if
+    left at MICROBATCHED for a "no").
     ``num_tokens_padded`` defaults to the unpadded count (e.g. a CUDA-graph size if padded).
     """
 
@@ -211,6 +212,8 @@ def agree_across_dp(
     else:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
     reason = PlanReason.MICROBATCHED if local.wants_ubatch else local.reason
+    if not local.wants_ubatch and reason is PlanReason.MICROBATCHED:
+        reason = PlanReason.DISABLED  # a "no" without a reason: the caller turned it off
     col = [
         int(local.vote == "yes"),
         local.num_tokens_unpadded,

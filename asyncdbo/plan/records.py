@@ -13,7 +13,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
-__all__ = ["PlanReason", "PlanStats", "RankVote", "StepRecord"]
+__all__ = ["PlanReason", "PlanStats", "RankVote", "StepRecord", "log_record"]
 
 logger = logging.getLogger("asyncdbo.plan")
 
@@ -57,9 +57,22 @@ class StepRecord:
     ranks: tuple[RankVote, ...] = ()  # empty without a DP group
 
 
+def log_record(rec: StepRecord) -> None:
+    """Log one record at DEBUG on ``asyncdbo.plan`` (``plan_step`` does this for every step)."""
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "step %d: %s%s ubatches=%s padded=%d",
+            rec.step,
+            rec.reason.value,
+            f" ({rec.detail})" if rec.detail else "",
+            list(rec.ubatch_num_tokens),
+            rec.num_tokens_padded,
+        )
+
+
 @dataclass
 class PlanStats:
-    """Counters over many steps; ``record`` is called by :func:`asyncdbo.plan.plan_step`."""
+    """Counters over many steps; pass one to :func:`asyncdbo.plan.plan_step` as ``stats``."""
 
     num_steps: int = 0
     counts: Counter[PlanReason] = field(default_factory=Counter)
@@ -69,15 +82,6 @@ class PlanStats:
         self.num_steps += 1
         self.counts[rec.reason] += 1
         self.last = rec
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "step %d: %s%s ubatches=%s padded=%d",
-                rec.step,
-                rec.reason.value,
-                f" ({rec.detail})" if rec.detail else "",
-                list(rec.ubatch_num_tokens),
-                rec.num_tokens_padded,
-            )
 
     @property
     def microbatched_share(self) -> float:

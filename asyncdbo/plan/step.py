@@ -15,7 +15,7 @@ import torch
 
 from .dp import DPDecision, LocalStepInfo, ThresholdConfig, agree_across_dp, decide_from_votes, should_microbatch
 from .metadata import AttentionMetadata, split_attn_metadata
-from .records import PlanReason, PlanStats, RankVote, StepRecord
+from .records import PlanReason, PlanStats, RankVote, StepRecord, log_record
 from .slices import SPLIT_POLICIES, SplitPolicy, UBatchSlice, as_query_start_loc, plan_slices, whole_batch_slice
 
 __all__ = ["StepPlan", "plan_step"]
@@ -91,7 +91,8 @@ def plan_step(
     every step (it runs one all-reduce on ``device``), and every ubatch of the resulting plan,
     even an empty one, must take part in every collective of the step.
     ``enabled=False`` votes no for this step (e.g. a vetoed prefix-cache case).
-    ``stats``: if given, the step's record is counted there (and logged at DEBUG).
+    ``stats``: if given, the step's record is counted there.  Every record is logged at DEBUG
+    on the ``asyncdbo.plan`` logger.
     """
     qsl = as_query_start_loc(query_start_loc)
     if num_ubatches < 1:
@@ -141,6 +142,7 @@ def plan_step(
         policy=policy,
         ranks=decision.ranks if decision is not None else (),
     )
+    log_record(record)
     if stats is not None:
         stats.record(record)
     return StepPlan(microbatched, slices, padded, metas, record, decision)
