@@ -157,16 +157,48 @@ class _Step:
         self.num_ubatches = len(run.ubatches)
         self.t0: float | None = None
         self.t1 = 0.0
-        self.spans: list[Span] = []
-        self.instants: list[tuple[int, str, float]] = []  # (ub, tag, t)
-        self.yields = [0] * len(run.ubatches)
-        self.parks = 0
-        self.switches = 0
+        # Raw records, turned into Spans only when read (the hooks run on every switch):
+        # CPU steps (ub, t0, t1, from_tag, outcome, to, role) with outcome "yield" | "park" | "done",
+        # and waits (ub, t0, t1, parked_on).
+        self.cpu: list[tuple[int, float, float, str, str, str | None, str]] = []
+        self.waits: list[tuple[int, float, float, str]] = []
+        self._spans: list[Span] | None = None
         self.idle_s = 0.0
         self.works: list[tuple[int, Any]] = []
         self.device: _DeviceTimer | None = None
         self.record = record
         self._numbers: RunNumbers | None = None
+
+    @property
+    def yields(self) -> list[int]:
+        counts = [0] * self.num_ubatches
+        for r in self.cpu:
+            if r[4] == "yield":
+                counts[r[0]] += 1
+        return counts
+
+    @property
+    def instants(self) -> list[tuple[int, str, float]]:
+        """Yield points: (ub, tag, t)."""
+        return [(r[0], r[5] or "yield", r[2]) for r in self.cpu if r[4] == "yield"]
+
+    @property
+    def spans(self) -> list[Span]:
+        """CPU-step and wait spans."""
+        if self._spans is not None:
+            return self._spans
+        spans = []
+        for ub, t0, t1, frm, outcome, to, role in self.cpu:
+            to_text = {"yield": to, "done": "finished"}.get(outcome, f"parked on {to}")
+            args = {"ub": ub, "kind": "compute", "from": frm, "role": role, "to": to_text}
+            spans.append(Span(ub=ub, kind="compute", role=role, name=f"ub{ub}:{frm}", t0=t0, t1=t1, args=args))
+        for ub, t0, t1, what in self.waits:
+            args = {"ub": ub, "kind": "wait", "parked_on": what}
+            spans.append(Span(ub=ub, kind="wait", role="", name=f"wait: {what}", t0=t0, t1=t1, args=args))
+        spans.sort(key=lambda s: s.t0)
+        if self.t1:
+            self._spans = spans  # the step is over: nothing more will be recorded
+        return spans
 
     def comm_spans(self) -> list[Span]:
         spans = []
@@ -198,6 +230,7 @@ class _Step:
             compute_s = sum(b - a for a, b in compute)
         comm_s = union_seconds(comm)
         hidden = hidden_seconds(comm, compute)
+        yields = self.yields
         rec = self.record
         reason = getattr(rec, "reason", None)
         numbers = RunNumbers(
@@ -207,9 +240,9 @@ class _Step:
             backend=self.backend,
             num_ubatches=self.num_ubatches,
             wall_s=self.t1 - (self.t0 if self.t0 is not None else self.t1),
-            switches=self.switches,
-            parks=self.parks,
-            yields_per_ubatch=tuple(self.yields),
+            switches=sum(yields),
+            parks=sum(1 for r in self.cpu if r[4] == "park"),
+            yields_per_ubatch=tuple(yields),
             parked_s=sum(s.t1 - s.t0 for s in self.spans if s.kind == "wait"),
             idle_s=self.idle_s,
             compute_s=compute_s,
@@ -324,12 +357,10 @@ class Tracer(Instrument):
         t = time.perf_counter()
         if step.t0 is None:
             step.t0 = t
-        parked = self._parked.pop(ub.id, None)
-        if parked is not None:
-            step.spans.append(
-                Span(ub=ub.id, kind="wait", role=ub.role, name=f"wait: {parked[1]}", t0=parked[0], t1=t,
-                     args={"ub": ub.id, "kind": "wait", "parked_on": parked[1]})
-            )
+        if self._parked:
+            parked = self._parked.pop(ub.id, None)
+            if parked is not None:
+                step.waits.append((ub.id, parked[0], t, parked[1]))
         tag = ub.tag or "start"
         self._resumed[ub.id] = (t, tag)
         if step.device is not None:
@@ -346,30 +377,24 @@ class Tracer(Instrument):
         t = time.perf_counter()
         step = self._cur
         assert step is not None, "stepped() before run_started()"
-        rng = self._ranges.pop(ub.id, None)
-        if rng is not None:
-            if rng[1]:
-                self._nvtx.range_pop()
-            rng[0].__exit__(None, None, None)
+        if self._ranges:
+            rng = self._ranges.pop(ub.id, None)
+            if rng is not None:
+                if rng[1]:
+                    self._nvtx.range_pop()
+                rng[0].__exit__(None, None, None)
         t0, tag = self._resumed.pop(ub.id, (t, ub.tag or "start"))
-        name = f"ub{ub.id}:{tag}"
-        args: dict[str, Any] = {"ub": ub.id, "kind": "compute", "from": tag, "role": ub.role}
         if request is SWITCH:
-            step.switches += 1
-            step.yields[ub.id] += 1
-            step.instants.append((ub.id, ub.tag or "yield", t))
-            args["to"] = ub.tag
+            step.cpu.append((ub.id, t0, t, tag, "yield", ub.tag, ub.role))
         elif ub.state == "done":
-            args["to"] = "finished"
+            step.cpu.append((ub.id, t0, t, tag, "done", None, ub.role))
         else:  # parked: on a Signal (has .what), an asyncio future, or a bare yield (a string)
-            step.parks += 1
             parked_on = ub.parked_on if ub.parked_on is not None else request
             what = parked_on if isinstance(parked_on, str) else getattr(parked_on, "what", None) or type(parked_on).__name__
             self._parked[ub.id] = (t, str(what))
-            args["to"] = f"parked on {what}"
-        step.spans.append(Span(ub=ub.id, kind="compute", role=ub.role, name=name, t0=t0, t1=t, args=args))
+            step.cpu.append((ub.id, t0, t, tag, "park", str(what), ub.role))
         if step.device is not None:
-            step.device.stepped(ub, name)
+            step.device.stepped(ub, f"ub{ub.id}:{tag}")
 
     def sleeping(self, run: DBORun) -> None:
         self._t_sleep = time.perf_counter()
