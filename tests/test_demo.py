@@ -39,13 +39,14 @@ def test_demo_prints_the_table_on_a_modeled_link_and_writes_a_trace(capsys: pyte
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_demo_decode_below_threshold_says_why_it_did_not_microbatch(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["demo", *SMALL, "--tokens", "8", "--shape", "decode", "--context", "4"])
+def test_demo_decode_on_three_ranks_says_why_it_did_not_microbatch(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["demo", *SMALL, "--ranks", "3", "--experts", "6", "--tokens", "8", "--shape", "decode", "--context", "4"])
     out = capsys.readouterr().out
     assert rc == 0, out
+    assert out.startswith("asyncdbo demo: 3 ranks x 8 tokens (decode), 1 layers, 6 experts top-2")
     assert "comm: real gloo all-to-all over loopback" in out
     assert ("DBO steps: NOT microbatched in some steps: rank_declined "
-            "(rank 0: below_threshold; rank 1: below_threshold)") in out
+            "(rank 0: below_threshold; rank 1: below_threshold; rank 2: below_threshold)") in out
 
 
 @pytest.mark.parametrize(
