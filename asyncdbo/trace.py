@@ -48,7 +48,7 @@ from typing import Any
 from ._core import SWITCH, DBORun, Instrument, UBatch
 from .debug import track_run, untrack_run
 
-__all__ = ["RunNumbers", "Span", "Tracer", "hidden_seconds", "merge_traces", "union_seconds"]
+__all__ = ["RunNumbers", "Span", "Tracer", "hidden_seconds", "merge_traces", "union_seconds", "write_traces"]
 
 log = logging.getLogger("asyncdbo")
 
@@ -548,3 +548,30 @@ def merge_traces(traces: Sequence[dict[str, Any]]) -> dict[str, Any]:
     ranks.sort(key=lambda r: r["rank"])
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"asyncdbo": {"ranks": ranks, "clock": "perf_counter"}}}
+
+
+def write_traces(directory: str | os.PathLike[str], traces: Sequence[dict[str, Any]], *, png: bool = True) -> list[str]:
+    """What ``asyncdbo demo --trace DIR`` writes: ``rank<r>.json`` per rank, ``merged.json``, and
+    ``timeline.png`` of the merged trace (skipped, with a log warning, without the 'plot' extra).
+    Returns the paths written."""
+    os.makedirs(directory, exist_ok=True)
+    merged = merge_traces(traces)
+    paths = []
+    for trace in traces:
+        (rank,) = {e["pid"] for e in trace["traceEvents"]}
+        paths.append(os.path.join(directory, f"rank{rank}.json"))
+        with open(paths[-1], "w", encoding="utf-8") as f:
+            json.dump(trace, f)
+    paths.append(os.path.join(directory, "merged.json"))
+    with open(paths[-1], "w", encoding="utf-8") as f:
+        json.dump(merged, f)
+    if png:
+        from .timeline import render_png
+
+        try:
+            render_png(merged, os.path.join(directory, "timeline.png"))
+        except ModuleNotFoundError as exc:
+            log.warning("not writing timeline.png: %s", exc)
+        else:
+            paths.append(os.path.join(directory, "timeline.png"))
+    return paths

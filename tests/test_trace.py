@@ -231,3 +231,31 @@ def test_a_tracer_that_saw_no_run_exports_an_empty_valid_trace() -> None:
     trace = Tracer(rank=0).to_chrome()
     check_chrome_trace(trace)
     assert trace["otherData"]["asyncdbo"]["ranks"] == [{"rank": 0, "steps": []}]
+
+
+# ----------------------------------------------------------------------------------- accelerator
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.asyncio
+async def test_device_spans_come_from_timing_events_on_the_streams() -> None:
+    from asyncdbo import dbo_yield_and_switch_from_comm_to_compute, dbo_yield_and_switch_from_compute_to_comm
+
+    x_NN = torch.randn(2048, 2048, device="cuda")
+
+    async def forward(x_NN: torch.Tensor) -> torch.Tensor:
+        y_NN = x_NN @ x_NN  # queued on the compute stream
+        await dbo_yield_and_switch_from_compute_to_comm("dispatch")
+        z_NN = y_NN @ x_NN  # queued on the comm stream (stands in for comm kernels)
+        await dbo_yield_and_switch_from_comm_to_compute("combine")
+        return z_NN.sum()
+
+    tracer = Tracer()
+    results = await run_ubatches(forward, [(x_NN,), (x_NN,)], backend="cuda", instrument=tracer)
+    torch.cuda.synchronize()
+    assert torch.equal(results[0], results[1])
+    device = [s for s in tracer.spans() if s.args.get("device")]
+    assert {(s.ub, s.role) for s in device} == {(0, "compute"), (1, "compute"), (0, "comm"), (1, "comm")}
+    assert all(s.t1 > s.t0 for s in device)
+    n = tracer.numbers()
+    assert n.compute_s > 0 and n.comm_s > 0 and 0 <= n.comm_hidden_share <= 1
+    check_chrome_trace(tracer.to_chrome())

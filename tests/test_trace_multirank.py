@@ -6,6 +6,7 @@ Legend: T tokens of a ubatch, D hidden size.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,7 @@ from asyncdbo.launch import RankPool
 from asyncdbo.streams.host import HostBackend
 from asyncdbo.streams.links import LinkSpec
 from asyncdbo.timeline import render_png
-from asyncdbo.trace import Tracer, merge_traces
+from asyncdbo.trace import Tracer, merge_traces, write_traces
 from test_trace import check_chrome_trace, png_size
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -131,3 +132,10 @@ def test_merged_trace_has_one_process_lane_per_rank_and_renders(
     out = tmp_path / "merged.png"
     assert render_png(merged, out, width_px=1200) == (1200, 160 + 36 * 8)
     assert png_size(out) == (1200, 448)
+
+
+def test_write_traces_lays_out_a_trace_directory(traces: list[tuple[dict[str, Any], bool]], tmp_path: Path) -> None:
+    paths = write_traces(tmp_path / "trace", [t for t, _ in traces])
+    assert [Path(p).name for p in paths] == ["rank0.json", "rank1.json", "merged.json", "timeline.png"]
+    assert json.loads(Path(paths[2]).read_text()) == merge_traces([t for t, _ in traces])
+    assert png_size(Path(paths[3])) == (1600, 448)
