@@ -98,7 +98,13 @@ def ep_comm(group: Any = None, *, max_ubatches: int = 4) -> EPComm:
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     backend = dist.get_backend(group)
     timeout = _group_timeout(group)
-    subs = tuple(dist.new_group(ranks, backend=backend, timeout=timeout) for _ in range(max_ubatches))
+    # A sub-group EP (several disjoint EP groups under DP) syncs only its own members, so each EP
+    # group creates its twins independently of the others.
+    local = group is not None and group is not dist.group.WORLD
+    subs = tuple(
+        dist.new_group(ranks, backend=backend, timeout=timeout, use_local_synchronization=local)
+        for _ in range(max_ubatches)
+    )
     log.debug("created %d per-ubatch %s groups over ranks %s", max_ubatches, backend, ranks)
     comm = EPComm(size=size, rank=rank, group=group, ubatch_groups=subs)
     _CACHE[key] = comm

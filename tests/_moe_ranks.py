@@ -179,3 +179,20 @@ def comm_round_trip(rank: int, world_size: int, ids_per_rank: list[list[list[int
 def group_sizes(rank: int, world_size: int) -> list[int]:
     comm = ep_comm(None)
     return [dist.get_world_size(g) for g in comm.ubatch_groups]
+
+
+def moe_two_ep_groups(rank: int, world_size: int) -> dict[str, Any]:
+    """4 ranks as 2 disjoint EP groups of 2 ({0,1}, {2,3}): each group's DBO output equals its
+    serial output (the per-ubatch twins are created per EP group)."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    cfg = MoEConfig(**MIXTRAL_LIKE)
+    layer = MoELayer(cfg, ep_group=mine, seed=7)
+    x_TD = rank_input(rank, 12, cfg.hidden_size)
+    ref_TD = asyncdbo.run(layer, x_TD)
+
+    async def dbo() -> list[torch.Tensor]:
+        return await asyncdbo.run_ubatches(layer, cut(x_TD, [5, 7]), backend="host")
+
+    out_TD = torch.cat(asyncdbo.run(dbo))
+    return {"ep": (layer.comm.size, layer.comm.rank), "max_abs_diff": float((out_TD - ref_TD).abs().max())}

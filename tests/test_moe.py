@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from asyncdbo.launch import RankError, RankPool
+from asyncdbo.launch import RankError, RankPool, run_ranks
 from asyncdbo.moe import MoEConfig
 
 from _moe_ranks import (
@@ -24,6 +24,7 @@ from _moe_ranks import (
     moe_layer_error,
     moe_overlap_trace,
     moe_raise_mid_forward,
+    moe_two_ep_groups,
 )
 
 pytestmark = pytest.mark.slow
@@ -144,3 +145,11 @@ def test_a_rank_failing_mid_forward_makes_its_peer_fail_not_hang() -> None:
             small.run(moe_raise_mid_forward, timeout_s=40.0)
     assert info.value.ranks == (0,)
     assert "comm work 'combine' failed" in info.value.details[0]
+
+
+@pytest.mark.timeout(90)
+def test_dp_with_two_disjoint_ep_groups() -> None:
+    # 4 ranks, EP groups {0, 1} and {2, 3}: each group builds its own per-ubatch twins.
+    results = run_ranks(moe_two_ep_groups, 4, timeout_s=60.0)
+    assert [r["ep"] for r in results] == [(2, 0), (2, 1), (2, 0), (2, 1)]
+    assert all(r["max_abs_diff"] <= 1e-5 for r in results), results
