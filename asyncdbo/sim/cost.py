@@ -2,8 +2,9 @@
 
 Legend: M, K, N are GEMM dimensions (rows, reduction, columns); T tokens, D hidden size.
 
-``time = kernel_overhead + max(flops / (peak * gemm_efficiency), bytes / (hbm * mem_efficiency))``
-(a roofline with a fixed per-kernel cost). FLOPs come from torch's own formulas
+``time = overhead + max(flops / (peak * gemm_efficiency), bytes / (hbm * mem_efficiency))``
+(a roofline with a fixed per-kernel cost: ``kernel_overhead_s`` for ops with a FLOP formula,
+``small_kernel_overhead_s`` for the rest). FLOPs come from torch's own formulas
 (``torch.utils.flop_counter.flop_registry``: mm, addmm, bmm, baddbmm, convolutions, SDPA) so the
 sim counts exactly what ``FlopCounterMode`` would; ops without a formula count one FLOP per output
 element. GEMM rows and columns are rounded up to the device's ``min_tile``: a 16-row GEMM on a
@@ -38,6 +39,9 @@ _FREE = {
     _aten.lift_fresh,
     _aten.detach,
     _aten.alias,
+    _aten.new_empty,
+    _aten.new_empty_strided,
+    _aten._unsafe_view,
 }
 
 
@@ -86,9 +90,9 @@ class CostModel:
         nbytes = batch * (m * k + k * n + m * n) * d.dtype_bytes
         return self._time(flops, nbytes)
 
-    def _time(self, flops: float, nbytes: float) -> float:
+    def _time(self, flops: float, nbytes: float, overhead: float | None = None) -> float:
         d = self.device
-        return d.kernel_overhead_s + max(
+        return (d.kernel_overhead_s if overhead is None else overhead) + max(
             flops / (d.peak_flops * d.gemm_efficiency), nbytes / (d.hbm_Bps * d.mem_efficiency)
         )
 
@@ -107,6 +111,7 @@ class CostModel:
                 flops *= self._tile_waste(outs[0])
         else:
             flops = float(sum(t.numel() for t in outs))
+            return OpCost(flops, nbytes, self._time(flops, nbytes, self.device.small_kernel_overhead_s))
         return OpCost(flops, nbytes, self._time(flops, nbytes))
 
     def _tile_waste(self, out_MN: torch.Tensor) -> float:

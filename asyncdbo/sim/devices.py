@@ -11,8 +11,9 @@ factors turn peaks into what large, well-shaped kernels reach in practice. Sourc
 
 Efficiency and overhead defaults are modeling choices, not vendor numbers: large BF16 GEMMs reach
 ~70% of peak on Hopper (cuBLAS/CUTLASS benchmarks), streaming kernels ~80% of HBM bandwidth, and a
-kernel costs a few microseconds of fixed time (launch gap plus ramp-up/tail) even inside a CUDA
-graph. ``min_tile`` is the GEMM tile edge (Hopper WGMMA tiles are 64 rows; Ascend's cube unit works
+GEMM or attention kernel costs ~2 us of fixed time (launch gap plus ramp-up/tail) even inside a
+CUDA graph, and any other op ~0.5 us (production stacks fuse routing and elementwise work into few
+kernels, while the reference layer here issues them one by one). ``min_tile`` is the GEMM tile edge (Hopper WGMMA tiles are 64 rows; Ascend's cube unit works
 on 16x16 fractals inside larger blocks): a GEMM with fewer rows than a tile still pays for a whole
 tile, which is why two half-size GEMMs are slower than one full one at small batches.
 """
@@ -34,7 +35,8 @@ class DeviceSpec:
     hbm_Bps: float
     gemm_efficiency: float = 0.7
     mem_efficiency: float = 0.8
-    kernel_overhead_s: float = 3e-6
+    kernel_overhead_s: float = 2e-6
+    small_kernel_overhead_s: float = 0.5e-6
     min_tile: int = 64
     dtype_bytes: int = 2
 
@@ -46,8 +48,9 @@ class DeviceSpec:
             v = getattr(self, f)
             if not 0 < v <= 1:
                 raise ValueError(f"DeviceSpec {self.name!r}: {f} must be in (0, 1] (got {v!r})")
-        if self.kernel_overhead_s < 0:
-            raise ValueError(f"DeviceSpec {self.name!r}: kernel_overhead_s must be >= 0 (got {self.kernel_overhead_s!r})")
+        for f in ("kernel_overhead_s", "small_kernel_overhead_s"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"DeviceSpec {self.name!r}: {f} must be >= 0 (got {getattr(self, f)!r})")
         if self.min_tile < 1 or self.dtype_bytes < 1:
             raise ValueError(f"DeviceSpec {self.name!r}: min_tile and dtype_bytes must be >= 1")
 

@@ -214,6 +214,7 @@ class SimBackend(StreamBackend):
         self._policy = policy
         self._compute = Engine("compute")
         self._link = Engine(f"link {self.link.name}")
+        self._comm_sms = Engine("comm SMs")
         self._timeline = Timeline()
         self._checker = RaceChecker() if self.check_races else None
         self._lost: list[LostOverlap] = []
@@ -326,7 +327,11 @@ class SimBackend(StreamBackend):
             return
         cost = self.cost.op_cost(func, args, kwargs, out)
         if cost.seconds > 0:
-            self._place(ub, stream, "compute", ub.tag or "compute", cost.seconds, self._compute)
+            # Ops a ubatch issues in its comm role (packing rows for a dispatch, say) run on the SMs
+            # the comm kernels own (DeepEP fuses them into its kernels): they take stream time but
+            # not the compute engine, so they never queue behind the other ubatch's compute.
+            engine = self._comm_sms if ub.role == "comm" and self._policy == "role" else self._compute
+            self._place(ub, stream, "compute", ub.tag or "compute", cost.seconds, engine)
         if self._checker is not None:
             reads, writes = self._accesses(func, args, kwargs, out)
             self._checker.access(stream.id, reads, writes, self._site(ub, stream, str(func.name())))
@@ -365,7 +370,8 @@ class SimBackend(StreamBackend):
         ins = {k for a in args[1:] for t in _tensor_items(a) if (k := _key(t)) is not None}
         if name.startswith(("allreduce", "broadcast", "reduce_")):
             ins |= outs  # in place
-        nbytes = sum(self.cost.nbytes(t) for t in _tensor_items(args[0] if args else ()))
+        sent = [t for a in args[1:] for t in _tensor_items(a)] or _tensor_items(args[0] if args else ())
+        nbytes = sum(self.cost.nbytes(t) for t in sent)  # what this rank sends, at the device's dtype
         self._pending_c10d = (ub, stream, ins, outs, self._site(ub, stream, f"c10d::{name}"), nbytes)
 
     def _flush_c10d(self, nbytes: int | None = None, what: str | None = None) -> SimHandle | None:
@@ -405,8 +411,8 @@ class SimBackend(StreamBackend):
         if ub is None or ub.run is not self._run:
             self._pending_c10d = None
             return SimHandle(what, nbytes, 0.0, 0.0)
-        if self._pending_c10d is not None:
-            handle = self._flush_c10d(nbytes, what)
+        if self._pending_c10d is not None:  # its own byte count (device dtype) beats the caller's
+            handle = self._flush_c10d(None, what)
             assert handle is not None
             return handle
         stream = ub.stream
