@@ -8,6 +8,7 @@ design that did not would be timing something else).
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -81,3 +82,18 @@ def test_switch_cost_quick(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for section in ("## plain", "## Goals", "## busy", "## torch"):
         assert section in out
+
+
+@pytest.mark.timeout(120)
+def test_moe_step_quick() -> None:
+    """Two real gloo ranks run serial, asyncdbo and the thread-baton baseline on one tiny case;
+    the benchmark itself checks that both DBO designs match the serial logits."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "moe_step.py"), "--quick"], capture_output=True, text=True, timeout=110
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for design in ("| serial |", "| asyncdbo |", "| threads |"):
+        assert design in proc.stdout
+    last_row = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ")][-1]  # the goals table
+    diff = float(last_row.rsplit("|", 2)[-2])
+    assert diff <= 1e-4
