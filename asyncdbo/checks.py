@@ -12,6 +12,7 @@ Rules:
 * Only handovers count (``dbo_yield`` and the ``dbo_yield_and_switch_*`` primitives). Parking on a
   comm completion or an event is not a yield: whether a ubatch parks depends on timing.
 * Position ``k`` of every ubatch must carry the tag the first ubatch to reach position ``k`` had.
+* Debug mode also registers the run for :func:`asyncdbo.debug.dump_stacks`.
 * At the end every ubatch must have made the same number of yields, except a ubatch that made
   none at all: it did no staged work (an empty or padding ubatch that returned early), and the
   others are compared among themselves. A ubatch that stopped part-way through is a mismatch.
@@ -20,6 +21,7 @@ Rules:
 from __future__ import annotations
 
 from ._core import SWITCH, DBORun, Instrument, UBatch, YieldMismatchError
+from .debug import track_run, untrack_run
 
 __all__ = ["YieldChecker"]
 
@@ -30,10 +32,9 @@ class YieldChecker(Instrument):
     def __init__(self) -> None:
         self._tags: dict[int, list[str | None]] = {}
         self._first: list[tuple[int, str | None]] = []  # position -> (ubatch, tag) that set it
-        self._run: DBORun | None = None
 
     def run_started(self, run: DBORun) -> None:
-        self._run = run
+        track_run(run)  # debug mode also makes the run visible to dump_stacks()
         self._tags = {ub.id: [] for ub in run.ubatches}
         self._first = []
 
@@ -56,7 +57,7 @@ class YieldChecker(Instrument):
             )
 
     def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
-        self._run = None
+        untrack_run(run)
         if exc is not None:
             return
         counts = {i: len(seq) for i, seq in self._tags.items() if seq}

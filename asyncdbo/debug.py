@@ -6,8 +6,8 @@ tag and what it waits on can be printed. :func:`dump_stacks` uses the same print
 error and the watchdog (:func:`asyncdbo._core.format_run`), so all three read alike.
 
 Live runs are found through a weak registry (a run never stays alive because of it). The scheduler
-does not register its runs itself yet, so a run is registered while a :class:`~asyncdbo.trace.Tracer`
-or :class:`LiveRuns` instruments it, and the running ubatch's own run is always included; if the
+does not register its runs itself yet, so a run is registered while a :class:`~asyncdbo.trace.Tracer`,
+:class:`LiveRuns` or debug mode's yield checker instruments it, and the running ubatch's own run is always included; if the
 core grows a ``LIVE_RUNS`` set in ``asyncdbo._core.scheduler``, it is used as well.
 """
 
@@ -65,7 +65,7 @@ def dump_stacks(file: IO[str] | None = None) -> str:
     on its own)."""
     runs = live_runs()
     if not runs:
-        text = "asyncdbo: no live DBO run (runs show here while a Tracer or debug.LiveRuns instruments them)\n"
+        text = "asyncdbo: no live DBO run (runs show here with debug=True or while a Tracer or debug.LiveRuns instruments them)\n"
     else:
         parts = []
         me = get_ubatch()

@@ -71,7 +71,7 @@ class Span:
 
 @dataclass(frozen=True, kw_only=True)
 class RunNumbers:
-    """The numbers of one step (or several, summed by :meth:`Tracer.numbers`).
+    """The numbers of one step (one DBO run).
 
     wall_s: first resume to run end. switches: ``SWITCH`` yields. parks: times a ubatch parked.
     yields_per_ubatch: ``SWITCH`` yields of each ubatch. parked_s: total time ubatches spent
@@ -460,9 +460,6 @@ class Tracer(Instrument):
 
 
 # ---------------------------------------------------------------------------------------- export
-_TRACKS = ("compute", "comm")
-
-
 def _tid(ub: int, track: int) -> int:
     return ub * 100 + track  # ubatch-major: ub0 compute, ub0 comm lanes..., ub1 compute, ...
 

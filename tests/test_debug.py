@@ -64,7 +64,8 @@ async def test_dump_stacks_shows_the_await_chain_of_a_parked_ubatch() -> None:
     assert dumps == [expected_dump(future_repr)]
 
 
-async def test_dump_stacks_writes_to_a_file_and_sees_runs_from_another_task() -> None:
+@pytest.mark.parametrize("registered_by", ["LiveRuns", "debug"])
+async def test_dump_stacks_writes_to_a_file_and_sees_runs_from_another_task(registered_by: str) -> None:
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[int] = loop.create_future()
 
@@ -72,7 +73,8 @@ async def test_dump_stacks_writes_to_a_file_and_sees_runs_from_another_task() ->
         await dbo_yield("attn")
         return await wait_for_comm(fut)
 
-    run_task = asyncio.ensure_future(run_ubatches(parked, [(), ()], backend="host", instrument=LiveRuns(), name="outside"))
+    how = {"instrument": LiveRuns()} if registered_by == "LiveRuns" else {"debug": True}
+    run_task = asyncio.ensure_future(run_ubatches(parked, [(), ()], backend="host", name="outside", **how))
     while not live_runs() or any(ub.state != "parked" for ub in live_runs()[0].ubatches):
         await asyncio.sleep(0.001)
     buf = io.StringIO()
@@ -86,7 +88,7 @@ async def test_dump_stacks_writes_to_a_file_and_sees_runs_from_another_task() ->
     assert await run_task == [3, 3]
     assert live_runs() == []
     assert dump_stacks() == (
-        "asyncdbo: no live DBO run (runs show here while a Tracer or debug.LiveRuns instruments them)\n"
+        "asyncdbo: no live DBO run (runs show here with debug=True or while a Tracer or debug.LiveRuns instruments them)\n"
     )
 
 
