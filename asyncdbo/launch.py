@@ -54,6 +54,8 @@ _CLOSE_GRACE_S = 5.0
 #: After the first rank fails, seconds to wait for the other ranks' answers, so that the error can
 #: name every rank that failed (peers often fail a moment later in the same collective).
 _FAILURE_GRACE_S = 1.0
+#: Start-up tries (a new port each time) when the group's port was taken meanwhile.
+_START_ATTEMPTS = 2
 #: How often a worker checks that its parent is still alive.
 _PARENT_POLL_S = 0.5
 
@@ -191,26 +193,36 @@ class RankPool:
 
         worker_env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(torch_threads)}
         worker_env.update(env or {})
+        for attempt in range(_START_ATTEMPTS):
+            try:
+                self._start(worker_env, torch_threads)
+                return
+            except RankError as e:
+                # free_port() is racy: another process may take the port before rank 0 binds it.
+                if attempt + 1 == _START_ATTEMPTS or "address already in use" not in str(e).lower():
+                    raise
+            except BaseException:
+                self.close()
+                raise
+            self._procs, self._conns, self._closed, self._broken = [], [], False, None
+
+    def _start(self, worker_env: dict[str, str], torch_threads: int) -> None:
         ctx = mp.get_context("spawn")
         port = free_port()
-        try:
-            for rank in range(world_size):
-                parent_conn, child_conn = ctx.Pipe(duplex=True)
-                proc = ctx.Process(
-                    target=_worker_main,
-                    args=(rank, world_size, port, backend, self.timeout_s, worker_env,
-                          torch_threads, child_conn, os.getpid()),
-                    name=f"asyncdbo-rank{rank}",
-                    daemon=True,
-                )
-                proc.start()
-                child_conn.close()
-                self._procs.append(proc)
-                self._conns.append(parent_conn)
-            self._collect("start-up", self.timeout_s)
-        except BaseException:
-            self.close()
-            raise
+        for rank in range(self.world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, self.world_size, port, self.backend, self.timeout_s, worker_env,
+                      torch_threads, child_conn, os.getpid()),
+                name=f"asyncdbo-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child_conn.close()
+            self._procs.append(proc)
+            self._conns.append(parent_conn)
+        self._collect("start-up", self.timeout_s)
 
     # -- public API -----------------------------------------------------------------------------
 

@@ -180,3 +180,21 @@ def test_workers_exit_when_the_parent_dies() -> None:
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids)
+
+
+@pytest.mark.timeout(120)
+def test_start_up_retries_once_when_its_port_was_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    import asyncdbo.launch as launch
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1], free_port()])
+    monkeypatch.setattr(launch, "free_port", lambda: next(ports))
+    try:
+        with RankPool(2, timeout_s=30.0) as pool:
+            assert pool.run(_all_reduce_rank) == [3, 3]
+    finally:
+        taken.close()
