@@ -116,3 +116,19 @@ def test_split_metadata_is_self_consistent_and_merge_restores_the_input(
     # Identity "model": each ubatch returns its padded input; merging gives back the real tokens.
     x_PD = torch.randn(qsl[-1] + extra_pad, 4)
     assert torch.equal(merge_outputs(slice_tokens(x_PD, slices), slices, qsl[-1]), x_PD[: qsl[-1]])
+
+
+@SETTINGS
+@given(reqs=batch, min_share=st.floats(0.0, 0.5))
+def test_balanced_two_way_keeps_a_fair_boundary_or_cuts_at_the_middle(
+    reqs: list[tuple[int, int]], min_share: float
+) -> None:
+    qsl = qsl_of(reqs)
+    num_tokens = qsl[-1]
+    by_request = split_requests(qsl, 2)
+    smaller = min(s.num_tokens for s in by_request)
+    got = plan_slices(qsl, 2, "balanced", min_share=min_share)
+    if smaller >= min_share * num_tokens:  # SGLang's rule: the smaller side holds >= min_share
+        assert got == by_request
+    else:
+        assert got[0].token_slice == slice(0, num_tokens // 2)
