@@ -102,7 +102,10 @@ class CostModel:
             return OpCost(0.0, 0, 0.0)
         ins = _tensors(args) + _tensors(kwargs)
         outs = _tensors(out)
-        nbytes = sum(self.nbytes(t) for t in ins) + sum(self.nbytes(t) for t in outs)
+        # An output that is one of the inputs (in-place, out=) was counted once already: copy_
+        # reads src and writes self, two tensors' worth of traffic, not three.
+        seen = {id(t) for t in ins}
+        nbytes = sum(self.nbytes(t) for t in ins) + sum(self.nbytes(t) for t in outs if id(t) not in seen)
         packet = func._overloadpacket
         formula = flop_registry.get(packet)
         if formula is not None:
