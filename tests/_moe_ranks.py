@@ -73,9 +73,11 @@ def moe_dbo_vs_serial(
 
 
 def moe_overlap_trace(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
-    """One layer, 2 ubatches, a slow modeled link (5 ms latency) so each comm completes well after
-    the issuing ubatch parks: returns which ubatch resumed while ubatch 0's dispatch was in flight,
-    the comm works per ubatch, the yield count and the park count."""
+    """One layer, 2 ubatches, a slow modeled link (20 ms latency) so each comm completes well after
+    the issuing ubatch parks: returns which ubatches resumed while ubatch 0's dispatch was in
+    flight (issue to completion), each ubatch's comm works in issue order, the yield counts and
+    whether anything parked. (The interleaving of the two ubatches' works is left out: which
+    counts exchange completes first is timing.)"""
     cfg = MoEConfig(**MIXTRAL_LIKE, schedule=schedule)
     layer = MoELayer(cfg, seed=7)
     x_TD = rank_input(rank, 16, cfg.hidden_size)
@@ -86,7 +88,7 @@ def moe_overlap_trace(rank: int, world_size: int, schedule: str) -> dict[str, An
         def run_finished(self, run: Any, exc: BaseException | None) -> None:
             holder["run"] = run
 
-    link = asyncdbo.link_spec("ib400", latency_s=5e-3)
+    link = asyncdbo.link_spec("ib400", latency_s=20e-3)
 
     async def dbo() -> list[torch.Tensor]:
         return await asyncdbo.run_ubatches(
@@ -97,9 +99,10 @@ def moe_overlap_trace(rank: int, world_size: int, schedule: str) -> dict[str, An
     run = holder["run"]
     works = run.data["comm_works"]
     disp0 = next(w for ub, w in works if ub == 0 and w.what == "dispatch")
-    during = sorted({ub for ub, t in log.resumes if disp0.t_issue < t < disp0.t_release})
+    end = max(disp0.t_done or 0.0, disp0.t_release or 0.0)
+    during = sorted({ub for ub, t in log.resumes if disp0.t_issue < t < end})
     return {
-        "works": [(ub, w.what) for ub, w in works],
+        "works": [[w.what for ub, w in works if ub == i] for i in range(2)],
         "resumed_during_dispatch0": during,
         "yields": [ub.num_yields for ub in run.ubatches],
         "parked": run.num_parks > 0,
@@ -196,3 +199,23 @@ def moe_two_ep_groups(rank: int, world_size: int) -> dict[str, Any]:
 
     out_TD = torch.cat(asyncdbo.run(dbo))
     return {"ep": (layer.comm.size, layer.comm.rank), "max_abs_diff": float((out_TD - ref_TD).abs().max())}
+
+
+def moe_stage_events(rank: int, world_size: int, schedule: str) -> list[tuple[Any, ...]]:
+    """The explicit events one layer called twice records under the ubatch-stream policy."""
+    layer = MoELayer(MoEConfig(**MIXTRAL_LIKE, schedule=schedule), seed=7, name="L0")
+    x_TD = rank_input(rank, 8, 32)
+    holder: dict[str, Any] = {}
+
+    class Keep(Instrument):
+        def run_finished(self, run: Any, exc: BaseException | None) -> None:
+            holder["run"] = run
+
+    async def twice(x: torch.Tensor) -> torch.Tensor:
+        return await layer(await layer(x))
+
+    async def dbo() -> list[torch.Tensor]:
+        return await asyncdbo.run_ubatches(twice, cut(x_TD, [3, 5]), backend="host", stream_policy="ubatch", instrument=Keep())
+
+    asyncdbo.run(dbo)
+    return sorted(holder["run"].data["events"])

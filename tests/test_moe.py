@@ -24,6 +24,7 @@ from _moe_ranks import (
     moe_layer_error,
     moe_overlap_trace,
     moe_raise_mid_forward,
+    moe_stage_events,
     moe_two_ep_groups,
 )
 
@@ -78,11 +79,10 @@ def test_dbo_equals_serial_on_a_modeled_ib400_link(pool: RankPool, schedule: str
 
 @pytest.mark.timeout(60)
 def test_ht_overlaps_ubatch1_with_ubatch0_dispatch(pool: RankPool) -> None:
-    # With a 5 ms modeled link every comm completes long after its ubatch parked, so the order is
-    # fixed: both counts exchanges, both dispatches, both combines; ubatch 1 runs while ubatch 0's
-    # dispatch is in flight; three yields per ubatch.
+    # With a 20 ms modeled link every comm completes long after its ubatch parked: ubatch 1 runs
+    # while ubatch 0's dispatch is in flight; three yields per ubatch.
     expected = {
-        "works": [(0, "counts"), (1, "counts"), (0, "dispatch"), (1, "dispatch"), (0, "combine"), (1, "combine")],
+        "works": [["counts", "dispatch", "combine"], ["counts", "dispatch", "combine"]],
         "resumed_during_dispatch0": [1],
         "yields": [3, 3],
         "parked": True,
@@ -92,13 +92,25 @@ def test_ht_overlaps_ubatch1_with_ubatch0_dispatch(pool: RankPool) -> None:
 
 @pytest.mark.timeout(60)
 def test_ll_overlaps_ubatch1_with_ubatch0_dispatch(pool: RankPool) -> None:
+    # the same with the low-latency schedule: two yields per ubatch
     expected = {
-        "works": [(0, "counts"), (1, "counts"), (0, "dispatch"), (1, "dispatch"), (0, "combine"), (1, "combine")],
+        "works": [["counts", "dispatch", "combine"], ["counts", "dispatch", "combine"]],
         "resumed_during_dispatch0": [1],
         "yields": [2, 2],
         "parked": True,
     }
     assert pool.run(moe_overlap_trace, "ll") == [expected, expected]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("schedule", "stages"),
+    [("ht", ["combined", "dispatched", "experts", "routed"]), ("ll", ["combine_sent", "dispatch_sent"])],
+)
+def test_ubatch_streams_order_stages_with_explicit_events(pool: RankPool, schedule: str, stages: list[str]) -> None:
+    # one key per (layer, call, ubatch, stage); the layer runs twice per ubatch
+    expected = sorted(("L0", call, ub, stage) for call in (0, 1) for ub in (0, 1) for stage in stages)
+    assert pool.run(moe_stage_events, schedule) == [expected, expected]
 
 
 @pytest.mark.timeout(60)

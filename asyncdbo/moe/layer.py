@@ -122,7 +122,9 @@ class MoELayer(nn.Module):
         self.experts_per_rank = cfg.num_experts // comm.size
         self.first_expert = comm.rank * self.experts_per_rank
         router_ED, bias_E = router_init(cfg, seed)
-        self.router_ED = _frozen(router_ED.to(dtype))
+        # The router stays float32 whatever ``dtype``: routing is computed in float32 (as both
+        # reference models do) and a rounded router weight could flip a top-k choice.
+        self.router_ED = _frozen(router_ED)
         self.bias_E: torch.Tensor | None
         self.register_buffer("bias_E", bias_E)
         local = [expert_init(cfg, seed, e) for e in self._local_range()]
