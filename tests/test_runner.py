@@ -9,6 +9,7 @@ ubatch cover other rows than the whole batch's, so results may differ in the las
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import pytest
@@ -16,7 +17,8 @@ import torch
 
 from asyncdbo.launch import RankError, RankPool
 from asyncdbo.models import MiniModel
-from asyncdbo.plan import PlanReason, ThresholdConfig
+from asyncdbo import dbo_current_ubatch_id, run_ubatches
+from asyncdbo.plan import AttentionMetadata, PlanReason, ThresholdConfig, merge_outputs, split_attn_metadata, split_tokens
 from asyncdbo.runner import Batch, BatchBuilder, DBORunner, RunnerConfig
 from asyncdbo.trace import Tracer
 
@@ -52,6 +54,32 @@ async def test_token_split_with_a_straddling_request_equals_serial() -> None:
     assert d.record.ubatch_num_tokens == (16, 17)
     assert d.num_switches > 0
     assert (s.logits_TV - d.logits_TV).abs().max().item() <= TOL
+
+
+@pytest.mark.asyncio
+async def test_continuations_wait_for_a_late_first_ubatch_in_every_layer() -> None:
+    # One request over three ubatches; ubatch 0 starts late (parked on a timer, as on a late comm
+    # completion), so ubatches 1 and 2 reach layer 0's attention first. They must wait for the
+    # K/V of every earlier ubatch, not read an empty cache (nor only ubatch 1's part).
+    builder = BatchBuilder(SMALL.kv_cache_config)
+    batch = builder.build([(0, list(tokens(30, 9)))])
+    expected_TV = await MiniModel(SMALL).forward(batch.input_ids_T, batch.positions_T, batch.attn)
+    model = MiniModel(SMALL)
+    slices = split_tokens(batch.attn.query_start_loc_cpu, 3)
+    metas = split_attn_metadata(batch.attn, slices)
+    order: list[int] = []
+
+    async def ubatch(ids_T: torch.Tensor, pos_T: torch.Tensor, meta: AttentionMetadata, delay_s: float) -> torch.Tensor:
+        if delay_s:
+            await asyncio.sleep(delay_s)
+        order.append(dbo_current_ubatch_id())
+        return await model.forward(ids_T, pos_T, meta)
+
+    args = [(batch.input_ids_T[s.token_slice], batch.positions_T[s.token_slice], m, 0.05 if k == 0 else 0.0)
+            for k, (s, m) in enumerate(zip(slices, metas))]
+    outs = await run_ubatches(ubatch, args, backend="host")
+    assert order == [1, 2, 0]  # ubatch 0 really came last
+    assert (merge_outputs(outs, slices, 30) - expected_TV).abs().max().item() <= TOL
 
 
 @pytest.mark.asyncio

@@ -18,8 +18,10 @@ in every layer ``l`` it must read the K/V that ubatch ``k`` writes in layer ``l`
   arrives out of order) ubatch ``k+1`` can overtake a parked ubatch ``k`` and reach layer
   ``l``'s attention first.  Round-robin alone is therefore not enough (tests caught exactly
   this with 3 ubatches on ubatch streams).
-* So the order is made explicit, CANN-style: after writing its K/V in layer ``l`` each ubatch
-  records event ``kv(l, k)``, and ubatch ``k+1`` waits for ``kv(l, k)`` before reading.  In the
+* So the order is made explicit, CANN-style: in layer ``l`` ubatch ``k`` writes its K/V, waits
+  for event ``kv(l, k-1)``, then records ``kv(l, k)`` and reads.  Recording after the wait makes
+  the chain transitive: ``kv(l, k)`` means ubatches ``0..k`` all wrote layer ``l``, which a
+  request spanning three ubatches needs.  In the
   common case the event is already recorded and the wait costs a dict lookup; when it is not,
   the overtaking ubatch parks until ubatch ``k`` catches up.  On an accelerator the same pair
   becomes a stream wait on an event (no CPU wait).
@@ -167,10 +169,12 @@ class MiniModel:
         self.kv_cache.write(layer, k_THK, v_THK, attn.slot_mapping)
         # Order the read after the previous ubatch's write in this layer (module docstring).
         # No-ops outside a DBO run.
+        # Record only after waiting, so kv(l, k) means "ubatches 0..k wrote layer l": a request
+        # spanning three ubatches needs the first one's K/V too.  No-ops outside a DBO run.
         ub_id = dbo_current_ubatch_id()
-        dbo_record_event(("mini.kv", id(self), layer, ub_id))
         if ub_id > 0:
             await dbo_wait_event(("mini.kv", id(self), layer, ub_id - 1))
+        dbo_record_event(("mini.kv", id(self), layer, ub_id))
         o_THK = paged_causal_attention(q_THK, positions_T, self.kv_cache, layer, attn)
         return o_THK.reshape(-1, cfg.num_heads * cfg.head_dim) @ p["wo_FD"]
 
