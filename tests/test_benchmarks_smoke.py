@@ -97,3 +97,14 @@ def test_moe_step_quick() -> None:
     last_row = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ")][-1]  # the goals table
     diff = float(last_row.rsplit("|", 2)[-2])
     assert diff <= 1e-4
+
+
+@pytest.mark.timeout(120)
+def test_sim_sweep_quick_writes_table_and_plot(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "sim_sweep.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| decode | 16 | ib400 |" in proc.stdout
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".md", ".png"]
