@@ -287,7 +287,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link", default="none", help=f"modeled link: {', '.join(LINK_CHOICES)} [%(default)s]")
     p.add_argument("--link-scale", type=float, default=d.link_scale,
                    help="multiply the modeled link's latency and divide its bandwidth by this (CPU vs accelerator speed) [%(default)s]")
-    p.add_argument("--trace", metavar="DIR", default=None, help="write the last DBO step's trace (Chrome/Perfetto JSON) to DIR/trace.json")
+    p.add_argument("--trace", metavar="DIR", default=None,
+                   help="write the last DBO step's trace to DIR: rank<r>.json, merged.json (Chrome/Perfetto), timeline.png, numbers.json")
     p.add_argument("--seed", type=int, default=d.seed, help="[%(default)s]")
     p.add_argument("--launcher", choices=("local", "env"), default="local",
                    help="local: start --ranks processes here; env: this process is one rank of torchrun [%(default)s]")
@@ -309,17 +310,15 @@ def _report(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> int:
     s = summarize(cfg, per_rank)
     print(_format(cfg, s))
     if cfg.trace:
-        from .trace import merge_traces
-
-        os.makedirs(cfg.trace, exist_ok=True)
-        path = os.path.join(cfg.trace, "trace.json")
         import json
 
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(merge_traces([r["trace"] for r in per_rank if r["trace"] is not None]), f)
-        with open(os.path.join(cfg.trace, "numbers.json"), "w", encoding="utf-8") as f:
+        from .trace import write_traces
+
+        paths = write_traces(cfg.trace, [r["trace"] for r in per_rank if r["trace"] is not None])
+        paths.append(os.path.join(cfg.trace, "numbers.json"))
+        with open(paths[-1], "w", encoding="utf-8") as f:
             json.dump({"config": asdict(cfg), "summary": s}, f, indent=1, default=str)
-        print(f"trace of the last DBO step: {path} (open in ui.perfetto.dev, or `asyncdbo trace {path}`)")
+        print(f"trace of the last DBO step (open the JSON in ui.perfetto.dev): {', '.join(paths)}")
     return 0 if s["max_abs_diff"] <= MATCH_ATOL else 1
 
 

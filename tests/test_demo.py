@@ -31,7 +31,8 @@ def test_demo_prints_the_table_on_a_modeled_link_and_writes_a_trace(capsys: pyte
         assert re.search(rf"^  {re.escape(row)} ", out, re.M), row
     assert "DBO steps: microbatched, every step on every rank (real tokens per ubatch by rank: [256, 256] [256, 256])" in out
     assert re.search(r"^outputs serial vs DBO: max \|logits diff\| = \S+ \((bitwise equal|match), tolerance 0.0001\)$", out, re.M)
-    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged.json", "numbers.json", "rank0.json", "rank1.json", "timeline.png"]
+    trace = json.loads((tmp_path / "merged.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
     numbers = json.loads((tmp_path / "numbers.json").read_text())
     assert numbers["config"]["link"] == "ib400" and numbers["summary"]["max_abs_diff"] <= 1e-4
