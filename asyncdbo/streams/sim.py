@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core import Instrument, get_ubatch
 from ..sim.clock import Engine, Span, Timeline, VEvent, VStream
-from ..sim.cost import CostModel, is_metadata_only
+from ..sim.cost import CostModel
 from ..sim.devices import DeviceSpec, device_spec
 from ..sim.races import DeadWait, LostOverlap, Race, RaceChecker, SimCheckError, Site, user_place
 from .base import StreamBackend, StreamPolicy
@@ -135,6 +135,11 @@ def _tensor_items(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensor_items(v)]
     return []
+
+
+def _is_view(func: Any) -> bool:
+    rets = func._schema.returns
+    return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
 
 
 def _key(t: torch.Tensor) -> int | None:
@@ -321,8 +326,8 @@ class SimBackend(StreamBackend):
             self._c10d_op(ub, stream, func, args, kwargs)
             return
         self._flush_c10d()
-        if is_metadata_only(func):
-            if func is torch.ops.aten._local_scalar_dense.default and self._checker is not None:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            if self._checker is not None:
                 self._checker.sync_all_to(stream.id)  # .item(): the host waits for this stream
             return
         cost = self.cost.op_cost(func, args, kwargs, out)
@@ -332,7 +337,10 @@ class SimBackend(StreamBackend):
             # not the compute engine, so they never queue behind the other ubatch's compute.
             engine = self._comm_sms if ub.role == "comm" and self._policy == "role" else self._compute
             self._place(ub, stream, "compute", ub.tag or "compute", cost.seconds, engine)
-        if self._checker is not None:
+        if self._checker is not None and not _is_view(func):
+            # Allocations (empty, new_empty) cost nothing but still start a fresh history: the CPU
+            # allocator reuses addresses, while a device's caching allocator keeps each block on
+            # the stream that allocated it, so an old access to the address is no dependency.
             reads, writes = self._accesses(func, args, kwargs, out)
             self._checker.access(stream.id, reads, writes, self._site(ub, stream, str(func.name())))
 

@@ -1,0 +1,207 @@
+"""The sim's happens-before checker on hand-written schedules with known ordering bugs, and on the
+library's own MoE schedules (which must pass clean).
+
+Comm is a real ``all_to_all_single`` on torch's fake process group (two ranks, this process is
+rank 0; with equal splits it hands rank 0 its own rows back), handed to the backend's ``submit``
+as asyncdbo.comm does. Shape legend: M rows of a ubatch, K in features, N out features.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import asyncdbo
+from asyncdbo._core import get_ubatch
+from asyncdbo.primitives import (
+    dbo_record_event,
+    dbo_switch_to_compute,
+    dbo_wait_event,
+    dbo_yield,
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+)
+from asyncdbo.sim import SimCheckError
+from asyncdbo.sim.predict import ModelShape, fake_ep_group, predict
+from asyncdbo.streams.sim import SimBackend
+
+pytestmark = pytest.mark.timeout(60)
+
+W_KN = torch.randn(64, 128)
+GROUP: list[Any] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ep_group() -> Iterator[Any]:
+    with fake_ep_group(2) as g:
+        GROUP.append(g)
+        yield g
+        GROUP.clear()
+
+
+def a2a(out_MN: torch.Tensor, in_MN: torch.Tensor) -> Any:
+    work = dist.all_to_all_single(out_MN, in_MN, group=GROUP[0], async_op=True)  # ALL-TO-ALL
+    return get_ubatch().run.backend.submit(work, nbytes=in_MN.numel() * in_MN.element_size(), what="dispatch")
+
+
+def line(marker: str) -> int:
+    src = inspect.getsource(inspect.getmodule(line)).splitlines()  # type: ignore[arg-type]
+    return next(i + 1 for i, s in enumerate(src) if s.rstrip().endswith(marker))
+
+
+def place(fn: str, marker: str) -> str:
+    return re.escape(f"tests/test_sim_races.py:{line(marker)} in {fn}")
+
+
+# ------------------------------------------------------------------------------------ schedules
+async def correct(x_MK: torch.Tensor) -> torch.Tensor:
+    h_MN = x_MK @ W_KN
+    recv_MN = torch.empty_like(h_MN)
+    await dbo_yield_and_switch_from_compute_to_comm("dispatch")
+    a2a(recv_MN, h_MN)
+    await dbo_yield_and_switch_from_comm_to_compute("expert")
+    return torch.relu(recv_MN)
+
+
+async def early_read(x_MK: torch.Tensor) -> torch.Tensor:
+    h_MN = x_MK @ W_KN
+    recv_MN = torch.empty_like(h_MN)
+    await dbo_yield_and_switch_from_compute_to_comm("dispatch")
+    a2a(recv_MN, h_MN)
+    dbo_switch_to_compute()  # the bug: no wait for the dispatch
+    return torch.relu(recv_MN)  # EARLY READ
+
+
+async def record_after_yield(x_MK: torch.Tensor) -> torch.Tensor:
+    """vLLM #38451: the compute done-event is recorded after the yield, so it also covers the
+    other ubatch's compute queued meanwhile. Correct, but the ubatches serialize."""
+    h_MN = x_MK @ W_KN
+    recv_MN = torch.empty_like(h_MN)
+    ub = get_ubatch()
+    be = ub.run.backend
+    await dbo_yield("dispatch")
+    be.record(ub.events["compute"], ub.streams["compute"])  # LATE RECORD
+    ub.role = "comm"
+    ub.set_stream(ub.streams["comm"])
+    be.wait(ub.stream, ub.events["compute"])  # WAIT ON LATE EVENT
+    a2a(recv_MN, h_MN)
+    await dbo_yield_and_switch_from_comm_to_compute("expert")
+    return torch.relu(recv_MN)
+
+
+SHARED_MN = torch.empty(32, 128)
+
+
+async def shared_recv_buffer(x_MK: torch.Tensor) -> torch.Tensor:
+    """Per-ubatch streams (CANN), but both ubatches receive into one buffer: ubatch 1's dispatch
+    overwrites it while ubatch 0's may still be landing, and ubatch 0 then reads ubatch 1's rows."""
+    h_MN = x_MK @ W_KN
+    dbo_record_event(("h", get_ubatch().id))
+    await dbo_yield("dispatch")
+    await dbo_wait_event(("h", get_ubatch().id))
+    a2a(SHARED_MN, h_MN)
+    await dbo_yield("expert")
+    return torch.relu(SHARED_MN)  # READS THE REUSED BUFFER
+
+
+async def own_recv_buffer(x_MK: torch.Tensor) -> torch.Tensor:
+    h_MN = x_MK @ W_KN
+    recv_MN = torch.empty_like(h_MN)
+    await dbo_yield("dispatch")
+    a2a(recv_MN, h_MN)
+    await dbo_yield("expert")
+    return torch.relu(recv_MN)
+
+
+async def run(fn: Any, policy: str = "role") -> tuple[list[torch.Tensor], SimBackend]:
+    x = torch.randn(64, 64)
+    be = SimBackend(device="h100", link="ib400", on_problem="record")
+    out = await asyncdbo.run_ubatches(fn, [(x[:32],), (x[32:],)], backend=be, stream_policy=policy)
+    return [torch.cat(out), torch.relu(x @ W_KN)], be
+
+
+# ------------------------------------------------------------------------------------ tests
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", ["role", "ubatch"])
+async def test_a_correct_schedule_is_clean_and_equals_the_serial_run(policy: str) -> None:
+    fn = correct if policy == "role" else own_recv_buffer
+    (got, want), be = await run(fn, policy)
+    assert torch.equal(got, want)
+    rep = be.report
+    assert (rep.races, rep.lost_overlaps, rep.dead_waits) == ([], [], [])
+
+
+@pytest.mark.asyncio
+async def test_a_missing_wait_after_dispatch_is_an_early_read_with_both_places() -> None:
+    _, be = await run(early_read)
+    (race,) = be.report.races
+    assert race.kind == "read-after-write"
+    assert re.fullmatch(
+        rf"read-after-write race: ubatch 0 at yield point 'dispatch', stream compute, {place('early_read', '# EARLY READ')}: "
+        rf"aten::relu\n    reads a buffer written with no event ordering it by: ubatch 0 at yield point 'dispatch', "
+        rf"stream comm, {place('a2a', '# ALL-TO-ALL')}: c10d::alltoall_base_",
+        str(race),
+    ), str(race)
+    with pytest.raises(SimCheckError, match=r"asyncdbo sim: 1 ordering problem\(s\):\n  1\. read-after-write race: ubatch 0"):
+        x = torch.randn(64, 64)
+        await asyncdbo.run_ubatches(early_read, [(x[:32],), (x[32:],)], backend=SimBackend())
+
+
+@pytest.mark.asyncio
+async def test_an_event_recorded_after_the_yield_is_lost_overlap_not_a_race() -> None:
+    (got, want), be = await run(record_after_yield)
+    assert torch.equal(got, want)  # correct numbers: only the overlap is lost
+    rep = be.report
+    assert rep.races == [] and rep.dead_waits == []
+    (lost,) = rep.lost_overlaps
+    assert (lost.waiter.ubatch, lost.recorder.ubatch, lost.foreign_ubatch) == (0, 0, 1)
+    assert lost.lost_s > 0
+    assert re.fullmatch(
+        rf"lost overlap \([\d.]+ us\): ubatch 0 at yield point 'dispatch', stream comm, "
+        rf"{place('record_after_yield', '# WAIT ON LATE EVENT')}: wait event\n    waits on an event recorded by: "
+        rf"ubatch 0 at yield point 'dispatch', stream compute, {place('record_after_yield', '# LATE RECORD')}: "
+        r"record event\n    which also covers work ubatch 1 queued after it; the event was recorded after a yield, "
+        r"so the ubatches serialize \(record before yielding\)",
+        str(lost),
+    ), str(lost)
+    _, good = await run(correct)
+    assert good.report.makespan_s < rep.makespan_s
+
+
+@pytest.mark.asyncio
+async def test_a_buffer_reused_by_the_next_ubatch_before_the_comm_finished_is_a_race() -> None:
+    (got, want), be = await run(shared_recv_buffer, "ubatch")
+    assert not torch.equal(got, want)  # ubatch 0 computed on ubatch 1's rows
+    kinds = [(r.kind, r.now.ubatch, r.before.ubatch) for r in be.report.races]
+    assert kinds == [("write-after-write", 1, 0), ("read-after-write", 0, 1)]
+    waw = str(be.report.races[0])
+    a2a_place = place("a2a", "# ALL-TO-ALL")
+    assert re.fullmatch(
+        rf"write-after-write race: ubatch 1 at yield point 'dispatch', stream ub1, {a2a_place}: "
+        r"c10d::alltoall_base_\n    writes a buffer written with no event ordering it by: ubatch 0 at yield point "
+        rf"'dispatch', stream ub0, {a2a_place}: c10d::alltoall_base_",
+        waw,
+    ), waw
+    assert f"{line('# READS THE REUSED BUFFER')} in shared_recv_buffer: aten::relu" in str(be.report.races[1])
+
+
+@pytest.mark.parametrize("schedule", ["ht", "ll"])
+@pytest.mark.parametrize("policy", ["role", "ubatch"])
+def test_the_librarys_moe_schedules_are_race_free(schedule: str, policy: str) -> None:
+    # One event loop is enough here: the sim never parks a ubatch on the loop.
+    tiny = ModelShape(layers=2, hidden=32, intermediate=32, experts=4, top_k=2, heads=2, head_dim=16, context=8, ep=2, schedule=schedule)
+    for shape in ("decode", "prefill"):
+        p = asyncdbo.run(
+            functools.partial(predict, 8, model=tiny, shape=shape, device="h100", link="ib400", stream_policy=policy, check_races=True),
+            loop="asyncio",
+        )
+        for rep in (p.serial, p.dbo):
+            assert (rep.races, rep.dead_waits, rep.lost_overlaps) == ([], [], []), (shape, rep.problems, rep.lost_overlaps)
+        assert p.dbo.num_ubatches == 2 and p.dbo.comm_busy_s > 0
