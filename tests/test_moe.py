@@ -13,9 +13,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
+import asyncdbo
 from asyncdbo.launch import RankError, RankPool, run_ranks
-from asyncdbo.moe import MoEConfig
+from asyncdbo.moe import MoEConfig, MoELayer
 
 from _moe_ranks import (
     DEEPSEEK_LIKE,
@@ -165,3 +167,69 @@ def test_dp_with_two_disjoint_ep_groups() -> None:
     results = run_ranks(moe_two_ep_groups, 4, timeout_s=60.0)
     assert [r["ep"] for r in results] == [(2, 0), (2, 1), (2, 0), (2, 1)]
     assert all(r["max_abs_diff"] <= 1e-5 for r in results), results
+
+
+# -- single process (EP size 1, no torch.distributed): runs on both event loops ---------------------
+
+
+def _local_layer(schedule: str) -> MoELayer:
+    return MoELayer(MoEConfig(**DEEPSEEK_LIKE, schedule=schedule), seed=3)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", ["role", "ubatch"])
+@pytest.mark.parametrize("schedule", ["ht", "ll"])
+async def test_single_rank_dbo_equals_plain_call(schedule: str, policy: str) -> None:
+    layer = _local_layer(schedule)
+    x_TD = torch.randn(20, 32, generator=torch.Generator().manual_seed(5))
+    ref_TD = await layer(x_TD)  # a plain call: every primitive is a no-op
+    outs = await asyncdbo.run_ubatches(layer, [(x_TD[:7],), (x_TD[7:7],), (x_TD[7:],)], backend="host", stream_policy=policy)
+    assert [tuple(o.shape) for o in outs] == [(7, 32), (0, 32), (13, 32)]
+    assert float((torch.cat(outs) - ref_TD).abs().max()) <= 1e-5
+
+
+@pytest.mark.asyncio
+async def test_leading_dims_are_kept() -> None:
+    layer = _local_layer("ht")
+    x_BSD = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(6))
+    out_BSD = await layer(x_BSD)
+    assert out_BSD.shape == (2, 5, 32)
+    assert torch.equal(out_BSD.reshape(10, 32), await layer(x_BSD.reshape(10, 32)))
+
+
+def test_every_ep_size_holds_the_same_model() -> None:
+    # The shard a rank keeps at EP size 1 covers all experts; its weights are what load_global_weights
+    # takes, so reloading them is a no-op on the output.
+    layer = _local_layer("ht")
+    x_TD = torch.randn(6, 32, generator=torch.Generator().manual_seed(7))
+    before_TD = asyncdbo.run(layer, x_TD)
+    layer.load_global_weights(
+        router_weight_ED=layer.router_ED.clone(),
+        w_gate_EFD=layer.gate_LFD.clone(),
+        w_up_EFD=layer.up_LFD.clone(),
+        w_down_EDF=layer.down_LDF.clone(),
+        shared={"gate_proj": layer.shared_gate_SD.clone(), "up_proj": layer.shared_up_SD.clone(),
+                "down_proj": layer.shared_down_DS.clone()},
+        e_score_correction_bias_E=layer.bias_E.clone(),
+    )
+    assert torch.equal(asyncdbo.run(layer, x_TD), before_TD)
+
+
+def test_load_global_weights_names_the_bad_shape() -> None:
+    layer = _local_layer("ht")
+    with pytest.raises(ValueError, match=r"^w_up_EFD has shape \(8, 16, 31\); this layer expects \(8, 16, 32\)$"):
+        layer.load_global_weights(
+            router_weight_ED=torch.zeros(8, 32), w_gate_EFD=torch.zeros(8, 16, 32), w_up_EFD=torch.zeros(8, 16, 31),
+            w_down_EDF=torch.zeros(8, 32, 16), shared={"gate_proj": torch.zeros(32, 32), "up_proj": torch.zeros(32, 32),
+                                                        "down_proj": torch.zeros(32, 32)},
+        )
+    with pytest.raises(ValueError, match=r"^shared weights are missing but the config has num_shared_experts=2"):
+        layer.load_global_weights(
+            router_weight_ED=torch.zeros(8, 32), w_gate_EFD=torch.zeros(8, 16, 32), w_up_EFD=torch.zeros(8, 16, 32),
+            w_down_EDF=torch.zeros(8, 32, 16), shared=None,
+        )
+
+
+def test_wrong_hidden_size_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^MoELayer expects inputs of hidden size 32, got shape \(4, 16\)$"):
+        asyncdbo.run(_local_layer("ll"), torch.zeros(4, 16))
