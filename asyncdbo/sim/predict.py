@@ -245,46 +245,50 @@ async def predict(
 
 
 def sim_trace(report: SimReport, *, rank: int = 0, label: str = "") -> dict[str, Any]:
-    """A Chrome trace (Perfetto) of one sim run, laid out like :meth:`asyncdbo.trace.Tracer.to_chrome`:
-    pid = rank, one thread per (ubatch, track) with tid ``ub * 100 + track`` (0 compute, 1+ comm
-    lanes), ``ts``/``dur`` in microseconds of the virtual clock."""
-    name = f"rank {rank} (sim {report.device}/{report.link}{', ' + label if label else ''})"
+    """A Chrome trace (Perfetto, ``asyncdbo trace`` PNGs) of one sim run, in the layout of
+    :meth:`asyncdbo.trace.Tracer.to_chrome` for device spans: pid = rank, one thread per (ubatch,
+    stream role) with tid ``ub * 100 + 50`` (compute) or ``+ 60`` (comm) plus a lane when spans of
+    one thread overlap; ``ts``/``dur`` in microseconds of the virtual clock; the run's numbers
+    under ``otherData.asyncdbo.ranks[0].steps`` with the Tracer's field names."""
+    name = f"rank {rank} (sim {report.device} + {report.link}{', ' + label if label else ''})"
     events: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": name}},
         {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
     ]
-    lanes: dict[int, list[float]] = {}
+    lanes: dict[tuple[int, str], list[float]] = {}
     named: set[int] = set()
     for s in sorted(report.spans, key=lambda s: s.start):
         ub = s.ubatch or 0
-        if s.kind == "compute":
-            track, label_t = 0, f"ub{ub} compute"
+        ends = lanes.setdefault((ub, s.kind), [])
+        lane = next((k for k, e in enumerate(ends) if s.start >= e - 1e-12), len(ends))
+        if lane == len(ends):
+            ends.append(s.end)
         else:
-            ends = lanes.setdefault(ub, [])
-            lane = next((k for k, e in enumerate(ends) if s.start >= e), len(ends))
-            if lane == len(ends):
-                ends.append(s.end)
-            else:
-                ends[lane] = s.end
-            track, label_t = 1 + lane, f"ub{ub} comm" + (f" {lane}" if lane else "")
-        tid = ub * 100 + track
+            ends[lane] = s.end
+        tid = ub * 100 + (50 if s.kind == "compute" else 60) + lane
         if tid not in named:
             named.add(tid)
+            label_t = f"ub{ub} {s.kind} stream" + (f" {lane}" if lane else "")
             events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": label_t}})
             events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
-        events.append({
-            "ph": "X", "name": s.name, "cat": s.kind, "pid": rank, "tid": tid, "ts": s.start * 1e6,
-            "dur": (s.end - s.start) * 1e6, "args": {"ub": ub, "tag": s.tag, "stream": s.stream},
-        })
-    numbers = {
-        "device": report.device, "link": report.link, "policy": report.policy, "ubatches": report.num_ubatches,
-        "step_s": report.makespan_s, "compute_s": report.compute_busy_s, "comm_s": report.comm_busy_s,
-        "hidden_comm_share": report.hidden_comm_share,
+        args = {"ub": ub, "kind": s.kind, "role": s.kind, "device": True, "stream": s.stream, "tag": s.tag, "step": 0}
+        events.append({"ph": "X", "name": s.name, "cat": s.kind, "pid": rank, "tid": tid, "ts": s.start * 1e6,
+                       "dur": (s.end - s.start) * 1e6, "args": args})
+    comm_s = report.comm_s
+    step = {
+        "step": 0, "rank": rank, "name": label or "sim", "backend": f"sim ({report.device}, {report.link})",
+        "num_ubatches": report.num_ubatches, "wall_s": report.makespan_s, "switches": report.switches,
+        "parks": report.parks, "yields_per_ubatch": [], "parked_s": 0.0,
+        "idle_s": max(0.0, report.makespan_s - report.compute_busy_s), "compute_s": report.compute_busy_s,
+        "comm_s": comm_s, "comm_hidden_s": comm_s - report.exposed_comm_s,
+        "comm_hidden_share": report.hidden_comm_share, "num_comm_works": sum(1 for s in report.spans if s.kind == "comm"),
+        "comm_bytes": report.comm_bytes, "microbatched": report.num_ubatches > 1,
+        "reason": None if report.num_ubatches > 1 else "serial baseline",
     }
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
-        "otherData": {"asyncdbo": {"ranks": [{"rank": rank, "sim": numbers}], "clock": "sim"}},
+        "otherData": {"asyncdbo": {"ranks": [{"rank": rank, "steps": [step]}], "clock": "sim"}},
     }
 
 

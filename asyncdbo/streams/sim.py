@@ -56,6 +56,9 @@ class SimReport:
     compute_busy_s: float = 0.0
     comm_busy_s: float = 0.0  # sum of comm op durations (latency included)
     spans: list[Span] = field(default_factory=list)
+    switches: int = 0
+    parks: int = 0
+    comm_bytes: int = 0
     races: list[Race] = field(default_factory=list)
     lost_overlaps: list[LostOverlap] = field(default_factory=list)
     dead_waits: list[DeadWait] = field(default_factory=list)
@@ -66,6 +69,11 @@ class SimReport:
         comm = _union([(s.start, s.end) for s in self.spans if s.kind == "comm"])
         compute = _union([(s.start, s.end) for s in self.spans if s.kind == "compute"])
         return _measure(comm) - _overlap(comm, compute)
+
+    @property
+    def comm_s(self) -> float:
+        """Time some comm was in flight (the union of comm spans)."""
+        return _measure(_union([(s.start, s.end) for s in self.spans if s.kind == "comm"]))
 
     @property
     def hidden_comm_share(self) -> float:
@@ -220,6 +228,7 @@ class SimBackend(StreamBackend):
         self._compute = Engine("compute")
         self._link = Engine(f"link {self.link.name}")
         self._comm_sms = Engine("comm SMs")
+        self._comm_bytes = 0
         self._timeline = Timeline()
         self._checker = RaceChecker() if self.check_races else None
         self._lost: list[LostOverlap] = []
@@ -261,6 +270,8 @@ class SimBackend(StreamBackend):
         rep.races = list(self._checker.races) if self._checker is not None else []
         rep.dead_waits = [DeadWait(site) for ev, site in self._waits_unrecorded if not ev.recorded]
         rep.dead_waits += [DeadWait(site, ev.by) for ev, site in self._waits_unrecorded if ev.recorded]  # type: ignore[arg-type]
+        rep.switches, rep.parks = run.num_switches, run.num_parks
+        rep.comm_bytes = self._comm_bytes
         run.data["sim_report"] = rep
         for lo in rep.lost_overlaps:
             log.warning("asyncdbo sim: %s", lo)
@@ -393,6 +404,7 @@ class SimBackend(StreamBackend):
         """A transfer of ``nbytes`` on ``stream``: it occupies the link for bytes / bandwidth and
         completes a latency later; its outputs count as written by ``stream`` at completion."""
         wire = nbytes * self.comm_scale
+        self._comm_bytes += int(wire)
         start, end = self._place(ub, stream, "comm", what, wire / self.link.bandwidth_Bps, self._link, self.link.latency_s)
         if self._checker is not None:
             self._checker.access(stream.id, reads, writes, site)
