@@ -2,9 +2,9 @@
 the overlap really happens on the host backend, config errors are exact, and a failing rank
 makes its peer fail in bounded time.
 
-Numbers: on CPU fp32 the DBO output is bitwise equal on ranks whose slices route the same rows to
-each expert matmul, and within ~5e-7 otherwise (a GEMM over fewer rows may round differently),
-so the tests assert max-abs-diff <= 1e-5.
+Numbers: on CPU fp32 the DBO output is often bitwise equal to the serial one and otherwise within
+~7e-7 (an expert GEMM over a different number of rows may round differently), so the tests
+assert max-abs-diff <= 1e-5.
 """
 
 from __future__ import annotations

@@ -30,7 +30,9 @@ Schedules (``MoEConfig.schedule``), per ubatch and layer:
   the received rows.
 
 Every ubatch takes part in every collective even with T = 0: the other ranks' same ubatch waits
-for it.
+for it. So under EP every rank must run the same number of ubatches through the same layers in
+a DBO run (pad with empty ubatches); a rank that runs fewer leaves its peers waiting until the
+group's collective timeout.
 """
 
 from __future__ import annotations
