@@ -497,15 +497,19 @@ def _chrome(rank: int, steps: Sequence[_Step]) -> dict[str, Any]:
         return tid
 
     for step in steps:
-        spans = step.all_spans()
-        for s in sorted((s for s in spans if s.kind != "comm"), key=lambda s: s.t0):
-            tid = thread(s.ub, 0, f"ub{s.ub} compute") if not s.args.get("device") else thread(
-                s.ub, 50 if s.role == "compute" else 60, f"ub{s.ub} {s.role} stream")
-            events.append(_x(rank, tid, s, step.index))
-        for ub in range(step.num_ubatches):
-            comm = sorted((s for s in spans if s.kind == "comm" and s.ub == ub), key=lambda s: s.t0)
-            for s, lane in zip(comm, _lanes(comm)):
-                tid = thread(ub, 1 + lane, f"ub{ub} comm" + (f" {lane}" if lane else ""))
+        # tracks: CPU steps and waits (track 0, never overlapping: one thread), host comm works
+        # (1 + lane), device compute stream (50 + lane) and comm stream (60 + lane), as sim traces.
+        tracks: dict[tuple[int, int, str], list[Span]] = {}
+        for s in step.all_spans():
+            if s.args.get("device"):
+                key = (s.ub, 50 if s.kind == "compute" else 60, f"ub{s.ub} {s.kind} stream")
+            else:
+                key = (s.ub, 1, f"ub{s.ub} comm") if s.kind == "comm" else (s.ub, 0, f"ub{s.ub} compute")
+            tracks.setdefault(key, []).append(s)
+        for (ub, base, label), spans in sorted(tracks.items()):
+            spans.sort(key=lambda s: s.t0)
+            for s, lane in zip(spans, _lanes(spans) if base else [0] * len(spans)):
+                tid = thread(ub, base + lane, label + (f" {lane}" if lane else ""))
                 events.append(_x(rank, tid, s, step.index))
         for ub, tag, t in step.instants:
             events.append({"ph": "i", "s": "t", "name": tag, "cat": "yield", "pid": rank, "tid": thread(ub, 0, f"ub{ub} compute"),

@@ -153,8 +153,8 @@ async def test_chrome_export_has_a_track_per_ubatch_and_the_numbers(tmp_path: Pa
     assert names == {0: "ub0 compute", 100: "ub1 compute"}
     assert [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"] == ["rank 1"]
     xs = [(e["tid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert xs == [(0, "ub0:start"), (100, "ub1:start"), (0, "ub0:attn"), (0, "wait: Future"),
-                  (100, "ub1:attn"), (100, "ub1:moe"), (0, "ub0:attn"), (0, "ub0:moe")]
+    assert xs == [(0, "ub0:start"), (0, "ub0:attn"), (0, "wait: Future"), (0, "ub0:attn"), (0, "ub0:moe"),
+                  (100, "ub1:start"), (100, "ub1:attn"), (100, "ub1:moe")]  # track by track, each in time order
     assert trace["otherData"]["asyncdbo"]["ranks"] == [{"rank": 1, "steps": [_asdict(tracer.numbers())]}]
     path = tmp_path / "rank1.json"
     tracer.export(path)
