@@ -275,15 +275,19 @@ class DBORunner:
             ids_P = torch.cat([ids_P, ids_P.new_zeros(pad)])
             pos_P = torch.cat([pos_P, pos_P.new_zeros(pad)])
         args = [
-            (ids_P[s.padded_token_slice], pos_P[s.padded_token_slice], meta)
+            (ids_P[s.padded_token_slice], pos_P[s.padded_token_slice], meta, s.first_is_continuation)
             for s, meta in zip(plan.slices, plan.attn_metadata)
         ]
         runs: list[Any] = []
 
-        async def ubatch_forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        async def ubatch_forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+                                 continuation: bool) -> torch.Tensor:
             ub = get_ubatch()
-            if ub is not None and ub.id == 0:
+            assert ub is not None
+            if ub.id == 0:
                 runs.append(ub.run)
+            # Tells attention whether it must read K/V the previous ubatch writes (see MiniModel).
+            ub.data["first_is_continuation"] = continuation
             return await self.model.forward(ids, pos, meta)  # type: ignore[no-any-return]
 
         insts = [i for i in (self.instrument, instrument) if i is not None] + [_SelfRecvHooks()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -57,14 +58,16 @@ async def test_token_split_with_a_straddling_request_equals_serial() -> None:
 
 
 @pytest.mark.asyncio
-async def test_continuations_wait_for_a_late_first_ubatch_in_every_layer() -> None:
+@pytest.mark.parametrize("schedule", ["ht", "ll"])
+async def test_continuations_wait_for_a_late_first_ubatch_in_every_layer(schedule: str) -> None:
     # One request over three ubatches; ubatch 0 starts late (parked on a timer, as on a late comm
     # completion), so ubatches 1 and 2 reach layer 0's attention first. They must wait for the
     # K/V of every earlier ubatch, not read an empty cache (nor only ubatch 1's part).
     builder = BatchBuilder(SMALL.kv_cache_config)
     batch = builder.build([(0, list(tokens(30, 9)))])
-    expected_TV = await MiniModel(SMALL).forward(batch.input_ids_T, batch.positions_T, batch.attn)
-    model = MiniModel(SMALL)
+    cfg = replace(SMALL, schedule=schedule)
+    expected_TV = await MiniModel(cfg).forward(batch.input_ids_T, batch.positions_T, batch.attn)
+    model = MiniModel(cfg)
     slices = split_tokens(batch.attn.query_start_loc_cpu, 3)
     metas = split_attn_metadata(batch.attn, slices)
     order: list[int] = []
@@ -166,8 +169,6 @@ def _prefill_case(**kw: object) -> Case:
     [("ht", "role", 2, "uvloop"), ("ll", "role", 2, "asyncio"), ("ht", "ubatch", 3, "asyncio"), ("ll", "ubatch", 3, "uvloop")],
 )
 def test_dp_ep_prefill_equals_serial(pool: RankPool, schedule: str, stream_policy: str, num_ubatches: int, loop: str) -> None:
-    from dataclasses import replace
-
     case = _prefill_case(
         model=replace(SMALL, schedule=schedule),
         runner=RunnerConfig(thresholds=ALWAYS, stream_policy=stream_policy, num_ubatches=num_ubatches),  # type: ignore[arg-type]

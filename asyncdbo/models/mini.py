@@ -19,7 +19,8 @@ in every layer ``l`` it must read the K/V that ubatch ``k`` writes in layer ``l`
   ``l``'s attention first.  Round-robin alone is therefore not enough (tests caught exactly
   this with 3 ubatches on ubatch streams).
 * So the order is made explicit, CANN-style: in layer ``l`` ubatch ``k`` writes its K/V, waits
-  for event ``kv(l, k-1)``, then records ``kv(l, k)`` and reads.  Recording after the wait makes
+  for event ``kv(l, k-1)`` if it continues a request of ubatch ``k-1``, then records ``kv(l, k)``
+  and reads.  Recording after the wait makes
   the chain transitive: ``kv(l, k)`` means ubatches ``0..k`` all wrote layer ``l``, which a
   request spanning three ubatches needs.  In the
   common case the event is already recorded and the wait costs a dict lookup; when it is not,
@@ -41,7 +42,8 @@ from typing import Any
 import torch
 
 from ..plan.metadata import AttentionMetadata
-from ..primitives import dbo_current_ubatch_id, dbo_record_event, dbo_wait_event
+from .._core import get_ubatch
+from ..primitives import dbo_maybe_run_recv_hook, dbo_record_event, dbo_wait_event
 from .attention import KVCacheConfig, PagedKVCache, paged_causal_attention
 
 __all__ = ["MiniConfig", "MiniModel"]
@@ -157,6 +159,27 @@ class MiniModel:
         self.lm_head_DV = init(d, cfg.vocab_size, fan_in=d)
         self.kv_cache = PagedKVCache(cfg.kv_cache_config, dtype=dtype, device=device)
 
+    async def _order_after_previous_ubatch(self, layer: int) -> None:
+        """Make this ubatch's K/V read in ``layer`` wait for the earlier ubatches' writes (module
+        docstring).  A no-op outside a DBO run.
+
+        Only a ubatch that continues a request of the previous one waits; the runner says so in
+        ``ub.data["first_is_continuation"]`` (absent: wait, to be safe).  A decode ubatch never
+        waits, so a low-latency schedule keeps its natural lead of one ubatch over the next.
+        Before parking, the ubatch runs the recv hook the previous ubatch left for it: under the
+        low-latency schedule that ubatch may be waiting for exactly that hook, and would
+        otherwise never reach the write this one waits for.
+        """
+        ub = get_ubatch()
+        if ub is None:
+            return
+        if ub.id > 0 and ub.data.get("first_is_continuation", True):
+            dbo_maybe_run_recv_hook()
+            await dbo_wait_event(("mini.kv", id(self), layer, ub.id - 1))
+        # Recorded after the wait, so kv(l, k) means "ubatches 0..k wrote layer l" whenever k
+        # continues a request: a request spanning three ubatches needs the first one's K/V too.
+        dbo_record_event(("mini.kv", id(self), layer, ub.id))
+
     async def _attention(self, layer: int, p: dict[str, Any], h_TD: torch.Tensor, positions_T: torch.Tensor,
                          attn: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
@@ -169,12 +192,7 @@ class MiniModel:
         self.kv_cache.write(layer, k_THK, v_THK, attn.slot_mapping)
         # Order the read after the previous ubatch's write in this layer (module docstring).
         # No-ops outside a DBO run.
-        # Record only after waiting, so kv(l, k) means "ubatches 0..k wrote layer l": a request
-        # spanning three ubatches needs the first one's K/V too.  No-ops outside a DBO run.
-        ub_id = dbo_current_ubatch_id()
-        if ub_id > 0:
-            await dbo_wait_event(("mini.kv", id(self), layer, ub_id - 1))
-        dbo_record_event(("mini.kv", id(self), layer, ub_id))
+        await self._order_after_previous_ubatch(layer)
         o_THK = paged_causal_attention(q_THK, positions_T, self.kv_cache, layer, attn)
         return o_THK.reshape(-1, cfg.num_heads * cfg.head_dim) @ p["wo_FD"]
 
