@@ -30,6 +30,12 @@ some ubatch computed. On the host, compute intervals are the CPU steps of all ub
 accelerator, the device spans on compute streams and comm intervals the device spans on comm
 streams. ``comm_hidden_share = comm_hidden_s / comm_s`` (0 when there is no comm).
 
+Export (:meth:`Tracer.to_chrome`, :func:`merge_traces`, :func:`write_traces`): Chrome trace event
+JSON, pid = rank, one thread per ubatch and track: ``ub<i> compute`` (CPU steps, waits and yield
+instants), ``ub<i> comm`` (host comm works), ``ub<i> compute stream`` / ``ub<i> comm stream``
+(device spans, the layout sim traces use too); the per-step numbers under
+``otherData.asyncdbo.ranks``. :mod:`asyncdbo.timeline` renders it as a PNG.
+
 Profiler ranges (``profiler_ranges=True``): every CPU step is wrapped in a
 ``torch.profiler.record_function("ub{id}:{tag}")`` range and, on CUDA, an NVTX range of the same
 name, so the DBO schedule shows in torch.profiler and Nsight traces.
@@ -315,6 +321,9 @@ class _DeviceTimer:
 # ---------------------------------------------------------------------------------------- tracer
 class Tracer(Instrument):
     """Records spans and numbers of every run it instruments (one run = one step).
+
+    Reuse one tracer across the steps of a serving loop (it keeps every step; ``step_numbers()``),
+    but give concurrent runs (two asyncio tasks) a tracer each: hooks go to the step in progress.
 
     ``rank`` becomes the trace's process id; ``profiler_ranges`` adds torch.profiler / NVTX ranges;
     ``device_timing`` (default: on for accelerator backends) records stream timing events.
