@@ -189,6 +189,16 @@ async def test_single_rank_dbo_equals_plain_call(schedule: str, policy: str) -> 
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("schedule", ["ht", "ll"])
+async def test_a_run_of_one_ubatch_launches_its_own_receive(schedule: str) -> None:
+    # ll registers each receive on the next live ubatch; alone, a ubatch gets its own hook back
+    layer = _local_layer(schedule)
+    x_TD = torch.randn(6, 32, generator=torch.Generator().manual_seed(8))
+    (out_TD,) = await asyncdbo.run_ubatches(layer, [(x_TD,)], backend="host")
+    assert float((out_TD - await layer(x_TD)).abs().max()) <= 1e-5
+
+
+@pytest.mark.asyncio
 async def test_leading_dims_are_kept() -> None:
     layer = _local_layer("ht")
     x_BSD = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(6))
