@@ -318,6 +318,13 @@ class _DeviceTimer:
         return self._spans
 
 
+def _has_device_streams(backend: object) -> bool:
+    """Accelerator backends (CUDA, NPU, XPU) get timing events; host and sim keep host spans."""
+    from .streams.accelerator import AcceleratorBackend
+
+    return isinstance(backend, AcceleratorBackend)
+
+
 # ---------------------------------------------------------------------------------------- tracer
 class Tracer(Instrument):
     """Records spans and numbers of every run it instruments (one run = one step).
@@ -353,7 +360,7 @@ class Tracer(Instrument):
         track_run(run)
         step = _Step(len(self.steps), run, self._pending_record)
         self._pending_record = None
-        if self.device_timing and getattr(run.backend, "device", None) is not None:
+        if self.device_timing and _has_device_streams(run.backend):
             step.device = _DeviceTimer(run)
         self.steps.append(step)
         self._cur = step

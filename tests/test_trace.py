@@ -259,3 +259,13 @@ async def test_device_spans_come_from_timing_events_on_the_streams() -> None:
     n = tracer.numbers()
     assert n.compute_s > 0 and n.comm_s > 0 and 0 <= n.comm_hidden_share <= 1
     check_chrome_trace(tracer.to_chrome())
+
+
+@pytest.mark.asyncio
+async def test_on_the_sim_backend_the_tracer_keeps_host_spans() -> None:
+    # The simulated device has its own timeline (asyncdbo.sim); the tracer records what the CPU did.
+    tracer = Tracer()
+    assert await run_ubatches(two_stage, [(1,), (10,)], backend="sim", instrument=tracer) == [4, 22]
+    assert tracer.steps[0].device is None
+    assert [s.name for s in tracer.spans()] == ["ub0:start", "ub1:start", "ub0:attn", "ub1:attn", "ub0:moe", "ub1:moe"]
+    assert tracer.numbers().backend == "sim"
