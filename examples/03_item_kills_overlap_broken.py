@@ -29,7 +29,7 @@ from asyncdbo.streams.host import HostBackend
 from asyncdbo.trace import Tracer
 
 # Legend: T tokens of this ubatch, D hidden, E experts, R rows received.
-D, E, LAYERS, TOKENS = 512, 8, 4, 1024
+D, E, LAYERS, TOKENS = 384, 8, 3, 512
 LINK = asyncdbo.LinkSpec(name="slow-demo", latency_s=4e-3, bandwidth_Bps=2e9)
 torch.manual_seed(0)
 W_ROUTER_DE = torch.randn(D, E) / D**0.5
