@@ -81,13 +81,17 @@ def dump_stacks(file: IO[str] | None = None) -> str:
     return text
 
 
-def install_stack_dump_signal(signum: int = signal.SIGUSR1, file: IO[str] | None = None) -> Callable[[], None]:
+def install_stack_dump_signal(signum: int | None = None, file: IO[str] | None = None) -> Callable[[], None]:
     """On ``signum`` (default SIGUSR1) write :func:`dump_stacks` to ``file`` (default stderr).
 
     ``kill -USR1 <pid>`` then shows where each ubatch of a stuck server is. Python runs signal
     handlers in the main thread between bytecodes, so a main thread blocked inside C code prints
     when that call returns; pair it with ``faulthandler.register`` for thread-level stacks. Returns
     a function that restores the previous handler."""
+    if signum is None:
+        if not hasattr(signal, "SIGUSR1"):
+            raise ValueError("this platform has no SIGUSR1; pass another signal number as signum")
+        signum = signal.SIGUSR1
     out = file
 
     def handler(sig: int, frame: Any) -> None:
