@@ -30,6 +30,7 @@ import itertools
 import logging
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -39,9 +40,13 @@ from .errors import DeadlockError, NoOverlapWarning, WatchdogTimeout
 from .stacks import format_run
 from .traps import SWITCH, Signal
 
-__all__ = ["DBORun", "Fanout", "Instrument"]
+__all__ = ["LIVE_RUNS", "DBORun", "Fanout", "Instrument"]
 
 log = logging.getLogger("asyncdbo")
+
+LIVE_RUNS: weakref.WeakSet[DBORun] = weakref.WeakSet()
+"""Runs being driven right now, in any task of this process (what ``asyncdbo.dump_stacks`` shows).
+Held weakly: a run that is dropped disappears without bookkeeping."""
 
 
 class Instrument:
@@ -161,6 +166,7 @@ class DBORun:
         inst = self.instrument
         if inst is not None:
             inst.run_started(self)
+        LIVE_RUNS.add(self)
         try:
             await self._loop_until_done()
         except BaseException as exc:
@@ -168,6 +174,8 @@ class DBORun:
             if inst is not None:
                 inst.run_finished(self, exc)
             raise
+        finally:
+            LIVE_RUNS.discard(self)
         if inst is not None:
             inst.run_finished(self, None)
         if len(self.ubatches) >= 2 and self.num_switches == 0 and self.num_parks == 0:
