@@ -66,11 +66,18 @@ class DemoConfig:
     link_scale: float = 1000.0
     trace: str | None = None
     seed: int = 0
+    prefill_threshold: int = 512
+    decode_threshold: int = 32
 
     def __post_init__(self) -> None:
         for name in ("ranks", "layers", "experts", "top_k", "hidden", "ubatches", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
+        if self.prefill_threshold < 0 or self.decode_threshold < 0:
+            raise ValueError(
+                f"--prefill-threshold and --decode-threshold must be >= 0 "
+                f"(got {self.prefill_threshold}, {self.decode_threshold}); 0 always microbatches"
+            )
         if self.warmup < 0 or self.context < 1:
             raise ValueError(f"--warmup must be >= 0 and --context >= 1 (got {self.warmup}, {self.context})")
         if self.tokens < 0:
@@ -141,6 +148,7 @@ async def _demo_rank_async(rank: int, world: int, cfg: DemoConfig, device: torch
     import torch.distributed as dist
 
     from .models import MiniModel
+    from .plan import ThresholdConfig
     from .runner import BatchBuilder, DBORunner, RunnerConfig
     from .trace import Tracer
 
@@ -150,6 +158,8 @@ async def _demo_rank_async(rank: int, world: int, cfg: DemoConfig, device: torch
     runner = DBORunner(
         model,
         RunnerConfig(num_ubatches=cfg.ubatches, stream_policy=cfg.stream_policy,  # type: ignore[arg-type]
+                     thresholds=ThresholdConfig(prefill_threshold=cfg.prefill_threshold,
+                                                decode_threshold=cfg.decode_threshold),
                      backend="host" if cfg.link else "auto", link=cfg.link_spec()),
         dp_group=group,
         device=device,
@@ -289,6 +299,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="multiply the modeled link's latency and divide its bandwidth by this (CPU vs accelerator speed) [%(default)s]")
     p.add_argument("--trace", metavar="DIR", default=None,
                    help="write the last DBO step's trace to DIR: rank<r>.json, merged.json (Chrome/Perfetto), timeline.png, numbers.json")
+    p.add_argument("--prefill-threshold", type=int, default=d.prefill_threshold,
+                   help="microbatch a mixed/prefill step from this many tokens per rank (vLLM's default) [%(default)s]")
+    p.add_argument("--decode-threshold", type=int, default=d.decode_threshold,
+                   help="microbatch a uniform-decode step from this many tokens per rank (vLLM's default) [%(default)s]")
     p.add_argument("--seed", type=int, default=d.seed, help="[%(default)s]")
     p.add_argument("--launcher", choices=("local", "env"), default="local",
                    help="local: start --ranks processes here; env: this process is one rank of torchrun [%(default)s]")
@@ -302,7 +316,8 @@ def _config_from_args(args: argparse.Namespace, ranks: int | None = None) -> Dem
         stream_policy=args.stream_policy, ubatches=args.ubatches, loop=args.loop, steps=args.steps,
         warmup=args.warmup, shape=args.shape, context=args.context,
         link=None if args.link == "none" else args.link, link_scale=args.link_scale,
-        trace=args.trace, seed=args.seed,
+        trace=args.trace, seed=args.seed, prefill_threshold=args.prefill_threshold,
+        decode_threshold=args.decode_threshold,
     )
 
 
