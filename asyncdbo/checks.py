@@ -21,7 +21,6 @@ Rules:
 from __future__ import annotations
 
 from ._core import SWITCH, DBORun, Instrument, UBatch, YieldMismatchError
-from .debug import track_run, untrack_run
 
 __all__ = ["YieldChecker"]
 
@@ -34,7 +33,6 @@ class YieldChecker(Instrument):
         self._first: list[tuple[int, str | None]] = []  # position -> (ubatch, tag) that set it
 
     def run_started(self, run: DBORun) -> None:
-        track_run(run)  # debug mode also makes the run visible to dump_stacks()
         self._tags = {ub.id: [] for ub in run.ubatches}
         self._first = []
 
@@ -57,7 +55,6 @@ class YieldChecker(Instrument):
             )
 
     def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
-        untrack_run(run)
         if exc is not None:
             return
         counts = {i: len(seq) for i, seq in self._tags.items() if seq}

@@ -5,57 +5,26 @@ coroutine, so its whole await chain (file:line down to the yield it is parked at
 tag and what it waits on can be printed. :func:`dump_stacks` uses the same printer as the deadlock
 error and the watchdog (:func:`asyncdbo._core.format_run`), so all three read alike.
 
-Live runs are found through a weak registry (a run never stays alive because of it). The scheduler
-does not register its runs itself yet, so a run is registered while a :class:`~asyncdbo.trace.Tracer`,
-:class:`LiveRuns` or debug mode's yield checker instruments it, and the running ubatch's own run is always included; if the
-core grows a ``LIVE_RUNS`` set in ``asyncdbo._core.scheduler``, it is used as well.
+Live runs come from the scheduler's weak registry (:data:`asyncdbo._core.scheduler.LIVE_RUNS`):
+every run is listed while it is being driven, in any task, with no instrument needed.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
-import weakref
 from collections.abc import Callable
 from typing import IO, Any
 
-from ._core import DBORun, Instrument, format_run, get_ubatch
-from ._core import scheduler as _scheduler
+from ._core import DBORun, format_run, get_ubatch
+from ._core.scheduler import LIVE_RUNS
 
-__all__ = ["LiveRuns", "dump_stacks", "install_stack_dump_signal", "live_runs", "track_run", "untrack_run"]
-
-_LIVE: weakref.WeakSet[DBORun] = weakref.WeakSet()
-
-
-def track_run(run: DBORun) -> None:
-    """Make ``run`` visible to :func:`dump_stacks` until :func:`untrack_run` (or it is collected)."""
-    _LIVE.add(run)
-
-
-def untrack_run(run: DBORun) -> None:
-    _LIVE.discard(run)
-
-
-class LiveRuns(Instrument):
-    """The smallest instrument: registers the runs it sees for :func:`dump_stacks`."""
-
-    def run_started(self, run: DBORun) -> None:
-        track_run(run)
-
-    def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
-        untrack_run(run)
+__all__ = ["dump_stacks", "install_stack_dump_signal", "live_runs"]
 
 
 def live_runs() -> list[DBORun]:
-    """Runs that are in progress and known to the registry, oldest name first."""
-    runs: dict[int, DBORun] = {id(r): r for r in list(_LIVE)}
-    core = getattr(_scheduler, "LIVE_RUNS", None)
-    if core is not None:
-        runs.update((id(r), r) for r in list(core))
-    ub = get_ubatch()
-    if ub is not None:
-        runs[id(ub.run)] = ub.run
-    return sorted((r for r in runs.values() if r._live), key=lambda r: r.name)
+    """Runs in progress in this process, by name."""
+    return sorted((r for r in list(LIVE_RUNS) if r._live), key=lambda r: r.name)
 
 
 def dump_stacks(file: IO[str] | None = None) -> str:
@@ -65,7 +34,7 @@ def dump_stacks(file: IO[str] | None = None) -> str:
     on its own)."""
     runs = live_runs()
     if not runs:
-        text = "asyncdbo: no live DBO run (runs show here with debug=True or while a Tracer or debug.LiveRuns instruments them)\n"
+        text = "asyncdbo: no live DBO run\n"
     else:
         parts = []
         me = get_ubatch()

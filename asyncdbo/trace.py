@@ -52,7 +52,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ._core import SWITCH, DBORun, Instrument, UBatch
-from .debug import track_run, untrack_run
 
 __all__ = ["RunNumbers", "Span", "Tracer", "hidden_seconds", "merge_traces", "union_seconds", "write_traces"]
 
@@ -357,7 +356,6 @@ class Tracer(Instrument):
 
     # ------------------------------------------------------------------ Instrument hooks
     def run_started(self, run: DBORun) -> None:
-        track_run(run)
         step = _Step(len(self.steps), run, self._pending_record)
         self._pending_record = None
         if self.device_timing and _has_device_streams(run.backend):
@@ -421,7 +419,6 @@ class Tracer(Instrument):
 
     def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
         step = self._cur
-        untrack_run(run)
         if step is None:
             return
         step.t1 = time.perf_counter()
