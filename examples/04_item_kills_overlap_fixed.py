@@ -28,6 +28,7 @@ from asyncdbo.trace import Tracer
 D, E, LAYERS, TOKENS = 384, 8, 3, 512
 LINK = asyncdbo.LinkSpec(name="slow-demo", latency_s=4e-3, bandwidth_Bps=2e9)
 torch.manual_seed(0)
+torch.set_num_threads(1)  # steadier timings on a small shared CPU
 W_ROUTER_DE = torch.randn(D, E) / D**0.5
 W_EXPERT_DD = torch.randn(D, D) / D**0.5
 
