@@ -15,29 +15,26 @@ every rank must issue them in the same order. A DBO run is round-robin, but a ub
 on comm resumes when that comm completes, and completion order is timing: rank 0 might resume
 ubatch 1 first while rank 1 resumes ubatch 0, and their next collectives would pair wrongly.
 Giving each ubatch slot its own group (same ranks) makes each group's order that ubatch's program
-order, which is the same on every rank whatever the interleaving. :func:`ep_comm` creates the
-groups once per EP group (a collective call: every rank must construct its layers in the same
-order, which model construction does) and caches them for all layers.
+order, which is the same on every rank whatever the interleaving. :func:`ep_comm` takes the
+clones from :func:`asyncdbo.groups.ubatch_groups` (made once per EP group, a collective call: every
+rank must construct its layers in the same order, which model construction does) for all layers.
 
 All state of one call lives in a :class:`DispatchPlan` the caller keeps in a local variable.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Generator
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ._core import get_ubatch
+from .groups import ubatch_groups
 
 __all__ = ["DispatchPlan", "EPComm", "ep_comm", "plan_dispatch"]
-
-log = logging.getLogger("asyncdbo.comm")
 
 
 class _Ready:
@@ -95,33 +92,9 @@ def ep_comm(group: Any = None, *, max_ubatches: int = 4) -> EPComm:
     cached = _CACHE.get(key)
     if cached is not None:
         return cached
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    backend = dist.get_backend(group)
-    timeout = _group_timeout(group)
-    # A sub-group EP (several disjoint EP groups under DP) syncs only its own members, so each EP
-    # group creates its twins independently of the others.
-    local = group is not None and group is not dist.group.WORLD
-    subs = tuple(
-        dist.new_group(ranks, backend=backend, timeout=timeout, use_local_synchronization=local)
-        for _ in range(max_ubatches)
-    )
-    log.debug("created %d per-ubatch %s groups over ranks %s", max_ubatches, backend, ranks)
-    comm = EPComm(size=size, rank=rank, group=group, ubatch_groups=subs)
+    comm = EPComm(size=size, rank=rank, group=group, ubatch_groups=ubatch_groups(max_ubatches, group))
     _CACHE[key] = comm
     return comm
-
-
-def _group_timeout(group: Any) -> timedelta | None:
-    """The base group's collective timeout, so a dead peer fails the per-ubatch groups as fast as
-    it fails the base group (``new_group`` would otherwise use torch's 30-minute default)."""
-    pg = group if group is not None else dist.group.WORLD
-    for device in ("cpu", "cuda"):
-        try:
-            return pg._get_backend(torch.device(device)).options._timeout  # type: ignore[no-any-return]
-        except (RuntimeError, AttributeError):
-            continue
-    log.warning("could not read the EP group's timeout; the per-ubatch groups use torch's default")
-    return None
 
 
 def _all_to_all(

@@ -14,11 +14,15 @@ any DBO run (:func:`ubatch_groups`), and looked up inside a run (:func:`ubatch_g
 
 from __future__ import annotations
 
+import logging
+from datetime import timedelta
 from typing import Any
 
 from ._core import get_ubatch
 
 __all__ = ["ubatch_group", "ubatch_groups"]
+
+log = logging.getLogger("asyncdbo.groups")
 
 # group_name of the base group -> its per-ubatch clones, in ubatch order
 _CLONES: dict[str, list[Any]] = {}
@@ -48,10 +52,31 @@ def ubatch_groups(num_ubatches: int, group: Any = None) -> tuple[Any, ...]:
         )
     base = _base(group)
     clones = _CLONES.setdefault(base.group_name, [])
-    ranks = dist.get_process_group_ranks(base)
-    while len(clones) < num_ubatches:
-        clones.append(dist.new_group(ranks, backend=dist.get_backend(base), use_local_synchronization=False))
+    if len(clones) < num_ubatches:
+        ranks = dist.get_process_group_ranks(base)
+        backend = dist.get_backend(base)
+        timeout = _timeout(base)
+        # A sub-group (one of several disjoint EP groups under DP) syncs only its own members,
+        # so each such group makes its clones independently of the others.
+        local = base is not dist.group.WORLD
+        while len(clones) < num_ubatches:
+            clones.append(dist.new_group(ranks, backend=backend, timeout=timeout, use_local_synchronization=local))
+        log.debug("%d per-ubatch %s clones of group %s over ranks %s", len(clones), backend, base.group_name, ranks)
     return tuple(clones[:num_ubatches])
+
+
+def _timeout(base: Any) -> timedelta | None:
+    """The base group's collective timeout, so a dead peer fails the clones as fast as it fails the
+    base group (``new_group`` would otherwise use torch's 30-minute default)."""
+    import torch
+
+    for device in ("cpu", "cuda"):
+        try:
+            return base._get_backend(torch.device(device)).options._timeout  # type: ignore[no-any-return]
+        except (RuntimeError, AttributeError):
+            continue
+    log.warning("could not read the timeout of group %s; its per-ubatch clones use torch's default", base.group_name)
+    return None
 
 
 def ubatch_group(group: Any = None) -> Any:

@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from .context import DONE, PARKED, READY, RUNNING, UBatch
+from .context import DONE, PARKED, READY, UBatch
 from .errors import DeadlockError, NoOverlapWarning, WatchdogTimeout
 from .stacks import format_run
 from .traps import SWITCH, Signal

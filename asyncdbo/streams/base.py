@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from .._core import DBORun, Signal, UBatch
+    from .._core import DBORun, Signal
 
 __all__ = ["ROLES", "StreamBackend", "StreamPolicy", "get_backend"]
 
