@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import re
-from collections.abc import Iterator
 
 import pytest
 
@@ -25,16 +23,6 @@ pytestmark = pytest.mark.timeout(120)
 
 MODEL = ModelShape(layers=1, hidden=512, intermediate=256, experts=64, top_k=8, shared_experts=1,
                    heads=4, head_dim=128, context=256, ep=32)
-
-
-@pytest.fixture(autouse=True)
-def quiet_fake_group_timeout() -> Iterator[None]:
-    # asyncdbo.comm warns that the fake group has no timeout to copy; expected under the sim.
-    logger = logging.getLogger("asyncdbo.comm")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    yield
-    logger.setLevel(level)
 
 
 def run_predict(tokens: int, **kw: object) -> Prediction:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 from typing import Any
 
@@ -66,8 +65,6 @@ def main(args: argparse.Namespace) -> int:
     from .devices import device_spec
     from .predict import ModelShape, Prediction, predict, sim_trace
 
-    # The fake EP group has no timeout to copy onto the per-ubatch groups; that is expected here.
-    logging.getLogger("asyncdbo.comm").setLevel(logging.ERROR)
     try:
         model = ModelShape(
             layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, experts=args.experts,
