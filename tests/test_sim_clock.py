@@ -120,7 +120,6 @@ async def test_role_streams_overlap_one_ubatchs_comm_with_the_others_compute() -
     rep = be.report
     got = [(s.stream, s.kind, s.ubatch, s.tag, s.start, s.end) for s in rep.spans]
     d0 = mm + copy  # ub0's dispatch leaves once its copy is done (the copy runs on comm SMs)
-    d1 = max(2 * mm, d0 + wire) + copy
     want = [
         ("compute", "compute", 0, None, 0.0, mm),
         ("compute", "compute", 1, None, mm, 2 * mm),
@@ -187,3 +186,15 @@ async def test_a_wait_on_a_never_recorded_event_is_a_dead_wait_with_the_waiting_
             msg,
         ), msg
     assert [d.waiter.ubatch for d in info.value.findings] == [0, 1]
+
+
+@pytest.mark.asyncio
+async def test_one_sim_run_at_a_time() -> None:
+    async def nested(x_MK: torch.Tensor) -> torch.Tensor:
+        return (await asyncdbo.run_ubatches(dispatch_layer, [(x_MK,)], backend=SimBackend(), name="inner"))[0]
+
+    with pytest.raises(RuntimeError, match=r"a sim run \('outer'\) is already in progress in this process"):
+        await asyncdbo.run_ubatches(nested, [(torch.randn(64, 256),)], backend=SimBackend(), name="outer")
+    # the refusal left nothing behind: the next run works
+    out = await asyncdbo.run_ubatches(dispatch_layer, [(torch.ones(8, 256),)], backend=SimBackend())
+    assert torch.equal(out[0], torch.relu(torch.ones(8, 256) @ W_KN))

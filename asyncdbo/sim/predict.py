@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 
 from ..loop import run_ubatches
+from ..streams.links import LinkSpec
 from ..streams.sim import SimBackend, SimReport
 from .devices import DeviceSpec
-from ..streams.links import LinkSpec
 
 __all__ = ["ModelShape", "Prediction", "predict", "sim_trace"]
 
@@ -148,7 +148,8 @@ def fake_ep_group(ep: int) -> Iterator[Any]:
 def _forget(groups: list[Any]) -> None:
     """Drop asyncdbo's caches of ``groups`` (EP comm state, per-ubatch clones): they die with the
     fake world, and a later world reuses their ids and names."""
-    from .. import comm, groups as clones
+    from .. import comm
+    from .. import groups as clones
 
     for key in [k for k, v in comm._CACHE.items() if v.group in groups]:
         del comm._CACHE[key]

@@ -31,7 +31,15 @@ from .._core import Instrument, get_ubatch
 from ..sim.clock import Engine, Span, Timeline, VEvent, VStream
 from ..sim.cost import CostModel
 from ..sim.devices import DeviceSpec, device_spec
-from ..sim.races import DeadWait, LostOverlap, Race, RaceChecker, SimCheckError, Site, user_place
+from ..sim.races import (
+    DeadWait,
+    LostOverlap,
+    Race,
+    RaceChecker,
+    SimCheckError,
+    Site,
+    user_place,
+)
 from .base import StreamBackend, StreamPolicy
 from .links import LinkSpec, link_spec
 
@@ -119,7 +127,7 @@ class SimHandle:
     """A submitted comm op. Its completion is virtual (the stream orders it), so awaiting it
     never parks; ``t_done`` is the modeled completion time."""
 
-    __slots__ = ("what", "nbytes", "t_start", "t_done")
+    __slots__ = ("nbytes", "t_done", "t_start", "what")
 
     def __init__(self, what: str, nbytes: int, t_start: float, t_done: float) -> None:
         self.what, self.nbytes, self.t_start, self.t_done = what, nbytes, t_start, t_done
@@ -189,6 +197,7 @@ class SimBackend(StreamBackend):
     """
 
     name = "sim"
+    _active: DBORun | None = None  # the one sim run in progress (see attach)
 
     def __init__(
         self,
@@ -220,8 +229,17 @@ class SimBackend(StreamBackend):
     def attach(self, run: DBORun, policy: StreamPolicy) -> None:
         from .._core import Fanout
 
-        if self._run is not None:
-            raise RuntimeError("this SimBackend is already attached to a running DBO run; use one backend per run")
+        if SimBackend._active is not None:
+            # The dispatch mode is a per-thread stack: two interleaved sim runs would pop each
+            # other's mode. One at a time keeps every op attributed to the right run. The refused
+            # run never starts: close its coroutines so none is reported as never awaited.
+            for ub in run.ubatches:
+                ub.coro.close()
+            raise RuntimeError(
+                f"a sim run ({SimBackend._active.name!r}) is already in progress in this process; the sim backend "
+                "runs one DBO run at a time: await it before starting another"
+            )
+        SimBackend._active = run
         run.backend = self
         self._run = run
         self._policy = policy
@@ -253,6 +271,8 @@ class SimBackend(StreamBackend):
         self._mode.__enter__()
 
     def detach(self, run: DBORun) -> None:
+        if SimBackend._active is run:
+            SimBackend._active = None
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
@@ -307,7 +327,7 @@ class SimBackend(StreamBackend):
         if not event.recorded:
             # A device would hang here (NPU) or not wait at all (CUDA): report it at the end.
             self._waits_unrecorded.append((event, self._site(ub, stream, "wait event")))
-            return None
+            return
         before = stream.t
         stream.t = max(stream.t, event.t)
         if self._checker is not None:
@@ -317,7 +337,7 @@ class SimBackend(StreamBackend):
             lost = event.t - max(before, own_end)
             if lost > 0:
                 self._lost.append(LostOverlap(self._site(ub, stream, "wait event"), event.by, foreign, lost))  # type: ignore[arg-type]
-        return None
+        return
 
     # ------------------------------------------------------------------ ops
     def _place(self, ub: Any, stream: VStream, kind: str, name: str, dur: float, engine: Engine, extra: float = 0.0) -> tuple[float, float]:
