@@ -198,3 +198,43 @@ async def test_one_sim_run_at_a_time() -> None:
     # the refusal left nothing behind: the next run works
     out = await asyncdbo.run_ubatches(dispatch_layer, [(torch.ones(8, 256),)], backend=SimBackend())
     assert torch.equal(out[0], torch.relu(torch.ones(8, 256) @ W_KN))
+
+
+async def waits_before_ubatch_1_records(x_MK: torch.Tensor) -> torch.Tensor:
+    """Ubatch 0's stream waits on an event ubatch 1 records only later (a CANN-style pipeline with
+    the record and the wait in the wrong order)."""
+    ub = get_ubatch()
+    be = ub.run.backend
+    shared = ub.run.data.setdefault("ev", be.new_event())
+    if ub.id == 0:
+        be.wait(ub.stream, shared)  # WAIT TOO EARLY
+    h_MN = x_MK @ W_KN
+    await dbo_yield("stage")
+    if ub.id == 1:
+        be.record(shared, ub.stream)  # RECORDED LATER
+    return h_MN
+
+
+@pytest.mark.asyncio
+async def test_a_wait_issued_before_the_record_is_reported_with_both_places() -> None:
+    x = torch.randn(64, 256)
+    be = SimBackend(on_problem="record")
+    await asyncdbo.run_ubatches(waits_before_ubatch_1_records, [(x[:32],), (x[32:],)], backend=be, stream_policy="ubatch")
+    (dead,) = be.report.dead_waits
+    assert str(dead) == (
+        f"wait before record: ubatch 0 at yield point None, stream ub0, tests/test_sim_clock.py:{_line('# WAIT TOO EARLY')} in "
+        "waits_before_ubatch_1_records: wait event\n    waits on an event first recorded later by: ubatch 1 at yield point "
+        f"'stage', stream ub1, tests/test_sim_clock.py:{_line('# RECORDED LATER')} in waits_before_ubatch_1_records: record event "
+        "(CUDA ignores such a wait: early read; NPU stalls)"
+    )
+
+
+@pytest.mark.asyncio
+async def test_the_race_checker_does_not_change_the_timeline() -> None:
+    x = torch.randn(256, 256)
+    reports = []
+    for check in (True, False):
+        be = SimBackend(check_races=check)
+        await asyncdbo.run_ubatches(dispatch_layer, [(x[:128],), (x[128:],)], backend=be)
+        reports.append([(s.stream, s.kind, s.ubatch, s.tag, s.start, s.end) for s in be.report.spans])
+    assert reports[0] == reports[1]
