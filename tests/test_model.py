@@ -111,3 +111,15 @@ def test_batch_builder_tracks_context_blocks_and_slots() -> None:
 def test_bad_config_is_a_value_error_naming_the_value(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         MiniConfig(**kwargs)
+
+
+def test_uniform_decode_batch_equals_per_request_attention() -> None:
+    # Contexts of 5, 9 and 1 tokens, then one decode token each: the batched decode path must
+    # match dense causal attention per request (it masks each padded context by its seq_len).
+    lengths = {7: 6, 3: 10, 11: 2}
+    kv = _random_requests(lengths)
+    cache, builder = _cache(), BatchBuilder(_cache().cfg)
+    _attend(cache, builder, [(r, [0] * (n - 1)) for r, n in lengths.items()], kv)
+    out = _attend(cache, builder, [(r, [0]) for r in lengths], kv)
+    expected = torch.cat([_dense_causal(*kv[r], first_pos=0)[-1:] for r in lengths])
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
