@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import collections
 import contextvars
+import importlib.util
 import statistics
 import sys
 import threading
@@ -379,6 +380,9 @@ def hardware_tag(info: dict[str, str]) -> str:
 
 
 # ------------------------------------------------------------------ the command
+_NEEDS_UVLOOP = ("asyncdbo", "asyncdbo_inst", "aio_fut_uv")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ubatches", "-n", type=int, nargs="+", default=[2], help="numbers of ubatches (default 2)")
     parser.add_argument("--depth", type=int, default=2, help="async def frames on the await chain (default 2)")
@@ -393,13 +397,19 @@ def main(args: argparse.Namespace) -> int:
     if args.switches < 10 or args.rounds < 1:
         print(f"asyncdbo bench: need --switches >= 10 and --rounds >= 1 (got {args.switches}, {args.rounds})", file=sys.stderr)
         return 2
+    designs = list(args.designs)
+    if importlib.util.find_spec("uvloop") is None:
+        uv = [d for d in designs if d in _NEEDS_UVLOOP]
+        designs = [d for d in designs if d not in _NEEDS_UVLOOP]
+        if uv:
+            print(f"asyncdbo bench: uvloop is not installed; skipping {', '.join(uv)}", file=sys.stderr)
     switches = {"fast": args.switches, "aio": max(10, args.switches // 4), "threads": max(10, args.switches // 20)}
     print(f"# switch cost, depth {args.depth}, {args.rounds} rounds (python {sys.version.split()[0]})")
     for N in args.ubatches:
         if N < 1:
             print(f"asyncdbo bench: --ubatches must be >= 1 (got {N})", file=sys.stderr)
             return 2
-        samples = measure(args.designs, N=N, depth=args.depth, switches=switches, rounds=args.rounds)
+        samples = measure(designs, N=N, depth=args.depth, switches=switches, rounds=args.rounds)
         print(f"\nN = {N} ubatches")
         print("\n".join(median_table(samples)))
     return 0
