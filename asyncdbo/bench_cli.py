@@ -308,6 +308,8 @@ def measure(
     """ns per switch (or per step, ``per="step"``) of each design, one sample per round, with
     the designs interleaved inside each round so that machine noise hits them alike."""
     samples: dict[str, list[float]] = {name: [] for name in designs}
+    for name in designs:  # warm-up: lazy imports, first loop creation, first thread start
+        DESIGNS[name].fn(N, 2, work, depth)
     for _ in range(rounds):
         for name in designs:
             d = DESIGNS[name]
