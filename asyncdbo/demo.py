@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DemoConfig", "add_arguments", "demo_rank", "main", "summarize"]
+__all__ = ["DemoConfig", "add_arguments", "demo_rank", "error_line", "main", "summarize"]
 
 logger = logging.getLogger("asyncdbo.demo")
 
@@ -337,6 +337,17 @@ def _report(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> int:
     return 0 if s["max_abs_diff"] <= MATCH_ATOL else 1
 
 
+def error_line(details: str) -> str:
+    """The exception line of a rank's traceback text (its last unindented ``Name: message`` line,
+    which for a multi-line message such as a deadlock report is not the text's last line)."""
+    lines = [ln for ln in details.strip().splitlines() if ln and not ln[0].isspace()]
+    for ln in reversed(lines):
+        head = ln.split(":", 1)[0]
+        if ":" in ln and " " not in head and not ln.startswith("Traceback"):
+            return ln
+    return lines[-1] if lines else details.strip()
+
+
 def _main_env(args: argparse.Namespace) -> int:
     """One rank of a torchrun job: join through env://, run, gather to rank 0, print there."""
     import torch.distributed as dist
@@ -374,7 +385,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         per_rank = run_ranks(demo_rank, cfg.ranks, cfg, timeout_s=args.timeout)
     except RankError as exc:
-        first = exc.details[exc.ranks[0]].strip().splitlines()[-1]
-        print(f"asyncdbo demo: error: {str(exc).splitlines()[0]}: {first}", file=sys.stderr)
+        why = error_line(exc.details[exc.ranks[0]])
+        print(f"asyncdbo demo: error: {str(exc).splitlines()[0]}: {why}", file=sys.stderr)
         return 1
     return _report(cfg, per_rank)
