@@ -260,10 +260,10 @@ def _format(cfg: DemoConfig, s: dict[str, Any]) -> str:
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [
-        f"asyncdbo demo: {cfg.ranks} ranks x {cfg.tokens} tokens ({cfg.shape}), {cfg.layers} layers, "
+        (f"asyncdbo demo: {cfg.ranks} ranks x {cfg.tokens} tokens ({cfg.shape}), {cfg.layers} layers, "
         f"{cfg.experts} experts top-{cfg.top_k}, hidden {cfg.hidden}, schedule {cfg.schedule}, "
         f"stream policy {cfg.stream_policy}, {cfg.ubatches} ubatches, loop {cfg.loop}, "
-        f"{cfg.steps} steps after {cfg.warmup} warm-up",
+        f"{cfg.steps} steps after {cfg.warmup} warm-up"),
         comm,
         "",
         *(f"  {a:<{w0}}  {b:>{w1}}  {c:>{w1}}" for a, b, c in rows),

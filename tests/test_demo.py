@@ -28,9 +28,9 @@ def test_demo_prints_the_table_on_a_modeled_link_and_writes_a_trace(capsys: pyte
         "comm: MODELED LINK ib400 x1000 (10000 us + 50 MB/s per message;"
     )
     for row in ("step time (median)", "DBO / serial", "time in comm", "comm hidden", "switches / step"):
-        assert re.search(rf"^  {re.escape(row)} ", out, re.M), row
+        assert re.search(rf"^  {re.escape(row)} ", out, re.MULTILINE), row
     assert "DBO steps: microbatched, every step on every rank (real tokens per ubatch by rank: [256, 256] [256, 256])" in out
-    assert re.search(r"^outputs serial vs DBO: max \|logits diff\| = \S+ \((bitwise equal|match), tolerance 0.0001\)$", out, re.M)
+    assert re.search(r"^outputs serial vs DBO: max \|logits diff\| = \S+ \((bitwise equal|match), tolerance 0.0001\)$", out, re.MULTILINE)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged.json", "numbers.json", "rank0.json", "rank1.json", "timeline.png"]
     trace = json.loads((tmp_path / "merged.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}

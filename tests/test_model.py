@@ -8,7 +8,12 @@ import math
 import pytest
 import torch
 
-from asyncdbo.models import KVCacheConfig, MiniConfig, PagedKVCache, paged_causal_attention
+from asyncdbo.models import (
+    KVCacheConfig,
+    MiniConfig,
+    PagedKVCache,
+    paged_causal_attention,
+)
 from asyncdbo.runner import BatchBuilder
 
 # Shape legend: T = tokens, S = context length, H = heads, K = head dim, V = vocab.
@@ -101,11 +106,11 @@ def test_batch_builder_tracks_context_blocks_and_slots() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(top_k=9, num_experts=8), r"top_k \(9\) exceeds num_experts \(8\); pick top_k <= num_experts"),
-        (dict(schedule="fast"), r"unknown MoE schedule 'fast'; use one of \('ht', 'll'\)"),
-        (dict(scoring="relu"), r"unknown router scoring 'relu'"),
-        (dict(hidden_size=0), r"MiniConfig.hidden_size must be >= 1 \(got 0\)"),
-        (dict(head_dim=7), r"head_dim \(7\) must be even"),
+        ({"top_k": 9, "num_experts": 8}, r"top_k \(9\) exceeds num_experts \(8\); pick top_k <= num_experts"),
+        ({"schedule": "fast"}, r"unknown MoE schedule 'fast'; use one of \('ht', 'll'\)"),
+        ({"scoring": "relu"}, r"unknown router scoring 'relu'"),
+        ({"hidden_size": 0}, r"MiniConfig.hidden_size must be >= 1 \(got 0\)"),
+        ({"head_dim": 7}, r"head_dim \(7\) must be even"),
     ],
 )
 def test_bad_config_is_a_value_error_naming_the_value(kwargs: dict, message: str) -> None:

@@ -15,15 +15,21 @@ from dataclasses import replace
 
 import pytest
 import torch
+from _model_ranks import ALWAYS, SMALL, Case, fail_mid_step, serial_vs_dbo, tokens
 
+from asyncdbo import dbo_current_ubatch_id, run_ubatches
 from asyncdbo.launch import RankError, RankPool
 from asyncdbo.models import MiniModel
-from asyncdbo import dbo_current_ubatch_id, run_ubatches
-from asyncdbo.plan import AttentionMetadata, PlanReason, ThresholdConfig, merge_outputs, split_attn_metadata, split_tokens
+from asyncdbo.plan import (
+    AttentionMetadata,
+    PlanReason,
+    ThresholdConfig,
+    merge_outputs,
+    split_attn_metadata,
+    split_tokens,
+)
 from asyncdbo.runner import Batch, BatchBuilder, DBORunner, RunnerConfig
 from asyncdbo.trace import Tracer
-
-from _model_ranks import ALWAYS, SMALL, Case, fail_mid_step, serial_vs_dbo, tokens
 
 TOL = 1e-5
 

@@ -1,5 +1,5 @@
 """Models for DBO tests, examples and the demo: a small DeepSeek-like MoE model and its paged
-attention.  ``MiniModel`` imports the MoE layer lazily, so importing this package is cheap."""
+attention."""
 
 from __future__ import annotations
 

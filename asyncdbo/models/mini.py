@@ -41,8 +41,9 @@ from typing import Any
 
 import torch
 
-from ..plan.metadata import AttentionMetadata
 from .._core import get_ubatch
+from ..moe import MoEConfig, MoELayer
+from ..plan.metadata import AttentionMetadata
 from ..primitives import dbo_maybe_run_recv_hook, dbo_record_event, dbo_wait_event
 from .attention import KVCacheConfig, PagedKVCache, paged_causal_attention
 
@@ -124,8 +125,6 @@ class MiniModel:
 
     def __init__(self, cfg: MiniConfig, *, ep_group: Any = None, max_ubatches: int = 4,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        from ..moe import MoEConfig, MoELayer  # the MoE package imports torch.distributed helpers
-
         self.cfg = cfg
         gen = torch.Generator().manual_seed(cfg.seed)
         d, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim
