@@ -17,8 +17,10 @@ comm goes through the same (possibly modeled) link: serial and overlapped steps 
 equal terms.
 
 Numerical contract: the merged logits equal the single-batch logits of the same model and
-inputs.  On CPU fp32 they agree to float rounding (matmuls over different row counts may block
-differently), and tests check max-abs-diff <= 1e-5.
+inputs, up to float rounding; tests check max-abs-diff <= 1e-5.  On CPU fp32 it is not bitwise in
+general: with EP the experts' matmuls see other row sets per ubatch than for the whole batch (BLAS
+blocks them differently), which gives ~2e-6 on the demo's logits; single-rank runs and decode
+steps measured bitwise equal.
 """
 
 # Shape legend: T = tokens (real), P = tokens (padded), R = requests, B = max blocks per request,
