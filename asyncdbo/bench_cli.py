@@ -48,10 +48,10 @@ from .primitives import dbo_yield
 
 __all__ = [
     "DESIGNS",
-    "machine_info",
     "Design",
     "add_arguments",
     "check_round_robin",
+    "machine_info",
     "main",
     "measure",
     "median_table",

@@ -28,7 +28,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from asyncdbo.bench_cli import DESIGNS, check_round_robin, hardware_tag, machine_info, measure, median_table
+from asyncdbo.bench_cli import (
+    DESIGNS,
+    check_round_robin,
+    hardware_tag,
+    machine_info,
+    measure,
+    median_table,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SWITCH_DESIGNS = ["tramp", "tramp_ctx", "asyncdbo", "asyncdbo_aio", "asyncdbo_inst", "threads", "aio_fut", "aio_fut_uv"]

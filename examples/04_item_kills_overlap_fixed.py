@@ -18,7 +18,10 @@ import torch
 import torch.distributed as dist
 
 import asyncdbo
-from asyncdbo import dbo_yield_and_switch_from_comm_to_compute, dbo_yield_and_switch_from_compute_to_comm
+from asyncdbo import (
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+)
 from asyncdbo._core import get_ubatch
 from asyncdbo.launch import free_port
 from asyncdbo.streams.host import HostBackend

@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 
 from asyncdbo import cli
-from asyncdbo.bench_cli import DESIGNS, check_round_robin, chain, measure, median_table
+from asyncdbo.bench_cli import DESIGNS, chain, check_round_robin, measure, median_table
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -89,7 +89,7 @@ def test_moe_step_quick() -> None:
     """Two real gloo ranks run serial, asyncdbo and the thread-baton baseline on one tiny case;
     the benchmark itself checks that both DBO designs match the serial logits."""
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "moe_step.py"), "--quick"], capture_output=True, text=True, timeout=110
+        [sys.executable, str(BENCH / "moe_step.py"), "--quick"], capture_output=True, text=True, timeout=110, check=False
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for design in ("| serial |", "| asyncdbo |", "| threads |"):
@@ -103,7 +103,7 @@ def test_moe_step_quick() -> None:
 def test_sim_sweep_quick_writes_table_and_plot(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(BENCH / "sim_sweep.py"), "--quick", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=110,
+        capture_output=True, text=True, timeout=110, check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| decode | 16 | ib400 |" in proc.stdout
@@ -114,7 +114,7 @@ def test_gpu_check_script_is_valid_and_refuses_without_cuda() -> None:
     """The GPU script cannot run here (no GPU); check its shell syntax, that its embedded Python
     compiles, and that without CUDA it stops at once with a clear message and status 2."""
     script = BENCH / "gpu_check.sh"
-    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, check=False).returncode == 0
     text = script.read_text()
     body = text.split("<<'PYEOF'\n", 1)[1].split("\nPYEOF\n", 1)[0]
     compile(body, "gpu_check.sh:python", "exec")
@@ -122,6 +122,6 @@ def test_gpu_check_script_is_valid_and_refuses_without_cuda() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: run benchmarks/gpu_check.sh itself")
-    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2
     assert "torch does not see a CUDA device" in proc.stderr
