@@ -211,10 +211,11 @@ class RecvHookHandle:
 
 def dbo_register_recv_hook(hook: Callable[[], object]) -> RecvHookHandle:
     """Store ``hook`` on the next live ubatch in the ring; it runs it at its next
-    :func:`dbo_maybe_run_recv_hook` (after queuing its own compute) or when it exits.
+    :func:`dbo_maybe_run_recv_hook` (after queuing its own compute), or when it parks or exits.
 
-    This is how a low-latency receive is launched by the *other* ubatch. Outside a run the hook
-    runs at once."""
+    This is how a low-latency receive is launched by the *other* ubatch. When no other ubatch is
+    live (outside a run, a run of one, or the others finished) the hook runs at once: nobody else
+    could launch it. ``await`` the returned handle to wait until the hook has run."""
     if not callable(hook):
         raise TypeError(f"dbo_register_recv_hook expects a callable, got {hook!r}")
     ub = current_ubatch.get(None)
@@ -224,12 +225,11 @@ def dbo_register_recv_hook(hook: Callable[[], object]) -> RecvHookHandle:
         return handle
     ring = ub.run.ubatches
     n = len(ring)
-    target = ub
-    for step in range(1, n + 1):
-        cand = ring[(ub.id + step) % n]
-        if cand.state != "done":
-            target = cand
-            break
+    target = next((c for c in (ring[(ub.id + k) % n] for k in range(1, n)) if c.state != "done"), None)
+    if target is None:
+        handle = RecvHookHandle(hook, ub.id, ub.id)
+        handle._run()
+        return handle
     handle = RecvHookHandle(hook, ub.id, target.id)
     if target.recv_hook is not None:
         raise RuntimeError(

@@ -215,24 +215,6 @@ class StepResult:
         return self.plan.record
 
 
-class _SelfRecvHooks(Instrument):
-    """Run a recv hook a ubatch left on *itself* (it is the only live ubatch: a one-ubatch step,
-    or the last one still running), which nobody else would ever run.
-
-    ``dbo_register_recv_hook`` targets the next live ubatch in the ring, which is the caller
-    itself when it is alone; a low-latency MoE layer then parks on a receive no one launches.
-    Workaround until the primitive runs a self-targeted hook at once, as it does outside a run.
-    """
-
-    def stepped(self, ub: Any, request: object) -> None:
-        if request is None or ub.recv_hook is None:
-            return
-        if any(other is not ub and other.state != "done" for other in ub.run.ubatches):
-            return
-        hook, ub.recv_hook = ub.recv_hook, None
-        hook()
-
-
 class DBORunner:
     """Runs steps of ``model`` (anything with ``async forward(input_ids_T, positions_T, attn)``)
     with DBO across the ranks of ``dp_group`` (None: no DP agreement, plan locally).
@@ -292,7 +274,7 @@ class DBORunner:
             ub.data["first_is_continuation"] = continuation
             return await self.model.forward(ids, pos, meta)  # type: ignore[no-any-return]
 
-        insts = [i for i in (self.instrument, instrument) if i is not None] + [_SelfRecvHooks()]
+        insts = [i for i in (self.instrument, instrument) if i is not None]
         for inst in insts:
             mark_step = getattr(inst, "mark_step", None)  # a Tracer labels the run with the record
             if mark_step is not None:

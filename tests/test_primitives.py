@@ -202,6 +202,39 @@ async def test_a_ubatch_exit_runs_its_pending_recv_hook_before_handing_over() ->
     assert trace == ["ub1 finished", "ub0's combine recv, run by ub1 at exit", "ub0 finished"]
 
 
+async def test_a_lone_ubatch_runs_its_hook_at_once_and_a_parking_one_launches_the_hook_it_holds() -> None:
+    trace: list[str] = []
+
+    async def fwd(i: int) -> None:
+        if i == 1:
+            trace.append("ub1 finished")
+            return
+        await dbo_yield("send")  # ub1 finishes meanwhile: ub0 is the only live ubatch left
+        handle = dbo_register_recv_hook(lambda: trace.append("ub0's recv ran at once"))
+        await handle
+        trace.append("ub0 finished")
+
+    await run_ubatches(fwd, [(0,), (1,)])
+    assert trace == ["ub1 finished", "ub0's recv ran at once", "ub0 finished"]
+
+    trace.clear()
+
+    async def park(i: int) -> None:
+        if i == 0:
+            handle = dbo_register_recv_hook(lambda: trace.append(f"ub0's recv launched by ub{dbo_current_ubatch_id()}"))
+            await dbo_yield("send")
+            await handle
+            dbo_record_event("ub0 received")
+            trace.append("ub0 finished")
+        else:
+            trace.append("ub1 parks")
+            await dbo_wait_event("ub0 received")  # parking launches the hook ub0 left with ub1 first
+            trace.append("ub1 finished")
+
+    await run_ubatches(park, [(0,), (1,)])
+    assert trace == ["ub1 parks", "ub0's recv launched by ub1", "ub0 finished", "ub1 finished"]
+
+
 async def test_registering_over_an_unrun_hook_is_an_error_instead_of_a_lost_receive() -> None:
     async def fwd(i: int) -> None:
         if i == 0:

@@ -18,6 +18,7 @@ from asyncdbo import (
     WatchdogTimeout,
     dbo_current_ubatch_id,
     dbo_enabled,
+    dbo_record_event,
     dbo_register_recv_hook,
     dbo_wait_event,
     dbo_yield,
@@ -254,12 +255,14 @@ async def test_a_wait_on_an_event_nobody_records_is_a_deadlock_with_every_stack(
 async def test_awaiting_a_recv_hook_no_one_will_run_is_a_deadlock() -> None:
     async def forward(i: int) -> None:
         if i == 1:
-            return  # finishes at once: nobody is left to run ub0's hook
+            await dbo_wait_event("ub0.after_recv")  # ub1 parks first, so it cannot launch hooks
+            return
         await dbo_yield("send")
-        handle = dbo_register_recv_hook(lambda: None)  # lands on ub0 itself
-        await handle
+        handle = dbo_register_recv_hook(lambda: None)  # lands on the parked ub1
+        await handle  # ub1 would run it only after ub0 records the event it waits for
+        dbo_record_event("ub0.after_recv")
 
-    with pytest.raises(DeadlockError, match=r"recv hook of ubatch 0 \(to be run by ubatch 0\)"):
+    with pytest.raises(DeadlockError, match=r"recv hook of ubatch 0 \(to be run by ubatch 1\)"):
         await run_ubatches(forward, [(0,), (1,)])
 
 

@@ -257,6 +257,17 @@ class DBORun:
             self.instrument.stepped(ub, None)
 
     def _park(self, ub: UBatch, request: object) -> None:
+        hook, ub.recv_hook = ub.recv_hook, None
+        if hook is not None:
+            # A parked ubatch cannot launch the receive another ubatch left with it until it wakes,
+            # and that ubatch may be waiting for exactly this receive: launch it now.
+            try:
+                ub.ctx_run(hook)
+            except BaseException as exc:
+                ub.state = DONE
+                self._live -= 1
+                self._annotate(ub, exc, where="in the recv hook it ran before parking")
+                raise
         ub.state = PARKED
         ub.parked_on = request
         self.num_parks += 1

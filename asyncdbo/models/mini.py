@@ -44,7 +44,7 @@ import torch
 from .._core import get_ubatch
 from ..moe import MoEConfig, MoELayer
 from ..plan.metadata import AttentionMetadata
-from ..primitives import dbo_maybe_run_recv_hook, dbo_record_event, dbo_wait_event
+from ..primitives import dbo_record_event, dbo_wait_event
 from .attention import KVCacheConfig, PagedKVCache, paged_causal_attention
 
 __all__ = ["MiniConfig", "MiniModel"]
@@ -165,15 +165,13 @@ class MiniModel:
         Only a ubatch that continues a request of the previous one waits; the runner says so in
         ``ub.data["first_is_continuation"]`` (absent: wait, to be safe).  A decode ubatch never
         waits, so a low-latency schedule keeps its natural lead of one ubatch over the next.
-        Before parking, the ubatch runs the recv hook the previous ubatch left for it: under the
-        low-latency schedule that ubatch may be waiting for exactly that hook, and would
-        otherwise never reach the write this one waits for.
+        If it parks, the scheduler first launches the recv hook the previous ubatch left with it
+        (under the low-latency schedule that ubatch may be waiting for exactly that receive).
         """
         ub = get_ubatch()
         if ub is None:
             return
         if ub.id > 0 and ub.data.get("first_is_continuation", True):
-            dbo_maybe_run_recv_hook()
             await dbo_wait_event(("mini.kv", id(self), layer, ub.id - 1))
         # Recorded after the wait, so kv(l, k) means "ubatches 0..k wrote layer l" whenever k
         # continues a request: a request spanning three ubatches needs the first one's K/V too.

@@ -47,7 +47,6 @@ from torch import nn
 from .._core import get_ubatch
 from ..comm import DispatchPlan, EPComm, ep_comm, plan_dispatch
 from ..primitives import (
-    RecvHookHandle,
     dbo_maybe_run_recv_hook,
     dbo_record_event,
     dbo_register_recv_hook,
@@ -89,13 +88,6 @@ class _Stages:
 
 def _noop() -> None:
     return None
-
-
-def _launch_own(handle: RecvHookHandle) -> None:
-    """A ubatch with no live peer (a run of one ubatch, or the others already finished) got its
-    own hook back: no one else will launch its receive, so it does it after its yield."""
-    if handle.runner == handle.owner:
-        dbo_maybe_run_recv_hook()
 
 
 class MoELayer(nn.Module):
@@ -311,7 +303,6 @@ class MoELayer(nn.Module):
             st.record("dispatch_sent")
         received = dbo_register_recv_hook(_noop)
         await dbo_yield("dispatch_send")
-        _launch_own(received)
         if st is not None:
             await st.wait("dispatch_sent")
         await counts
@@ -326,7 +317,6 @@ class MoELayer(nn.Module):
         shared_TD = self._shared(x_TD)  # overlaps the combine in flight
         received = dbo_register_recv_hook(_noop)
         await dbo_yield("combine_send")
-        _launch_own(received)
         await received
         if st is not None:
             await st.wait("combine_sent")
