@@ -254,7 +254,6 @@ class SimBackend(StreamBackend):
         self._pending_c10d: tuple[Any, VStream, set[int], set[int], Site, int] | None = None
         self._ub_end: dict[tuple[int, int], float] = {}  # (stream id, ubatch) -> end of its last op
         self._last_ub: dict[int, int] = {}  # stream id -> ubatch of its last op
-        self._names: dict[int, str] = {}
         self.report = SimReport(self.device.name, self.link.name, policy, len(run.ubatches))
         shared = {"compute": VStream("compute"), "comm": VStream("comm")}
         for ub in run.ubatches:
