@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ._core import get_ubatch
 from .groups import ubatch_groups
+from .primitives import dbo_submit
 
 __all__ = ["DispatchPlan", "EPComm", "ep_comm", "plan_dispatch"]
 
@@ -108,12 +109,11 @@ def _all_to_all(
 ) -> Any:
     """Issue one all_to_all_single: async through the stream backend inside a DBO run (returns
     the backend's handle: ``await`` it), synchronous outside (returns a done awaitable)."""
-    ub = get_ubatch()
-    if ub is None:
+    if get_ubatch() is None:
         dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
         return READY
     work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
-    return ub.run.backend.submit(work, nbytes=inp.numel() * inp.element_size(), what=what)
+    return dbo_submit(work, nbytes=inp.numel() * inp.element_size(), what=what)
 
 
 @dataclass(eq=False)

@@ -29,6 +29,7 @@ __all__ = [
     "dbo_num_ubatches",
     "dbo_record_event",
     "dbo_register_recv_hook",
+    "dbo_submit",
     "dbo_switch_to_comm",
     "dbo_switch_to_comm_sync",
     "dbo_switch_to_compute",
@@ -262,6 +263,41 @@ def dbo_get_previous_event(func: Callable[..., T], *args: Any, **kwargs: Any) ->
         return func(*args, **kwargs)
     finally:
         ub.set_stream(prev)
+
+
+class _Completed:
+    """Handle for comm that completed before :func:`dbo_submit` returned (outside a run)."""
+
+    __slots__ = ("what", "nbytes", "work")
+
+    def __init__(self, what: str, nbytes: int, work: Any) -> None:
+        self.what, self.nbytes, self.work = what, nbytes, work
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        return iter(())  # type: ignore[return-value]
+
+
+def dbo_submit(work: Any, *, nbytes: int = 0, what: str = "comm", **backend_options: Any) -> Any:
+    """Hand an async ``torch.distributed`` work (``async_op=True``) to the run's stream backend.
+
+    Returns a handle: ``await handle`` (or a later comm->compute switch) waits for it the way the
+    backend needs: on a CPU host the ubatch parks until gloo completes the work while the others
+    run; on CUDA/NPU the current stream waits for the collective and the CPU goes on at once.
+    ``nbytes`` feeds the modeled link and the trace numbers; ``what`` names it in traces.
+    ``backend_options`` go to the backend (the sim backend takes ``inputs``/``outputs`` tensors
+    for its race checker). Outside a run the work is waited for at once (serial semantics)."""
+    ub = current_ubatch.get(None)
+    if ub is None:
+        if work is not None:
+            work.wait()
+        return _Completed(what, nbytes, work)
+    return ub.run.backend.submit(work, nbytes=nbytes, what=what, **backend_options)
 
 
 def _events(ub: UBatch) -> dict[Hashable, tuple[Any, Signal]]:

@@ -22,7 +22,6 @@ from asyncdbo import (
     dbo_yield_and_switch_from_comm_to_compute,
     dbo_yield_and_switch_from_compute_to_comm,
 )
-from asyncdbo._core import get_ubatch
 from asyncdbo.launch import free_port
 from asyncdbo.streams.host import HostBackend
 from asyncdbo.trace import Tracer
@@ -41,7 +40,7 @@ def exchange(t: torch.Tensor, what: str):
     HostWork: ``handle.wait()`` blocks the thread, ``await handle`` parks only this ubatch."""
     out = torch.empty_like(t)
     work = dist.all_to_all_single(out, t, async_op=True)
-    return out, get_ubatch().run.backend.submit(work, nbytes=t.numel() * t.element_size(), what=what)
+    return out, asyncdbo.dbo_submit(work, nbytes=t.numel() * t.element_size(), what=what)
 
 
 async def moe_forward(x_TD: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import asyncdbo
 from asyncdbo import (
+    dbo_submit,
     dbo_switch_to_comm,
     dbo_switch_to_compute_sync,
     dbo_yield,
@@ -35,7 +36,7 @@ def pool() -> Iterator[RankPool]:
 def _submit_a2a(x: torch.Tensor, what: str):  # type: ignore[no-untyped-def]
     out = torch.empty_like(x)
     work = dist.all_to_all_single(out, x, group=ubatch_group(), async_op=True)
-    return out, get_ubatch().run.backend.submit(work, nbytes=x.numel() * x.element_size(), what=what)
+    return out, dbo_submit(work, nbytes=x.numel() * x.element_size(), what=what)
 
 
 def _exchange_rank(rank: int, world_size: int, link: LinkSpec | None, loop: str) -> dict:
@@ -155,5 +156,13 @@ def _outside_a_run_rank(rank: int, world_size: int) -> list[float]:
     return out.tolist()
 
 
+def _dbo_submit_outside_a_run_rank(rank: int, world_size: int) -> tuple[bool, list[float]]:
+    out = torch.empty(2)
+    work = dist.all_to_all_single(out, torch.tensor([rank + 0.25, rank + 2.25]), async_op=True)
+    handle = dbo_submit(work, nbytes=8, what="serial")  # no run: waited for at once
+    return handle.done(), out.tolist()
+
+
 def test_submit_outside_a_run_waits_at_once(pool: RankPool) -> None:
     assert pool.run(_outside_a_run_rank) == [[0.5, 1.5], [1.5, 2.5]]
+    assert pool.run(_dbo_submit_outside_a_run_rank) == [(True, [0.25, 1.25]), (True, [2.25, 3.25])]
