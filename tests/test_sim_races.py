@@ -205,3 +205,42 @@ def test_the_librarys_moe_schedules_are_race_free(schedule: str, policy: str) ->
         for rep in (p.serial, p.dbo):
             assert (rep.races, rep.dead_waits, rep.lost_overlaps) == ([], [], []), (shape, rep.problems, rep.lost_overlaps)
         assert p.dbo.num_ubatches == 2 and p.dbo.comm_busy_s > 0
+
+
+async def ll_style(x_MK: torch.Tensor, early: bool) -> torch.Tensor:
+    """The low-latency shape: send from the compute role, yield, then receive. The transfer runs in
+    the background; awaiting its handle is what orders the reads after it."""
+    h_MN = x_MK @ W_KN
+    recv_MN = torch.empty_like(h_MN)
+    received = a2a(recv_MN, h_MN)
+    await dbo_yield("dispatch_send")
+    if early:
+        y_MN = torch.relu(recv_MN)  # LL EARLY READ
+        await received
+        return y_MN
+    await received
+    return torch.relu(recv_MN)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("early", [False, True])
+async def test_a_background_transfer_is_ordered_by_awaiting_its_handle(early: bool) -> None:
+    x = torch.randn(64, 64)
+    be = SimBackend(device="h100", link="ib400", on_problem="record")
+    out = await asyncdbo.run_ubatches(ll_style, [(x[:32], early), (x[32:], early)], backend=be)
+    assert torch.equal(torch.cat(out), torch.relu(x @ W_KN))  # the CPU copy is instant: only the sim sees the race
+    rep = be.report
+    comm = [s for s in rep.spans if s.kind == "comm"]
+    assert [(s.ubatch, s.stream) for s in comm] == [(0, "compute:dispatch"), (1, "compute:dispatch")]
+    ub1_mm = next(s for s in rep.spans if s.kind == "compute" and s.ubatch == 1)
+    assert comm[0].start < ub1_mm.end  # ubatch 0's rows move while ubatch 1 computes
+    if not early:
+        assert rep.races == []
+        return
+    (race,) = rep.races
+    assert str(race) == (
+        f"read-after-write race: ubatch 0 at yield point 'dispatch_send', stream compute, "
+        f"tests/test_sim_races.py:{line('# LL EARLY READ')} in ll_style: aten::relu\n    reads a buffer written with no "
+        f"event ordering it by: ubatch 0 at yield point None, stream compute:dispatch, tests/test_sim_races.py:"
+        f"{line('# ALL-TO-ALL')} in a2a: c10d::alltoall_base_"
+    )

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -124,21 +124,31 @@ def _overlap(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> floa
 
 
 class SimHandle:
-    """A submitted comm op. Its completion is virtual (the stream orders it), so awaiting it
-    never parks; ``t_done`` is the modeled completion time."""
+    """A submitted comm op; ``t_done`` is its modeled completion time. Awaiting it never parks.
 
-    __slots__ = ("nbytes", "t_done", "t_start", "what")
+    A transfer issued on a comm stream is ordered by that stream, and awaiting its handle does
+    nothing more. A transfer issued from the compute role (the low-latency schedule: send now,
+    receive later) runs in the background; awaiting its handle (or ``wait()``) makes the awaiting
+    ubatch's current stream wait for its completion, like waiting on the receive's event."""
 
-    def __init__(self, what: str, nbytes: int, t_start: float, t_done: float) -> None:
+    __slots__ = ("backend", "event", "nbytes", "t_done", "t_start", "what")
+
+    def __init__(self, what: str, nbytes: int, t_start: float, t_done: float, *, backend: SimBackend | None = None,
+                 event: VEvent | None = None) -> None:
         self.what, self.nbytes, self.t_start, self.t_done = what, nbytes, t_start, t_done
+        self.backend, self.event = backend, event
 
     def done(self) -> bool:
         return True
 
     def wait(self) -> None:
-        return None
+        if self.event is not None and self.backend is not None:
+            ub = get_ubatch()
+            if ub is not None and ub.run is self.backend._run:
+                self.backend.wait(ub.stream, self.event)
 
     def __await__(self) -> Any:
+        self.wait()
         return iter(())
 
     def __repr__(self) -> str:
@@ -424,10 +434,34 @@ class SimBackend(StreamBackend):
         completes a latency later; its outputs count as written by ``stream`` at completion."""
         wire = nbytes * self.comm_scale
         self._comm_bytes += int(wire)
+        if self._policy == "role" and ub.role == "compute":
+            return self._background_comm(ub, stream, reads, writes, site, wire, what)
         start, end = self._place(ub, stream, "comm", what, wire / self.link.bandwidth_Bps, self._link, self.link.latency_s)
         if self._checker is not None:
             self._checker.access(stream.id, reads, writes, site)
         return SimHandle(what, int(wire), start, end)
+
+    def _background_comm(self, ub: Any, stream: VStream, reads: set[int], writes: set[int], site: Site, wire: float,
+                         what: str) -> SimHandle:
+        """A transfer issued from the compute role under role streams (the low-latency schedule,
+        DeepEP's send + recv hook): it leaves once the issuing stream's work so far is done, but
+        does not hold that shared stream, which keeps computing (both ubatches' kernels) while the
+        bytes move. Its writes belong to a stream of its own, so reading the received buffer
+        before awaiting the handle is an early read."""
+        bg = VStream(f"{stream.name}:{what}")
+        send = VEvent()
+        self.record(send, stream)
+        send.covers_foreign = None  # the send waits for what was queued; overlap is not lost here
+        self.wait(bg, send)
+        start = self._link.reserve(bg.t, wire / self.link.bandwidth_Bps)
+        end = start + wire / self.link.bandwidth_Bps + self.link.latency_s
+        bg.t = end
+        self._timeline.add(Span(bg.name, "comm", what, start, end, ub.id, ub.tag))
+        if self._checker is not None:
+            self._checker.access(bg.id, reads, writes, replace(site, stream=bg.name))
+        done = VEvent()
+        self.record(done, bg)
+        return SimHandle(what, int(wire), start, end, backend=self, event=done)
 
     def submit(
         self,
