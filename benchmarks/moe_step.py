@@ -110,7 +110,7 @@ def run_threads(fn: Any, ubatch_args: list[tuple[Any, ...]], backend: Any, polic
                         run._fire_timers()
                     t0 = time.perf_counter()
                     try:
-                        request = ub.ctx_run(ub.send, None)
+                        request = ub.resume()
                     except StopIteration as stop:
                         spans.append((t0, time.perf_counter()))
                         run._finish(ub, stop.value)  # runs the pending recv hook, like __exit__

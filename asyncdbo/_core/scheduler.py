@@ -203,23 +203,24 @@ class DBORun:
             # methods are cached on the UBatch; the switch count is a local until the loop exits.
             watch = self._num_parked > 0 or bool(timers)
             n = 0
+            switch, pop, push = SWITCH, ready.popleft, ready.append
             try:
                 while ready:
-                    ub = ready.popleft()
+                    ub = pop()
                     if ub.stream is not self._installed:
                         self.install_stream(ub.stream)
                     if inst is not None:
                         inst.resuming(ub)
                     try:
-                        request = ub.ctx_run(ub.send, None)
+                        request = ub.resume()
                     except BaseException as exc:
                         self._stopped(ub, exc)
                         break
-                    if request is SWITCH:
+                    if request is switch:
                         n += 1
                         if watch and (woken or timers):
                             self._drain()  # woken during this step: they were runnable first
-                        ready.append(ub)
+                        push(ub)
                         if inst is not None:
                             ub.num_yields += 1
                             inst.stepped(ub, request)
