@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 
 from ._core import get_ubatch
-from .groups import ubatch_groups
+from .groups import forget_group, ubatch_groups
 from .primitives import dbo_submit
 
-__all__ = ["DispatchPlan", "EPComm", "ep_comm", "plan_dispatch"]
+__all__ = ["DispatchPlan", "EPComm", "ep_comm", "forget_ep_comm", "plan_dispatch"]
 
 
 class _Ready:
@@ -96,6 +96,13 @@ def ep_comm(group: Any = None, *, max_ubatches: int = 4) -> EPComm:
     comm = EPComm(size=size, rank=rank, group=group, ubatch_groups=ubatch_groups(max_ubatches, group))
     _CACHE[key] = comm
     return comm
+
+
+def forget_ep_comm(group: Any) -> None:
+    """Drop the cached :class:`EPComm` and per-ubatch clones of ``group`` (before destroying it)."""
+    for key in [k for k, v in _CACHE.items() if v.group is group]:
+        del _CACHE[key]
+    forget_group(group)
 
 
 def _all_to_all(

@@ -20,7 +20,7 @@ from typing import Any
 
 from ._core import get_ubatch
 
-__all__ = ["ubatch_group", "ubatch_groups"]
+__all__ = ["forget_group", "ubatch_group", "ubatch_groups"]
 
 log = logging.getLogger("asyncdbo.groups")
 
@@ -65,10 +65,20 @@ def ubatch_groups(num_ubatches: int, group: Any = None) -> tuple[Any, ...]:
     return tuple(clones[:num_ubatches])
 
 
+def forget_group(group: Any) -> None:
+    """Drop the cached clones of ``group`` (call it before destroying the group: a later group
+    may reuse its name)."""
+    _CLONES.pop(getattr(group, "group_name", None), None)
+
+
 def _timeout(base: Any) -> timedelta | None:
     """The base group's collective timeout, so a dead peer fails the clones as fast as it fails the
     base group (``new_group`` would otherwise use torch's 30-minute default)."""
     import torch
+    import torch.distributed as dist
+
+    if dist.get_backend(base) == "fake":  # the sim's fake world: nothing to time out
+        return None
 
     for device in ("cpu", "cuda"):
         try:

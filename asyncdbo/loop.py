@@ -120,7 +120,12 @@ async def run_ubatches(
         watchdog_s=opts.watchdog_s,
         name=opts.name,
     )
-    backend.attach(dbo, opts.stream_policy)
+    try:
+        backend.attach(dbo, opts.stream_policy)
+    except BaseException:
+        for c in coros:
+            c.close()
+        raise
     try:
         return await dbo.drive()
     finally:

@@ -26,7 +26,6 @@ multi-rank tests are for.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -125,20 +124,12 @@ def fake_ep_group(ep: int) -> Iterator[Any]:
             f"predict() needs its own fake torch.distributed world, but this process already runs a "
             f"{dist.get_backend()!r} one; run the prediction in a separate process (e.g. `asyncdbo check`)"
         )
-    # The fake group has no timeout for asyncdbo's per-ubatch clones to copy; their warning
-    # about it says nothing about the prediction, so it is muted while the group is in use.
-    loggers = [logging.getLogger(n) for n in ("asyncdbo.comm", "asyncdbo.groups")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
     try:
         group = _groups.get(ep)
         if group is None:
             group = _groups[ep] = dist.new_group(list(range(ep)), backend="fake")
         yield group
     finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
         if created:
             _forget(list(_groups.values()))
             _groups.clear()
@@ -148,13 +139,10 @@ def fake_ep_group(ep: int) -> Iterator[Any]:
 def _forget(groups: list[Any]) -> None:
     """Drop asyncdbo's caches of ``groups`` (EP comm state, per-ubatch clones): they die with the
     fake world, and a later world reuses their ids and names."""
-    from .. import comm
-    from .. import groups as clones
+    from ..comm import forget_ep_comm
 
-    for key in [k for k, v in comm._CACHE.items() if v.group in groups]:
-        del comm._CACHE[key]
     for g in groups:
-        getattr(clones, "_CLONES", {}).pop(getattr(g, "group_name", None), None)
+        forget_ep_comm(g)
 
 
 # ------------------------------------------------------------------------ the modeled model
