@@ -238,14 +238,7 @@ async def predict(
             assert be.report is not None
             return be.report
 
-        # The serial baseline is one ubatch. Under the `ll` schedule a lone ubatch would register
-        # its receive hook on itself and wait for it forever (no other ubatch launches it), so the
-        # baseline runs `ht`, which issues the same ops and, alone, serializes them the same way.
-        for b in blocks:
-            b.moe.cfg = replace(b.moe.cfg, schedule="ht")
-        serial = await run(1)
-        for b in blocks:
-            b.moe.cfg = replace(b.moe.cfg, schedule=model.schedule)
+        serial = await run(1)  # the serial baseline: one ubatch, same schedule
         dbo = await run(ubatches)
     return Prediction(tokens, shape, serial, dbo)
 
