@@ -1,4 +1,4 @@
-"""Every ```python block in docs/*.md and every examples/*.py runs, so the docs cannot rot.
+"""Every ```python block in README.md and docs/*.md and every examples/*.py runs, so the docs cannot rot.
 
 The blocks of one page run in order in one namespace, like a reader pasting them into one
 interpreter session (later blocks use names earlier ones defined). A block may be skipped only
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = sorted((ROOT / "docs").glob("*.md"))
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 _FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
