@@ -202,12 +202,13 @@ class DBORun:
             # only while some ubatch is parked (a wake can only target a parked ubatch). Bound
             # methods are cached on the UBatch; the switch count is a local until the loop exits.
             watch = self._num_parked > 0 or bool(timers)
+            streams = self._install is not None  # a host has no device stream to install
             n = 0
             switch, pop, push = SWITCH, ready.popleft, ready.append
             try:
                 while ready:
                     ub = pop()
-                    if ub.stream is not self._installed:
+                    if streams and ub.stream is not self._installed:
                         self.install_stream(ub.stream)
                     if inst is not None:
                         inst.resuming(ub)
