@@ -24,7 +24,6 @@ All state of one call lives in a :class:`DispatchPlan` the caller keeps in a loc
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,23 +33,11 @@ import torch.distributed as dist
 from ._core import get_ubatch
 from .groups import forget_group, ubatch_groups
 from .primitives import dbo_submit
+from .streams.base import READY
 
 __all__ = ["DispatchPlan", "EPComm", "ep_comm", "forget_ep_comm", "plan_dispatch"]
 
 
-class _Ready:
-    """Awaitable for comm that already completed (serial calls, EP size 1)."""
-
-    __slots__ = ()
-
-    def done(self) -> bool:
-        return True
-
-    def __await__(self) -> Generator[Any, Any, None]:
-        return iter(())  # type: ignore[return-value]
-
-
-READY = _Ready()
 
 
 @dataclass(frozen=True, eq=False)

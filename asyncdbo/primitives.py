@@ -19,6 +19,7 @@ from collections.abc import Callable, Generator, Hashable
 from typing import Any, TypeVar
 
 from ._core import SWITCH, Signal, UBatch, current_ubatch, trap
+from .streams.base import DoneWork
 
 __all__ = [
     "RecvHookHandle",
@@ -265,24 +266,6 @@ def dbo_get_previous_event(func: Callable[..., T], *args: Any, **kwargs: Any) ->
         ub.set_stream(prev)
 
 
-class _Completed:
-    """Handle for comm that completed before :func:`dbo_submit` returned (outside a run)."""
-
-    __slots__ = ("what", "nbytes", "work")
-
-    def __init__(self, what: str, nbytes: int, work: Any) -> None:
-        self.what, self.nbytes, self.work = what, nbytes, work
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        return None
-
-    def __await__(self) -> Generator[Any, Any, None]:
-        return iter(())  # type: ignore[return-value]
-
-
 def dbo_submit(work: Any, *, nbytes: int = 0, what: str = "comm", **backend_options: Any) -> Any:
     """Hand an async ``torch.distributed`` work (``async_op=True``) to the run's stream backend.
 
@@ -296,7 +279,7 @@ def dbo_submit(work: Any, *, nbytes: int = 0, what: str = "comm", **backend_opti
     if ub is None:
         if work is not None:
             work.wait()
-        return _Completed(what, nbytes, work)
+        return DoneWork(what, nbytes, work)
     return ub.run.backend.submit(work, nbytes=nbytes, what=what, **backend_options)
 
 

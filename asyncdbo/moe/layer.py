@@ -90,6 +90,17 @@ def _noop() -> None:
     return None
 
 
+async def _to_comm(st: Any, tag: str, *, after: str) -> None:
+    """Yield and continue on the comm side: a role switch under role streams; under per-ubatch
+    streams an explicit record of stage ``after`` and a wait on it (the CANN pattern)."""
+    if st is None:
+        await dbo_yield_and_switch_from_compute_to_comm(tag)
+    else:
+        st.record(after)
+        await dbo_yield(tag)
+        await st.wait(after)
+
+
 class MoELayer(nn.Module):
     """A routed-experts layer (plus optional shared experts) under DP+EP, as ``async def``.
 
@@ -258,12 +269,7 @@ class MoELayer(nn.Module):
         st = self._stages()
         topk_w_TK, plan = self._prepare(x_TD)
         # dispatch: yield first, so the other ubatch's compute is queued before we block on counts
-        if st is None:
-            await dbo_yield_and_switch_from_compute_to_comm("dispatch")
-        else:
-            st.record("routed")
-            await dbo_yield("dispatch")
-            await st.wait("routed")
+        await _to_comm(st, "dispatch", after="routed")
         await plan.start_counts()  # host: parks until every peer's counts arrived
         recv_x_RD, dispatched = plan.start_tokens(x_TD)
         if st is None:
@@ -273,13 +279,7 @@ class MoELayer(nn.Module):
             await st.wait("dispatched")
         await dispatched
         y_RD = self._experts(plan, recv_x_RD)
-        # combine
-        if st is None:
-            await dbo_yield_and_switch_from_compute_to_comm("combine")
-        else:
-            st.record("experts")
-            await dbo_yield("combine")
-            await st.wait("experts")
+        await _to_comm(st, "combine", after="experts")
         back_ND, combined = plan.start_combine(y_RD)
         if st is None:
             dbo_switch_to_compute()  # no sync: the shared expert overlaps the combine in flight

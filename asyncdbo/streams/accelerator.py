@@ -15,30 +15,12 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-from .base import StreamBackend, StreamPolicy
+from .base import DoneWork, StreamBackend, StreamPolicy
 
 if TYPE_CHECKING:
     from .._core import DBORun, Signal
 
-__all__ = ["AcceleratorBackend", "DoneWork"]
-
-
-class DoneWork:
-    """Handle for device comm: ordering already lives on the streams, so awaiting it is free."""
-
-    __slots__ = ("what", "nbytes", "work")
-
-    def __init__(self, what: str, nbytes: int, work: Any) -> None:
-        self.what, self.nbytes, self.work = what, nbytes, work
-
-    def done(self) -> bool:
-        return True
-
-    def __await__(self) -> Any:
-        return iter(())
-
-    def wait(self) -> None:
-        return None
+__all__ = ["AcceleratorBackend"]
 
 
 def _resolve_device_type(device_type: str | None) -> str:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from .._core import DBORun, Signal
 
-__all__ = ["ROLES", "StreamBackend", "StreamPolicy", "get_backend"]
+__all__ = ["READY", "ROLES", "DoneWork", "StreamBackend", "StreamPolicy", "get_backend"]
 
 StreamPolicy = Literal["role", "ubatch"]
 """``role`` (vLLM): one compute and one comm stream shared by all ubatches; a role switch moves a
@@ -17,6 +17,32 @@ ubatch between them. ``ubatch`` (CANN prefill case): each ubatch owns one stream
 (ubatch 0 the current stream, the others side streams); cross-ubatch order is explicit events."""
 
 ROLES = ("compute", "comm")
+
+
+class DoneWork:
+    """A comm handle with nothing left to wait for: work that completed before it was handed over
+    (outside a run), or device comm whose order already lives on the streams. ``await`` is free."""
+
+    __slots__ = ("what", "nbytes", "work")
+
+    def __init__(self, what: str = "comm", nbytes: int = 0, work: Any = None) -> None:
+        self.what, self.nbytes, self.work = what, nbytes, work
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+    def __await__(self) -> Any:
+        return iter(())
+
+    def __repr__(self) -> str:
+        return f"<DoneWork {self.what}>"
+
+
+READY = DoneWork("ready")
+"""The shared done handle, for code paths that issued no work at all (EP size 1, serial calls)."""
 
 
 class StreamBackend(ABC):
