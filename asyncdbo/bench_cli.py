@@ -381,6 +381,36 @@ def hardware_tag(info: dict[str, str]) -> str:
     return f"cpu-{info['cores']}c"
 
 
+def results_preamble(title: str, command: str, machine_label: str = "Machine") -> tuple[list[str], dict[str, str]]:
+    """The opening lines every results file carries (title, machine with its load average at the
+    start, the exact command) and the machine info they came from."""
+    import os
+
+    info = machine_info()
+    info["load average at start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    lines = [
+        f"# {title}\n",
+        f"{machine_label}: " + ", ".join(f"{k} {v}" for k, v in info.items()) + "\n",
+        f"Command: `{command}`\n",
+    ]
+    return lines, info
+
+
+def results_stem(out: Any, theme: str, info: dict[str, str]) -> Any:
+    """``out/<theme>_<hardware>_<date>[_runN]`` (a ``pathlib.Path`` without suffix), the first one
+    with no ``.md`` yet: earlier runs of the day stay, since noisy machines need more than one."""
+    import datetime
+    from pathlib import Path
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = f"{theme}_{hardware_tag(info)}_{datetime.date.today().isoformat()}"
+    stem, n = out / base, 2
+    while stem.with_suffix(".md").exists():
+        stem, n = out / f"{base}_run{n}", n + 1
+    return stem
+
+
 # ------------------------------------------------------------------ the command
 _NEEDS_UVLOOP = ("asyncdbo", "asyncdbo_inst", "aio_fut_uv")
 

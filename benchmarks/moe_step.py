@@ -38,7 +38,6 @@ slowest rank ends):
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -350,13 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Large tensors through mmap, returned to the OS when freed: RSS then follows live memory.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    from asyncdbo.bench_cli import hardware_tag, machine_info
+    from asyncdbo.bench_cli import results_preamble, results_stem
     from asyncdbo.launch import RankPool
 
     cases = QUICK_CASES if args.quick else FULL_CASES
     steps, warmup = (2, 1) if args.quick else (args.steps, 2)
-    info = machine_info()
-    info["load average at start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     results = []
     t_start = time.perf_counter()
     with RankPool(2, timeout_s=600) as pool:
@@ -364,9 +361,11 @@ def main(argv: list[str] | None = None) -> int:
             per_rank = pool.run(bench_rank, case, steps, warmup)
             results.append((case, summarize(case, per_rank)))
             print(f"{case.name} done", file=sys.stderr)
-    lines = ["# MoE step: serial vs asyncdbo DBO vs vLLM-style thread DBO, 2 gloo ranks\n"]
-    lines.append("Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + "\n")
-    lines.append(f"Command: `python benchmarks/moe_step.py{' --quick' if args.quick else ''}` ({steps} measured steps after {warmup} warm-up, designs interleaved in every step)\n")
+    lines, info = results_preamble(
+        "MoE step: serial vs asyncdbo DBO vs vLLM-style thread DBO, 2 gloo ranks",
+        f"python benchmarks/moe_step.py{' --quick' if args.quick else ''}",
+    )
+    lines[-1] = lines[-1].rstrip("\n") + f" ({steps} measured steps after {warmup} warm-up, designs interleaved in every step)\n"
     lines.append(
         "Model: asyncdbo.models.MiniModel (hidden 256, 8 experts, top-2, 1 shared expert, HT schedule), "
         "EP over both ranks, 2 ubatches (token split). `ib400 x1000`: the ib400 link with latency x1000 and "
@@ -380,11 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     out = args.out if args.out is not None else (None if args.quick else RESULTS)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        stem = f"moe_step_{hardware_tag(info)}_{datetime.date.today().isoformat()}"
-        path, k = out / f"{stem}.md", 2
-        while path.exists():
-            path, k = out / f"{stem}_run{k}.md", k + 1
+        path = results_stem(out, "moe_step", info).with_suffix(".md")
         path.write_text(text)
         print(f"wrote {path}", file=sys.stderr)
     return 0

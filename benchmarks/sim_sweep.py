@@ -14,9 +14,7 @@ grows with tokens per GPU), not to claim agreement.
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -109,15 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results, not with --quick)")
     args = parser.parse_args(argv)
     logging.getLogger("asyncdbo").setLevel(logging.ERROR)  # the fake EP group's timeout note, once per point
-    from asyncdbo.bench_cli import hardware_tag, machine_info
+    from asyncdbo.bench_cli import results_preamble, results_stem
 
-    info = machine_info()
-    info["load average at start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    lines, info = results_preamble(
+        "Simulated DBO gain: H200 specs, tokens per rank x link, beside peers",
+        f"python benchmarks/sim_sweep.py{' --quick' if args.quick else ''}",
+        machine_label="Machine (runs the simulation; the times are the modeled H200's)",
+    )
     t0 = time.perf_counter()
     rows = sweep(args.quick)
-    lines = ["# Simulated DBO gain: H200 specs, tokens per rank x link, beside peers\n"]
-    lines.append("Machine (runs the simulation; the times are the modeled H200's): " + ", ".join(f"{k} {v}" for k, v in info.items()) + "\n")
-    lines.append(f"Command: `python benchmarks/sim_sweep.py{' --quick' if args.quick else ''}`\n")
     lines.append(
         "Model: `asyncdbo.sim.predict.ModelShape` defaults (DeepSeek-V3 routing: 64 experts, top-8, 1 shared, "
         "EP 32; hidden 2048, expert intermediate 1024, attention context 1024) with 1 layer (every layer is the "
@@ -135,16 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(f"\nTotal sweep time {time.perf_counter() - t0:.0f} s.")
     out = args.out if args.out is not None else (None if args.quick else RESULTS)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        stem = f"sim_sweep_{hardware_tag(info)}_{datetime.date.today().isoformat()}"
-        png = out / f"{stem}.png"
+        stem = results_stem(out, "sim_sweep", info)
+        png = stem.with_suffix(".png")
         plot(rows, png)
         lines.append(f"\n![predicted gain vs peers]({png.name})")
     text = "\n".join(lines) + "\n"
     print(text)
     if out is not None:
-        (out / f"{stem}.md").write_text(text)
-        print(f"wrote {out / (stem + '.md')} and {png}", file=sys.stderr)
+        stem.with_suffix(".md").write_text(text)
+        print(f"wrote {stem.with_suffix('.md')} and {png}", file=sys.stderr)
     return 0
 
 

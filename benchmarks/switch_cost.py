@@ -18,8 +18,6 @@ ratio from the same run. Slow designs make fewer switches so that every run last
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
 import sys
 import threading
@@ -31,10 +29,10 @@ from pathlib import Path
 from asyncdbo.bench_cli import (
     DESIGNS,
     check_round_robin,
-    hardware_tag,
-    machine_info,
     measure,
     median_table,
+    results_preamble,
+    results_stem,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -168,11 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: benchmarks/results, not with --quick)")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    info = machine_info()
-    info["load average at start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    log = ["# Switch cost: asyncdbo vs trampoline, vLLM thread baton, asyncio\n"]
-    log.append("Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + "\n")
-    log.append(f"Command: `python benchmarks/switch_cost.py{' --quick' if args.quick else ''}`\n")
+    log, info = results_preamble(
+        "Switch cost: asyncdbo vs trampoline, vLLM thread baton, asyncio",
+        f"python benchmarks/switch_cost.py{' --quick' if args.quick else ''}",
+    )
     log.append(
         "Designs: " + "; ".join(f"`{k}` = {d.label}" for k, d in DESIGNS.items()) + ". Depth = async def frames "
         "on the await chain from the ubatch function to the frame that awaits the yield point (threads keep their "
@@ -185,13 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     out = args.out if args.out is not None else (None if args.quick else RESULTS)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        stem = f"switch_cost_{hardware_tag(info)}_{datetime.date.today().isoformat()}"
-        path = out / f"{stem}.md"
-        n = 2
-        while path.exists():  # keep earlier runs of the day: noisy machines need more than one
-            path = out / f"{stem}_run{n}.md"
-            n += 1
+        path = results_stem(out, "switch_cost", info).with_suffix(".md")
         path.write_text(text)
         print(f"wrote {path}", file=sys.stderr)
     return 0
