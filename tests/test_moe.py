@@ -10,7 +10,6 @@ assert max-abs-diff <= 1e-5.
 from __future__ import annotations
 
 import re
-
 from collections.abc import Iterator
 from typing import Any
 
