@@ -215,9 +215,10 @@ def dbo_register_recv_hook(hook: Callable[[], object]) -> RecvHookHandle:
     """Store ``hook`` on the next live ubatch in the ring; it runs it at its next
     :func:`dbo_maybe_run_recv_hook` (after queuing its own compute), or when it parks or exits.
 
-    This is how a low-latency receive is launched by the *other* ubatch. When no other ubatch is
-    live (outside a run, a run of one, or the others finished) the hook runs at once: nobody else
-    could launch it. ``await`` the returned handle to wait until the hook has run."""
+    This is how a low-latency receive is launched by the *other* ubatch. Parked ubatches are
+    passed over (one may be waiting for this very ubatch, and could not launch the hook before it
+    wakes); when no other ubatch can take it (outside a run, a run of one, the others finished or
+    parked) the hook runs at once. ``await`` the returned handle to wait until the hook has run."""
     if not callable(hook):
         raise TypeError(f"dbo_register_recv_hook expects a callable, got {hook!r}")
     ub = current_ubatch.get(None)
@@ -227,7 +228,7 @@ def dbo_register_recv_hook(hook: Callable[[], object]) -> RecvHookHandle:
         return handle
     ring = ub.run.ubatches
     n = len(ring)
-    target = next((c for c in (ring[(ub.id + k) % n] for k in range(1, n)) if c.state != "done"), None)
+    target = next((c for c in (ring[(ub.id + k) % n] for k in range(1, n)) if c.state == "ready"), None)
     if target is None:
         handle = RecvHookHandle(hook, ub.id, ub.id)
         handle._run()
