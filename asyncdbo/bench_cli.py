@@ -411,6 +411,15 @@ def results_stem(out: Any, theme: str, info: dict[str, str]) -> Any:
     return stem
 
 
+def publish_results(text: str, out: Any, theme: str, info: dict[str, str]) -> None:
+    """Print a results report, and write it to the next free results file when ``out`` is set."""
+    print(text)
+    if out is not None:
+        path = results_stem(out, theme, info).with_suffix(".md")
+        path.write_text(text)
+        print(f"wrote {path}", file=sys.stderr)
+
+
 # ------------------------------------------------------------------ the command
 _NEEDS_UVLOOP = ("asyncdbo", "asyncdbo_inst", "aio_fut_uv")
 

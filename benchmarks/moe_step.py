@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Large tensors through mmap, returned to the OS when freed: RSS then follows live memory.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    from asyncdbo.bench_cli import results_preamble, results_stem
+    from asyncdbo.bench_cli import publish_results, results_preamble
     from asyncdbo.launch import RankPool
 
     cases = QUICK_CASES if args.quick else FULL_CASES
@@ -376,12 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "Goals (issue 7):", ""] + goals(results)
     lines.append(f"\nTotal benchmark time {time.perf_counter() - t_start:.0f} s.")
     text = "\n".join(lines) + "\n"
-    print(text)
-    out = args.out if args.out is not None else (None if args.quick else RESULTS)
-    if out is not None:
-        path = results_stem(out, "moe_step", info).with_suffix(".md")
-        path.write_text(text)
-        print(f"wrote {path}", file=sys.stderr)
+    publish_results(text, args.out if args.out is not None else (None if args.quick else RESULTS), "moe_step", info)
     return 0
 
 

@@ -31,8 +31,8 @@ from asyncdbo.bench_cli import (
     check_round_robin,
     measure,
     median_table,
+    publish_results,
     results_preamble,
-    results_stem,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -179,12 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     run(cfg, log)
     log.append(f"Total benchmark time {time.perf_counter() - t0:.0f} s.")
     text = "\n".join(log) + "\n"
-    print(text)
-    out = args.out if args.out is not None else (None if args.quick else RESULTS)
-    if out is not None:
-        path = results_stem(out, "switch_cost", info).with_suffix(".md")
-        path.write_text(text)
-        print(f"wrote {path}", file=sys.stderr)
+    publish_results(text, args.out if args.out is not None else (None if args.quick else RESULTS), "switch_cost", info)
     return 0
 
 

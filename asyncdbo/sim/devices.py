@@ -20,7 +20,9 @@ tile, which is why two half-size GEMMs are slower than one full one at small bat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
+
+from ..streams.links import preset
 
 __all__ = ["DEVICES", "DeviceSpec", "device_spec"]
 
@@ -64,17 +66,4 @@ DEVICES: dict[str, DeviceSpec] = {
 
 def device_spec(name_or_spec: str | DeviceSpec, **overrides: object) -> DeviceSpec:
     """A preset by name (``h200``, ``h100``, ``ascend910b``), with fields overridden."""
-    if isinstance(name_or_spec, DeviceSpec):
-        base = name_or_spec
-    else:
-        try:
-            base = DEVICES[name_or_spec]
-        except KeyError:
-            raise ValueError(
-                f"unknown device {name_or_spec!r}; choose one of {sorted(DEVICES)} or pass a DeviceSpec"
-            ) from None
-    known = {f.name for f in fields(DeviceSpec)}
-    unknown = set(overrides) - known
-    if unknown:
-        raise ValueError(f"unknown DeviceSpec field(s) {sorted(unknown)}; fields are {sorted(known)}")
-    return replace(base, **overrides) if overrides else base  # type: ignore[arg-type]
+    return preset(DEVICES, name_or_spec, "device", **overrides)

@@ -14,9 +14,12 @@ per GPU/NIC, from public vendor specs:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any, TypeVar
 
-__all__ = ["LINKS", "LinkSpec", "link_spec"]
+__all__ = ["LINKS", "LinkSpec", "link_spec", "preset"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,20 +49,26 @@ LINKS: dict[str, LinkSpec] = {
 }
 
 
-def link_spec(name_or_spec: str | LinkSpec, **overrides: float) -> LinkSpec:
-    """A preset by name (``nvlink``, ``ib400``, ``eth100``, ``hccs``), with fields overridden."""
-    if isinstance(name_or_spec, LinkSpec):
-        base = name_or_spec
-    else:
+def preset(table: dict[str, T], name_or_spec: str | T, kind: str, **overrides: Any) -> T:
+    """``table[name]`` (or a spec given as is) with fields overridden; a ValueError names an
+    unknown preset or field and lists the valid ones. Shared by links and simulated devices."""
+    if isinstance(name_or_spec, str):
         try:
-            base = LINKS[name_or_spec]
+            base = table[name_or_spec]
         except KeyError:
-            raise ValueError(f"unknown link {name_or_spec!r}; choose one of {sorted(LINKS)} or pass a LinkSpec") from None
+            spec_cls = type(next(iter(table.values()))).__name__
+            raise ValueError(f"unknown {kind} {name_or_spec!r}; choose one of {sorted(table)} or pass a {spec_cls}") from None
+    else:
+        base = name_or_spec
     if not overrides:
         return base
-    fields = {"name": base.name, "latency_s": base.latency_s, "bandwidth_Bps": base.bandwidth_Bps}
-    unknown = set(overrides) - set(fields)
+    known = {f.name for f in fields(base)}  # type: ignore[arg-type]
+    unknown = set(overrides) - known
     if unknown:
-        raise ValueError(f"unknown LinkSpec field(s) {sorted(unknown)}; fields are {sorted(fields)}")
-    fields.update(overrides)
-    return LinkSpec(**fields)  # type: ignore[arg-type]
+        raise ValueError(f"unknown {type(base).__name__} field(s) {sorted(unknown)}; fields are {sorted(known)}")
+    return replace(base, **overrides)  # type: ignore[type-var]
+
+
+def link_spec(name_or_spec: str | LinkSpec, **overrides: float) -> LinkSpec:
+    """A preset by name (``nvlink``, ``ib400``, ``eth100``, ``hccs``), with fields overridden."""
+    return preset(LINKS, name_or_spec, "link", **overrides)
