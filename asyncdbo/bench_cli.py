@@ -15,7 +15,9 @@ Designs:
   ``ctx.run(coro.send, None)``: what per-ubatch context isolation costs.
 * ``asyncdbo``: ``await run_ubatches(...)`` with ``await dbo_yield()`` on the host backend.
   ``asyncdbo_inst`` adds an :class:`~asyncdbo.Instrument` whose hooks do nothing (the cost of
-  enabled tracing hooks); ``asyncdbo_aio`` runs on asyncio's default loop instead of uvloop.
+  enabled tracing hooks); ``asyncdbo_aio`` runs on asyncio's default loop instead of uvloop;
+  ``asyncdbo_nohooks`` is the scheduler's switch loop with its two instrument branches deleted
+  and nothing else changed: ``asyncdbo / asyncdbo_nohooks`` is what *disabled* tracing costs.
 * ``threads``: vLLM's thread baton. One OS thread per participant and one ``threading.Event``
   per participant; a yield sets the next participant's event, waits on its own and clears it.
 * ``aio_fut`` / ``aio_fut_uv``: each participant an ``asyncio.Task``; a yield resolves the next
@@ -42,7 +44,7 @@ from collections.abc import Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._core import Instrument, get_ubatch
+from ._core import SWITCH, DBORun, Instrument, get_ubatch
 from .loop import run_ubatches
 from .primitives import dbo_yield
 
@@ -163,6 +165,60 @@ def _bench_asyncdbo(N: int, K: int, work: Work, depth: int, *, uv: bool, instrum
     return dt
 
 
+class _NoHooksRun(DBORun):
+    """DBORun whose switch loop is the scheduler's fast path minus the two ``inst is not None``
+    branches (this benchmark never parks, so only that path runs). It exists to measure what the
+    branches cost when no instrument is set; keep it in step with ``DBORun._loop_until_done``."""
+
+    async def _loop_until_done(self) -> None:
+        ready, woken, timers = self._ready, self._woken, self._timers
+        watch = self._num_parked > 0 or bool(timers)
+        streams = self._install is not None
+        switch, pop, push = SWITCH, ready.popleft, ready.append
+        n = 0
+        try:
+            while ready:
+                ub = pop()
+                if streams and ub.stream is not self._installed:
+                    self.install_stream(ub.stream)
+                try:
+                    request = ub.resume()
+                except BaseException as exc:
+                    self._stopped(ub, exc)
+                    continue
+                if request is switch:
+                    n += 1
+                    if watch and (woken or timers):
+                        self._drain()
+                    push(ub)
+                else:
+                    raise AssertionError(f"the switch benchmark never parks (got {request!r})")
+        finally:
+            self.num_switches += n
+
+
+def bench_asyncdbo_nohooks(N: int, K: int, work: Work, depth: int) -> float:
+    from .streams.host import HostBackend
+
+    async def leaf(i: int) -> None:
+        for _ in range(K):
+            if work is not None:
+                work(i)
+            await dbo_yield("bench")
+
+    fn = chain(depth, leaf)
+
+    async def main() -> float:
+        run = _NoHooksRun([fn(i) for i in range(N)])
+        HostBackend().attach(run, "role")
+        t0 = now()
+        await run.drive()
+        return now() - t0
+
+    with asyncio.Runner(loop_factory=_loop_factory(True)) as runner:
+        return runner.run(main())
+
+
 def bench_asyncdbo(N: int, K: int, work: Work, depth: int) -> float:
     return _bench_asyncdbo(N, K, work, depth, uv=True, instrument=None)
 
@@ -276,6 +332,10 @@ DESIGNS: dict[str, Design] = {
         Design(name="asyncdbo", fn=bench_asyncdbo, cost="fast", label="asyncdbo `dbo_yield` (uvloop)"),
         Design(name="asyncdbo_aio", fn=bench_asyncdbo_aio, cost="fast", label="asyncdbo `dbo_yield` (default loop)"),
         Design(name="asyncdbo_inst", fn=bench_asyncdbo_inst, cost="fast", label="asyncdbo + empty Instrument"),
+        Design(
+            name="asyncdbo_nohooks", fn=bench_asyncdbo_nohooks, cost="fast",
+            label="asyncdbo loop without instrument branches (reference)",
+        ),
         Design(name="threads", fn=bench_threads, cost="threads", label="vLLM thread baton (`threading.Event`)"),
         Design(name="aio_fut", fn=bench_aio_fut, cost="aio", label="asyncio Future handoff (default loop)"),
         Design(name="aio_fut_uv", fn=bench_aio_fut_uv, cost="aio", label="asyncio Future handoff (uvloop)"),
