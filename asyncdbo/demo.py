@@ -365,9 +365,13 @@ def _main_env(args: argparse.Namespace) -> int:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, mine)
         if rank == 0:
-            return _report(cfg, gathered)
-        s = summarize(cfg, gathered)
-        return 0 if s["max_abs_diff"] <= MATCH_ATOL else 1
+            rc = _report(cfg, gathered)
+        else:
+            rc = 0 if summarize(cfg, gathered)["max_abs_diff"] <= MATCH_ATOL else 1
+        # Leave together: a rank that tears its gloo groups down while a peer still uses them can
+        # make the peer's gloo thread abort the process (seen once in a torchrun run).
+        dist.barrier()
+        return rc
     finally:
         dist.destroy_process_group()
 
