@@ -5,7 +5,10 @@ line with exit status 2."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,3 +87,22 @@ def test_a_failed_rank_is_reported_by_its_exception_line() -> None:
         "asyncdbo._core.errors.DeadlockError: asyncdbo deadlock in run 'step6': every live ubatch waits. Ubatch stacks:"
     )
     assert error_line("process died (exit code 3) during demo_rank") == "process died (exit code 3) during demo_rank"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_same_demo_runs_under_torchrun_with_env_rendezvous() -> None:
+    """The README's multi-node path: torchrun starts the ranks, env:// joins them (gloo here)."""
+    from asyncdbo.launch import free_port
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "-m", "asyncdbo", "demo", "--launcher", "env", *SMALL, "--tokens", "128", "--link", "ib400",
+    ]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("asyncdbo demo: 2 ranks x 128 tokens (prefill)")
+    assert done.stdout.count("step time (median)") == 1  # rank 0 prints, rank 1 does not
+    assert re.search(r"^outputs serial vs DBO: max \|logits diff\| = \S+ \((bitwise equal|match)", done.stdout, re.MULTILINE)
