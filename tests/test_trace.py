@@ -91,7 +91,7 @@ async def test_a_park_is_a_wait_span_and_counts_as_time_parked() -> None:
     ]
     assert spans[2].args["to"] == "parked on Future"
     wait = spans[3]
-    assert wait.t1 - wait.t0 >= 0.02
+    assert wait.t1 - wait.t0 >= 0.015  # a 20 ms timer; uvloop's timers have 1 ms resolution and may fire early
     n = tracer.numbers()
     assert (n.switches, n.parks, n.yields_per_ubatch) == (4, 1, (2, 2))
     assert n.parked_s == pytest.approx(wait.t1 - wait.t0)
