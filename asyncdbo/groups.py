@@ -68,7 +68,9 @@ def ubatch_groups(num_ubatches: int, group: Any = None) -> tuple[Any, ...]:
 def forget_group(group: Any) -> None:
     """Drop the cached clones of ``group`` (call it before destroying the group: a later group
     may reuse its name)."""
-    _CLONES.pop(getattr(group, "group_name", None), None)
+    name = getattr(group, "group_name", None)
+    if name is not None:
+        _CLONES.pop(name, None)
 
 
 def _timeout(base: Any) -> timedelta | None:

@@ -66,19 +66,19 @@ class UBatch:
         self.ctx_run = self.ctx.run
         # coro.send(None) inside this ubatch's context, prebuilt: the scheduler's fast path calls
         # it once per switch, with no attribute lookups or argument packing of its own.
-        self.resume = functools.partial(self.ctx.run, coro.send, None)
+        self.resume: Callable[[], object] = functools.partial(self.ctx.run, coro.send, None)
         self.ctx.run(current_ubatch.set, self)
         self.state = READY
         self.tag: str | None = None
         self.num_yields = 0
-        self.parked_on: object = None
-        self.stream: object = None
+        self.parked_on: Any = None
+        self.stream: Any = None  # backend-defined stream object
         self.role = "compute"
-        self.streams: dict[str, object] = {}
-        self.events: dict[str, object] = {}
+        self.streams: dict[str, Any] = {}
+        self.events: dict[str, Any] = {}
         self.recv_hook: Callable[[], object] | None = None
         self.result: object = None
-        self.data: dict[str, object] = {}  # backend/tool per-ubatch scratch (never shared)
+        self.data: dict[Any, Any] = {}  # backend/tool per-ubatch scratch (never shared)
 
     @property
     def num_ubatches(self) -> int:

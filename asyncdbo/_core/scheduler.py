@@ -125,8 +125,8 @@ class DBORun:
         self.num_switches = 0
         self._num_parked = 0
         self.time_asleep_s = 0.0
-        self.backend: object = None  # set by the stream layer
-        self.data: dict[str, object] = {}  # run-scoped scratch for backends and tools
+        self.backend: Any = None  # the StreamBackend, set by its attach()
+        self.data: dict[Any, Any] = {}  # run-scoped scratch for backends and tools
         self._install = install_stream
         self._installed: object = None
         self._ready: deque[UBatch] = deque(self.ubatches)
@@ -400,8 +400,8 @@ class DBORun:
             ub.state = DONE
             ub.parked_on = None
             self._live -= 1
-            if getattr(parked, "_asyncio_future_blocking", None) is not None and not parked.done():  # type: ignore[union-attr]
-                parked.cancel()  # type: ignore[union-attr]
+            if getattr(parked, "_asyncio_future_blocking", None) is not None and not parked.done():
+                parked.cancel()
             if inspect.getcoroutinestate(ub.coro) != inspect.CORO_SUSPENDED:
                 ub.coro.close()  # never started: closing it also avoids a "never awaited" warning
                 continue
