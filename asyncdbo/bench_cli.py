@@ -13,7 +13,8 @@ Designs:
   the same shape as :func:`asyncdbo.dbo_yield`.
 * ``tramp_ctx``: ``tramp`` plus a ``contextvars.Context`` per coroutine, resumed with
   ``ctx.run(coro.send, None)``: what per-ubatch context isolation costs.
-* ``asyncdbo``: ``await run_ubatches(...)`` with ``await dbo_yield()`` on the host backend.
+* ``asyncdbo``: a DBO run built as ``run_ubatches`` builds it, with ``await dbo_yield()`` on the
+  host backend.
   ``asyncdbo_inst`` adds an :class:`~asyncdbo.Instrument` whose hooks do nothing (the cost of
   enabled tracing hooks); ``asyncdbo_aio`` runs on asyncio's default loop instead of uvloop;
   ``asyncdbo_nohooks`` is the scheduler's switch loop with its two instrument branches deleted
@@ -44,8 +45,7 @@ from collections.abc import Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._core import SWITCH, DBORun, Instrument, get_ubatch
-from .loop import run_ubatches
+from ._core import SWITCH, DBORun, Instrument
 from .primitives import dbo_yield
 
 __all__ = [
@@ -141,22 +141,29 @@ def _loop_factory(uv: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop  # type: ignore[no-any-return]
 
 
-def _bench_asyncdbo(N: int, K: int, work: Work, depth: int, *, uv: bool, instrument: Instrument | None) -> float:
-    runs: list[Any] = []
+def _bench_asyncdbo(
+    N: int, K: int, work: Work, depth: int, *, uv: bool, instrument: Instrument | None, run_cls: type[DBORun] = DBORun
+) -> float:
+    """The scheduler's own run, built as ``run_ubatches`` builds it (host backend), so that a
+    variant ``run_cls`` can stand in for it; ``run_ubatches``' per-run argument checks are left
+    out, which is nothing next to the switches measured."""
+    from .streams.host import HostBackend
 
     async def leaf(i: int) -> None:
-        if i == 0:
-            runs.append(get_ubatch().run)  # type: ignore[union-attr]
         for _ in range(K):
             if work is not None:
                 work(i)
             await dbo_yield("bench")
 
     fn = chain(depth, leaf)
+    runs: list[DBORun] = []
 
     async def main() -> float:
+        run = run_cls([fn(i) for i in range(N)], instrument=instrument)
+        HostBackend().attach(run, "role")
+        runs.append(run)
         t0 = now()
-        await run_ubatches(fn, [(i,) for i in range(N)], backend="host", instrument=instrument)
+        await run.drive()
         return now() - t0
 
     with asyncio.Runner(loop_factory=_loop_factory(uv)) as runner:
@@ -198,25 +205,7 @@ class _NoHooksRun(DBORun):
 
 
 def bench_asyncdbo_nohooks(N: int, K: int, work: Work, depth: int) -> float:
-    from .streams.host import HostBackend
-
-    async def leaf(i: int) -> None:
-        for _ in range(K):
-            if work is not None:
-                work(i)
-            await dbo_yield("bench")
-
-    fn = chain(depth, leaf)
-
-    async def main() -> float:
-        run = _NoHooksRun([fn(i) for i in range(N)])
-        HostBackend().attach(run, "role")
-        t0 = now()
-        await run.drive()
-        return now() - t0
-
-    with asyncio.Runner(loop_factory=_loop_factory(True)) as runner:
-        return runner.run(main())
+    return _bench_asyncdbo(N, K, work, depth, uv=True, instrument=None, run_cls=_NoHooksRun)
 
 
 def bench_asyncdbo(N: int, K: int, work: Work, depth: int) -> float:
