@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core import Instrument, get_ubatch
+from ..trace import hidden_seconds, union_seconds
 from ..sim.clock import Engine, Span, Timeline, VEvent, VStream
 from ..sim.cost import CostModel
 from ..sim.devices import DeviceSpec, device_spec
@@ -71,56 +72,28 @@ class SimReport:
     lost_overlaps: list[LostOverlap] = field(default_factory=list)
     dead_waits: list[DeadWait] = field(default_factory=list)
 
-    @property
-    def exposed_comm_s(self) -> float:
-        """Time some comm was in flight while the compute engine was idle."""
-        comm = _union([(s.start, s.end) for s in self.spans if s.kind == "comm"])
-        compute = _union([(s.start, s.end) for s in self.spans if s.kind == "compute"])
-        return _measure(comm) - _overlap(comm, compute)
+    def _intervals(self, kind: str) -> list[tuple[float, float]]:
+        return [(s.start, s.end) for s in self.spans if s.kind == kind]
 
     @property
     def comm_s(self) -> float:
         """Time some comm was in flight (the union of comm spans)."""
-        return _measure(_union([(s.start, s.end) for s in self.spans if s.kind == "comm"]))
+        return union_seconds(self._intervals("comm"))
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """Time some comm was in flight while the compute engine was idle."""
+        return self.comm_s - hidden_seconds(self._intervals("comm"), self._intervals("compute"))
 
     @property
     def hidden_comm_share(self) -> float:
         """Share of the time comm was in flight that compute covered (0 with no comm)."""
-        total = _measure(_union([(s.start, s.end) for s in self.spans if s.kind == "comm"]))
+        total = self.comm_s
         return 0.0 if total <= 0 else 1.0 - self.exposed_comm_s / total
 
     @property
     def problems(self) -> list[object]:
         return [*self.races, *self.dead_waits]
-
-
-def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(iv):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _measure(iv: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in iv)
-
-
-def _overlap(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
-    """Measure of the intersection of two sorted disjoint interval lists."""
-    i = j = 0
-    total = 0.0
-    while i < len(x) and j < len(y):
-        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
-        if hi > lo:
-            total += hi - lo
-        if x[i][1] < y[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
 
 
 class SimHandle:
