@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._core import SWITCH, DBORun, Instrument
+from .loop import _loop_factory as loop_factory
 from .primitives import dbo_yield
 
 __all__ = [
@@ -134,11 +135,7 @@ class _NullInstrument(Instrument):
 
 
 def _loop_factory(uv: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    if not uv:
-        return None
-    import uvloop
-
-    return uvloop.new_event_loop  # type: ignore[no-any-return]
+    return loop_factory("uvloop" if uv else "asyncio")
 
 
 def _bench_asyncdbo(
