@@ -19,7 +19,7 @@ from collections.abc import Callable, Generator, Hashable
 from typing import Any, TypeVar
 
 from ._core import SWITCH, Signal, UBatch, current_ubatch, trap
-from .streams.base import DoneWork
+from .streams.base import READY, DoneWork
 
 __all__ = [
     "RecvHookHandle",
@@ -42,21 +42,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-class _Done:
-    """An awaitable that completes at once (what primitives return outside a run)."""
-
-    __slots__ = ()
-
-    def __await__(self) -> Generator[Any, Any, None]:
-        return iter(())  # type: ignore[return-value]
-
-    def __repr__(self) -> str:
-        return "<done>"
-
-
-_DONE = _Done()
 
 
 def dbo_enabled() -> bool:
@@ -130,7 +115,7 @@ def dbo_yield_and_switch_from_compute_to_comm(tag: str = "compute->comm") -> Any
     """Record compute-done, yield, then continue on the comm stream after compute-done."""
     ub = current_ubatch.get(None)
     if ub is None:
-        return _DONE
+        return READY
     _check_role(ub, "compute", "dbo_yield_and_switch_from_compute_to_comm")
     return _yield_and_switch(ub, tag, "compute", "comm")
 
@@ -141,7 +126,7 @@ def dbo_yield_and_switch_from_comm_to_compute(tag: str = "comm->compute") -> Any
     On the host backend this parks the ubatch until its comm work has completed."""
     ub = current_ubatch.get(None)
     if ub is None:
-        return _DONE
+        return READY
     _check_role(ub, "comm", "dbo_yield_and_switch_from_comm_to_compute")
     return _yield_and_switch(ub, tag, "comm", "compute")
 
@@ -149,7 +134,7 @@ def dbo_yield_and_switch_from_comm_to_compute(tag: str = "comm->compute") -> Any
 def _switch(role: str, sync: bool) -> Any:
     ub = current_ubatch.get(None)
     if ub is None:
-        return _DONE
+        return READY
     src = ub.role
     signal = None
     if sync:
@@ -162,7 +147,7 @@ def _switch(role: str, sync: bool) -> Any:
     else:
         ub.role = role
         ub.set_stream(ub.streams[role])
-    return _DONE if signal is None or signal.done() else _park_if(signal)
+    return READY if signal is None or signal.done() else _park_if(signal)
 
 
 def dbo_switch_to_comm() -> Any:
@@ -339,5 +324,5 @@ def dbo_wait_event(key: Hashable) -> Any:
     deadlock report instead of hanging."""
     ub = current_ubatch.get(None)
     if ub is None:
-        return _DONE
+        return READY
     return _wait_event(ub, key)

@@ -42,7 +42,8 @@ class DoneWork:
 
 
 READY = DoneWork("ready")
-"""The shared done handle, for code paths that issued no work at all (EP size 1, serial calls)."""
+"""The shared done awaitable: what comm paths that issued no work (EP size 1, serial calls) and
+the yield primitives outside a run return."""
 
 
 class StreamBackend(ABC):
