@@ -92,14 +92,6 @@ def _check_role(ub: UBatch, expected: str, name: str) -> None:
 
 
 @types.coroutine
-def _park_if(signal: Signal | None) -> Generator[Any, Any, None]:
-    if signal is not None and not signal.done():
-        yield from trap(signal)
-    if signal is not None and signal.exception() is not None:
-        raise signal.exception()  # type: ignore[misc]
-
-
-@types.coroutine
 def _yield_and_switch(ub: UBatch, tag: str, src: str, dst: str) -> Generator[Any, Any, None]:
     backend = ub.run.backend
     event = ub.events[src]
@@ -108,7 +100,9 @@ def _yield_and_switch(ub: UBatch, tag: str, src: str, dst: str) -> Generator[Any
     yield from trap(SWITCH)
     ub.role = dst
     ub.set_stream(ub.streams[dst])
-    yield from _park_if(backend.wait(ub.stream, event))  # after the resume
+    signal = backend.wait(ub.stream, event)  # after the resume
+    if signal is not None:
+        yield from signal.__await__()
 
 
 def dbo_yield_and_switch_from_compute_to_comm(tag: str = "compute->comm") -> Any:
@@ -147,7 +141,7 @@ def _switch(role: str, sync: bool) -> Any:
     else:
         ub.role = role
         ub.set_stream(ub.streams[role])
-    return READY if signal is None or signal.done() else _park_if(signal)
+    return READY if signal is None else signal  # a failed comm raises when awaited
 
 
 def dbo_switch_to_comm() -> Any:
@@ -313,7 +307,9 @@ def _wait_event(ub: UBatch, key: Hashable) -> Generator[Any, Any, None]:
     if not signal.done():
         yield from trap(signal)  # parked until someone records it; never recorded -> deadlock error
     device_event, _ = reg[key]
-    yield from _park_if(ub.run.backend.wait(ub.stream, device_event))
+    signal = ub.run.backend.wait(ub.stream, device_event)
+    if signal is not None:
+        yield from signal.__await__()
 
 
 def dbo_wait_event(key: Hashable) -> Any:
