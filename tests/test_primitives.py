@@ -23,7 +23,7 @@ from asyncdbo import (
     dbo_yield_and_switch_from_compute_to_comm,
     run_ubatches,
 )
-from asyncdbo._core import get_ubatch
+from asyncdbo._core import Signal, get_ubatch
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
@@ -314,3 +314,21 @@ async def test_outside_a_run_every_primitive_is_a_no_op() -> None:
     handle = dbo_register_recv_hook(lambda: ran.append("hook"))
     await handle
     assert ran == ["hook"]  # no other ubatch exists to launch it, so it ran at once
+
+
+class _FailedCommBackend(RecordingBackend):
+    """A backend whose comm already failed when the switch waits on it (a peer rank died)."""
+
+    def wait(self, stream: object, event: object) -> Signal:
+        failed = Signal("dispatch")
+        failed.set(RuntimeError("comm work 'dispatch' failed: peer rank 1 is gone"))
+        return failed
+
+
+async def test_a_comm_failure_seen_by_a_sync_switch_is_raised_in_the_ubatch() -> None:
+    async def fwd(i: int) -> None:
+        dbo_switch_to_comm()
+        await dbo_switch_to_compute_sync()  # the wait is already failed: it must raise, not pass
+
+    with pytest.raises(RuntimeError, match=r"comm work 'dispatch' failed: peer rank 1 is gone"):
+        await run_ubatches(fwd, [(0,), (1,)], backend=_FailedCommBackend([]))
