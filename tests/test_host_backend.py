@@ -22,7 +22,7 @@ from asyncdbo._core import get_ubatch
 from asyncdbo.groups import ubatch_group, ubatch_groups
 from asyncdbo.launch import RankPool
 from asyncdbo.streams import LinkSpec
-from asyncdbo.streams.host import HostBackend
+from asyncdbo.streams.host import HostBackend, HostEvent, HostStream, HostWork
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -166,3 +166,21 @@ def _dbo_submit_outside_a_run_rank(rank: int, world_size: int) -> tuple[bool, li
 def test_submit_outside_a_run_waits_at_once(pool: RankPool) -> None:
     assert pool.run(_outside_a_run_rank) == [[0.5, 1.5], [1.5, 2.5]]
     assert pool.run(_dbo_submit_outside_a_run_rank) == [(True, [0.25, 1.25]), (True, [2.25, 3.25])]
+
+
+def test_a_failed_work_is_reported_by_the_wait_that_covers_it() -> None:
+    """A comm error must reach the ubatch that waits for the comm, also when the work failed
+    before the wait (a peer died early) and when it is one of several covered works."""
+    backend = HostBackend()
+    comm = HostStream("comm", inline=False)
+    ok, bad, late = (HostWork(w, 0, None, arrivals=1) for w in ("ok", "bad", "late"))
+    comm.pending = [ok, bad, late]
+    ok.signal.set()
+    bad.signal.set(RuntimeError("comm work 'bad' failed: peer gone"))
+    event = HostEvent()
+    backend.record(event, comm)
+    assert event.works == (bad, late)  # the succeeded one is pruned, the failed one kept
+    joined = backend.wait(comm, event)
+    assert joined is not None and joined.done()
+    assert str(joined.exception()) == "comm work 'bad' failed: peer gone"
+    assert backend.wait(comm, HostEvent(works=(bad,))) is bad.signal

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +71,10 @@ class HostWork:
     def done(self) -> bool:
         return self.signal.done()
 
+    def succeeded(self) -> bool:
+        """Done without an error: nothing left to wait for or to report."""
+        return self.signal.done() and self.signal.exception() is None
+
     def _on_complete(self, fut: Any) -> None:  # gloo's thread, or inline if already complete
         self.t_done = time.perf_counter()
         exc = None
@@ -94,6 +99,11 @@ class HostWork:
 
     def __repr__(self) -> str:
         return f"<HostWork {self.what} {self.nbytes}B {'done' if self.done() else 'pending'}>"
+
+
+def _forward(src: Signal, dst: Signal) -> Callable[[], None]:
+    """Waiter for ``src`` that counts one arrival on ``dst``, carrying ``src``'s error if any."""
+    return lambda: dst.set(src.exception())
 
 
 class HostBackend(StreamBackend):
@@ -126,19 +136,19 @@ class HostBackend(StreamBackend):
         return HostEvent()
 
     def record(self, event: HostEvent, stream: HostStream) -> None:
-        stream.pending = [w for w in stream.pending if not w.done()]
+        stream.pending = [w for w in stream.pending if not w.succeeded()]  # a failure stays to be reported
         event.works = tuple(stream.pending)
         event.recorded = True
 
     def wait(self, stream: HostStream, event: HostEvent) -> Signal | None:
-        pending = [w for w in event.works if not w.done()]
+        pending = [w for w in event.works if not w.succeeded()]
         if not pending:
             return None
         if len(pending) == 1:
-            return pending[0].signal
+            return pending[0].signal  # awaiting it raises if the work failed
         joined = Signal(f"{len(pending)} comm works", external=True, arrivals=len(pending))
-        for w in pending:
-            w.signal.add_waiter(joined.set)
+        for w in pending:  # the first failure completes the join with that error
+            w.signal.add_waiter(_forward(w.signal, joined))
         return joined
 
     def submit(self, work: Any, *, nbytes: int = 0, what: str = "comm") -> HostWork:
