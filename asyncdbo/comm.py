@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ._core import get_ubatch
-from .groups import forget_group, ubatch_groups
+from .groups import forget_group, on_destroy, ubatch_groups
 from .primitives import dbo_submit
 from .streams.base import READY
 
@@ -62,6 +62,7 @@ class EPComm:
 
 
 _CACHE: dict[tuple[int, int], EPComm] = {}
+on_destroy(_CACHE.clear)
 
 
 def ep_comm(group: Any = None, *, max_ubatches: int = 4) -> EPComm:

@@ -352,6 +352,8 @@ def _main_env(args: argparse.Namespace) -> int:
     """One rank of a torchrun job: join through env://, run, gather to rank 0, print there."""
     import torch.distributed as dist
 
+    from .groups import destroy_process_groups
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = _config_from_args(args, ranks=world)
     use_cuda = torch.cuda.is_available()
@@ -368,12 +370,13 @@ def _main_env(args: argparse.Namespace) -> int:
             rc = _report(cfg, gathered)
         else:
             rc = 0 if summarize(cfg, gathered)["max_abs_diff"] <= MATCH_ATOL else 1
-        # Leave together: a rank that tears its gloo groups down while a peer still uses them can
-        # make the peer's gloo thread abort the process (seen once in a torchrun run).
-        dist.barrier()
-        return rc
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        destroy_process_groups(barrier=False)  # peers may be gone: a barrier could only time out
+        raise
+    # Leave together, and join every group's gloo threads now: left to interpreter exit, they can
+    # abort the process (see destroy_process_groups).
+    destroy_process_groups()
+    return rc
 
 
 def main(args: argparse.Namespace) -> int:

@@ -14,18 +14,23 @@ any DBO run (:func:`ubatch_groups`), and looked up inside a run (:func:`ubatch_g
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from ._core import get_ubatch
 
-__all__ = ["forget_group", "ubatch_group", "ubatch_groups"]
+__all__ = ["destroy_process_groups", "forget_group", "on_destroy", "ubatch_group", "ubatch_groups"]
 
 log = logging.getLogger("asyncdbo.groups")
 
 # group_name of the base group -> its per-ubatch clones, in ubatch order
 _CLONES: dict[str, list[Any]] = {}
+# Other caches that hold process groups (the EP comm cache), emptied by destroy_process_groups().
+_FORGETTERS: list[Callable[[], None]] = []
 
 
 def _base(group: Any) -> Any:
@@ -108,3 +113,62 @@ def ubatch_group(group: Any = None) -> Any:
             "(making groups is a collective, so it cannot happen inside the run)"
         )
     return clones[ub.id]
+
+
+def on_destroy(forget: Callable[[], None]) -> None:
+    """Register ``forget()``, which drops a cache's references to process groups; called by
+    :func:`destroy_process_groups` before it destroys them (the EP comm cache registers here)."""
+    _FORGETTERS.append(forget)
+
+
+def destroy_process_groups(*, barrier: bool = True) -> None:
+    """Leave torch.distributed so that no gloo thread outlives the interpreter: the last call of a
+    rank, instead of ``dist.destroy_process_group()``.
+
+    Why ``destroy_process_group()`` alone is not enough (measured: rank 0 of the torchrun demo
+    aborted with ``terminate called without an active exception`` in 4 of 105 runs beside a CPU
+    hog; the core dump shows a gloo worker thread in ``~AsyncBarrierWork`` -> ``~AsyncAllgatherWork``
+    -> ``TensorImpl::decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``): for gloo it only
+    unregisters the groups. Their worker threads stop when the last Python reference to the group
+    object goes, and asyncdbo's caches (the per-ubatch clones, the EP comm cache) kept them until
+    interpreter finalization. A worker thread that finishes releasing its last work late (a
+    loaded machine) then needs the GIL to free a tensor while Python is finalizing; Python 3.11
+    ends such a thread with ``pthread_exit``, whose forced unwind through a ``noexcept`` destructor
+    calls ``std::terminate``. Dropping every reference here makes each group's destructor run now,
+    with the GIL released, which joins its threads while they can still take the GIL.
+
+    ``barrier``: first wait until every rank got here (a rank that tears its groups down while a
+    peer still sends would fail the peer). Warns (``RuntimeWarning``) if a group is still
+    referenced afterwards: something outside asyncdbo (a model attribute, a global) keeps it, and
+    its threads would outlive the interpreter again."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        _CLONES.clear()
+        return
+    if get_ubatch() is not None:
+        raise RuntimeError("destroy_process_groups() must run outside a DBO run (it destroys the groups the run uses)")
+    from torch.distributed import distributed_c10d as c10d
+
+    groups = {id(g): g for g in (*c10d._world.pg_map, *(g for clones in _CLONES.values() for g in clones))}
+    alive = [weakref.ref(g) for g in groups.values()]
+    del groups
+    if barrier:
+        dist.barrier()
+    for forget in _FORGETTERS:
+        forget()
+    _CLONES.clear()
+    dist.destroy_process_group()
+    if any(r() is not None for r in alive):
+        gc.collect()  # reference cycles (a model, a finished run) may still hold a group
+    left = sum(r() is not None for r in alive)
+    if left:
+        import warnings
+
+        warnings.warn(
+            f"destroy_process_groups(): {left} of {len(alive)} process groups are still referenced after their "
+            "destruction, so their gloo threads stay alive until interpreter exit (where they can abort the "
+            "process); drop the objects that hold them (models, runners, groups in globals) before calling it",
+            RuntimeWarning,
+            stacklevel=2,
+        )

@@ -218,3 +218,37 @@ def moe_stage_events(rank: int, world_size: int, schedule: str) -> list[tuple[An
 
     asyncdbo.run(dbo)
     return sorted(holder["run"].data["events"])
+
+
+def teardown_after_a_dbo_step(rank: int, world_size: int) -> dict[str, Any]:
+    """A DBO MoE step (fills the EP comm cache and the per-ubatch clones), then
+    destroy_process_groups(): which groups are still alive, and how many threads remain."""
+    import os
+    import weakref
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from asyncdbo.groups import destroy_process_groups
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    cfg = MoEConfig(**MIXTRAL_LIKE)
+    layer = MoELayer(cfg, seed=7)
+    x_TD = rank_input(rank, 16, cfg.hidden_size)
+
+    async def dbo() -> list[torch.Tensor]:
+        return await asyncdbo.run_ubatches(layer, cut(x_TD, [8, 8]), backend="host")
+
+    asyncdbo.run(dbo)
+    del layer, dbo  # the layer holds its EP group and clones: a model must go before the groups
+    groups = list(c10d._world.pg_map)
+    alive = [weakref.ref(g) for g in groups]
+    before = threads()
+    del groups
+    destroy_process_groups()
+    return {
+        "groups": len(alive),
+        "alive_after": sum(r() is not None for r in alive),
+        "threads_joined": before - threads(),
+    }

@@ -57,3 +57,18 @@ def test_rank_with_no_tokens_still_takes_part(pool: RankPool, in_run: bool) -> N
 @pytest.mark.timeout(60)
 def test_each_ubatch_slot_gets_its_own_group_over_the_same_ranks(pool: RankPool) -> None:
     assert pool.run(group_sizes) == [[2, 2, 2, 2], [2, 2, 2, 2]]
+
+
+@pytest.mark.timeout(90)
+def test_destroy_process_groups_joins_every_groups_gloo_threads() -> None:
+    """The torchrun abort at exit: gloo threads of groups that asyncdbo's caches kept alive needed
+    the GIL while Python finalized. After destroy_process_groups() no group object is left, so
+    each group's threads (2 workers and 1 transport loop) were joined before it returned."""
+    from asyncdbo.launch import run_ranks
+
+    from _moe_ranks import teardown_after_a_dbo_step
+
+    for r in run_ranks(teardown_after_a_dbo_step, 2, timeout_s=60.0):
+        assert r["groups"] == 5  # the default group and 4 per-ubatch clones (max_ubatches=4)
+        assert r["alive_after"] == 0
+        assert r["threads_joined"] >= 3 * r["groups"]
