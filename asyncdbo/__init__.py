@@ -3,25 +3,34 @@
 Write a microbatch forward as ``async def``, mark yield points with the ``dbo_*`` primitives, and
 ``await run_ubatches(forward, [(ub0_inputs,), (ub1_inputs,)])``: the ubatches take turns on one OS
 thread while streams (or gloo async work on a CPU) keep device work ordered.
+
+The top level holds the entry points, vLLM's primitives and asyncdbo's extensions, the options
+and the errors. Everything else lives in its subpackage (imports point down this list):
+
+=================  ================================================================================
+``_core``          the kernel: round-robin driver, traps, per-ubatch record, clock, errors
+``backends``       stream backends (host, accelerator) and their typed per-ubatch state
+``dbo``            the primitives, named events, recv hooks, ``run``/``run_ubatches``
+``dist``           per-ubatch process groups, the expert-parallel all-to-all
+``plan``           when and where to cut a batch into ubatches, across DP ranks
+``moe``            the async MoE layer and Hugging Face weight import
+``serving``        the runner (plan, run, merge), batches, the paged KV cache
+``models``         the reference model(s)
+``observe``        tracer, numbers, Chrome export, PNG timelines, stack dumps
+``sim``            the simulated device: virtual streams, cost model, race checker, predictions
+``testing``        yield assertions, pools of real ranks, a virtual clock
+``cli``            ``asyncdbo demo | trace | check``
+=================  ================================================================================
+
+``import asyncdbo`` imports no torch: the packages that need it load on first use.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ._core import (
-    AsyncDBOError,
-    DeadlockError,
-    Instrument,
-    NoOverlapWarning,
-    Signal,
-    WatchdogTimeout,
-    YieldMismatchError,
-)
-from .debug import dump_stacks, install_stack_dump_signal
-from .groups import ubatch_group, ubatch_groups
-from .loop import DBOOptions, run, run_ubatches
-from .primitives import (
-    RecvHookHandle,
+from . import _compat
+from ._core import AsyncDBOError, DeadlockError, NoOverlapWarning, WatchdogTimeout, YieldMismatchError
+from .dbo import (
+    DBOOptions,
     dbo_current_ubatch_id,
     dbo_enabled,
     dbo_get_previous_event,
@@ -38,84 +47,30 @@ from .primitives import (
     dbo_yield,
     dbo_yield_and_switch_from_comm_to_compute,
     dbo_yield_and_switch_from_compute_to_comm,
+    run,
+    run_ubatches,
+    run_ubatches_with_stats,
 )
-from .streams import LinkSpec, StreamBackend, get_backend, link_spec
+from .dist.groups import ubatch_group, ubatch_groups
+from .observe.stacks import dump_stacks
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-# Names from the torch-heavy parts (MoE layer, model runner, planning, tracing, launcher) load on
-# first use, so `import asyncdbo` stays light for code that only needs the DBO loop.
-_LAZY = {
-    "MoEConfig": "asyncdbo.moe",
-    "MoELayer": "asyncdbo.moe",
-    "moe_from_hf": "asyncdbo.hf",
-    "AttentionMetadata": "asyncdbo.plan",
-    "PlanReason": "asyncdbo.plan",
-    "PlanStats": "asyncdbo.plan",
-    "StepPlan": "asyncdbo.plan",
-    "StepRecord": "asyncdbo.plan",
-    "UBatchSlice": "asyncdbo.plan",
-    "plan_step": "asyncdbo.plan",
-    "DBORunner": "asyncdbo.runner",
-    "RunnerConfig": "asyncdbo.runner",
-    "RunNumbers": "asyncdbo.trace",
-    "Tracer": "asyncdbo.trace",
-    "RankPool": "asyncdbo.launch",
-    "run_ranks": "asyncdbo.launch",
-}
-
-if TYPE_CHECKING:
-    from .hf import moe_from_hf
-    from .launch import RankPool, run_ranks
-    from .moe import MoEConfig, MoELayer
-    from .plan import (
-        AttentionMetadata,
-        PlanReason,
-        PlanStats,
-        StepPlan,
-        StepRecord,
-        UBatchSlice,
-        plan_step,
-    )
-    from .runner import DBORunner, RunnerConfig
-    from .trace import RunNumbers, Tracer
+_compat.install()
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncdbo' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    if name in _compat.MOVED_NAMES:
+        value = _compat.moved_name(name)
+        return value
+    raise AttributeError(f"module 'asyncdbo' has no attribute {name!r}")
 
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "AsyncDBOError",
-    "AttentionMetadata",
     "DBOOptions",
-    "DBORunner",
     "DeadlockError",
-    "Instrument",
-    "LinkSpec",
-    "MoEConfig",
-    "MoELayer",
     "NoOverlapWarning",
-    "PlanReason",
-    "PlanStats",
-    "RankPool",
-    "RecvHookHandle",
-    "RunNumbers",
-    "RunnerConfig",
-    "Signal",
-    "StepPlan",
-    "StepRecord",
-    "StreamBackend",
-    "Tracer",
-    "UBatchSlice",
     "WatchdogTimeout",
     "YieldMismatchError",
     "dbo_current_ubatch_id",
@@ -135,14 +90,9 @@ __all__ = [
     "dbo_yield_and_switch_from_comm_to_compute",
     "dbo_yield_and_switch_from_compute_to_comm",
     "dump_stacks",
-    "get_backend",
-    "install_stack_dump_signal",
-    "link_spec",
-    "moe_from_hf",
-    "plan_step",
     "run",
-    "run_ranks",
     "run_ubatches",
+    "run_ubatches_with_stats",
     "ubatch_group",
     "ubatch_groups",
 ]

@@ -70,11 +70,17 @@ class Case:
 def run_threads(fn: Any, ubatch_args: list[tuple[Any, ...]], backend: Any, policy: str = "role") -> tuple[list[Any], Any, list[tuple[float, float]]]:
     """Drive ``fn(*args)`` per ubatch the vLLM way (see the module docstring). Returns the
     results, the DBORun (for its comm works) and the CPU step spans."""
-    from asyncdbo._core import SWITCH, DBORun, Signal
+    from asyncdbo.dbo.hooks import run_pending_hook
+    from asyncdbo.dbo.state import Lane, RunState
+    from asyncdbo.lowlevel import SWITCH, DBORun, Signal
 
     coros = [fn(*a) for a in ubatch_args]
-    run = DBORun(coros, install_stream=backend.install_stream, name="threads")
-    backend.attach(run, policy)
+    run = DBORun(coros, install=backend.install_stream, at_exit=run_pending_hook, name="threads")
+    state = RunState(backend=backend, policy=policy, lanes=[Lane(ub) for ub in run.ubatches])
+    run.ext = state
+    for ub, lane in zip(run.ubatches, state.lanes):
+        ub.ext = lane
+    backend.attach(run, state)
     n = len(coros)
     batons = [threading.Event() for _ in range(n)]
     done = [False] * n
@@ -139,7 +145,7 @@ def run_threads(fn: Any, ubatch_args: list[tuple[Any, ...]], backend: Any, polic
     batons[0].set()
     for t in threads:
         t.join()
-    backend.detach(run)
+    backend.detach(run, state)
     if errors:
         raise errors[0]
     return [ub.result for ub in run.ubatches], run, spans
@@ -169,7 +175,7 @@ class _Spans:
     """Instrument recording each CPU step of an asyncdbo run (resume -> suspend)."""
 
     def __init__(self) -> None:
-        from asyncdbo._core import Instrument
+        from asyncdbo.lowlevel import Instrument
 
         outer = self
         self.spans: list[tuple[float, float]] = []
@@ -190,9 +196,9 @@ class _Spans:
 
 
 def _numbers(wall: float, spans: list[tuple[float, float]], run: Any) -> dict[str, float]:
-    from asyncdbo.trace import hidden_seconds, union_seconds
+    from asyncdbo.observe import hidden_seconds, union_seconds
 
-    comm = [(hw.t_issue, max(hw.t_done or hw.t_issue, hw.t_release or 0.0)) for _, hw in run.data.get("comm_works", [])]
+    comm = [(w.t_issue, w.t_end or w.t_issue) for w in run.ext.comm_records()]
     comm_s = union_seconds(comm)
     compute_s = union_seconds(spans)
     busy_s = union_seconds([*spans, *comm])
@@ -209,11 +215,11 @@ async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int
     import torch.distributed as dist
 
     import asyncdbo
-    from asyncdbo.demo import DemoConfig, _decode_chunks, _prefill_chunks
+    from asyncdbo.cli.demo import DemoConfig, _decode_chunks, _prefill_chunks
     from asyncdbo.models import MiniModel
     from asyncdbo.plan import merge_outputs, plan_step
-    from asyncdbo.runner import BatchBuilder
-    from asyncdbo.streams.host import HostBackend
+    from asyncdbo.serving import BatchBuilder
+    from asyncdbo.backends.host import HostBackend
 
     dcfg = DemoConfig(ranks=world, tokens=case.tokens, layers=case.layers, shape=case.shape, context=case.context,
                       steps=steps, warmup=warmup, link=case.link, link_scale=case.link_scale)
@@ -349,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Large tensors through mmap, returned to the OS when freed: RSS then follows live memory.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    from asyncdbo.bench_cli import publish_results, results_preamble
-    from asyncdbo.launch import RankPool
+    from _results import publish_results, results_preamble
+    from asyncdbo.testing import RankPool
 
     cases = QUICK_CASES if args.quick else FULL_CASES
     steps, warmup = (2, 1) if args.quick else (args.steps, 2)

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results, not with --quick)")
     args = parser.parse_args(argv)
     logging.getLogger("asyncdbo").setLevel(logging.ERROR)  # the fake EP group's timeout note, once per point
-    from asyncdbo.bench_cli import results_preamble, results_stem
+    from _results import results_preamble, results_stem
 
     lines, info = results_preamble(
         "Simulated DBO gain: H200 specs, tokens per rank x link, beside peers",

@@ -1,6 +1,6 @@
 """Switch cost of asyncdbo against a bare trampoline, a vLLM-style thread baton and asyncio.
 
-Scenarios (the designs are described in asyncdbo/bench_cli.py, which holds the measured code):
+Scenarios (the designs are described in benchmarks/_switch_bench.py, which holds the measured code):
 
 * ``plain``: no work between switches; N = 2, 4, 8 ubatches, await-chain depth 2, 8, 16.
 * ``busy``: the same with a busy pure-Python thread in the process (servers have them): a thread
@@ -26,14 +26,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from asyncdbo.bench_cli import (
-    DESIGNS,
-    check_round_robin,
-    measure,
-    median_table,
-    publish_results,
-    results_preamble,
-)
+from _results import publish_results, results_preamble
+from _switch_bench import DESIGNS, check_round_robin, measure, median_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SWITCH_DESIGNS = [

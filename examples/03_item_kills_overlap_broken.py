@@ -26,13 +26,14 @@ from asyncdbo import (
     dbo_yield_and_switch_from_comm_to_compute,
     dbo_yield_and_switch_from_compute_to_comm,
 )
-from asyncdbo.launch import free_port
-from asyncdbo.streams.host import HostBackend
-from asyncdbo.trace import Tracer
+from asyncdbo.testing import free_port
+from asyncdbo.backends import LinkSpec
+from asyncdbo.backends.host import HostBackend
+from asyncdbo.observe import Tracer
 
 # Legend: T tokens of this ubatch, D hidden, E experts, R rows received.
 D, E, LAYERS, TOKENS = 384, 8, 3, 512
-LINK = asyncdbo.LinkSpec(name="slow-demo", latency_s=4e-3, bandwidth_Bps=2e9)
+LINK = LinkSpec(name="slow-demo", latency_s=4e-3, bandwidth_Bps=2e9)
 torch.manual_seed(0)
 torch.set_num_threads(1)  # steadier timings on a small shared CPU
 W_ROUTER_DE = torch.randn(D, E) / D**0.5

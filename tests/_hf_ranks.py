@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import asyncdbo
-from asyncdbo.hf import moe_from_hf
+from asyncdbo.moe.hf import moe_from_hf
 
 
 def tiny_block(kind: str) -> nn.Module:

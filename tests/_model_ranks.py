@@ -16,7 +16,7 @@ import torch
 import asyncdbo
 from asyncdbo.models import MiniConfig, MiniModel
 from asyncdbo.plan import ThresholdConfig
-from asyncdbo.runner import BatchBuilder, DBORunner, RunnerConfig
+from asyncdbo.serving import BatchBuilder, DBORunner, RunnerConfig
 
 # Shape legend: T = tokens, V = vocab.
 

@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 import asyncdbo
-from asyncdbo._core import Instrument
-from asyncdbo.comm import ep_comm, plan_dispatch
+from asyncdbo.lowlevel import Instrument
+from asyncdbo.dist.ep import ep_comm, plan_dispatch
 from asyncdbo.moe import MoEConfig, MoELayer
-from asyncdbo.streams.host import HostBackend
+from asyncdbo.backends import link_spec
+from asyncdbo.backends.host import HostBackend
 
 MIXTRAL_LIKE = dict(hidden_size=32, intermediate_size=16, num_experts=8, top_k=2)
 DEEPSEEK_LIKE = dict(
@@ -87,7 +88,7 @@ def moe_overlap_trace(rank: int, world_size: int, schedule: str) -> dict[str, An
         def run_finished(self, run: Any, exc: BaseException | None) -> None:
             holder["run"] = run
 
-    link = asyncdbo.link_spec("ib400", latency_s=20e-3)
+    link = link_spec("ib400", latency_s=20e-3)
 
     async def dbo() -> list[torch.Tensor]:
         return await asyncdbo.run_ubatches(
@@ -96,12 +97,12 @@ def moe_overlap_trace(rank: int, world_size: int, schedule: str) -> dict[str, An
 
     asyncdbo.run(dbo)
     run = holder["run"]
-    works = run.data["comm_works"]
-    disp0 = next(w for ub, w in works if ub == 0 and w.what == "dispatch")
-    end = max(disp0.t_done or 0.0, disp0.t_release or 0.0)
+    works = run.ext.comm_records()
+    disp0 = next(w for w in works if w.ub == 0 and w.what == "dispatch")
+    end = disp0.t_end or 0.0
     during = sorted({ub for ub, t in log.resumes if disp0.t_issue < t < end})
     return {
-        "works": [[w.what for ub, w in works if ub == i] for i in range(2)],
+        "works": [[w.what for w in works if w.ub == i] for i in range(2)],
         "resumed_during_dispatch0": during,
         "yields": [ub.num_yields for ub in run.ubatches],
         "parked": run.num_parks > 0,
@@ -228,7 +229,7 @@ def teardown_after_a_dbo_step(rank: int, world_size: int) -> dict[str, Any]:
 
     from torch.distributed import distributed_c10d as c10d
 
-    from asyncdbo.groups import destroy_process_groups
+    from asyncdbo.dist.groups import destroy_process_groups
 
     def threads() -> int:
         return len(os.listdir("/proc/self/task"))

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncdbo._core import get_ubatch
-from asyncdbo.streams.base import StreamBackend
+from asyncdbo.backends import RunStreams, StreamBackend, UBatchStreams
+from asyncdbo.lowlevel import get_ubatch
 
 
 class RecordingBackend(StreamBackend):
@@ -20,16 +20,16 @@ class RecordingBackend(StreamBackend):
         self.log = log
         self._n = 0
 
-    def attach(self, run: Any, policy: str) -> None:
-        run.backend = self
-        for ub in run.ubatches:
-            if policy == "role":
-                ub.streams = {"compute": "compute", "comm": "comm"}
+    def attach(self, run: Any, state: RunStreams) -> None:
+        for lane in state.lanes:
+            i = lane.ub.id
+            if state.policy == "role":
+                lane.streams = {"compute": "compute", "comm": "comm"}
             else:
-                own = f"ub{ub.id}"  # one stream object for both roles
-                ub.streams = {"compute": own, "comm": own}
-            ub.events = {"compute": f"ub{ub.id}.compute_done", "comm": f"ub{ub.id}.comm_done"}
-            ub.stream = ub.streams["compute"]
+                own = f"ub{i}"  # one stream object for both roles
+                lane.streams = {"compute": own, "comm": own}
+            lane.events = {"compute": f"ub{i}.compute_done", "comm": f"ub{i}.comm_done"}
+            lane.stream = lane.ub.resume_with = lane.streams["compute"]
 
     @property
     def install_stream(self) -> Any:
@@ -48,5 +48,5 @@ class RecordingBackend(StreamBackend):
         self.log.append(f"ub{ub.id if ub else '-'} {stream} waits {event}")
         return None
 
-    def submit(self, work: Any, *, nbytes: int = 0, what: str = "comm") -> Any:
+    def submit(self, work: Any, lane: UBatchStreams | None, *, nbytes: int = 0, what: str = "comm", **options: Any) -> Any:
         raise NotImplementedError("the recording backend has no comm")

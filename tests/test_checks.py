@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from asyncdbo import YieldMismatchError, dbo_current_ubatch_id, dbo_yield, run_ubatches
-from asyncdbo.checks import YieldChecker
+from asyncdbo.dbo.debug import YieldChecker
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 

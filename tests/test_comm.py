@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from asyncdbo.launch import RankPool
+from asyncdbo.testing import RankPool
 
 from _moe_ranks import comm_round_trip, group_sizes
 
@@ -64,7 +64,7 @@ def test_destroy_process_groups_joins_every_groups_gloo_threads() -> None:
     """The torchrun abort at exit: gloo threads of groups that asyncdbo's caches kept alive needed
     the GIL while Python finalized. After destroy_process_groups() no group object is left, so
     each group's threads (2 workers and 1 transport loop) were joined before it returned."""
-    from asyncdbo.launch import run_ranks
+    from asyncdbo.testing import run_ranks
 
     from _moe_ranks import teardown_after_a_dbo_step
 

@@ -16,7 +16,7 @@ from asyncdbo import (
     dbo_yield_and_switch_from_compute_to_comm,
     run_ubatches,
 )
-from asyncdbo._core import get_ubatch
+from asyncdbo.lowlevel import get_ubatch
 
 pytestmark = [
     pytest.mark.cuda,
@@ -95,7 +95,7 @@ def test_whole_interleaved_forward_captures_in_one_cuda_graph_and_replays_equal(
         h = h + 1
         await dbo_yield_and_switch_from_comm_to_compute("done")  # comm rejoins compute before capture ends
         outs[i].copy_(h)
-        assert get_ubatch().stream is get_ubatch().streams["compute"]
+        assert get_ubatch().ext.stream is get_ubatch().ext.streams["compute"]
 
     def step() -> None:
         asyncdbo.run(lambda: run_ubatches(forward, [(0,), (1,)], backend="cuda"))

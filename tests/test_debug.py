@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from asyncdbo import WatchdogTimeout, dbo_current_ubatch_id, dbo_yield, run_ubatches
-from asyncdbo.debug import dump_stacks, install_stack_dump_signal, live_runs
+from asyncdbo.observe.stacks import dump_stacks, install_stack_dump_signal, live_runs
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
@@ -74,7 +74,7 @@ async def test_dump_stacks_writes_to_a_file_and_sees_runs_from_another_task() ->
 
     # no instrument, no debug mode: the scheduler lists every run it drives
     run_task = asyncio.ensure_future(run_ubatches(parked, [(), ()], backend="host", name="outside"))
-    while not live_runs() or any(ub.state != "parked" for ub in live_runs()[0].ubatches):
+    while not live_runs() or any(str(ub.state) != "parked" for ub in live_runs()[0].ubatches):
         await asyncio.sleep(0.001)
     buf = io.StringIO()
     text = dump_stacks(buf)

@@ -72,7 +72,7 @@ def test_bad_flags_give_one_error_line_and_exit_2(capsys: pytest.CaptureFixture[
 
 
 def test_a_failed_rank_is_reported_by_its_exception_line() -> None:
-    from asyncdbo.demo import error_line
+    from asyncdbo.cli.demo import error_line
 
     deadlock = (
         "Traceback (most recent call last):\n"
@@ -95,7 +95,7 @@ def test_the_same_demo_runs_under_torchrun_with_env_rendezvous() -> None:
     """The README's multi-node path: torchrun starts the ranks, env:// joins them (gloo here), the
     steps really microbatch, and every rank leaves cleanly (no abort at interpreter exit, no
     process group left alive by asyncdbo's caches: a RuntimeWarning would say so)."""
-    from asyncdbo.launch import free_port
+    from asyncdbo.testing import free_port
 
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

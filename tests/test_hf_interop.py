@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from asyncdbo.launch import RankPool, run_ranks  # noqa: E402
+from asyncdbo.testing import RankPool, run_ranks  # noqa: E402
 
 from _hf_ranks import hf_all_cases, hf_vs_asyncdbo, tiny_block  # noqa: E402
 
@@ -52,7 +52,7 @@ def test_four_ranks_match_the_hf_blocks() -> None:
 
 
 def test_unknown_block_is_refused() -> None:
-    from asyncdbo.hf import moe_from_hf
+    from asyncdbo.moe.hf import moe_from_hf
 
     block = tiny_block("mixtral").experts
     with pytest.raises(ValueError, match=r"^moe_from_hf does not know MixtralExperts; supported: MixtralSparseMoeBlock"):

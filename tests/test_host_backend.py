@@ -18,11 +18,12 @@ from asyncdbo import (
     dbo_yield_and_switch_from_compute_to_comm,
     run_ubatches,
 )
-from asyncdbo._core import get_ubatch
-from asyncdbo.groups import ubatch_group, ubatch_groups
-from asyncdbo.launch import RankPool
-from asyncdbo.streams import LinkSpec
-from asyncdbo.streams.host import HostBackend, HostEvent, HostStream, HostWork
+from asyncdbo.lowlevel import get_ubatch
+from asyncdbo.dist.groups import ubatch_group, ubatch_groups
+from asyncdbo.testing import RankPool
+from asyncdbo.backends import LinkSpec
+from asyncdbo.backends.host import HostBackend, HostEvent, HostStream, HostWork
+from asyncdbo.lowlevel import MonotonicClock
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -55,7 +56,7 @@ def _exchange_rank(rank: int, world_size: int, link: LinkSpec | None, loop: str)
         a = torch.randn(64, 64, generator=torch.Generator().manual_seed(rank))
         for k in range(3):
             a = torch.tanh(a @ a)
-            ub0_work = [w for ub_id, w in get_ubatch().run.data.get("comm_works", []) if ub_id == 0]
+            ub0_work = [w for w in get_ubatch().run.ext.comm if w.ub == 0]
             pending_seen.append(bool(ub0_work) and not ub0_work[0].done())
             trace.append(f"ub1: compute {k}")
             await dbo_yield(f"mm{k}")
@@ -151,7 +152,7 @@ def _outside_a_run_rank(rank: int, world_size: int) -> list[float]:
     backend = HostBackend(link="ib400")
     out = torch.empty(2)
     work = dist.all_to_all_single(out, torch.tensor([rank + 0.5, rank + 1.5]), async_op=True)
-    handle = backend.submit(work, nbytes=8, what="serial")
+    handle = backend.submit(work, None, nbytes=8, what="serial")
     assert handle.done()  # outside a run, submit waits: serial semantics
     return out.tolist()
 
@@ -173,7 +174,7 @@ def test_a_failed_work_is_reported_by_the_wait_that_covers_it() -> None:
     before the wait (a peer died early) and when it is one of several covered works."""
     backend = HostBackend()
     comm = HostStream("comm", inline=False)
-    ok, bad, late = (HostWork(w, 0, None, arrivals=1) for w in ("ok", "bad", "late"))
+    ok, bad, late = (HostWork(w, 0, None, arrivals=1, clock=MonotonicClock(), ub=0) for w in ("ok", "bad", "late"))
     comm.pending = [ok, bad, late]
     ok.signal.set()
     bad.signal.set(RuntimeError("comm work 'bad' failed: peer gone"))

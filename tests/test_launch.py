@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncdbo.launch import RankError, RankPool, free_port, rank_world, run_ranks
+from asyncdbo.testing import RankError, RankPool, free_port, rank_world, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -169,7 +169,7 @@ def test_workers_exit_when_the_parent_dies() -> None:
 
     script = (
         "import os, sys\n"
-        "from asyncdbo.launch import RankPool\n"
+        "from asyncdbo.testing import RankPool\n"
         "pool = RankPool(2, timeout_s=30.0)\n"
         "print(*pool.pids, flush=True)\n"
         "os._exit(0)\n"  # no close(): the workers are orphaned
@@ -187,7 +187,7 @@ def test_workers_exit_when_the_parent_dies() -> None:
 def test_start_up_retries_once_when_its_port_was_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
-    import asyncdbo.launch as launch
+    import asyncdbo.testing as launch
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

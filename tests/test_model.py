@@ -14,7 +14,7 @@ from asyncdbo.models import (
     PagedKVCache,
     paged_causal_attention,
 )
-from asyncdbo.runner import BatchBuilder
+from asyncdbo.serving import BatchBuilder
 
 # Shape legend: T = tokens, S = context length, H = heads, K = head dim, V = vocab.
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import asyncdbo
-from asyncdbo.launch import RankError, RankPool, run_ranks
+from asyncdbo.testing import RankError, RankPool, run_ranks
 from asyncdbo.moe import MoEConfig, MoELayer
 
 from _moe_ranks import (

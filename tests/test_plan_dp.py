@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncdbo.launch import RankPool
+from asyncdbo.testing import RankPool
 from asyncdbo.plan import (
     LocalStepInfo,
     PlanReason,

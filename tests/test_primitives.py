@@ -23,7 +23,7 @@ from asyncdbo import (
     dbo_yield_and_switch_from_compute_to_comm,
     run_ubatches,
 )
-from asyncdbo._core import Signal, get_ubatch
+from asyncdbo.lowlevel import Signal, get_ubatch
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
@@ -91,9 +91,9 @@ async def test_plain_switches_change_the_stream_without_any_dependency() -> None
 
     async def fwd(i: int) -> None:
         dbo_switch_to_comm()
-        log.append(f"ub{i} on {get_ubatch().stream}")
+        log.append(f"ub{i} on {get_ubatch().ext.stream}")
         await dbo_switch_to_compute()  # awaiting a plain switch is allowed and free
-        log.append(f"ub{i} on {get_ubatch().stream}")
+        log.append(f"ub{i} on {get_ubatch().ext.stream}")
         await dbo_switch_to_comm_sync()
         await dbo_yield("y")
 
@@ -135,9 +135,9 @@ async def test_ubatch_stream_policy_gives_each_ubatch_its_own_stream() -> None:
     log: list[str] = []
 
     async def fwd(i: int) -> None:
-        log.append(f"ub{i} on {get_ubatch().stream}")
+        log.append(f"ub{i} on {get_ubatch().ext.stream}")
         await dbo_yield_and_switch_from_compute_to_comm("dispatch")
-        log.append(f"ub{i} on {get_ubatch().stream}")
+        log.append(f"ub{i} on {get_ubatch().ext.stream}")
 
     await run_ubatches(fwd, [(0,), (1,)], backend=RecordingBackend(log), stream_policy="ubatch")
     assert log == [
@@ -283,8 +283,8 @@ async def test_get_previous_event_runs_under_the_compute_stream() -> None:
 
     async def fwd(i: int) -> tuple[object, object]:
         await dbo_yield_and_switch_from_compute_to_comm()
-        seen = dbo_get_previous_event(lambda: get_ubatch().stream)
-        return seen, get_ubatch().stream
+        seen = dbo_get_previous_event(lambda: get_ubatch().ext.stream)
+        return seen, get_ubatch().ext.stream
 
     assert await run_ubatches(fwd, [(0,), (1,)], backend=RecordingBackend(log)) == [("compute", "comm")] * 2
 

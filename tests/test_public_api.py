@@ -36,7 +36,7 @@ def test_import_has_no_side_effects() -> None:
         "import sys, asyncdbo, torch.distributed as dist, logging;"
         "assert not dist.is_initialized();"
         "assert logging.getLogger('asyncdbo').handlers == [];"
-        "assert 'asyncdbo.sim' not in sys.modules and 'asyncdbo.demo' not in sys.modules;"
+        "assert 'asyncdbo.sim' not in sys.modules and 'asyncdbo.cli.demo' not in sys.modules;"
         "print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -18,7 +18,7 @@ import torch
 from _model_ranks import ALWAYS, SMALL, Case, fail_mid_step, serial_vs_dbo, tokens
 
 from asyncdbo import dbo_current_ubatch_id, run_ubatches
-from asyncdbo.launch import RankError, RankPool
+from asyncdbo.testing import RankError, RankPool
 from asyncdbo.models import MiniModel
 from asyncdbo.plan import (
     AttentionMetadata,
@@ -28,8 +28,8 @@ from asyncdbo.plan import (
     split_attn_metadata,
     split_tokens,
 )
-from asyncdbo.runner import Batch, BatchBuilder, DBORunner, RunnerConfig
-from asyncdbo.trace import Tracer
+from asyncdbo.serving import Batch, BatchBuilder, DBORunner, RunnerConfig
+from asyncdbo.observe import Tracer
 
 TOL = 1e-5
 

@@ -6,14 +6,12 @@ import asyncio
 import contextvars
 import re
 import threading
-import time
 
 import pytest
 
 import asyncdbo
 from asyncdbo import (
     DeadlockError,
-    Instrument,
     NoOverlapWarning,
     WatchdogTimeout,
     dbo_current_ubatch_id,
@@ -24,6 +22,7 @@ from asyncdbo import (
     dbo_yield,
     run_ubatches,
 )
+from asyncdbo.lowlevel import Instrument, VirtualClock
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
@@ -150,18 +149,27 @@ class CountSleeps(Instrument):
 
 
 async def test_when_every_ubatch_is_parked_the_loop_sleeps_instead_of_spinning() -> None:
+    """Both ubatches park on futures another task completes one at a time: the kernel sleeps once
+    per completion (a polling loop would never reach ``sleeping``, or would reach it per poll)."""
     counter = CountSleeps()
+    loop = asyncio.get_running_loop()
+    fut0, fut1, woke0 = loop.create_future(), loop.create_future(), loop.create_future()
 
-    async def forward(delay: float) -> float:
-        await asyncio.sleep(delay)
-        return delay
+    async def forward(i: int) -> int:
+        await (fut0 if i == 0 else fut1)
+        if i == 0:
+            woke0.set_result(None)
+        return i
 
-    cpu0 = time.process_time()
-    assert await run_ubatches(forward, [(0.10,), (0.15,)], instrument=counter) == [0.10, 0.15]
-    cpu = time.process_time() - cpu0
-    # One sleep per completion: the scheduler awaited the loop, it did not poll.
+    async def complete_one_at_a_time() -> None:
+        fut0.set_result(None)  # runs once the kernel sleeps with both ubatches parked
+        await woke0
+        fut1.set_result(None)
+
+    driver = asyncio.create_task(complete_one_at_a_time())
+    assert await run_ubatches(forward, [(0,), (1,)], instrument=counter) == [0, 1]
+    await driver
     assert counter.sleeps == counter.wakes == 2
-    assert cpu < 0.1  # 150 ms of waiting used (almost) no CPU
 
 
 async def test_bare_yield_to_the_event_loop_is_allowed() -> None:
@@ -280,12 +288,12 @@ async def test_watchdog_fails_a_run_stuck_on_an_outside_event_with_the_stacks() 
         await dbo_yield("dispatch")
         await never
 
-    t0 = time.monotonic()
+    clock = VirtualClock()
     with pytest.raises(WatchdogTimeout) as info:
-        await run_ubatches(stuck_in_comm, [(0,), (1,)], watchdog_s=0.2, name="wd")
-    assert time.monotonic() - t0 < 5
+        await run_ubatches(stuck_in_comm, [(0,), (1,)], watchdog_s=30.0, name="wd", clock=clock)
+    assert clock.now() == 30.0  # the virtual clock jumped to the watchdog: no wall time spent
     msg = str(info.value)
-    assert msg.startswith("asyncdbo watchdog: run 'wd' made no progress for 0.2 s")
+    assert msg.startswith("asyncdbo watchdog: run 'wd' made no progress for 30 s")
     assert msg.count("stuck_in_comm\n    await never") == 2
 
 
@@ -375,3 +383,37 @@ async def test_primitives_are_no_ops_outside_a_run() -> None:
     assert not dbo_enabled()
     assert dbo_current_ubatch_id() == 0
     await dbo_yield()  # returns at once
+
+
+# ---------------------------------------------------------------- the clock
+
+
+async def test_timers_and_the_watchdog_run_on_the_runs_clock() -> None:
+    """A virtual clock makes a schedule of timers deterministic and instant: a ubatch parked on a
+    signal that a timer sets 5 s later wakes when the clock jumps there, with no wall time spent."""
+    from asyncdbo.lowlevel import Signal, get_ubatch
+
+    clock = VirtualClock(start=100.0)
+    order: list[tuple[str, float]] = []
+
+    async def forward(i: int) -> float:
+        ub = get_ubatch()
+        assert ub is not None
+        if i == 0:
+            done = Signal("five seconds", external=True)
+            ub.run.call_at(clock.now() + 5.0, done.set)
+            await done
+        order.append((f"ub{i}", clock.now()))
+        return clock.now()
+
+    assert await run_ubatches(forward, [(0,), (1,)], clock=clock) == [105.0, 100.0]
+    assert order == [("ub1", 100.0), ("ub0", 105.0)]
+
+
+async def test_a_virtual_clock_moves_only_forward() -> None:
+    clock = VirtualClock()
+    clock.advance(2.5)
+    assert clock.now() == 2.5
+    assert clock.wait_s(1.0) == 0.0 and clock.now() == 2.5  # a past deadline does not move it back
+    with pytest.raises(ValueError, match=r"VirtualClock.advance needs dt >= 0 seconds \(got -1\)"):
+        clock.advance(-1)

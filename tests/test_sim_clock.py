@@ -8,22 +8,24 @@ exactly when each op starts and ends on the virtual clock.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import asyncdbo
-from asyncdbo._core import get_ubatch
-from asyncdbo.primitives import (
+from asyncdbo.lowlevel import get_ubatch
+from asyncdbo.dbo import (
+    dbo_submit,
     dbo_yield,
     dbo_yield_and_switch_from_comm_to_compute,
     dbo_yield_and_switch_from_compute_to_comm,
 )
 from asyncdbo.sim import CostModel, SimCheckError, device_spec
 from asyncdbo.sim.clock import Engine
-from asyncdbo.streams import get_backend, link_spec
-from asyncdbo.streams.sim import SimBackend
+from asyncdbo.backends import get_backend, link_spec
+from asyncdbo.sim.backend import SimBackend
 
 DEV = device_spec("h100")
 LINK = link_spec("ib400")
@@ -101,7 +103,7 @@ async def dispatch_layer(x_MK: torch.Tensor) -> torch.Tensor:
     recv_MN = torch.empty_like(h_MN)
     await dbo_yield_and_switch_from_compute_to_comm("dispatch")
     recv_MN.copy_(h_MN)  # the data a real all-to-all would deliver
-    get_ubatch().run.backend.submit(None, nbytes=h_MN.numel() * 2, what="dispatch", outputs=[recv_MN], inputs=[h_MN])
+    dbo_submit(None, nbytes=h_MN.numel() * 2, what="dispatch", outputs=[recv_MN], inputs=[h_MN])
     await dbo_yield_and_switch_from_comm_to_compute("expert")
     return torch.relu(recv_MN)
 
@@ -156,11 +158,11 @@ async def test_serial_run_is_the_sum_of_its_ops() -> None:
 async def waits_on_an_unrecorded_done_event(x_MK: torch.Tensor) -> torch.Tensor:
     """A hand-rolled switch that forgot to record the compute done-event before yielding."""
     h_MN = x_MK @ W_KN
-    ub = get_ubatch()
+    lane = get_ubatch().ext
     await dbo_yield("dispatch")
-    ub.role = "comm"
-    ub.set_stream(ub.streams["comm"])
-    ub.run.backend.wait(ub.stream, ub.events["compute"])  # DEAD WAIT
+    lane.role = "comm"
+    lane.set_stream(lane.streams["comm"])
+    lane.ub.run.ext.backend.wait(lane.stream, lane.events["compute"])  # DEAD WAIT
     return h_MN
 
 
@@ -200,18 +202,21 @@ async def test_one_sim_run_at_a_time() -> None:
     assert torch.equal(out[0], torch.relu(torch.ones(8, 256) @ W_KN))
 
 
+_SHARED_EVENTS: dict[str, Any] = {}  # run name -> the one event both ubatches use
+
+
 async def waits_before_ubatch_1_records(x_MK: torch.Tensor) -> torch.Tensor:
     """Ubatch 0's stream waits on an event ubatch 1 records only later (a CANN-style pipeline with
     the record and the wait in the wrong order)."""
     ub = get_ubatch()
-    be = ub.run.backend
-    shared = ub.run.data.setdefault("ev", be.new_event())
+    be = ub.run.ext.backend
+    shared = _SHARED_EVENTS.setdefault(ub.run.name, be.new_event())
     if ub.id == 0:
-        be.wait(ub.stream, shared)  # WAIT TOO EARLY
+        be.wait(ub.ext.stream, shared)  # WAIT TOO EARLY
     h_MN = x_MK @ W_KN
     await dbo_yield("stage")
     if ub.id == 1:
-        be.record(shared, ub.stream)  # RECORDED LATER
+        be.record(shared, ub.ext.stream)  # RECORDED LATER
     return h_MN
 
 

@@ -16,7 +16,7 @@ import re
 import pytest
 
 import asyncdbo
-from asyncdbo.sim.check import main as check_main
+from asyncdbo.cli.check import main as check_main
 from asyncdbo.sim.predict import ModelShape, Prediction, predict, sim_trace
 
 pytestmark = pytest.mark.timeout(120)
@@ -66,7 +66,7 @@ def test_the_trace_uses_the_tracers_layout() -> None:
 def test_check_prints_the_sweep_for_both_stream_policies(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     import argparse
 
-    from asyncdbo.sim.check import add_arguments
+    from asyncdbo.cli.check import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

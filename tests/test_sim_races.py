@@ -3,7 +3,7 @@ library's own MoE schedules (which must pass clean).
 
 Comm is a real ``all_to_all_single`` on torch's fake process group (two ranks, this process is
 rank 0; with equal splits it hands rank 0 its own rows back), handed to the backend's ``submit``
-as asyncdbo.comm does. Shape legend: M rows of a ubatch, K in features, N out features.
+as asyncdbo.dist.ep does. Shape legend: M rows of a ubatch, K in features, N out features.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 import asyncdbo
-from asyncdbo._core import get_ubatch
-from asyncdbo.primitives import (
+from asyncdbo.lowlevel import get_ubatch
+from asyncdbo.dbo import (
+    dbo_submit,
     dbo_record_event,
     dbo_switch_to_compute,
     dbo_wait_event,
@@ -30,7 +31,7 @@ from asyncdbo.primitives import (
 )
 from asyncdbo.sim import SimCheckError
 from asyncdbo.sim.predict import ModelShape, fake_ep_group, predict
-from asyncdbo.streams.sim import SimBackend
+from asyncdbo.sim.backend import SimBackend
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,7 +49,7 @@ def ep_group() -> Iterator[Any]:
 
 def a2a(out_MN: torch.Tensor, in_MN: torch.Tensor) -> Any:
     work = dist.all_to_all_single(out_MN, in_MN, group=GROUP[0], async_op=True)  # ALL-TO-ALL
-    return get_ubatch().run.backend.submit(work, nbytes=in_MN.numel() * in_MN.element_size(), what="dispatch")
+    return dbo_submit(work, nbytes=in_MN.numel() * in_MN.element_size(), what="dispatch")
 
 
 def line(marker: str) -> int:
@@ -84,13 +85,13 @@ async def record_after_yield(x_MK: torch.Tensor) -> torch.Tensor:
     other ubatch's compute queued meanwhile. Correct, but the ubatches serialize."""
     h_MN = x_MK @ W_KN
     recv_MN = torch.empty_like(h_MN)
-    ub = get_ubatch()
-    be = ub.run.backend
+    lane = get_ubatch().ext
+    be = lane.ub.run.ext.backend
     await dbo_yield("dispatch")
-    be.record(ub.events["compute"], ub.streams["compute"])  # LATE RECORD
-    ub.role = "comm"
-    ub.set_stream(ub.streams["comm"])
-    be.wait(ub.stream, ub.events["compute"])  # WAIT ON LATE EVENT
+    be.record(lane.events["compute"], lane.streams["compute"])  # LATE RECORD
+    lane.role = "comm"
+    lane.set_stream(lane.streams["comm"])
+    be.wait(lane.stream, lane.events["compute"])  # WAIT ON LATE EVENT
     a2a(recv_MN, h_MN)
     await dbo_yield_and_switch_from_comm_to_compute("expert")
     return torch.relu(recv_MN)

@@ -13,7 +13,7 @@ from asyncdbo import (
     dbo_yield_and_switch_from_compute_to_comm,
     run_ubatches,
 )
-from asyncdbo._core import UBatch, get_ubatch
+from asyncdbo.lowlevel import UBatch, get_ubatch
 from asyncdbo.testing import assert_no_yields, assert_yields
 
 pytestmark = pytest.mark.timeout(30)

@@ -14,8 +14,8 @@ import torch
 from asyncdbo import dbo_current_ubatch_id, dbo_yield, run_ubatches
 from asyncdbo.cli import main as cli_main
 from asyncdbo.plan.records import PlanReason, StepRecord
-from asyncdbo.timeline import render_png
-from asyncdbo.trace import RunNumbers, Tracer, hidden_seconds, merge_traces, union_seconds
+from asyncdbo.observe.timeline import render_png
+from asyncdbo.observe import RunNumbers, Tracer, hidden_seconds, merge_traces, union_seconds
 
 pytestmark = pytest.mark.timeout(60)
 

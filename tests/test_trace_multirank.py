@@ -22,12 +22,12 @@ from asyncdbo import (
     dbo_yield_and_switch_from_compute_to_comm,
     run_ubatches,
 )
-from asyncdbo._core import get_ubatch
-from asyncdbo.launch import RankPool
-from asyncdbo.streams.host import HostBackend
-from asyncdbo.streams.links import LinkSpec
-from asyncdbo.timeline import render_png
-from asyncdbo.trace import Tracer, merge_traces, write_traces
+from asyncdbo.lowlevel import get_ubatch
+from asyncdbo.testing import RankPool
+from asyncdbo.backends.host import HostBackend
+from asyncdbo.backends.links import LinkSpec
+from asyncdbo.observe.timeline import render_png
+from asyncdbo.observe import Tracer, merge_traces, write_traces
 from test_trace import check_chrome_trace, png_size
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -53,8 +53,10 @@ def all_to_all(x_TD: torch.Tensor, what: str) -> Any:
     out_TD = torch.empty_like(x_TD)
     work = dist.all_to_all_single(out_TD, x_TD.contiguous(), async_op=True)
     ub = get_ubatch()
-    backend = ub.run.backend if ub is not None else HostBackend(link=LINK)
-    backend.submit(work, nbytes=x_TD.numel() * x_TD.element_size(), what=what)
+    if ub is None:
+        HostBackend(link=LINK).submit(work, None, nbytes=x_TD.numel() * x_TD.element_size(), what=what)
+    else:
+        ub.run.ext.backend.submit(work, ub.ext, nbytes=x_TD.numel() * x_TD.element_size(), what=what)
     return out_TD
 
 

@@ -1,25 +1,33 @@
-"""The DBO loop core: scheduler, the one trap, per-ubatch context, stack printer.
+"""The kernel: a round-robin driver of ubatch coroutines, its traps, its per-ubatch record, its
+clock, its instrument hooks, its errors and its stack printer.
 
-Nothing here imports torch or knows about streams, comm or models; everything else in asyncdbo
-is built on this package's names (curio's rule: new features go outside the kernel).
+Nothing here imports torch or knows about streams, events, comm or models; everything else in
+asyncdbo is built on this package's names (curio's rule: new features go outside the kernel).
 """
 
-from .context import UBatch, current_ubatch, get_ubatch
+from .clock import Clock, MonotonicClock, VirtualClock
 from .errors import AsyncDBOError, DeadlockError, NoOverlapWarning, WatchdogTimeout, YieldMismatchError
-from .scheduler import DBORun, Fanout, Instrument
+from .instrument import Fanout, Instrument
+from .kernel import LIVE_RUNS, DBORun
 from .stacks import await_chain, format_run, format_ubatch
-from .traps import SWITCH, Signal, trap
+from .traps import SWITCH, Signal, switch, trap
+from .ubatch import UBatch, UBatchState, current_ubatch, get_ubatch
 
 __all__ = [
+    "LIVE_RUNS",
     "SWITCH",
     "AsyncDBOError",
+    "Clock",
     "DBORun",
     "DeadlockError",
     "Fanout",
     "Instrument",
+    "MonotonicClock",
     "NoOverlapWarning",
     "Signal",
     "UBatch",
+    "UBatchState",
+    "VirtualClock",
     "WatchdogTimeout",
     "YieldMismatchError",
     "await_chain",
@@ -27,5 +35,6 @@ __all__ = [
     "format_run",
     "format_ubatch",
     "get_ubatch",
+    "switch",
     "trap",
 ]

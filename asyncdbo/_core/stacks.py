@@ -12,8 +12,10 @@ import linecache
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .ubatch import UBatchState
+
 if TYPE_CHECKING:
-    from .context import UBatch
+    from .ubatch import UBatch
 
 __all__ = ["Frame", "await_chain", "format_ubatch", "format_run"]
 
@@ -50,7 +52,7 @@ def await_chain(awaitable: object) -> list[Frame]:
 
 def _drop_internal(frames: list[Frame]) -> list[Frame]:
     """Hide asyncdbo's own trap frame: the user wants to see where *they* yielded."""
-    return [f for f in frames if not (f.name in ("trap", "Signal.__await__") and "asyncdbo" in f.filename)] or frames
+    return [f for f in frames if not (f.name in ("trap", "switch", "Signal.__await__") and "asyncdbo" in f.filename)] or frames
 
 
 def format_ubatch(ub: UBatch) -> str:
@@ -58,7 +60,7 @@ def format_ubatch(ub: UBatch) -> str:
     head = f"ubatch {ub.id}: {ub.state}, last yield point {ub.tag!r}"
     if ub.parked_on is not None:
         head += f", parked on {ub.parked_on!r}"
-    chain = _drop_internal(await_chain(ub.coro)) if ub.state != "done" else []
+    chain = _drop_internal(await_chain(ub.coro)) if ub.state is not UBatchState.DONE else []
     body = "\n".join(f.format() for f in chain) if chain else "  (no frames: finished or not started)"
     return f"{head}\n{body}"
 

@@ -1,17 +1,19 @@
-"""The one place that suspends a ubatch back to the scheduler, and what it can wait on.
+"""The only functions that ever yield a ubatch back to the kernel, and what it can wait on.
 
-A ubatch coroutine only ever leaves the CPU in three ways:
+A ubatch coroutine leaves the CPU in exactly three ways:
 
-* ``await trap(SWITCH)``: hand the CPU to the next runnable ubatch (the fast path: no event loop,
-  no allocation beyond the generator that ``await`` needs);
-* ``await trap(signal)``: park until a :class:`Signal` is set (an event another ubatch records, a
-  recv hook that must run first, a comm work that must complete);
+* :func:`switch` (``await switch(tag)``, what ``dbo_yield`` is): hand the CPU to the next runnable
+  ubatch. The fast path: no event loop, no allocation beyond the generator ``await`` needs;
+* :func:`trap` with a :class:`Signal` (``await signal``, or ``await trap(signal)``): park until
+  the signal is set (an event another ubatch records, a recv hook that must run first, a comm
+  work that must complete); ``trap(SWITCH)`` is a switch with no tag change;
 * awaiting a foreign asyncio awaitable (``asyncio.sleep``, a future completed by another thread):
-  it yields its asyncio future straight through ``trap``-free code, and the scheduler parks the
+  asyncio's own protocol yields the future through the await chain, and the kernel parks the
   ubatch on it exactly like an asyncio Task would.
 
-Keeping the suspension in one generator keeps the resume side in one place too: the scheduler
-re-installs the ubatch's context and stream before every ``send``, nowhere else.
+Every ``yield`` of asyncdbo that reaches the kernel is in this module; everything else awaits
+these. Keeping suspension here keeps the resume side in one place too: the kernel installs the
+ubatch's ``resume_with`` and enters its context before every ``send``, nowhere else.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import types
 from collections.abc import Callable, Generator
 from typing import Any
 
-__all__ = ["SWITCH", "Signal", "trap"]
+from .ubatch import current_ubatch
+
+__all__ = ["SWITCH", "Signal", "switch", "trap"]
 
 
 class _Switch:
@@ -37,8 +41,25 @@ SWITCH = _Switch()
 
 @types.coroutine
 def trap(request: object) -> Generator[object, Any, Any]:
-    """Suspend the running ubatch with ``request``; return what the scheduler sends back."""
+    """Suspend the running ubatch with ``request``; return what the kernel sends back."""
     return (yield request)
+
+
+_get_ubatch = current_ubatch.get
+
+
+@types.coroutine
+def switch(tag: str = "yield") -> Generator[Any, Any, None]:
+    """Set the running ubatch's yield tag and hand the CPU to the next runnable ubatch; outside a
+    run, return at once.
+
+    The hottest path in asyncdbo (``dbo_yield`` is this function): it yields ``SWITCH`` itself
+    instead of delegating to :func:`trap`, one generator frame less per switch (measured in
+    benchmarks/switch_cost.py)."""
+    ub = _get_ubatch(None)
+    if ub is not None:
+        ub.tag = tag
+        yield SWITCH
 
 
 class Signal:

@@ -21,72 +21,13 @@ needs no device sync and is exact, not fast; it is the numerical reference for D
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from ..plan.metadata import AttentionMetadata
+from ..serving.kv_cache import PAD_SLOT_ID, KVCacheConfig, PagedKVCache, slots_for
 
-__all__ = ["KVCacheConfig", "PagedKVCache", "paged_causal_attention", "slots_for"]
-
-#: slot_mapping value of a token that writes nothing (padding), as in vLLM.
-PAD_SLOT_ID = -1
-
-
-@dataclass(frozen=True, kw_only=True)
-class KVCacheConfig:
-    """Shape of one rank's paged KV cache (all layers)."""
-
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_heads: int
-    head_dim: int
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_blocks", "block_size", "num_heads", "head_dim"):
-            value = getattr(self, name)
-            if value < 1:
-                raise ValueError(f"KVCacheConfig.{name} must be >= 1 (got {value})")
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-
-class PagedKVCache:
-    """Per-layer key and value caches ``[N, Z, H, K]``, zero-initialised.
-
-    Zero-initialised (not empty) so that a wrong read shows up as a numeric mismatch against the
-    serial run rather than as uninitialised garbage that might differ from run to run.
-    """
-
-    def __init__(self, cfg: KVCacheConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        self.cfg = cfg
-        shape = (cfg.num_blocks, cfg.block_size, cfg.num_heads, cfg.head_dim)
-        self.k_cache_LNZHK = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v_cache_LNZHK = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-
-    def write(self, layer: int, k_THK: torch.Tensor, v_THK: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
-        """Store the new tokens' keys/values at their slots; ``PAD_SLOT_ID`` slots are skipped."""
-        if k_THK.shape[0] == 0:
-            return
-        keep_T = slot_mapping_T >= 0
-        slots = slot_mapping_T[keep_T]
-        flat_k = self.k_cache_LNZHK[layer].view(-1, self.cfg.num_heads, self.cfg.head_dim)
-        flat_v = self.v_cache_LNZHK[layer].view(-1, self.cfg.num_heads, self.cfg.head_dim)
-        flat_k.index_copy_(0, slots, k_THK[keep_T])
-        flat_v.index_copy_(0, slots, v_THK[keep_T])
-
-    def reset(self) -> None:
-        for t in (*self.k_cache_LNZHK, *self.v_cache_LNZHK):
-            t.zero_()
-
-
-def slots_for(block_table_B: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of the given positions of one request (int64)."""
-    return block_table_B.long()[positions // block_size] * block_size + positions % block_size
-
+__all__ = ["PAD_SLOT_ID", "KVCacheConfig", "PagedKVCache", "paged_causal_attention", "slots_for"]
 
 def paged_causal_attention(
     q_THK: torch.Tensor,

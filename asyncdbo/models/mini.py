@@ -42,10 +42,12 @@ from typing import Any
 import torch
 
 from .._core import get_ubatch
+from ..dbo import dbo_record_event, dbo_wait_event
 from ..moe import MoEConfig, MoELayer
+from ..moe.config import Schedule, Scoring
 from ..plan.metadata import AttentionMetadata
-from ..primitives import dbo_record_event, dbo_wait_event
-from .attention import KVCacheConfig, PagedKVCache, paged_causal_attention
+from ..serving import KVCacheConfig, PagedKVCache, current_slice
+from .attention import paged_causal_attention
 
 __all__ = ["MiniConfig", "MiniModel"]
 
@@ -70,8 +72,8 @@ class MiniConfig:
     top_k: int = 2
     moe_intermediate_size: int = 256
     num_shared_experts: int = 1
-    scoring: str = "softmax"
-    schedule: str = "ht"
+    scoring: Scoring = "softmax"
+    schedule: Schedule = "ht"
     rms_eps: float = 1e-6
     rope_theta: float = 10000.0
     block_size: int = 16
@@ -162,8 +164,8 @@ class MiniModel:
         """Make this ubatch's K/V read in ``layer`` wait for the earlier ubatches' writes (module
         docstring).  A no-op outside a DBO run.
 
-        Only a ubatch that continues a request of the previous one waits; the runner says so in
-        ``ub.data["first_is_continuation"]`` (absent: wait, to be safe).  A decode ubatch never
+        Only a ubatch that continues a request of the previous one waits; the runner's
+        :func:`~asyncdbo.serving.current_slice` says so (no slice: wait, to be safe).  A decode ubatch never
         waits, so a low-latency schedule keeps its natural lead of one ubatch over the next.
         If it parks, the scheduler first launches the recv hook the previous ubatch left with it
         (under the low-latency schedule that ubatch may be waiting for exactly that receive).
@@ -171,7 +173,8 @@ class MiniModel:
         ub = get_ubatch()
         if ub is None:
             return
-        if ub.id > 0 and ub.data.get("first_is_continuation", True):
+        ub_slice = current_slice()
+        if ub.id > 0 and (ub_slice is None or ub_slice.first_is_continuation):
             await dbo_wait_event(("mini.kv", id(self), layer, ub.id - 1))
         # Recorded after the wait, so kv(l, k) means "ubatches 0..k wrote layer l" whenever k
         # continues a request: a request spanning three ubatches needs the first one's K/V too.

@@ -37,6 +37,7 @@ group's collective timeout.
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 from collections.abc import Hashable
 from typing import Any
@@ -45,11 +46,11 @@ import torch
 from torch import nn
 
 from .._core import get_ubatch
-from ..comm import DispatchPlan, EPComm, ep_comm, plan_dispatch
-from ..primitives import (
+from ..dbo import (
     dbo_maybe_run_recv_hook,
     dbo_record_event,
     dbo_register_recv_hook,
+    dbo_stream_policy,
     dbo_switch_to_comm,
     dbo_switch_to_compute,
     dbo_switch_to_compute_sync,
@@ -58,6 +59,7 @@ from ..primitives import (
     dbo_yield_and_switch_from_comm_to_compute,
     dbo_yield_and_switch_from_compute_to_comm,
 )
+from ..dist.ep import DispatchPlan, EPComm, ep_comm, plan_dispatch
 from .config import MoEConfig
 from .experts import expert_init, router_init, run_experts, shared_init, swiglu
 from .router import route
@@ -65,6 +67,10 @@ from .router import route
 __all__ = ["MoELayer"]
 
 _layer_ids = itertools.count()
+
+# Per-ubatch MoE call counts by layer name: set inside a ubatch, so each ubatch's own context
+# (a copy made at run start) holds its own dict and no other run or ubatch sees it.
+_CALLS: contextvars.ContextVar[dict[str, int]] = contextvars.ContextVar("asyncdbo_moe_calls")
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -178,7 +184,7 @@ class MoELayer(nn.Module):
         config has no shared experts."""
         c = self.cfg
         E, D, Fi = c.num_experts, c.hidden_size, c.intermediate_size
-        expect = {
+        expect: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {
             "router_weight_ED": (router_weight_ED, (E, D)),
             "w_gate_EFD": (w_gate_EFD, (E, Fi, D)),
             "w_up_EFD": (w_up_EFD, (E, Fi, D)),
@@ -197,9 +203,9 @@ class MoELayer(nn.Module):
                 if key not in shared:
                     raise ValueError(f"shared weights lack {key!r}; expected keys gate_proj, up_proj, down_proj")
                 expect[f"shared[{key!r}]"] = (shared[key], shape)
-        for label, (tensor, shape) in expect.items():
-            if tuple(tensor.shape) != shape:
-                raise ValueError(f"{label} has shape {tuple(tensor.shape)}; this layer expects {shape}")
+        for label, (tensor, want) in expect.items():
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"{label} has shape {tuple(tensor.shape)}; this layer expects {want}")
         lo, hi = self.first_expert, self.first_expert + self.experts_per_rank
         self.router_ED.copy_(router_weight_ED)
         self.gate_LFD.copy_(w_gate_EFD[lo:hi])
@@ -228,14 +234,17 @@ class MoELayer(nn.Module):
         """Explicit-event stage keys under the ubatch-stream policy, else None (role streams or
         no run). Keys carry a per-ubatch call count so one layer may run many times per run."""
         ub = get_ubatch()
-        if ub is None or ub.streams.get("compute") is not ub.streams.get("comm"):
+        if ub is None or dbo_stream_policy() != "ubatch":
             return None
-        counter_key = ("asyncdbo.moe.calls", self.name)
-        call = ub.data.get(counter_key, 0)
-        ub.data[counter_key] = call + 1  # type: ignore[operator]
+        calls = _CALLS.get(None)
+        if calls is None:  # first MoE call of this ubatch: its context gets its own counter
+            calls = {}
+            _CALLS.set(calls)
+        call = calls.get(self.name, 0)
+        calls[self.name] = call + 1
         return _Stages((self.name, call, ub.id))
 
-    async def forward(self, x_TD: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    async def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         """Route, dispatch to the experts' ranks, run the local experts, combine back. Same shape
         and dtype out. Inside a DBO run it yields per ``cfg.schedule``; outside it is serial."""
         D = self.cfg.hidden_size

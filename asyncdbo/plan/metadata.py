@@ -299,11 +299,11 @@ def merge_outputs(outputs: Sequence[Output], slices: Sequence[UBatchSlice], num_
             f"the slices hold {total} real tokens but num_tokens_unpadded is {num_tokens_unpadded}"
         )
     if all(isinstance(o, tuple) for o in outputs):
-        arity = {len(o) for o in outputs}  # type: ignore[arg-type]
+        arity = {len(o) for o in outputs}
         if len(arity) != 1:
             raise ValueError(f"tuple outputs differ in length across ubatches ({sorted(arity)})")
         return tuple(
-            merge_outputs([o[i] for o in outputs], slices, num_tokens_unpadded)  # type: ignore[index, misc]
+            merge_outputs([o[i] for o in outputs], slices, num_tokens_unpadded)  # type: ignore[misc]
             for i in range(arity.pop())
         )
     parts: list[torch.Tensor] = []

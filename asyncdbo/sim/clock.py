@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Engine", "Span", "Timeline", "VEvent", "VStream"]
 
@@ -42,8 +43,9 @@ class VEvent:
     recorded: bool = False
     t: float = 0.0
     clock: dict[int, int] = field(default_factory=dict)
-    by: object = None  # the place that recorded it (a races.Site), for reports
-    covers_foreign: object = None  # set when the record covers another ubatch's later work
+    by: Any = None  # the place that recorded it (a races.Site), for reports
+    # (other ubatch, end of this ubatch's own work) when the record covers the other's later work
+    covers_foreign: tuple[int, float] | None = None
 
     def __repr__(self) -> str:
         return f"<VEvent {self.id} {'recorded t=%.1fus' % (self.t * 1e6) if self.recorded else 'never recorded'}>"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..streams.links import preset
+from ..backends.links import preset
 
 __all__ = ["DEVICES", "DeviceSpec", "device_spec"]
 

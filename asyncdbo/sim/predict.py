@@ -34,9 +34,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from ..loop import run_ubatches
-from ..streams.links import LinkSpec
-from ..streams.sim import SimBackend, SimReport
+from ..backends import LinkSpec
+from ..dbo import run_ubatches
+from .backend import SimBackend, SimReport
 from .devices import DeviceSpec
 
 __all__ = ["ModelShape", "Prediction", "predict", "sim_trace"]
@@ -139,7 +139,7 @@ def fake_ep_group(ep: int) -> Iterator[Any]:
 def _forget(groups: list[Any]) -> None:
     """Drop asyncdbo's caches of ``groups`` (EP comm state, per-ubatch clones): they die with the
     fake world, and a later world reuses their ids and names."""
-    from ..comm import forget_ep_comm
+    from ..dist.ep import forget_ep_comm
 
     for g in groups:
         forget_ep_comm(g)

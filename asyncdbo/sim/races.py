@@ -21,20 +21,23 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from types import FrameType
 
 from .._core.errors import AsyncDBOError
 
 __all__ = ["DeadWait", "LostOverlap", "Race", "RaceChecker", "SimCheckError", "Site", "user_place"]
 
-_SKIP = tuple(
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d)
-    for d in ("_core", "primitives.py", "streams", "sim", "comm.py")
-) + (os.path.dirname(os.path.abspath(__import__("torch").__file__)), os.path.dirname(os.__file__))
+# Frames of asyncdbo's machinery (kernel, DBO layer, backends, sim, the EP all-to-all), torch and
+# the standard library: a finding names the first frame outside them, the user's.
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SKIP: tuple[str, ...] = tuple(
+    os.path.join(_PKG, d) for d in ("_core", "dbo", "backends", "sim", "dist")
+) + (os.path.dirname(os.path.abspath(str(__import__("torch").__file__))), os.path.dirname(str(os.__file__)))
 
 
 def user_place() -> str:
     """``file:line in function`` of the innermost frame outside asyncdbo's machinery and torch."""
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     while f is not None:
         fn = f.f_code.co_filename
         if not fn.startswith(_SKIP) and not fn.startswith("<"):

@@ -1,0 +1,68 @@
+"""Hooks a tool (a tracer, the yield checker, a simulator) can subscribe to.
+
+The kernel calls them only when an instrument is set, so an unused instrument costs one
+``is not None`` branch per yield.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .kernel import DBORun
+    from .ubatch import UBatch
+
+__all__ = ["Fanout", "Instrument"]
+
+
+class Instrument:
+    """Scheduler hooks; override the ones you need."""
+
+    def run_started(self, run: DBORun) -> None:
+        """Before the first ubatch step."""
+
+    def resuming(self, ub: UBatch) -> None:
+        """Just before ``ub`` is resumed (what it resumes with is already installed)."""
+
+    def stepped(self, ub: UBatch, request: object) -> None:
+        """After each step of ``ub``; ``request`` is SWITCH, what it parked on, or None if done."""
+
+    def sleeping(self, run: DBORun) -> None:
+        """Every live ubatch is parked; the kernel is about to await a completion."""
+
+    def woke(self, run: DBORun) -> None:
+        """The kernel resumed after sleeping."""
+
+    def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
+        """After the last ubatch finished (or the run failed with ``exc``)."""
+
+
+class Fanout(Instrument):
+    """Several instruments as one (a tracer and the yield checker, say)."""
+
+    def __init__(self, *instruments: Instrument) -> None:
+        self.instruments = tuple(instruments)
+
+    def run_started(self, run: DBORun) -> None:
+        for i in self.instruments:
+            i.run_started(run)
+
+    def resuming(self, ub: UBatch) -> None:
+        for i in self.instruments:
+            i.resuming(ub)
+
+    def stepped(self, ub: UBatch, request: object) -> None:
+        for i in self.instruments:
+            i.stepped(ub, request)
+
+    def sleeping(self, run: DBORun) -> None:
+        for i in self.instruments:
+            i.sleeping(run)
+
+    def woke(self, run: DBORun) -> None:
+        for i in self.instruments:
+            i.woke(run)
+
+    def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
+        for i in self.instruments:
+            i.run_finished(run, exc)

@@ -1,0 +1,383 @@
+"""The kernel: a round-robin driver of N ubatch coroutines on one OS thread.
+
+It knows coroutines, signals, asyncio futures, timers and a clock; nothing about streams, events,
+comm or models (curio's rule: new features go outside the kernel). The layer above talks to it
+through three narrow seams: ``UBatch.resume_with`` plus an ``install`` callable (what to make
+current before a resume: a device stream), ``before_park``/``at_exit`` callables (where vLLM's
+recv hooks run), and the opaque ``ext`` slots on the run and each ubatch.
+
+Invariants (each has a test in tests/core/):
+
+1. Exactly one ubatch runs at a time. Runnable ubatches run in strict round-robin order (a ubatch
+   that yields goes to the back of the ring), so the same program gives the same interleaving on
+   every run.
+2. Only the functions in :mod:`asyncdbo._core.traps` (and asyncio futures, by asyncio's own
+   protocol) suspend a ubatch to the kernel, and every resume goes through the loop below: it
+   installs the ubatch's ``resume_with`` (if it differs from the installed one) and runs
+   ``coro.send`` inside the ubatch's own context. Nothing else restores state.
+3. A ubatch parked on a foreign awaitable or a :class:`Signal` is skipped until it completes. When
+   every live ubatch is parked, the scheduler awaits one asyncio future that the first completion
+   resolves: the event loop stays free for other tasks and nothing spins.
+4. When every live ubatch is parked on something no one can produce (a signal that only another
+   ubatch could set), the run raises :class:`DeadlockError` with each ubatch's await chain.
+5. An exception in one ubatch cancels the others at their suspension point and propagates with its
+   coroutine traceback and a note naming the ubatch and its last yield.
+6. Runs share nothing: two runs in two asyncio tasks never see each other's ubatches.
+
+The fast path of a yield (``SWITCH``) never touches the event loop: it is one ``ctx.run(send)``,
+a deque pop and push, and a counter. See benchmarks/switch_cost.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import inspect
+import itertools
+import logging
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from .clock import Clock, MonotonicClock
+from .errors import DeadlockError, NoOverlapWarning, WatchdogTimeout
+from .instrument import Instrument
+from .stacks import format_run
+from .traps import SWITCH, Signal
+from .ubatch import UBatch, UBatchState
+
+__all__ = ["LIVE_RUNS", "DBORun"]
+
+READY, PARKED, DONE = UBatchState.READY, UBatchState.PARKED, UBatchState.DONE
+_MONOTONIC = MonotonicClock()
+
+log = logging.getLogger("asyncdbo")
+
+LIVE_RUNS: weakref.WeakSet[DBORun] = weakref.WeakSet()
+"""Runs being driven right now, in any task of this process (what ``asyncdbo.dump_stacks`` shows).
+Held weakly: a run that is dropped disappears without bookkeeping."""
+
+
+class DBORun:
+    """One DBO run: N ubatch coroutines driven round-robin until all finish."""
+
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        coros: list[Coroutine[Any, Any, Any]],
+        *,
+        install: Callable[[object], None] | None = None,
+        before_park: Callable[[UBatch], None] | None = None,
+        at_exit: Callable[[UBatch], None] | None = None,
+        instrument: Instrument | None = None,
+        watchdog_s: float | None = None,
+        clock: Clock | None = None,
+        name: str | None = None,
+    ) -> None:
+        """``install(obj)`` makes a ubatch's ``resume_with`` current before it resumes (None: the
+        layer above has nothing to install). ``before_park(ub)`` runs when ``ub`` is about to park,
+        ``at_exit(ub)`` when it returned; either may raise, which fails that ubatch."""
+        self.name = name or f"dbo-run-{next(self._ids)}"
+        self.ubatches = [UBatch(i, self, c) for i, c in enumerate(coros)]
+        self.instrument = instrument
+        self.watchdog_s = watchdog_s
+        self.clock: Clock = _MONOTONIC if clock is None else clock
+        self.num_parks = 0
+        self.num_switches = 0
+        self._num_parked = 0
+        self.time_asleep_s = 0.0
+        self.ext: Any = None  # the layer above's per-run state; the kernel never reads it
+        self._install = install
+        self._before_park = before_park
+        self._at_exit = at_exit
+        self._installed: object = None
+        self._ready: deque[UBatch] = deque(self.ubatches)
+        self._woken: deque[UBatch] = deque()
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._timer_seq = itertools.count()
+        self._sleeping = False
+        self._wakeup: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._live = len(self.ubatches)
+
+    # ------------------------------------------------------------------ services for the layer above
+    def install(self, obj: object) -> None:
+        """Make ``obj`` current now (a role switch inside a step), as a resume would."""
+        if obj is not self._installed:
+            self._installed = obj
+            if self._install is not None:
+                self._install(obj)
+
+    def call_at(self, deadline: float, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the kernel's thread once ``self.clock.now() >= deadline``.
+
+        Checked between ubatch steps and while sleeping, so it fires even while other ubatches
+        keep the CPU busy (a loop timer would wait until they all park)."""
+        heapq.heappush(self._timers, (deadline, next(self._timer_seq), fn))
+
+    def wake(self, ub: UBatch) -> None:
+        """Make a parked ubatch runnable. Safe from any thread."""
+        self._woken.append(ub)
+        if self._sleeping and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._poke)
+
+    # ------------------------------------------------------------------ the loop
+    async def drive(self) -> list[Any]:
+        """Run every ubatch to completion; return their results in ubatch order."""
+        self._loop = asyncio.get_running_loop()
+        inst = self.instrument
+        if inst is not None:
+            inst.run_started(self)
+        LIVE_RUNS.add(self)
+        try:
+            await self._loop_until_done()
+        except BaseException as exc:
+            self._cancel_all(exc)
+            if inst is not None:
+                inst.run_finished(self, exc)
+            raise
+        finally:
+            LIVE_RUNS.discard(self)
+        if inst is not None:
+            inst.run_finished(self, None)
+        if len(self.ubatches) >= 2 and self.num_switches == 0 and self.num_parks == 0:
+            warnings.warn(
+                NoOverlapWarning(
+                    f"{len(self.ubatches)} ubatches ran without a single yield, so nothing could overlap; "
+                    "put `await dbo_yield()` (or a switch primitive) where one ubatch should hand over"
+                ),
+                stacklevel=3,
+            )
+        return [ub.result for ub in self.ubatches]
+
+    async def _loop_until_done(self) -> None:
+        ready, woken, timers = self._ready, self._woken, self._timers
+        inst = self.instrument
+        while self._live:
+            if timers or woken:
+                self._drain()
+            if not ready:
+                await self._sleep()
+                continue
+            # ---- fast path. Ubatches that keep switching stay in this loop until one parks or
+            # finishes. Completions and timers only matter for parked ubatches, so they are checked
+            # only while some ubatch is parked (a wake can only target a parked ubatch). Bound
+            # methods are cached on the UBatch; the switch count is a local until the loop exits.
+            watch = self._num_parked > 0 or bool(timers)
+            installs = self._install is not None  # a host has no device stream to install
+            n = 0
+            switch, pop, push = SWITCH, ready.popleft, ready.append
+            try:
+                while ready:
+                    ub = pop()
+                    if installs and ub.resume_with is not self._installed:
+                        self.install(ub.resume_with)
+                    if inst is not None:
+                        inst.resuming(ub)
+                    try:
+                        request = ub.resume()
+                    except BaseException as exc:
+                        self._stopped(ub, exc)
+                        break
+                    if request is switch:
+                        n += 1
+                        if watch and (woken or timers):
+                            self._drain()  # woken during this step: they were runnable first
+                        push(ub)
+                        if inst is not None:
+                            ub.num_yields += 1
+                            inst.stepped(ub, request)
+                    else:
+                        self._park(ub, request)
+                        if inst is not None:
+                            inst.stepped(ub, request)
+                        break
+            finally:
+                self.num_switches += n
+
+    def _stopped(self, ub: UBatch, exc: BaseException) -> None:
+        """``ub`` left its coroutine: finished (StopIteration) or failed (re-raised with a note)."""
+        if isinstance(exc, StopIteration):
+            self._finish(ub, exc.value)
+            return
+        ub.state = DONE
+        self._live -= 1
+        self._annotate(ub, exc)
+        raise exc
+
+    def _finish(self, ub: UBatch, result: object) -> None:
+        ub.state = DONE
+        ub.result = result
+        ub.parked_on = None
+        self._live -= 1
+        if self._at_exit is not None:
+            try:
+                ub.ctx_run(self._at_exit, ub)
+            except BaseException as exc:
+                self._annotate(ub, exc, where="at its exit")
+                raise
+        if self.instrument is not None:
+            self.instrument.stepped(ub, None)
+
+    def _park(self, ub: UBatch, request: object) -> None:
+        if self._before_park is not None:
+            try:
+                ub.ctx_run(self._before_park, ub)
+            except BaseException as exc:
+                ub.state = DONE
+                self._live -= 1
+                self._annotate(ub, exc, where="as it parked")
+                raise
+        ub.state = PARKED
+        ub.parked_on = request
+        self.num_parks += 1
+        self._num_parked += 1
+        if isinstance(request, Signal):
+            request.add_waiter(lambda: self.wake(ub))
+        elif request is None:  # a bare `yield` (asyncio.sleep(0)): let the loop run once
+            ub.parked_on = "asyncio.sleep(0)"
+            self._loop.call_soon(self.wake, ub)  # type: ignore[union-attr]
+        elif getattr(request, "_asyncio_future_blocking", None) is not None:
+            request._asyncio_future_blocking = False  # type: ignore[attr-defined]
+            request.add_done_callback(lambda _f: self.wake(ub))  # type: ignore[attr-defined]
+        else:  # not ours, not asyncio's: raise it inside the ubatch, at the await that yielded it
+            ub.parked_on = None
+            ub.state = READY
+            self.num_parks -= 1
+            self._num_parked -= 1
+            error = TypeError(
+                f"ubatch {ub.id} awaited something that yielded {request!r}; asyncdbo can park a ubatch "
+                "on asyncdbo primitives and on asyncio awaitables (futures, tasks, asyncio.sleep) only. "
+                "Wrap other event loops' objects in an asyncio future first."
+            )
+            try:
+                request = ub.ctx_run(ub.coro.throw, error)
+            except BaseException as exc:
+                self._stopped(ub, exc)
+                return
+            if request is SWITCH:
+                self.num_switches += 1
+                self._ready.append(ub)
+            else:
+                self._park(ub, request)
+
+    def _drain(self) -> None:
+        """Fire due timers, then move woken ubatches to the back of the ready ring."""
+        if self._timers:
+            self._fire_timers()
+        woken = self._woken
+        while woken:
+            ub = woken.popleft()
+            if ub.state == PARKED:
+                ub.state = READY
+                ub.parked_on = None
+                self._num_parked -= 1
+                self._ready.append(ub)
+
+    def _fire_timers(self) -> None:
+        now = self.clock.now()
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            heapq.heappop(timers)[2]()
+
+    def _poke(self) -> None:
+        fut = self._wakeup
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def _sleep(self) -> None:
+        """Every live ubatch is parked: await the first completion (or a timer, or the watchdog)."""
+        if not self._timers:
+            self._check_deadlock()
+        loop = self._loop
+        assert loop is not None
+        self._wakeup = fut = loop.create_future()
+        self._sleeping = True
+        handles = []
+        if self._woken:  # a completion raced in before _sleeping was visible
+            fut.set_result(None)
+        clock = self.clock
+        t0 = clock.now()
+        timer_due = self._timers[0][0] if self._timers else None
+        watchdog_due = None if self.watchdog_s is None else t0 + self.watchdog_s
+        # Only the earliest deadline matters: a timer ends this sleep, and the next one re-arms
+        # the watchdog (it measures one stretch with every ubatch parked).
+        if fut.done():
+            pass
+        elif watchdog_due is not None and (timer_due is None or watchdog_due < timer_due):
+            handles.append(loop.call_later(clock.wait_s(watchdog_due), self._watchdog_fire, fut))
+        elif timer_due is not None:
+            handles.append(loop.call_later(clock.wait_s(timer_due), self._poke))
+        if self.instrument is not None:
+            self.instrument.sleeping(self)
+        try:
+            await fut
+        finally:
+            self._sleeping = False
+            self._wakeup = None
+            self.time_asleep_s += clock.now() - t0
+            for h in handles:
+                h.cancel()
+        if self.instrument is not None:
+            self.instrument.woke(self)
+
+    def _watchdog_fire(self, fut: asyncio.Future[None]) -> None:
+        if not fut.done():
+            fut.set_exception(
+                WatchdogTimeout(
+                    format_run(
+                        self.ubatches,
+                        f"asyncdbo watchdog: run {self.name!r} made no progress for {self.watchdog_s:g} s "
+                        "(every ubatch is parked on an outside event). Ubatch stacks:",
+                    )
+                )
+            )
+
+    def _check_deadlock(self) -> None:
+        live = [ub for ub in self.ubatches if ub.state != DONE]
+        if live and all(isinstance(ub.parked_on, Signal) and not ub.parked_on.external for ub in live):
+            raise DeadlockError(
+                format_run(
+                    self.ubatches,
+                    f"asyncdbo deadlock in run {self.name!r}: every live ubatch waits on something only "
+                    "another ubatch could produce, and none can run. Ubatch stacks:",
+                )
+            )
+
+    # ------------------------------------------------------------------ failure
+    def _annotate(self, ub: UBatch, exc: BaseException, where: str = "") -> None:
+        if isinstance(exc, asyncio.CancelledError):
+            return
+        exc.add_note(
+            f"asyncdbo: raised in ubatch {ub.id} of {len(self.ubatches)} {where or 'while running'} "
+            f"(last yield point {ub.tag!r}); the other ubatches were cancelled"
+        )
+
+    def _cancel_all(self, cause: BaseException) -> None:
+        """Cancel every live ubatch at its suspension point (like Task.cancel), then close it."""
+        for ub in self.ubatches:
+            if ub.state == DONE:
+                continue
+            parked = ub.parked_on
+            if ub.state == PARKED:
+                self._num_parked -= 1
+            ub.state = DONE
+            ub.parked_on = None
+            self._live -= 1
+            if getattr(parked, "_asyncio_future_blocking", None) is not None and not parked.done():
+                parked.cancel()
+            if inspect.getcoroutinestate(ub.coro) != inspect.CORO_SUSPENDED:
+                ub.coro.close()  # never started: closing it also avoids a "never awaited" warning
+                continue
+            try:
+                ub.ctx.run(ub.coro.throw, asyncio.CancelledError(f"asyncdbo: sibling ubatch failed: {cause!r}"))
+            except (asyncio.CancelledError, StopIteration):
+                pass
+            except BaseException as exc:  # noqa: BLE001 - cleanup of an already failing run
+                log.debug("ubatch %d raised while being cancelled: %r", ub.id, exc)
+            else:
+                log.debug("ubatch %d ignored its cancellation; closing it", ub.id)
+            ub.coro.close()

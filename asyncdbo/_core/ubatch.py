@@ -1,0 +1,95 @@
+"""The kernel's record of one ubatch, reached through a contextvar.
+
+Each ubatch coroutine runs inside its own :class:`contextvars.Context`, a copy of the caller's
+context in which :data:`current_ubatch` is set to its :class:`UBatch`. The kernel resumes a
+ubatch with ``ctx.run(coro.send, None)``, so after every resume the ubatch sees its own state and
+its own contextvars with no restore code at all (vLLM re-installs a process-global forward context
+by hand after each thread handoff). Two DBO runs in two asyncio tasks never share state: each run
+builds its own contexts.
+
+The record holds only what a round-robin driver of coroutines needs. The layer above (streams,
+events, recv hooks) keeps its per-ubatch state in ``ext``, an object the kernel never reads, and
+tells the kernel what to install before a resume through ``resume_with``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import enum
+import functools
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .kernel import DBORun
+
+__all__ = ["UBatch", "UBatchState", "current_ubatch", "get_ubatch"]
+
+current_ubatch: contextvars.ContextVar[UBatch] = contextvars.ContextVar("asyncdbo_ubatch")
+
+
+class UBatchState(enum.Enum):
+    """Where a ubatch is in the kernel's ring."""
+
+    READY = "ready"  # in the ring, or running now
+    PARKED = "parked"  # skipped until what it waits on completes
+    DONE = "done"  # returned, raised, or was cancelled
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class UBatch:
+    """One ubatch of a run.
+
+    ``id`` (its index), ``run`` (the :class:`~asyncdbo._core.kernel.DBORun`), ``tag`` (the last yield
+    tag), ``num_yields`` (counted only while an instrument is set), ``state``, ``parked_on`` (what it
+    waits on), ``result``; ``resume_with``: what the run installs before resuming it (a device
+    stream; the kernel only compares and passes it on); ``ext``: the upper layer's per-ubatch state.
+    """
+
+    __slots__ = (
+        "id",
+        "run",
+        "coro",
+        "resume",
+        "ctx",
+        "ctx_run",
+        "state",
+        "tag",
+        "num_yields",
+        "parked_on",
+        "result",
+        "resume_with",
+        "ext",
+    )
+
+    def __init__(self, ub_id: int, run: DBORun, coro: Coroutine[Any, Any, Any]) -> None:
+        self.id = ub_id
+        self.run = run
+        self.coro = coro
+        self.ctx = contextvars.copy_context()
+        self.ctx_run = self.ctx.run
+        # coro.send(None) inside this ubatch's context, prebuilt: the kernel's fast path calls it
+        # once per switch, with no attribute lookups or argument packing of its own.
+        self.resume: Callable[[], object] = functools.partial(self.ctx.run, coro.send, None)
+        self.ctx.run(current_ubatch.set, self)
+        self.state = UBatchState.READY
+        self.tag: str | None = None
+        self.num_yields = 0
+        self.parked_on: Any = None
+        self.result: object = None
+        self.resume_with: object = None
+        self.ext: Any = None
+
+    @property
+    def num_ubatches(self) -> int:
+        return len(self.run.ubatches)
+
+    def __repr__(self) -> str:
+        return f"<UBatch {self.id} {self.state} tag={self.tag!r} yields={self.num_yields}>"
+
+
+def get_ubatch() -> UBatch | None:
+    """The running ubatch, or None outside a DBO run."""
+    return current_ubatch.get(None)

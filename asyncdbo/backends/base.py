@@ -1,0 +1,186 @@
+"""What every stream backend implements, and the typed per-ubatch state it fills.
+
+A backend owns three things for a run: the streams each ubatch computes and communicates on, the
+events that order them, and how a comm work's completion reaches the ubatch waiting for it. It
+keeps them in a :class:`RunStreams` (one per run) holding a :class:`UBatchStreams` per ubatch;
+the DBO layer subclasses both to add its own fields, and hands them to :meth:`StreamBackend.attach`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from .._core import DBORun, Signal, UBatch
+
+__all__ = [
+    "COMPLETED",
+    "ROLES",
+    "CommHandle",
+    "CommRecord",
+    "DoneWork",
+    "Role",
+    "RunStreams",
+    "StreamBackend",
+    "StreamPolicy",
+    "UBatchStreams",
+]
+
+StreamPolicy = Literal["role", "ubatch"]
+"""``role`` (vLLM): one compute and one comm stream shared by all ubatches; a role switch moves a
+ubatch between them. ``ubatch`` (CANN prefill case): each ubatch owns one stream for both roles
+(ubatch 0 the current stream, the others side streams); cross-ubatch order is explicit events."""
+
+Role = Literal["compute", "comm"]
+ROLES: tuple[Role, Role] = ("compute", "comm")
+
+
+class CommHandle(Protocol):
+    """What :meth:`StreamBackend.submit` returns: ``await handle`` waits for the work the way the
+    backend needs (the host parks the ubatch; a device orders its stream), ``wait()`` blocks
+    outside a run, ``done()`` says whether anything is left to wait for."""
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+    def __await__(self) -> Generator[Any, Any, None]: ...
+
+
+class DoneWork:
+    """A comm handle with nothing left to wait for: work that completed before it was handed over
+    (outside a run), or device comm whose order already lives on the streams. ``await`` is free."""
+
+    __slots__ = ("what", "nbytes", "work")
+
+    def __init__(self, what: str = "comm", nbytes: int = 0, work: Any = None) -> None:
+        self.what, self.nbytes, self.work = what, nbytes, work
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        return
+        yield  # a generator that finishes at once: nothing to wait for
+
+    def __repr__(self) -> str:
+        return f"<DoneWork {self.what}>"
+
+
+COMPLETED = DoneWork("completed")
+"""The shared done awaitable: what comm paths that issued no work (EP size 1, serial calls) and
+the primitives outside a run return."""
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One comm work a backend tracked in a run, for the tools that report comm time: the ubatch
+    that issued it, what it was, its bytes, when it was issued, when the transport completed it
+    (``t_done``, None while in flight) and when a modeled link released it (``t_release``, None
+    without one); all on the run's clock."""
+
+    ub: int
+    what: str
+    nbytes: int
+    t_issue: float
+    t_done: float | None
+    t_release: float | None = None
+
+    @property
+    def t_end(self) -> float | None:
+        """When the waiting ubatch could go on: the later of completion and release."""
+        if self.t_done is None:
+            return None
+        return self.t_done if self.t_release is None else max(self.t_done, self.t_release)
+
+
+@dataclass(eq=False)
+class UBatchStreams:
+    """One ubatch's place on the device: its streams and done-events by role, the role and stream
+    it is on now. ``ub`` is the kernel's record (its id, its run's clock and timers)."""
+
+    ub: UBatch
+    streams: dict[Role, Any] = field(default_factory=dict)
+    events: dict[Role, Any] = field(default_factory=dict)
+    role: Role = "compute"
+    stream: Any = None
+
+    def set_stream(self, stream: Any) -> None:
+        """Make ``stream`` this ubatch's current stream, now and on every later resume."""
+        self.stream = stream
+        self.ub.resume_with = stream
+        self.ub.run.install(stream)
+
+
+@dataclass(eq=False)
+class RunStreams:
+    """A run's device state: its backend, policy, the ubatches' :class:`UBatchStreams` (by id) and
+    a log of the comm works the backend tracked (the host backend logs every work; device
+    backends leave the timing to device events)."""
+
+    backend: StreamBackend
+    policy: StreamPolicy
+    lanes: list[Any]  # list[UBatchStreams] (or the DBO layer's subclass)
+    comm: list[Any] = field(default_factory=list)  # backend-specific work handles, in issue order
+
+    def comm_records(self) -> list[CommRecord]:
+        """Every tracked work as a :class:`CommRecord` (the backend knows its handles' fields)."""
+        return [self.backend.comm_record(w) for w in self.comm]
+
+
+class StreamBackend(ABC):
+    """Streams, events and comm completion for one kind of device.
+
+    Event rule (vLLM's, kept everywhere): a ubatch records its done-event on the stream it leaves
+    *before* yielding, and the stream it enters waits on it *after* resuming. Recording after the
+    yield would cover the other ubatch's queued work and silently serialize them (vLLM #38451).
+    """
+
+    name: str = "?"
+
+    @abstractmethod
+    def attach(self, run: DBORun, state: RunStreams) -> None:
+        """Give each lane of ``state`` its ``streams`` (role -> stream), ``events`` (role ->
+        done-event) and starting ``stream`` (compute, also set as the ubatch's ``resume_with``).
+        Called once before the run starts."""
+
+    def detach(self, run: DBORun, state: RunStreams) -> None:
+        """Called after the run; restore whatever ``attach`` changed."""
+
+    @property
+    def install_stream(self) -> Any:
+        """Callable that makes a stream the device's current one, or None when there is nothing to
+        install (host). The kernel calls it on every resume whose stream differs."""
+        return None
+
+    @abstractmethod
+    def new_event(self) -> Any:
+        """A fresh, never-recorded event."""
+
+    @abstractmethod
+    def record(self, event: Any, stream: Any) -> None:
+        """Record ``event`` on ``stream`` (captures the work queued there so far)."""
+
+    @abstractmethod
+    def wait(self, stream: Any, event: Any) -> Signal | None:
+        """Make ``stream`` wait for ``event``. Returns None if the device orders it (no CPU wait),
+        or a Signal the calling ubatch must park on before it may go on (host)."""
+
+    @abstractmethod
+    def submit(self, work: Any, lane: UBatchStreams | None, *, nbytes: int = 0, what: str = "comm",
+               **options: Any) -> CommHandle:
+        """Take a ``torch.distributed`` async work issued by the running ubatch (``lane``; None
+        outside a run: wait for it at once) on its current stream. Returns a handle to wait on."""
+
+    def comm_record(self, handle: Any) -> CommRecord:
+        """The :class:`CommRecord` of a handle this backend put in ``RunStreams.comm``."""
+        raise NotImplementedError(f"the {self.name} backend tracks no comm works")
+
+    def describe(self) -> str:
+        return self.name

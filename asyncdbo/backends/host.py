@@ -1,0 +1,191 @@
+"""Host backend: DBO on a CPU with no accelerator.
+
+A CPU has no device queue: ``torch.Event('cpu').record()`` raises, and every CPU op returns when
+it is done. So this backend keeps its own streams:
+
+* the **compute** stream is the CPU itself: work on it is finished when the call returns;
+* a **comm** stream is a FIFO of outstanding ``torch.distributed`` async works (gloo). Gloo runs
+  them on its own threads, so they progress while the other ubatch computes.
+
+An event recorded on a stream snapshots that stream's unfinished works (CUDA's FIFO meaning: "all
+work queued here so far"). Waiting on it returns a :class:`Signal` that completes when those works
+do; the waiting ubatch parks on it while the others run. Completion comes from gloo's callback
+thread straight into the scheduler's wake queue (no event-loop round trip, no polling).
+
+With a :class:`LinkSpec` the backend models the link: each work's completion is also held back
+until ``issue time + latency + bytes / bandwidth`` on a serialized link, taking no CPU, so a
+2-core machine can show the overlap a real NIC would give.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .._core import Clock, MonotonicClock, Signal
+from .base import CommRecord, RunStreams, StreamBackend, UBatchStreams
+from .links import LinkSpec, link_spec
+
+if TYPE_CHECKING:
+    from .._core import DBORun
+
+_MONOTONIC = MonotonicClock()
+
+__all__ = ["HostBackend", "HostEvent", "HostStream", "HostWork"]
+
+
+@dataclass(eq=False)
+class HostStream:
+    """A host stream. ``inline`` streams run their work synchronously (the CPU)."""
+
+    name: str
+    inline: bool
+    pending: list[HostWork] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        return f"<HostStream {self.name} pending={len(self.pending)}>"
+
+
+@dataclass(eq=False)
+class HostEvent:
+    works: tuple[HostWork, ...] = ()
+    recorded: bool = False
+
+
+class HostWork:
+    """One async comm work. ``await work`` parks the ubatch until it completes; ``wait()`` blocks
+    (outside a DBO run). ``t_issue``/``t_done``/``t_release`` (the run's clock) feed the trace
+    numbers; ``ub`` is the issuing ubatch (None outside a run)."""
+
+    __slots__ = ("what", "nbytes", "signal", "t_issue", "t_done", "t_release", "work", "ub", "clock")
+
+    def __init__(self, what: str, nbytes: int, work: Any, arrivals: int, clock: Clock, ub: int | None) -> None:
+        self.what = what
+        self.nbytes = nbytes
+        self.work = work
+        self.ub = ub
+        self.clock = clock
+        self.signal = Signal(what, external=True, arrivals=arrivals)
+        self.t_issue = clock.now()
+        self.t_done: float | None = None
+        self.t_release: float | None = None
+
+    def done(self) -> bool:
+        return self.signal.done()
+
+    def succeeded(self) -> bool:
+        """Done without an error: nothing left to wait for or to report."""
+        return self.signal.done() and self.signal.exception() is None
+
+    def _on_complete(self, fut: Any) -> None:  # gloo's thread, or inline if already complete
+        self.t_done = self.clock.now()
+        exc = None
+        try:
+            fut.value()
+        except BaseException as e:  # noqa: BLE001 - forwarded to the waiting ubatch
+            exc = RuntimeError(f"comm work {self.what!r} failed: {e}")
+        self.signal.set(exc)
+
+    def __await__(self) -> Any:
+        return self.signal.__await__()
+
+    def wait(self) -> None:
+        """Block this thread until the work (and the modeled link) completes."""
+        self.work.wait()
+        if self.t_release is not None:
+            delay = self.clock.wait_s(self.t_release)
+            if delay > 0:
+                time.sleep(delay)
+        if self.signal.exception() is not None:
+            raise self.signal.exception()  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"<HostWork {self.what} {self.nbytes}B {'done' if self.done() else 'pending'}>"
+
+
+def _forward(src: Signal, dst: Signal) -> Callable[[], None]:
+    """Waiter for ``src`` that counts one arrival on ``dst``, carrying ``src``'s error if any."""
+    return lambda: dst.set(src.exception())
+
+
+class HostBackend(StreamBackend):
+    """DBO streams for a CPU-only machine (see the module docstring)."""
+
+    name = "host"
+
+    def __init__(self, *, link: str | LinkSpec | None = None) -> None:
+        self.link = None if link is None else link_spec(link)
+        self._link_free_at = 0.0
+        self._lock = threading.Lock()
+
+    def describe(self) -> str:
+        if self.link is None:
+            return "host (real gloo comm)"
+        return f"host (modeled link {self.link.name}: {self.link.latency_s * 1e6:g} us + {self.link.bandwidth_Bps / 1e9:g} GB/s)"
+
+    def attach(self, run: DBORun, state: RunStreams) -> None:
+        cpu = HostStream("compute", inline=True)
+        shared_comm = HostStream("comm", inline=False)
+        for lane in state.lanes:
+            comm = shared_comm if state.policy == "role" else HostStream(f"ub{lane.ub.id}", inline=False)
+            compute = cpu if state.policy == "role" else comm
+            lane.streams = {"compute": compute, "comm": comm}
+            lane.events = {"compute": HostEvent(), "comm": HostEvent()}
+            lane.stream = lane.ub.resume_with = compute
+
+    def new_event(self) -> HostEvent:
+        return HostEvent()
+
+    def record(self, event: HostEvent, stream: HostStream) -> None:
+        stream.pending = [w for w in stream.pending if not w.succeeded()]  # a failure stays to be reported
+        event.works = tuple(stream.pending)
+        event.recorded = True
+
+    def wait(self, stream: HostStream, event: HostEvent) -> Signal | None:
+        pending = [w for w in event.works if not w.succeeded()]
+        if not pending:
+            return None
+        if len(pending) == 1:
+            return pending[0].signal  # awaiting it raises if the work failed
+        joined = Signal(f"{len(pending)} comm works", external=True, arrivals=len(pending))
+        for w in pending:  # the first failure completes the join with that error
+            w.signal.add_waiter(_forward(w.signal, joined))
+        return joined
+
+    def submit(self, work: Any, lane: UBatchStreams | None, *, nbytes: int = 0, what: str = "comm",
+               **options: Any) -> HostWork:
+        """Track ``work`` (a torch.distributed Work with ``get_future()``).
+
+        Inside a DBO run (``lane`` given) it joins that ubatch's current stream; outside, it is
+        waited for at once (serial semantics). ``options`` (the sim's race-checker hints) are
+        ignored."""
+        run = None if lane is None else lane.ub.run
+        clock = _MONOTONIC if run is None else run.clock
+        hw = HostWork(what, nbytes, work, arrivals=2 if self.link is not None else 1, clock=clock,
+                      ub=None if lane is None else lane.ub.id)
+        if self.link is not None:
+            with self._lock:
+                start = max(hw.t_issue, self._link_free_at)
+                self._link_free_at = start + nbytes / self.link.bandwidth_Bps
+                hw.t_release = start + self.link.transfer_s(nbytes)
+            if run is not None:
+                run.call_at(hw.t_release, hw.signal.set)
+            else:
+                hw.signal.set()  # the blocking wait() below sleeps until the release time
+        work.get_future().add_done_callback(hw._on_complete)
+        if lane is None:
+            hw.wait()
+            return hw
+        stream = lane.stream
+        assert isinstance(stream, HostStream), stream
+        stream.pending.append(hw)
+        lane.ub.run.ext.comm.append(hw)  # every work of the run, for the numbers tools report
+        return hw
+
+    def comm_record(self, handle: Any) -> CommRecord:
+        assert isinstance(handle, HostWork), handle
+        return CommRecord(ub=-1 if handle.ub is None else handle.ub, what=handle.what, nbytes=handle.nbytes,
+                          t_issue=handle.t_issue, t_done=handle.t_done, t_release=handle.t_release)

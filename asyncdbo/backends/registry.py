@@ -1,0 +1,58 @@
+"""Stream backends by name: ``get_backend("host")``, and ``register_backend`` for new devices.
+
+Backends are imported only when chosen, so ``import asyncdbo`` stays free of torch and a machine
+without an accelerator never imports the accelerator backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from .base import StreamBackend
+
+__all__ = ["backend_names", "get_backend", "register_backend"]
+
+# name -> "module:attribute" of a factory taking the backend's keyword options
+_REGISTRY: dict[str, str | Callable[..., StreamBackend]] = {
+    "host": "asyncdbo.backends.host:HostBackend",
+    "cuda": "asyncdbo.backends.accelerator:cuda_backend",
+    "npu": "asyncdbo.backends.accelerator:npu_backend",
+    "xpu": "asyncdbo.backends.accelerator:xpu_backend",
+    "accelerator": "asyncdbo.backends.accelerator:AcceleratorBackend",
+    "sim": "asyncdbo.sim.backend:SimBackend",
+}
+
+
+def register_backend(name: str, factory: str | Callable[..., StreamBackend]) -> None:
+    """Make ``get_backend(name, **options)`` call ``factory(**options)`` (a callable, or a
+    ``"module:attribute"`` string imported on first use)."""
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(f"a backend name must be a non-empty string other than 'auto' (got {name!r})")
+    _REGISTRY[name] = factory
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every name :func:`get_backend` accepts."""
+    return ("auto", *_REGISTRY)
+
+
+def get_backend(name: str | StreamBackend | None = "auto", **options: Any) -> StreamBackend:
+    """A backend by name: ``auto`` (the accelerator if torch has one, else ``host``), ``host``,
+    ``cuda``, ``npu``, ``xpu``, ``accelerator``, ``sim`` (simulated device), or one registered
+    with :func:`register_backend`; a :class:`StreamBackend` instance is returned as it is."""
+    if isinstance(name, StreamBackend):
+        return name
+    if name is None or name == "auto":
+        import torch
+
+        acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        name = "host" if acc is None else acc.type
+    factory = _REGISTRY.get(name) if isinstance(name, str) else None
+    if factory is None:
+        raise ValueError(f"unknown stream backend {name!r}; choose one of {backend_names()}")
+    if isinstance(factory, str):
+        module, _, attr = factory.partition(":")
+        factory = getattr(importlib.import_module(module), attr)
+    return factory(**options)

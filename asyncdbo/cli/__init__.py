@@ -1,0 +1,48 @@
+"""``asyncdbo demo | bench | trace | check``: one entry point, each subcommand in its own module.
+
+Subcommand modules are imported only when chosen, so ``asyncdbo --help`` stays fast and a missing
+optional extra (matplotlib for PNGs) only matters to the command that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+# name -> (module, help). Each module defines add_arguments(parser) and main(args) -> int.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("asyncdbo.cli.demo", "run the DP+EP MoE model on W local ranks, serial vs DBO, and print the table"),
+    "trace": ("asyncdbo.cli.trace", "render an exported trace JSON as a PNG timeline and print its numbers"),
+    "check": ("asyncdbo.cli.check", "predict DBO gain on a simulated device and link (no GPU needed)"),
+    "bench": ("asyncdbo.cli.bench", "moved to benchmarks/switch_cost.py in the source tree"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="asyncdbo", description="Dual Batch Overlap on asyncio coroutines")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    if chosen == "bench":  # moved out of the library: say where, whatever its old flags were
+        from .bench import moved
+
+        return moved()
+    for name, (modname, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            mod = importlib.import_module(modname)
+            mod.add_arguments(p)
+            p.set_defaults(_main=mod.main)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args._main(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,400 @@
+"""``asyncdbo demo``: the DP+EP MoE model on W local ranks, serial vs DBO, side by side.
+
+Each step runs the same batch twice on every rank, first as one batch (DBO off) and then with
+DBO, so the two are measured back to back on the same (noisy, shared) machine; the table reports
+medians over the steps after a warm-up.  The logits of both runs must match, or the command exits
+with status 1.
+
+Two launchers share one per-rank function (:func:`demo_rank`):
+
+* ``--launcher local`` (default): :func:`asyncdbo.launch.run_ranks` starts W processes joined in a
+  gloo group on 127.0.0.1 and collects their numbers;
+* ``--launcher env``: run under ``torchrun --nproc-per-node W -m asyncdbo demo --launcher env``;
+  every process joins through ``env://`` (NCCL and its own GPU when CUDA is available, else
+  gloo), and rank 0 prints.
+
+On a CPU the "device" is the CPU and comm is gloo over loopback, which needs CPU time too, so on a
+2-core machine real comm competes with compute and overlap shows little.  ``--link`` models an
+interconnect: the real all-to-all still runs and carries the data, but its completion is released
+only after ``latency + bytes / bandwidth`` of the named link, a wait that takes no CPU.  A CPU
+computes ~1000x slower than the accelerators such links serve, so by default the modeled link's
+times are scaled by ``--link-scale`` (1000) to keep comm:compute near what the real pair would
+see.  Output from a modeled link is labelled ``MODELED LINK``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ..moe.config import Schedule
+
+__all__ = ["DemoConfig", "add_arguments", "demo_rank", "error_line", "main", "summarize"]
+
+logger = logging.getLogger("asyncdbo.demo")
+
+LINK_CHOICES = ("none", "nvlink", "ib400", "eth100")
+#: Max |logits| difference between serial and DBO accepted as a match (fp32 CPU rounding).
+MATCH_ATOL = 1e-4
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """Everything one demo run needs; identical on every rank."""
+
+    ranks: int = 2
+    tokens: int = 512
+    layers: int = 2
+    experts: int = 8
+    top_k: int = 2
+    hidden: int = 256
+    schedule: Schedule = "ht"
+    stream_policy: str = "role"
+    ubatches: int = 2
+    loop: str = "auto"
+    steps: int = 5
+    warmup: int = 1
+    shape: str = "prefill"
+    context: int = 32
+    link: str | None = None
+    link_scale: float = 1000.0
+    trace: str | None = None
+    seed: int = 0
+    prefill_threshold: int = 512
+    decode_threshold: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("ranks", "layers", "experts", "top_k", "hidden", "ubatches", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})")
+        if self.prefill_threshold < 0 or self.decode_threshold < 0:
+            raise ValueError(
+                f"--prefill-threshold and --decode-threshold must be >= 0 "
+                f"(got {self.prefill_threshold}, {self.decode_threshold}); 0 always microbatches"
+            )
+        if self.warmup < 0 or self.context < 1:
+            raise ValueError(f"--warmup must be >= 0 and --context >= 1 (got {self.warmup}, {self.context})")
+        if self.tokens < 0:
+            raise ValueError(f"--tokens must be >= 0 (got {self.tokens})")
+        if self.tokens == 0:
+            raise ValueError("--tokens 0 gives every rank zero tokens: there is nothing to run; use --tokens >= 1")
+        if self.experts % self.ranks:
+            raise ValueError(
+                f"--experts {self.experts} is not divisible by --ranks {self.ranks}: each rank owns "
+                f"an equal share of experts; use a multiple of {self.ranks}"
+            )
+        if self.shape not in ("prefill", "decode"):
+            raise ValueError(f"unknown --shape {self.shape!r}; use 'prefill' or 'decode'")
+        if self.link is not None and self.link not in LINK_CHOICES[1:]:
+            raise ValueError(f"unknown --link {self.link!r}; use one of {LINK_CHOICES}")
+        if not self.link_scale > 0:
+            raise ValueError(f"--link-scale must be > 0 (got {self.link_scale})")
+        if self.loop not in ("auto", "asyncio", "uvloop"):
+            raise ValueError(f"unknown --loop {self.loop!r}; use 'auto', 'asyncio' or 'uvloop'")
+        if self.stream_policy not in ("role", "ubatch"):
+            raise ValueError(f"unknown --stream-policy {self.stream_policy!r}; use 'role' or 'ubatch'")
+        self.model_config()  # MiniConfig checks top-k, schedule and sizes with its own messages
+
+    def model_config(self) -> Any:
+        from ..models import MiniConfig
+
+        heads = max(1, self.hidden // 64)
+        # Enough blocks for the biggest step: every request's context plus all decode steps.
+        block = 16
+        if self.shape == "prefill":
+            blocks = -(-self.tokens // block) + 8
+        else:
+            blocks = self.tokens * -(-(self.context + self.warmup + self.steps) // block)
+        return MiniConfig(
+            hidden_size=self.hidden, num_layers=self.layers, num_heads=heads, head_dim=self.hidden // heads,
+            num_experts=self.experts, top_k=self.top_k, moe_intermediate_size=self.hidden,
+            schedule=self.schedule, block_size=block, num_kv_blocks=blocks, seed=self.seed,
+        )
+
+    def link_spec(self) -> Any:
+        if self.link is None:
+            return None
+        from ..backends import link_spec
+
+        base = link_spec(self.link)
+        return link_spec(base, latency_s=base.latency_s * self.link_scale,
+                         bandwidth_Bps=base.bandwidth_Bps / self.link_scale)
+
+
+# ------------------------------------------------------------------------------------ per rank
+def _prefill_chunks(cfg: DemoConfig, rank: int, step: int, vocab: int) -> list[tuple[int, list[int]]]:
+    """``cfg.tokens`` new tokens in 1-4 requests of uneven, seeded lengths."""
+    g = torch.Generator().manual_seed(cfg.seed * 100003 + rank * 1009 + step)
+    num_reqs = min(cfg.tokens, int(torch.randint(1, 5, (1,), generator=g)))
+    cuts = sorted(torch.randperm(cfg.tokens - 1, generator=g)[: num_reqs - 1].add(1).tolist()) if num_reqs > 1 else []
+    bounds = [0, *cuts, cfg.tokens]
+    ids = torch.randint(0, vocab, (cfg.tokens,), generator=g).tolist()
+    return [(step * 1000 + r, ids[bounds[r] : bounds[r + 1]]) for r in range(num_reqs)]
+
+
+def _decode_chunks(cfg: DemoConfig, rank: int, step: int, vocab: int, length: int) -> list[tuple[int, list[int]]]:
+    g = torch.Generator().manual_seed(cfg.seed * 100003 + rank * 1009 + step)
+    ids = torch.randint(0, vocab, (cfg.tokens, length), generator=g).tolist()
+    return [(r, ids[r]) for r in range(cfg.tokens)]
+
+
+async def _demo_rank_async(rank: int, world: int, cfg: DemoConfig, device: torch.device) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from ..models import MiniModel
+    from ..observe import Tracer
+    from ..plan import ThresholdConfig
+    from ..serving import BatchBuilder, DBORunner, RunnerConfig
+
+    group = dist.group.WORLD if dist.is_initialized() and world > 1 else None
+    mcfg = cfg.model_config()
+    model = MiniModel(mcfg, ep_group=group, max_ubatches=max(cfg.ubatches, 2), device=device)
+    runner = DBORunner(
+        model,
+        RunnerConfig(num_ubatches=cfg.ubatches, stream_policy=cfg.stream_policy,  # type: ignore[arg-type]
+                     thresholds=ThresholdConfig(prefill_threshold=cfg.prefill_threshold,
+                                                decode_threshold=cfg.decode_threshold),
+                     backend="host" if cfg.link else "auto", link=cfg.link_spec()),
+        dp_group=group,
+        device=device,
+    )
+    builder = BatchBuilder(mcfg.kv_cache_config, device=device)
+
+    def barrier() -> None:
+        if group is not None:
+            dist.barrier()
+
+    if cfg.shape == "decode":  # fill every request's context once, untimed
+        await runner.step(builder.build(_decode_chunks(cfg, rank, -1, mcfg.vocab_size, cfg.context)), enabled=False)
+    out: dict[str, Any] = {"rank": rank, "serial": [], "dbo": [], "max_abs_diff": 0.0, "trace": None}
+    for i in range(cfg.warmup + cfg.steps):
+        if cfg.shape == "prefill":
+            builder.reset()
+            batch = builder.build(_prefill_chunks(cfg, rank, i, mcfg.vocab_size))
+        else:
+            batch = builder.build(_decode_chunks(cfg, rank, i, mcfg.vocab_size, 1))
+        last = i == cfg.warmup + cfg.steps - 1
+        results = {}
+        for mode in ("serial", "dbo"):
+            tracer = Tracer(rank=rank)
+            barrier()
+            res = await runner.step(batch, enabled=(mode == "dbo"), instrument=tracer)
+            results[mode] = res
+            if i >= cfg.warmup:
+                n = tracer.numbers()
+                out[mode].append({
+                    "step_s": res.step_s, "comm_s": n.comm_s, "hidden_share": n.comm_hidden_share,
+                    "idle_s": n.idle_s, "switches": n.switches, "reason": res.record.reason.value,
+                    "detail": res.record.detail, "ubatch_tokens": list(res.record.ubatch_num_tokens),
+                })
+            if last and mode == "dbo" and cfg.trace:
+                out["trace"] = tracer.to_chrome()
+        diff = (results["serial"].logits_TV - results["dbo"].logits_TV).abs().max().item() if batch.num_tokens else 0.0
+        out["max_abs_diff"] = max(out["max_abs_diff"], diff)
+    return out
+
+
+def demo_rank(rank: int, world: int, cfg: DemoConfig) -> dict[str, Any]:
+    """The work of one rank, for either launcher: the process group is already initialised."""
+    from ..dbo import run
+
+    device = torch.device("cpu")
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return run(_demo_rank_async, rank, world, cfg, device, loop=cfg.loop)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------ report
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def summarize(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over steps of the slowest rank's step time; comm numbers averaged over ranks."""
+    summary: dict[str, Any] = {"max_abs_diff": max(r["max_abs_diff"] for r in per_rank)}
+    for mode in ("serial", "dbo"):
+        steps = list(zip(*(r[mode] for r in per_rank)))  # per step: one entry per rank
+        summary[mode] = {
+            "step_s": _median([max(e["step_s"] for e in s) for s in steps]),
+            "comm_s": _median([statistics.fmean(e["comm_s"] for e in s) for s in steps]),
+            "hidden_share": _median([statistics.fmean(e["hidden_share"] for e in s) for s in steps]),
+            "switches": _median([statistics.fmean(e["switches"] for e in s) for s in steps]),
+            "reasons": sorted({(e["reason"], e["detail"]) for s in steps for e in s}),
+            "ubatch_tokens": [r[mode][-1]["ubatch_tokens"] for r in per_rank] if steps else [],
+        }
+    summary["ratio"] = summary["dbo"]["step_s"] / summary["serial"]["step_s"] if summary["serial"]["step_s"] else 0.0
+    return summary
+
+
+def _format(cfg: DemoConfig, s: dict[str, Any]) -> str:
+    spec = cfg.link_spec()
+    if spec is None:
+        comm = "comm: real gloo all-to-all over loopback (it shares the CPU with compute)"
+    else:
+        comm = (f"comm: MODELED LINK {cfg.link} x{cfg.link_scale:g} ({spec.latency_s * 1e6:g} us + "
+                f"{spec.bandwidth_Bps / 1e6:g} MB/s per message; the real all-to-all runs, its "
+                f"completion is released on the modeled link)")
+
+    ser, dbo = s["serial"], s["dbo"]
+    rows = [
+        ("", "serial", "DBO"),
+        ("step time (median)", f"{ser['step_s'] * 1e3:.2f} ms", f"{dbo['step_s'] * 1e3:.2f} ms"),
+        ("DBO / serial", "", f"{s['ratio']:.2f}x"),
+        ("time in comm", f"{ser['comm_s'] * 1e3:.2f} ms", f"{dbo['comm_s'] * 1e3:.2f} ms"),
+        ("comm hidden", f"{ser['hidden_share']:.0%}", f"{dbo['hidden_share']:.0%}"),
+        ("switches / step", f"{ser['switches']:g}", f"{dbo['switches']:g}"),
+    ]
+    fell_back = [(r, d) for r, d in dbo["reasons"] if r != "microbatched"]
+    if not fell_back:
+        sizes = " ".join(str(t) for t in dbo["ubatch_tokens"])
+        why = f"DBO steps: microbatched, every step on every rank (real tokens per ubatch by rank: {sizes})"
+    else:
+        why = "DBO steps: NOT microbatched in some steps: " + "; ".join(
+            f"{r}" + (f" ({d})" if d else "") for r, d in fell_back)
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    lines = [
+        (f"asyncdbo demo: {cfg.ranks} ranks x {cfg.tokens} tokens ({cfg.shape}), {cfg.layers} layers, "
+        f"{cfg.experts} experts top-{cfg.top_k}, hidden {cfg.hidden}, schedule {cfg.schedule}, "
+        f"stream policy {cfg.stream_policy}, {cfg.ubatches} ubatches, loop {cfg.loop}, "
+        f"{cfg.steps} steps after {cfg.warmup} warm-up"),
+        comm,
+        "",
+        *(f"  {a:<{w0}}  {b:>{w1}}  {c:>{w1}}" for a, b, c in rows),
+        "",
+        "serial steps: one batch per rank (DBO off), run as a single ubatch on the same backend",
+        why,
+    ]
+    ok = s["max_abs_diff"] <= MATCH_ATOL
+    verdict = "bitwise equal" if s["max_abs_diff"] == 0 else ("match" if ok else "MISMATCH")
+    lines.append(f"outputs serial vs DBO: max |logits diff| = {s['max_abs_diff']:.3g} ({verdict}, tolerance {MATCH_ATOL:g})")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = DemoConfig()
+    p.add_argument("--ranks", type=int, default=d.ranks, help="local ranks (DP = EP size) [%(default)s]")
+    p.add_argument("--tokens", type=int, default=d.tokens, help="tokens per rank per step (decode: requests) [%(default)s]")
+    p.add_argument("--layers", type=int, default=d.layers, help="[%(default)s]")
+    p.add_argument("--experts", type=int, default=d.experts, help="routed experts, a multiple of --ranks [%(default)s]")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="[%(default)s]")
+    p.add_argument("--hidden", type=int, default=d.hidden, help="[%(default)s]")
+    p.add_argument("--schedule", default=d.schedule, help="MoE DBO schedule: ht or ll [%(default)s]")
+    p.add_argument("--stream-policy", default=d.stream_policy, help="role or ubatch [%(default)s]")
+    p.add_argument("--ubatches", type=int, default=d.ubatches, help="[%(default)s]")
+    p.add_argument("--loop", default=d.loop, help="auto, asyncio or uvloop [%(default)s]")
+    p.add_argument("--steps", type=int, default=d.steps, help="timed steps [%(default)s]")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first [%(default)s]")
+    p.add_argument("--shape", default=d.shape, help="prefill or decode [%(default)s]")
+    p.add_argument("--context", type=int, default=d.context, help="decode: context tokens per request [%(default)s]")
+    p.add_argument("--link", default="none", help=f"modeled link: {', '.join(LINK_CHOICES)} [%(default)s]")
+    p.add_argument("--link-scale", type=float, default=d.link_scale,
+                   help="multiply the modeled link's latency and divide its bandwidth by this (CPU vs accelerator speed) [%(default)s]")
+    p.add_argument("--trace", metavar="DIR", default=None,
+                   help="write the last DBO step's trace to DIR: rank<r>.json, merged.json (Chrome/Perfetto), timeline.png, numbers.json")
+    p.add_argument("--prefill-threshold", type=int, default=d.prefill_threshold,
+                   help="microbatch a mixed/prefill step from this many tokens per rank (vLLM's default) [%(default)s]")
+    p.add_argument("--decode-threshold", type=int, default=d.decode_threshold,
+                   help="microbatch a uniform-decode step from this many tokens per rank (vLLM's default) [%(default)s]")
+    p.add_argument("--seed", type=int, default=d.seed, help="[%(default)s]")
+    p.add_argument("--launcher", choices=("local", "env"), default="local",
+                   help="local: start --ranks processes here; env: this process is one rank of torchrun [%(default)s]")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck rank or collective fails [%(default)s]")
+
+
+def _config_from_args(args: argparse.Namespace, ranks: int | None = None) -> DemoConfig:
+    return DemoConfig(
+        ranks=args.ranks if ranks is None else ranks, tokens=args.tokens, layers=args.layers,
+        experts=args.experts, top_k=args.top_k, hidden=args.hidden, schedule=args.schedule,
+        stream_policy=args.stream_policy, ubatches=args.ubatches, loop=args.loop, steps=args.steps,
+        warmup=args.warmup, shape=args.shape, context=args.context,
+        link=None if args.link == "none" else args.link, link_scale=args.link_scale,
+        trace=args.trace, seed=args.seed, prefill_threshold=args.prefill_threshold,
+        decode_threshold=args.decode_threshold,
+    )
+
+
+def _report(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> int:
+    s = summarize(cfg, per_rank)
+    print(_format(cfg, s))
+    if cfg.trace:
+        import json
+
+        from ..observe import write_traces
+
+        paths = write_traces(cfg.trace, [r["trace"] for r in per_rank if r["trace"] is not None])
+        paths.append(os.path.join(cfg.trace, "numbers.json"))
+        with open(paths[-1], "w", encoding="utf-8") as f:
+            json.dump({"config": asdict(cfg), "summary": s}, f, indent=1, default=str)
+        print(f"trace of the last DBO step (open the JSON in ui.perfetto.dev): {', '.join(paths)}")
+    return 0 if s["max_abs_diff"] <= MATCH_ATOL else 1
+
+
+def error_line(details: str) -> str:
+    """The exception line of a rank's traceback text (its last unindented ``Name: message`` line,
+    which for a multi-line message such as a deadlock report is not the text's last line)."""
+    lines = [ln for ln in details.strip().splitlines() if ln and not ln[0].isspace()]
+    for ln in reversed(lines):
+        head = ln.split(":", 1)[0]
+        if ":" in ln and " " not in head and not ln.startswith("Traceback"):
+            return ln
+    return lines[-1] if lines else details.strip()
+
+
+def _main_env(args: argparse.Namespace) -> int:
+    """One rank of a torchrun job: join through env://, run, gather to rank 0, print there."""
+    import torch.distributed as dist
+
+    from ..dist import destroy_process_groups
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = _config_from_args(args, ranks=world)
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if use_cuda else "gloo", init_method="env://",
+                            timeout=timedelta(seconds=args.timeout))
+    try:
+        rank = dist.get_rank()
+        mine = demo_rank(rank, world, cfg)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        if rank == 0:
+            rc = _report(cfg, gathered)
+        else:
+            rc = 0 if summarize(cfg, gathered)["max_abs_diff"] <= MATCH_ATOL else 1
+    except BaseException:
+        destroy_process_groups(barrier=False)  # peers may be gone: a barrier could only time out
+        raise
+    # Leave together, and join every group's gloo threads now: left to interpreter exit, they can
+    # abort the process (see destroy_process_groups).
+    destroy_process_groups()
+    return rc
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..testing.ranks import RankError, run_ranks
+
+    try:
+        if args.launcher == "env":
+            return _main_env(args)
+        cfg = _config_from_args(args)
+    except ValueError as exc:
+        print(f"asyncdbo demo: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        per_rank = run_ranks(demo_rank, cfg.ranks, cfg, timeout_s=args.timeout)
+    except RankError as exc:
+        why = error_line(exc.details[exc.ranks[0]])
+        print(f"asyncdbo demo: error: {str(exc).splitlines()[0]}: {why}", file=sys.stderr)
+        return 1
+    return _report(cfg, per_rank)

@@ -1,0 +1,54 @@
+"""The DBO layer: vLLM's primitives and their extensions, and the entry points that run ubatches.
+
+Built on the kernel (:mod:`asyncdbo._core`) and a stream backend (:mod:`asyncdbo.backends`):
+:func:`run_ubatches` gives every ubatch a lane (its streams, role and pending recv hook) and the
+run its state (backend, named events); the primitives read them through ``current_ubatch``.
+"""
+
+from .events import dbo_record_event, dbo_wait_event
+from .hooks import RecvHookHandle, dbo_maybe_run_recv_hook, dbo_register_recv_hook
+from .primitives import (
+    dbo_current_ubatch_id,
+    dbo_enabled,
+    dbo_get_previous_event,
+    dbo_num_ubatches,
+    dbo_stream_policy,
+    dbo_submit,
+    dbo_switch_to_comm,
+    dbo_switch_to_comm_sync,
+    dbo_switch_to_compute,
+    dbo_switch_to_compute_sync,
+    dbo_yield,
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+)
+from .run import DBOOptions, RunStats, run, run_ubatches, run_ubatches_with_stats
+from .state import Lane, RunState
+
+__all__ = [
+    "DBOOptions",
+    "Lane",
+    "RecvHookHandle",
+    "RunState",
+    "RunStats",
+    "dbo_current_ubatch_id",
+    "dbo_enabled",
+    "dbo_get_previous_event",
+    "dbo_maybe_run_recv_hook",
+    "dbo_num_ubatches",
+    "dbo_record_event",
+    "dbo_register_recv_hook",
+    "dbo_stream_policy",
+    "dbo_submit",
+    "dbo_switch_to_comm",
+    "dbo_switch_to_comm_sync",
+    "dbo_switch_to_compute",
+    "dbo_switch_to_compute_sync",
+    "dbo_wait_event",
+    "dbo_yield",
+    "dbo_yield_and_switch_from_comm_to_compute",
+    "dbo_yield_and_switch_from_compute_to_comm",
+    "run",
+    "run_ubatches",
+    "run_ubatches_with_stats",
+]

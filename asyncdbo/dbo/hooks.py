@@ -1,0 +1,92 @@
+"""vLLM's recv hooks: a low-latency receive launched by the *other* ubatch.
+
+Under the low-latency schedule a ubatch sends, then registers the matching receive as a hook on
+the next ubatch, which launches it after queuing its own compute (:func:`dbo_maybe_run_recv_hook`).
+A ubatch that parks or finishes launches the hook it holds first (:func:`run_pending_hook`, which
+the run installs as the kernel's ``before_park``/``at_exit``): parked, it could not launch it
+until it wakes, and the owner may be waiting for exactly that receive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any
+
+from .._core import Signal, UBatch, UBatchState, current_ubatch
+
+__all__ = ["RecvHookHandle", "dbo_maybe_run_recv_hook", "dbo_register_recv_hook", "run_pending_hook"]
+
+
+class RecvHookHandle:
+    """Returned by :func:`dbo_register_recv_hook`; ``await handle`` parks until the hook has run.
+
+    Awaiting a hook no other ubatch will ever run is reported as a deadlock, not a hang."""
+
+    __slots__ = ("hook", "signal", "owner", "runner")
+
+    def __init__(self, hook: Callable[[], object], owner: int, runner: int) -> None:
+        self.hook = hook
+        self.owner = owner
+        self.runner = runner
+        self.signal = Signal(f"recv hook of ubatch {owner} (to be run by ubatch {runner})")
+
+    def _run(self) -> None:
+        try:
+            self.hook()
+        except BaseException as exc:
+            self.signal.set(exc)
+            raise
+        self.signal.set()
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        return self.signal.__await__()
+
+
+def dbo_register_recv_hook(hook: Callable[[], object]) -> RecvHookHandle:
+    """Store ``hook`` on the next live ubatch in the ring; it runs it at its next
+    :func:`dbo_maybe_run_recv_hook` (after queuing its own compute), or when it parks or exits.
+
+    Parked ubatches are passed over (one may be waiting for this very ubatch, and could not
+    launch the hook before it wakes); when no other ubatch can take it (outside a run, a run of
+    one, the others finished or parked) the hook runs at once. ``await`` the returned handle to
+    wait until the hook has run."""
+    if not callable(hook):
+        raise TypeError(f"dbo_register_recv_hook expects a callable, got {hook!r}")
+    ub = current_ubatch.get(None)
+    if ub is None:
+        handle = RecvHookHandle(hook, 0, 0)
+        handle._run()
+        return handle
+    ring = ub.run.ubatches
+    n = len(ring)
+    target = next((c for c in (ring[(ub.id + k) % n] for k in range(1, n)) if c.state is UBatchState.READY), None)
+    if target is None:
+        handle = RecvHookHandle(hook, ub.id, ub.id)
+        handle._run()
+        return handle
+    handle = RecvHookHandle(hook, ub.id, target.id)
+    lane = target.ext
+    if lane.recv_hook is not None:
+        raise RuntimeError(
+            f"ubatch {ub.id} registered a recv hook on ubatch {target.id}, which still holds an unrun hook "
+            f"({lane.recv_hook!r}); the earlier receive would be lost. Call dbo_maybe_run_recv_hook() in "
+            "every ubatch before it registers its next hook."
+        )
+    lane.recv_hook = handle._run
+    return handle
+
+
+def dbo_maybe_run_recv_hook() -> None:
+    """Run the recv hook another ubatch left for this one, if any."""
+    ub = current_ubatch.get(None)
+    if ub is not None:
+        run_pending_hook(ub)
+
+
+def run_pending_hook(ub: UBatch) -> None:
+    """Run (and clear) the recv hook ``ub`` holds, if any."""
+    lane = ub.ext
+    hook = lane.recv_hook
+    if hook is not None:
+        lane.recv_hook = None
+        hook()

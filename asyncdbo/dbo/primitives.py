@@ -1,0 +1,197 @@
+"""The DBO primitives, under vLLM's names, so porting a thread-DBO MoE layer is adding ``await``.
+
+Each yield/sync primitive returns an awaitable; the ones that only change the current stream act
+at call time and may be awaited or not. Ordering follows vLLM exactly: a ubatch records its
+done-event on the stream it leaves *before* it yields, and the stream it enters waits on that
+event *after* it resumes. On the host backend such a wait may park the ubatch until its comm work
+completes, while the other ubatches compute.
+
+Outside a DBO run every primitive is a no-op (``dbo_enabled()`` is False, yields return at once,
+``dbo_current_ubatch_id()`` is 0, ``dbo_get_previous_event`` returns None), so model code runs
+unchanged in a plain call.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, TypeVar
+
+from .._core import SWITCH, UBatch, current_ubatch, switch, trap
+from ..backends import COMPLETED, CommHandle, DoneWork, Role, StreamPolicy
+from .state import Lane
+
+__all__ = [
+    "dbo_current_ubatch_id",
+    "dbo_enabled",
+    "dbo_get_previous_event",
+    "dbo_num_ubatches",
+    "dbo_stream_policy",
+    "dbo_submit",
+    "dbo_switch_to_comm",
+    "dbo_switch_to_comm_sync",
+    "dbo_switch_to_compute",
+    "dbo_switch_to_compute_sync",
+    "dbo_yield",
+    "dbo_yield_and_switch_from_comm_to_compute",
+    "dbo_yield_and_switch_from_compute_to_comm",
+]
+
+T = TypeVar("T")
+
+_get_ubatch = current_ubatch.get
+
+
+def dbo_enabled() -> bool:
+    """True inside a DBO run (in this task's context only: runs in other tasks don't count)."""
+    return _get_ubatch(None) is not None
+
+
+def dbo_current_ubatch_id() -> int:
+    """This ubatch's index in its run, or 0 outside a run (vLLM's convention)."""
+    ub = _get_ubatch(None)
+    return 0 if ub is None else ub.id
+
+
+def dbo_num_ubatches() -> int:
+    """Number of ubatches in this run, or 1 outside a run."""
+    ub = _get_ubatch(None)
+    return 1 if ub is None else len(ub.run.ubatches)
+
+
+def dbo_stream_policy() -> StreamPolicy | None:
+    """The run's stream policy (``"role"``: shared compute and comm streams, ordered by role
+    switches; ``"ubatch"``: a stream per ubatch, ordered by explicit events), or None outside a
+    run. Model code picks its ordering primitives by it (see asyncdbo.moe.layer)."""
+    ub = _get_ubatch(None)
+    if ub is None:
+        return None
+    policy: StreamPolicy = ub.run.ext.policy
+    return policy
+
+
+dbo_yield = switch
+"""``await dbo_yield(tag="yield")``: hand the CPU to the next ubatch; come back after every other
+runnable ubatch had a turn. ``tag`` names the yield point in traces, stack dumps and the
+yield-discipline checker. (The kernel's :func:`~asyncdbo._core.traps.switch`: the hottest path.)"""
+
+
+def _other(role: Role) -> Role:
+    return "comm" if role == "compute" else "compute"
+
+
+def _check_role(ub: UBatch, lane: Lane, expected: Role, name: str) -> None:
+    if lane.role != expected:
+        raise RuntimeError(
+            f"{name}() called in ubatch {ub.id} while it is on the {lane.role} stream; it must be on the "
+            f"{expected} stream (last yield point {ub.tag!r}). Check the order of switches in this layer."
+        )
+
+
+@types.coroutine
+def _yield_and_switch(ub: UBatch, lane: Lane, tag: str, src: Role, dst: Role) -> Generator[Any, Any, None]:
+    backend = ub.run.ext.backend
+    event = lane.events[src]
+    backend.record(event, lane.streams[src])  # before the yield: covers only this ubatch's work
+    ub.tag = tag
+    yield from trap(SWITCH)
+    lane.role = dst
+    lane.set_stream(lane.streams[dst])
+    signal = backend.wait(lane.stream, event)  # after the resume
+    if signal is not None:
+        yield from signal.__await__()
+
+
+def dbo_yield_and_switch_from_compute_to_comm(tag: str = "compute->comm") -> Awaitable[None]:
+    """Record compute-done, yield, then continue on the comm stream after compute-done."""
+    ub = _get_ubatch(None)
+    if ub is None:
+        return COMPLETED
+    lane = ub.ext
+    _check_role(ub, lane, "compute", "dbo_yield_and_switch_from_compute_to_comm")
+    return _yield_and_switch(ub, lane, tag, "compute", "comm")
+
+
+def dbo_yield_and_switch_from_comm_to_compute(tag: str = "comm->compute") -> Awaitable[None]:
+    """Record comm-done, yield, then continue on the compute stream after comm-done.
+
+    On the host backend this parks the ubatch until its comm work has completed."""
+    ub = _get_ubatch(None)
+    if ub is None:
+        return COMPLETED
+    lane = ub.ext
+    _check_role(ub, lane, "comm", "dbo_yield_and_switch_from_comm_to_compute")
+    return _yield_and_switch(ub, lane, tag, "comm", "compute")
+
+
+def _switch(role: Role, sync: bool) -> Awaitable[None]:
+    ub = _get_ubatch(None)
+    if ub is None:
+        return COMPLETED
+    lane: Lane = ub.ext
+    signal = None
+    if sync:
+        backend = ub.run.ext.backend
+        event = lane.events[lane.role]
+        backend.record(event, lane.stream)
+        lane.role = role
+        lane.set_stream(lane.streams[role])
+        signal = backend.wait(lane.stream, event)
+    else:
+        lane.role = role
+        lane.set_stream(lane.streams[role])
+    return COMPLETED if signal is None else signal  # a failed comm raises when awaited
+
+
+def dbo_switch_to_comm() -> Awaitable[None]:
+    """Continue on the comm stream, with no dependency on earlier compute."""
+    return _switch("comm", sync=False)
+
+
+def dbo_switch_to_compute() -> Awaitable[None]:
+    """Continue on the compute stream, with no dependency on earlier comm."""
+    return _switch("compute", sync=False)
+
+
+def dbo_switch_to_comm_sync() -> Awaitable[None]:
+    """Continue on the comm stream after everything this ubatch queued on its current stream."""
+    return _switch("comm", sync=True)
+
+
+def dbo_switch_to_compute_sync() -> Awaitable[None]:
+    """Continue on the compute stream after this ubatch's comm. Await it: on the host backend it
+    parks the ubatch until the comm work completes."""
+    return _switch("compute", sync=True)
+
+
+def dbo_get_previous_event(func: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+    """Run ``func`` with this ubatch's compute stream current and return its result (DeepEP's
+    ``Buffer.capture`` taken here covers exactly this ubatch's compute). None outside a run."""
+    ub = _get_ubatch(None)
+    if ub is None:
+        return None
+    lane: Lane = ub.ext
+    prev = lane.stream
+    lane.set_stream(lane.streams["compute"])
+    try:
+        return func(*args, **kwargs)
+    finally:
+        lane.set_stream(prev)
+
+
+def dbo_submit(work: Any, *, nbytes: int = 0, what: str = "comm", **backend_options: Any) -> CommHandle:
+    """Hand an async ``torch.distributed`` work (``async_op=True``) to the run's stream backend.
+
+    Returns a handle: ``await handle`` (or a later comm->compute switch) waits for it the way the
+    backend needs: on a CPU host the ubatch parks until gloo completes the work while the others
+    run; on CUDA/NPU the current stream waits for the collective and the CPU goes on at once.
+    ``nbytes`` feeds the modeled link and the trace numbers; ``what`` names it in traces.
+    ``backend_options`` go to the backend (the sim backend takes ``inputs``/``outputs`` tensors
+    for its race checker). Outside a run the work is waited for at once (serial semantics)."""
+    ub = _get_ubatch(None)
+    if ub is None:
+        if work is not None:
+            work.wait()
+        return DoneWork(what, nbytes, work)
+    handle: CommHandle = ub.run.ext.backend.submit(work, ub.ext, nbytes=nbytes, what=what, **backend_options)
+    return handle

@@ -1,0 +1,234 @@
+"""Entry points: ``await run_ubatches(fn, ubatch_args)`` inside a loop, ``run(async_fn)`` outside.
+
+``run_ubatches`` builds a kernel run, gives each ubatch a :class:`~asyncdbo.dbo.state.Lane` and the
+run a :class:`~asyncdbo.dbo.state.RunState`, lets the stream backend fill them, and drives it.
+:func:`run_ubatches_with_stats` also returns what the run cost (:class:`RunStats`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from .._core import Clock, DBORun, Fanout, Instrument
+from ..backends import CommRecord, StreamBackend, StreamPolicy, get_backend
+from .hooks import run_pending_hook
+from .state import Lane, RunState
+
+__all__ = ["DBOOptions", "RunStats", "run", "run_ubatches", "run_ubatches_with_stats"]
+
+T = TypeVar("T")
+LoopName = Literal["auto", "uvloop", "asyncio"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DBOOptions:
+    """Options of one DBO run.
+
+    backend: a :class:`StreamBackend` or its name (``auto``: the accelerator if torch has one, else
+        ``host``). stream_policy: ``role`` (vLLM: shared compute + comm streams) or ``ubatch`` (CANN:
+        a stream per ubatch). watchdog_s: fail with the ubatch stacks when every ubatch stays parked
+        this long (None: no watchdog). instrument: scheduler hooks (tracing, checks), one or a
+        sequence. debug: also run the yield-discipline checker (asyncdbo.dbo.debug.YieldChecker), which
+        reports the first place the ubatches' yield-tag sequences diverge. name: shows in errors
+        and traces. clock: the time source of timers and the watchdog (default: real monotonic
+        time; ``asyncdbo.VirtualClock()`` for tests that must take no wall time).
+    """
+
+    backend: str | StreamBackend | None = "auto"
+    stream_policy: StreamPolicy = "role"
+    watchdog_s: float | None = None
+    instrument: Instrument | Sequence[Instrument] | None = None
+    debug: bool = False
+    name: str | None = None
+    clock: Clock | None = None
+
+    def __post_init__(self) -> None:
+        if self.stream_policy not in ("role", "ubatch"):
+            raise ValueError(f"stream_policy must be 'role' or 'ubatch' (got {self.stream_policy!r})")
+        if self.watchdog_s is not None and not self.watchdog_s > 0:
+            raise ValueError(f"watchdog_s must be > 0 seconds or None (got {self.watchdog_s!r})")
+
+
+def _not_a_coroutine_error(fn: object, where: str) -> TypeError:
+    name = getattr(getattr(fn, "cr_code", None), "co_name", "fn")
+    return TypeError(
+        f"{where} expects an async function, but got the coroutine object {fn!r}.\n"
+        f"Probably you wrote:\n    {where}({name}(...), ...)      # incorrect\n"
+        f"Pass the function and its arguments instead:\n    {where}({name}, ...)"
+    )
+
+
+def _make_coros(fn: Callable[..., Awaitable[T]], ubatch_args: Iterable[Sequence[Any]]) -> list[Coroutine[Any, Any, T]]:
+    if inspect.iscoroutine(fn):
+        fn.close()
+        raise _not_a_coroutine_error(fn, "run_ubatches")
+    if not callable(fn):
+        raise TypeError(f"run_ubatches expects an async function as fn, got {fn!r}")
+    if isinstance(ubatch_args, (str, bytes)) or not isinstance(ubatch_args, Iterable):
+        raise TypeError(f"ubatch_args must be a list of argument tuples, one per ubatch (got {ubatch_args!r})")
+    args_list = list(ubatch_args)
+    if len(args_list) < 1:
+        raise ValueError("run_ubatches needs at least 1 ubatch (got 0 argument tuples); pass e.g. [(x0,), (x1,)]")
+    coros: list[Coroutine[Any, Any, T]] = []
+    for i, args in enumerate(args_list):
+        if not isinstance(args, (tuple, list)):
+            for c in coros:
+                c.close()
+            raise TypeError(
+                f"ubatch_args[{i}] is {args!r}; each entry must be a tuple of arguments for fn "
+                f"(write ({args!r},) for a single argument)"
+            )
+        coro = fn(*args)
+        if not inspect.iscoroutine(coro):
+            for c in coros:
+                c.close()
+            raise TypeError(
+                f"fn must be an async def function: {getattr(fn, '__qualname__', fn)!r}(*ubatch_args[{i}]) "
+                f"returned {type(coro).__name__}, not a coroutine"
+            )
+        coros.append(coro)
+    return coros
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """What one run cost: ``num_switches`` (handovers at a yield), ``num_parks`` (times a ubatch
+    parked on a signal or future), ``time_asleep_s`` (time every ubatch was parked: exposed waits,
+    on the host backend comm nothing hid), ``comm`` (every comm work the backend tracked; empty on
+    accelerators, whose timing lives in device events)."""
+
+    num_ubatches: int
+    num_switches: int
+    num_parks: int
+    time_asleep_s: float
+    comm: tuple[CommRecord, ...]
+
+
+def _options(options: dict[str, Any]) -> DBOOptions:
+    opts = options.pop("options", None)
+    if opts is None:
+        try:
+            return DBOOptions(**options)
+        except TypeError as exc:
+            raise TypeError(f"run_ubatches: {exc}; valid options are the fields of DBOOptions") from None
+    if options:
+        raise TypeError(f"pass either options=DBOOptions(...) or keyword options, not both (got {sorted(options)})")
+    if not isinstance(opts, DBOOptions):
+        raise TypeError(f"options must be a DBOOptions (got {type(opts).__name__})")
+    return opts
+
+
+async def run_ubatches(
+    fn: Callable[..., Awaitable[T]],
+    ubatch_args: Iterable[Sequence[Any]],
+    **options: Any,
+) -> list[T]:
+    """Run ``fn(*args)`` for each tuple in ``ubatch_args`` as one ubatch, interleaved round-robin
+    at their yield points on this thread, and return the results in ubatch order.
+
+    Works in any running asyncio loop (default or uvloop). Keyword options are the fields of
+    :class:`DBOOptions` (or pass ``options=DBOOptions(...)``). An exception in one ubatch cancels the
+    others and propagates with a note naming the ubatch; cancelling the awaiting task cancels
+    every ubatch.
+    """
+    results, _ = await run_ubatches_with_stats(fn, ubatch_args, **options)
+    return results
+
+
+async def run_ubatches_with_stats(
+    fn: Callable[..., Awaitable[T]],
+    ubatch_args: Iterable[Sequence[Any]],
+    **options: Any,
+) -> tuple[list[T], RunStats]:
+    """:func:`run_ubatches`, also returning the run's :class:`RunStats`."""
+    opts = _options(options)
+    coros = _make_coros(fn, ubatch_args)
+    try:
+        backend = get_backend(opts.backend)
+    except BaseException:
+        for c in coros:
+            c.close()
+        raise
+    dbo = DBORun(
+        coros,
+        install=backend.install_stream,
+        before_park=run_pending_hook,
+        at_exit=run_pending_hook,
+        instrument=_instrument(opts),
+        watchdog_s=opts.watchdog_s,
+        clock=opts.clock,
+        name=opts.name,
+    )
+    state = RunState(backend=backend, policy=opts.stream_policy, lanes=[Lane(ub) for ub in dbo.ubatches])
+    dbo.ext = state
+    for ub, lane in zip(dbo.ubatches, state.lanes):
+        ub.ext = lane
+    try:
+        backend.attach(dbo, state)
+    except BaseException:
+        for c in coros:
+            c.close()
+        raise
+    try:
+        results = await dbo.drive()
+    finally:
+        backend.detach(dbo, state)
+    stats = RunStats(
+        num_ubatches=len(dbo.ubatches),
+        num_switches=dbo.num_switches,
+        num_parks=dbo.num_parks,
+        time_asleep_s=dbo.time_asleep_s,
+        comm=tuple(state.comm_records()) if state.comm else (),
+    )
+    return results, stats
+
+
+def _instrument(opts: DBOOptions) -> Instrument | None:
+    insts: list[Instrument] = []
+    if isinstance(opts.instrument, Instrument):
+        insts.append(opts.instrument)
+    elif opts.instrument is not None:
+        insts.extend(opts.instrument)
+    if opts.debug:
+        from .debug import YieldChecker
+
+        insts.append(YieldChecker())
+    if not insts:
+        return None
+    return insts[0] if len(insts) == 1 else Fanout(*insts)
+
+
+def _loop_factory(loop: LoopName) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    if loop == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if loop == "uvloop":
+            raise ValueError("loop='uvloop' but uvloop is not installed; `pip install uvloop` or use loop='asyncio'") from None
+        return None
+    return uvloop.new_event_loop
+
+
+def run(async_fn: Callable[..., Awaitable[T]], *args: Any, loop: LoopName = "auto", debug: bool = False) -> T:
+    """Run ``async_fn(*args)`` on a new event loop and return its result, like ``asyncio.run``.
+
+    ``loop``: ``auto`` (uvloop when installed, else asyncio's default loop), ``uvloop`` or
+    ``asyncio``. Raises RuntimeError if called from inside a running loop (await instead)."""
+    if inspect.iscoroutine(async_fn):
+        async_fn.close()
+        raise _not_a_coroutine_error(async_fn, "asyncdbo.run")
+    if loop not in ("auto", "uvloop", "asyncio"):
+        raise ValueError(f"loop must be 'auto', 'uvloop' or 'asyncio' (got {loop!r})")
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise RuntimeError("asyncdbo.run() cannot be called from a running event loop; use `await run_ubatches(...)` there")
+    with asyncio.Runner(loop_factory=_loop_factory(loop), debug=debug) as runner:
+        return runner.run(async_fn(*args))  # type: ignore[arg-type]

@@ -1,0 +1,47 @@
+"""The DBO layer's per-run and per-ubatch state, typed (the kernel keeps them in its ``ext`` slots).
+
+:class:`Lane` is a ubatch's :class:`~asyncdbo.backends.UBatchStreams` plus the recv hook another
+ubatch left with it; :class:`RunState` is the run's :class:`~asyncdbo.backends.RunStreams` plus the
+named events of :func:`~asyncdbo.dbo.dbo_record_event`. The primitives reach them through
+``current_ubatch``: ``ub.ext`` is the Lane, ``ub.run.ext`` the RunState.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._core import Signal, UBatch
+from ..backends import RunStreams, UBatchStreams
+
+__all__ = ["Lane", "RunState", "lane_of", "run_state_of"]
+
+
+@dataclass(eq=False)
+class Lane(UBatchStreams):
+    """One ubatch's streams and role (filled by the backend) and its pending recv hook."""
+
+    recv_hook: Callable[[], object] | None = None
+
+
+@dataclass(eq=False)
+class RunState(RunStreams):
+    """A run's backend state plus its named events: key -> (device event or None, signal set on
+    the record)."""
+
+    events: dict[Hashable, tuple[Any, Signal]] = field(default_factory=dict)
+
+
+def lane_of(ub: UBatch) -> Lane:
+    """The :class:`Lane` of a ubatch of a DBO run."""
+    lane = ub.ext
+    assert isinstance(lane, Lane), f"ubatch {ub.id} has no DBO lane (ext={lane!r})"
+    return lane
+
+
+def run_state_of(ub: UBatch) -> RunState:
+    """The :class:`RunState` of the run a ubatch belongs to."""
+    state = ub.run.ext
+    assert isinstance(state, RunState), f"run {ub.run.name!r} has no DBO state (ext={state!r})"
+    return state

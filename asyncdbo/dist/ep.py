@@ -1,0 +1,201 @@
+"""Expert-parallel all-to-all dispatch and combine, issued through the DBO stream backend.
+
+Legend (shape suffixes): T tokens of this ubatch on this rank, D hidden, K top-k, N = T*K routed
+(token, expert) pairs, P ranks in the EP group, L experts per rank (local experts), R rows this
+rank receives (sum over senders), E experts in all.
+
+Dispatch is two collectives: the per-(rank, local expert) counts (``P*L`` int64, needed on the
+CPU to size the second), then the routed rows with uneven splits. Rows are sent sorted by global
+expert id, so what a rank receives from each sender is already grouped by local expert, and the
+counts say where each group starts: expert ids never travel. Routing weights stay home and are
+applied after the combine (the reverse all-to-all), in the original token order.
+
+**Why one process group per ubatch.** Gloo matches collectives on a group by issue order, so
+every rank must issue them in the same order. A DBO run is round-robin, but a ubatch that parks
+on comm resumes when that comm completes, and completion order is timing: rank 0 might resume
+ubatch 1 first while rank 1 resumes ubatch 0, and their next collectives would pair wrongly.
+Giving each ubatch slot its own group (same ranks) makes each group's order that ubatch's program
+order, which is the same on every rank whatever the interleaving. :func:`ep_comm` takes the
+clones from :func:`asyncdbo.dist.ubatch_groups` (made once per EP group, a collective call: every
+rank must construct its layers in the same order, which model construction does) for all layers.
+
+All state of one call lives in a :class:`DispatchPlan` the caller keeps in a local variable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._core import get_ubatch
+from ..backends import COMPLETED
+from ..dbo import dbo_submit
+from .groups import forget_group, on_destroy, ubatch_groups
+
+__all__ = ["DispatchPlan", "EPComm", "ep_comm", "forget_ep_comm", "plan_dispatch"]
+
+
+
+
+@dataclass(frozen=True, eq=False)
+class EPComm:
+    """The expert-parallel group of a layer and its per-ubatch twin groups (see module doc)."""
+
+    size: int
+    rank: int
+    group: Any  # ProcessGroup | None (None: the default group, or no distributed at all)
+    ubatch_groups: tuple[Any, ...]
+
+    def group_for(self, ub_id: int | None) -> Any:
+        """The group a ubatch issues on: its own slot inside a run, the base group outside."""
+        if ub_id is None or self.size == 1:
+            return self.group
+        if ub_id >= len(self.ubatch_groups):
+            raise ValueError(
+                f"ubatch {ub_id} ran an expert-parallel MoE layer built for at most {len(self.ubatch_groups)} "
+                f"ubatches; build the layer with max_ubatches >= {ub_id + 1}"
+            )
+        return self.ubatch_groups[ub_id]
+
+
+_CACHE: dict[tuple[int, int], EPComm] = {}
+on_destroy(_CACHE.clear)
+
+
+def ep_comm(group: Any = None, *, max_ubatches: int = 4) -> EPComm:
+    """The :class:`EPComm` of ``group`` (None: the default group when torch.distributed is
+    initialised, else a single-rank EP). Creating the per-ubatch groups is collective over the
+    default group; later calls for the same group return the cached object."""
+    if max_ubatches < 1:
+        raise ValueError(f"max_ubatches must be >= 1 (got {max_ubatches})")
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return EPComm(size=1, rank=0, group=None, ubatch_groups=())
+    size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if size == 1:
+        return EPComm(size=1, rank=0, group=group, ubatch_groups=())
+    key = (id(group if group is not None else dist.group.WORLD), max_ubatches)
+    cached = _CACHE.get(key)
+    if cached is not None:
+        return cached
+    comm = EPComm(size=size, rank=rank, group=group, ubatch_groups=ubatch_groups(max_ubatches, group))
+    _CACHE[key] = comm
+    return comm
+
+
+def forget_ep_comm(group: Any) -> None:
+    """Drop the cached :class:`EPComm` and per-ubatch clones of ``group`` (before destroying it)."""
+    for key in [k for k, v in _CACHE.items() if v.group is group]:
+        del _CACHE[key]
+    forget_group(group)
+
+
+def _all_to_all(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: list[int] | None,
+    in_splits: list[int] | None,
+    *,
+    group: Any,
+    what: str,
+) -> Any:
+    """Issue one all_to_all_single: async through the stream backend inside a DBO run (returns
+    the backend's handle: ``await`` it), synchronous outside (returns a done awaitable)."""
+    if get_ubatch() is None:
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+        return COMPLETED
+    work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+    return dbo_submit(work, nbytes=inp.numel() * inp.element_size(), what=what)
+
+
+@dataclass(eq=False)
+class DispatchPlan:
+    """Everything one dispatch/combine round trip needs; one per (layer call, ubatch).
+
+    ``order_N``: the (token, k) pairs sorted by expert (stable), as flat indices into T*K.
+    ``send_PL``: rows this rank sends per (destination rank, local expert there).
+    ``recv_PL``: rows it receives per (source rank, own local expert); known after the counts
+    exchange completes."""
+
+    comm: EPComm
+    group: Any
+    num_tokens: int
+    top_k: int
+    experts_per_rank: int
+    order_N: torch.Tensor
+    send_PL: torch.Tensor
+    recv_PL: torch.Tensor
+    counts_done: Any = COMPLETED
+
+    @property
+    def send_splits(self) -> list[int]:
+        return self.send_PL.sum(dim=1).tolist()
+
+    @property
+    def recv_splits(self) -> list[int]:
+        return self.recv_PL.sum(dim=1).tolist()
+
+    def start_counts(self) -> Any:
+        """Issue the counts exchange; returns the handle to await before :meth:`start_tokens`."""
+        if self.comm.size == 1:
+            self.recv_PL = self.send_PL
+            self.counts_done = COMPLETED
+        else:
+            self.counts_done = _all_to_all(
+                self.recv_PL.view(-1), self.send_PL.view(-1), None, None, group=self.group, what="counts"
+            )
+        return self.counts_done
+
+    def start_tokens(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Issue the routed rows (counts must have arrived). Returns (recv_x_RD, handle)."""
+        assert self.counts_done.done(), "start_tokens before the counts exchange completed"
+        send_x_ND = x_TD[self.order_N // self.top_k]
+        if self.comm.size == 1:
+            return send_x_ND, COMPLETED
+        recv_x_RD = send_x_ND.new_empty((int(self.recv_PL.sum()), x_TD.shape[1]))
+        handle = _all_to_all(
+            recv_x_RD, send_x_ND, self.recv_splits, self.send_splits, group=self.group, what="dispatch"
+        )
+        return recv_x_RD, handle
+
+    def local_expert_ids(self) -> torch.Tensor:
+        """Local expert index of every received row (rows arrive as [source rank][local expert])."""
+        L = self.experts_per_rank
+        ids_PL = torch.arange(L, device=self.recv_PL.device).repeat(self.recv_PL.shape[0])
+        return torch.repeat_interleave(ids_PL, self.recv_PL.reshape(-1))
+
+    def start_combine(self, y_RD: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Send expert outputs back to their tokens' ranks. Returns (back_ND, handle)."""
+        if self.comm.size == 1:
+            return y_RD, COMPLETED
+        back_ND = y_RD.new_empty((self.order_N.numel(), y_RD.shape[1]))
+        handle = _all_to_all(back_ND, y_RD, self.send_splits, self.recv_splits, group=self.group, what="combine")
+        return back_ND, handle
+
+    def finish(self, back_ND: torch.Tensor, topk_w_TK: torch.Tensor, out_TD: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of each token's expert outputs into ``out_TD`` (added in expert order)."""
+        w_N = topk_w_TK.reshape(-1)[self.order_N].to(back_ND.dtype)
+        out_TD.index_add_(0, self.order_N // self.top_k, back_ND * w_N[:, None])
+        return out_TD
+
+
+def plan_dispatch(topk_ids_TK: torch.Tensor, *, num_experts: int, comm: EPComm, ub_id: int | None) -> DispatchPlan:
+    """Sort this ubatch's routed pairs by expert and count rows per (rank, local expert)."""
+    P = comm.size
+    L = num_experts // P
+    ids_N = topk_ids_TK.reshape(-1)
+    order_N = torch.sort(ids_N, stable=True).indices
+    send_PL = torch.bincount(ids_N, minlength=num_experts).view(P, L).to(torch.int64)
+    return DispatchPlan(
+        comm=comm,
+        group=comm.group_for(ub_id),
+        num_tokens=topk_ids_TK.shape[0],
+        top_k=topk_ids_TK.shape[1],
+        experts_per_rank=L,
+        order_N=order_N,
+        send_PL=send_PL,
+        recv_PL=torch.empty_like(send_PL),
+    )

@@ -1,0 +1,66 @@
+"""What a traced step yields: its spans and its numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RunNumbers", "Span"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Span:
+    """One interval of a step. ``kind``: ``compute`` (a CPU step or compute-stream device span),
+    ``wait`` (parked), ``comm`` (a comm work or a comm-stream device span)."""
+
+    ub: int
+    kind: str
+    role: str
+    name: str
+    t0: float
+    t1: float
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunNumbers:
+    """The numbers of one step (one DBO run).
+
+    wall_s: first resume to run end. switches: ``SWITCH`` yields. parks: times a ubatch parked.
+    yields_per_ubatch: ``SWITCH`` yields of each ubatch. parked_s: total time ubatches spent
+    parked (summed over ubatches). idle_s: time every ubatch was parked (the CPU had nothing to do).
+    compute_s: total CPU (or compute-stream) time of ubatch steps. comm_s: measure of the union of
+    comm intervals. comm_hidden_s / comm_hidden_share: see the module docstring. microbatched /
+    reason: from :meth:`Tracer.mark_step` (None when the step was not marked).
+    """
+
+    step: int
+    rank: int
+    name: str
+    backend: str
+    num_ubatches: int
+    wall_s: float
+    switches: int
+    parks: int
+    yields_per_ubatch: tuple[int, ...]
+    parked_s: float
+    idle_s: float
+    compute_s: float
+    comm_s: float
+    comm_hidden_s: float
+    comm_hidden_share: float
+    num_comm_works: int
+    comm_bytes: int
+    microbatched: bool | None = None
+    reason: str | None = None
+
+    def summary(self) -> str:
+        """One line for logs, the demo and the PNG title."""
+        text = (
+            f"wall {self.wall_s * 1e3:.2f} ms, compute {self.compute_s * 1e3:.2f} ms, "
+            f"comm {self.comm_s * 1e3:.2f} ms ({self.comm_hidden_share:.0%} hidden), "
+            f"parked {self.parked_s * 1e3:.2f} ms, {self.switches} switches, yields/ub {list(self.yields_per_ubatch)}"
+        )
+        if self.microbatched is not None:
+            text += ", microbatched" if self.microbatched else f", not microbatched ({self.reason})"
+        return text

@@ -1,0 +1,99 @@
+"""Write docs/reference.md from the code: every name in each documented module's ``__all__``, its
+signature and the first paragraph of its docstring. Run ``python docs/make_reference.py``; the
+test suite fails when the file is stale."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MODULES: list[tuple[str, str]] = [
+    ("asyncdbo", "The top-level API: entry points, the DBO primitives and extensions, options, errors."),
+    ("asyncdbo.dbo", "The DBO layer."),
+    ("asyncdbo.lowlevel", "The kernel, for tool and backend writers."),
+    ("asyncdbo.backends", "Stream backends."),
+    ("asyncdbo.backends.host", "The CPU backend."),
+    ("asyncdbo.backends.accelerator", "CUDA / NPU / XPU backend."),
+    ("asyncdbo.dist", "torch.distributed for DBO."),
+    ("asyncdbo.dist.ep", "Expert-parallel all-to-all through the stream backend."),
+    ("asyncdbo.plan", "Planning a step: thresholds, DP vote, splits, metadata, records."),
+    ("asyncdbo.moe", "The MoE layer."),
+    ("asyncdbo.moe.hf", "Hugging Face MoE blocks as asyncdbo layers."),
+    ("asyncdbo.serving", "Plan, run, merge: the overlapped step runner."),
+    ("asyncdbo.models", "The reference model."),
+    ("asyncdbo.observe", "Observing runs."),
+    ("asyncdbo.sim", "The simulated device."),
+    ("asyncdbo.sim.backend", "The simulated-device backend."),
+    ("asyncdbo.testing", "Test helpers."),
+]
+
+
+def _first_para(obj: object) -> str:
+    import inspect
+
+    doc = inspect.getdoc(obj) or ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def _sig(name: str, obj: object) -> str:
+    import inspect
+
+    try:
+        s = str(inspect.signature(obj))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return name
+    return f"{name}{s[:157] + '...)' if len(s) > 160 else s}"
+
+
+def generate_reference() -> str:
+    """Every name in each module's ``__all__``: signature, first docstring paragraph, and for
+    classes their public methods and properties."""
+    import importlib
+    import inspect
+
+    out = [
+        "# API reference",
+        "",
+        "Every public name, with its signature and the first paragraph of its docstring (generated from the",
+        "code with `inspect` by `python docs/make_reference.py`; the docstrings hold the rest).",
+        "`tests/test_docs_examples.py` checks that it is up to date.",
+        "",
+        "Modules: " + ", ".join(f"[`{m}`](#{m.replace('.', '')})" for m, _ in MODULES) + ".",
+        "",
+    ]
+    for modname, blurb in MODULES:
+        mod = importlib.import_module(modname)
+        out += [f"## {modname}", "", f"{blurb} {_first_para(mod)}", ""]
+        for n in getattr(mod, "__all__", ()):
+            obj = getattr(mod, n)
+            if inspect.isclass(obj):
+                kind, header = "class", _sig(n, obj)
+            elif callable(obj):
+                kind = "async function" if inspect.iscoroutinefunction(obj) else "function"
+                header = _sig(n, obj)
+            else:
+                r = re.sub(r" at 0x[0-9a-f]+", "", repr(obj))  # no memory addresses in the docs
+                kind, header = "constant", n + (" = " + r if len(r) < 80 else "")
+            out += [f"### `{modname}.{n}`", "", f"{kind}: `{header}`", ""]
+            para = _first_para(obj) if kind != "constant" else ""
+            if para:
+                out += [para, ""]
+            if inspect.isclass(obj):
+                members = []
+                for mn, mv in vars(obj).items():
+                    if mn.startswith("_") or not (callable(mv) or isinstance(mv, (property, classmethod, staticmethod))):
+                        continue
+                    f = mv.fget if isinstance(mv, property) else getattr(mv, "__func__", mv)
+                    d = _first_para(f)
+                    label = mn if isinstance(mv, property) else _sig(mn, f)
+                    members.append(f"- `{label}`" + (f": {d}" if d else ""))
+                if members:
+                    out += [*members, ""]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    (ROOT / "docs" / "reference.md").write_text(generate_reference())
+    print(f"wrote {ROOT / 'docs' / 'reference.md'}")
