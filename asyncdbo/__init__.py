@@ -28,7 +28,13 @@ and the errors. Everything else lives in its subpackage (imports point down this
 from typing import Any
 
 from . import _compat
-from ._core import AsyncDBOError, DeadlockError, NoOverlapWarning, WatchdogTimeout, YieldMismatchError
+from ._core import (
+    AsyncDBOError,
+    DeadlockError,
+    NoOverlapWarning,
+    WatchdogTimeout,
+    YieldMismatchError,
+)
 from .dbo import (
     DBOOptions,
     dbo_current_ubatch_id,

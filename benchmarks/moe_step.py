@@ -215,11 +215,11 @@ async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int
     import torch.distributed as dist
 
     import asyncdbo
+    from asyncdbo.backends.host import HostBackend
     from asyncdbo.cli.demo import DemoConfig, _decode_chunks, _prefill_chunks
     from asyncdbo.models import MiniModel
     from asyncdbo.plan import merge_outputs, plan_step
     from asyncdbo.serving import BatchBuilder
-    from asyncdbo.backends.host import HostBackend
 
     dcfg = DemoConfig(ranks=world, tokens=case.tokens, layers=case.layers, shape=case.shape, context=case.context,
                       steps=steps, warmup=warmup, link=case.link, link_scale=case.link_scale)
@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     # Large tensors through mmap, returned to the OS when freed: RSS then follows live memory.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     from _results import publish_results, results_preamble
+
     from asyncdbo.testing import RankPool
 
     cases = QUICK_CASES if args.quick else FULL_CASES

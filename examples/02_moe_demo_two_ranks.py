@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 
 import asyncdbo
-from asyncdbo.testing import run_ranks
 from asyncdbo.models import MiniConfig, MiniModel
 from asyncdbo.plan import ThresholdConfig
 from asyncdbo.serving import BatchBuilder, DBORunner, RunnerConfig
+from asyncdbo.testing import run_ranks
 
 CFG = MiniConfig(hidden_size=128, num_layers=2, num_experts=4, top_k=2)
 

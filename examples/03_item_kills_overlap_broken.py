@@ -26,10 +26,10 @@ from asyncdbo import (
     dbo_yield_and_switch_from_comm_to_compute,
     dbo_yield_and_switch_from_compute_to_comm,
 )
-from asyncdbo.testing import free_port
 from asyncdbo.backends import LinkSpec
 from asyncdbo.backends.host import HostBackend
 from asyncdbo.observe import Tracer
+from asyncdbo.testing import free_port
 
 # Legend: T tokens of this ubatch, D hidden, E experts, R rows received.
 D, E, LAYERS, TOKENS = 384, 8, 3, 512

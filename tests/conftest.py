@@ -1,23 +1,84 @@
 """Shared test configuration.
 
-Every async test runs on both event loops asyncdbo supports (asyncio's default loop and uvloop),
-through pytest-asyncio's loop-factory hook.
+* Tests mirror the package: ``tests/<package>/`` specifies ``asyncdbo/<package>/``; ``tests/helpers/``
+  holds the functions rank workers run (module level, pickled by reference: the workers get this
+  process's ``sys.path``, which includes that folder).
+* Async tests where the event loop matters (the kernel, the DBO layer, the backends, the stack
+  dumps and tracer) run on both loops asyncdbo supports, asyncio's default loop and uvloop; the
+  rest run on uvloop, the loop ``asyncdbo.run`` picks by default.
+* Multi-process tests share one pool of real gloo ranks per world size for the whole session
+  (:func:`rank_pools`); a test that breaks its pool (a failed rank closes it) gets a fresh one
+  for the next test instead of failing the others.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+
+from asyncdbo.testing import RankPool
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "helpers"))
 
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
     uvloop = None
 
+#: test folders whose async tests run on both event loops
+BOTH_LOOPS = {"core", "dbo", "backends", "observe", "testing"}
 
-def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict:
-    factories = {"asyncio": asyncio.new_event_loop}
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    folder = Path(str(item.path)).resolve().relative_to(HERE).parts[0]
+    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {}
+    if uvloop is None or folder in BOTH_LOOPS:
+        factories["asyncio"] = asyncio.new_event_loop
     if uvloop is not None:
         factories["uvloop"] = uvloop.new_event_loop
     return factories
+
+
+class RankPools:
+    """One live :class:`RankPool` per world size, started on first use and reused by every test
+    of the session; a pool closed by a failure is replaced on the next request."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def get(self, world_size: int, *, timeout_s: float = 60.0) -> RankPool:
+        pool = self._pools.get(world_size)
+        if pool is None or pool._closed:
+            pool = self._pools[world_size] = RankPool(world_size, timeout_s=timeout_s)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+@pytest.fixture(scope="session")
+def rank_pools() -> Iterator[RankPools]:
+    pools = RankPools()
+    try:
+        yield pools
+    finally:
+        pools.close()
+
+
+@pytest.fixture
+def pool(rank_pools: RankPools) -> RankPool:
+    """The session's shared pool of 2 gloo ranks."""
+    return rank_pools.get(2)
+
+
+@pytest.fixture
+def pool4(rank_pools: RankPools) -> RankPool:
+    """The session's shared pool of 4 gloo ranks."""
+    return rank_pools.get(4)

@@ -6,7 +6,13 @@ asyncdbo is built on this package's names (curio's rule: new features go outside
 """
 
 from .clock import Clock, MonotonicClock, VirtualClock
-from .errors import AsyncDBOError, DeadlockError, NoOverlapWarning, WatchdogTimeout, YieldMismatchError
+from .errors import (
+    AsyncDBOError,
+    DeadlockError,
+    NoOverlapWarning,
+    WatchdogTimeout,
+    YieldMismatchError,
+)
 from .instrument import Fanout, Instrument
 from .kernel import LIVE_RUNS, DBORun
 from .stacks import await_chain, format_run, format_ubatch

@@ -13,10 +13,24 @@ from typing import Any
 
 import torch
 
-from .dp import DPDecision, LocalStepInfo, ThresholdConfig, agree_across_dp, decide_from_votes, should_microbatch
+from .dp import (
+    DPDecision,
+    LocalStepInfo,
+    ThresholdConfig,
+    agree_across_dp,
+    decide_from_votes,
+    should_microbatch,
+)
 from .metadata import AttentionMetadata, split_attn_metadata
 from .records import PlanReason, PlanStats, RankVote, StepRecord, log_record
-from .slices import SPLIT_POLICIES, SplitPolicy, UBatchSlice, as_query_start_loc, plan_slices, whole_batch_slice
+from .slices import (
+    SPLIT_POLICIES,
+    SplitPolicy,
+    UBatchSlice,
+    as_query_start_loc,
+    plan_slices,
+    whole_batch_slice,
+)
 
 __all__ = ["StepPlan", "plan_step"]
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from test_trace import check_chrome_trace, png_size
 
 import asyncdbo
 from asyncdbo import (
@@ -22,13 +22,11 @@ from asyncdbo import (
     dbo_yield_and_switch_from_compute_to_comm,
     run_ubatches,
 )
-from asyncdbo.lowlevel import get_ubatch
-from asyncdbo.testing import RankPool
 from asyncdbo.backends.host import HostBackend
 from asyncdbo.backends.links import LinkSpec
-from asyncdbo.observe.timeline import render_png
+from asyncdbo.lowlevel import get_ubatch
 from asyncdbo.observe import Tracer, merge_traces, write_traces
-from test_trace import check_chrome_trace, png_size
+from asyncdbo.observe.timeline import render_png
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -90,9 +88,8 @@ def _traced_step(rank: int, world_size: int) -> tuple[dict[str, Any], bool]:
 
 
 @pytest.fixture(scope="module")
-def traces() -> Iterator[list[tuple[dict[str, Any], bool]]]:
-    with RankPool(2, timeout_s=60.0) as pool:
-        yield pool.run(_traced_step)
+def traces(rank_pools: Any) -> list[tuple[dict[str, Any], bool]]:
+    return rank_pools.get(2).run(_traced_step)  # type: ignore[no-any-return]
 
 
 def test_dbo_matches_the_serial_run_on_every_rank(traces: list[tuple[dict[str, Any], bool]]) -> None:

@@ -10,16 +10,10 @@ assert max-abs-diff <= 1e-5.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-
-import asyncdbo
-from asyncdbo.testing import RankError, RankPool, run_ranks
-from asyncdbo.moe import MoEConfig, MoELayer
-
 from _moe_ranks import (
     DEEPSEEK_LIKE,
     MIXTRAL_LIKE,
@@ -31,13 +25,11 @@ from _moe_ranks import (
     moe_two_ep_groups,
 )
 
+import asyncdbo
+from asyncdbo.moe import MoEConfig, MoELayer
+from asyncdbo.testing import RankError, RankPool, run_ranks
+
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[RankPool]:
-    with RankPool(2, timeout_s=60.0) as p:
-        yield p
 
 
 def _check(results: list[dict[str, Any]], sizes_per_rank: list[list[int]]) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from asyncdbo import cli
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))  # the benchmarks import their helpers as top-level modules
 
 from _switch_bench import DESIGNS, chain, check_round_robin, measure, median_table  # noqa: E402
@@ -125,3 +125,14 @@ def test_gpu_check_script_is_valid_and_refuses_without_cuda() -> None:
     proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2
     assert "torch does not see a CUDA device" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_compare_commits_quick_measures_both_packages_side_by_side() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "compare_commits.py"), "--base", "HEAD", "--quick"],
+        capture_output=True, text=True, timeout=110, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| 2 | 2 |"))
+    assert float(row.rsplit("|", 2)[-2]) > 0

@@ -4,23 +4,15 @@ serial and with 2 DBO ubatches, to max-abs-diff <= 1e-5 in fp32."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 pytest.importorskip("transformers")
 
-from asyncdbo.testing import RankPool, run_ranks  # noqa: E402
-
 from _hf_ranks import hf_all_cases, hf_vs_asyncdbo, tiny_block  # noqa: E402
 
+from asyncdbo.testing import RankPool, run_ranks  # noqa: E402
+
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[RankPool]:
-    with RankPool(2, timeout_s=60.0) as p:
-        yield p
 
 
 @pytest.mark.timeout(90)

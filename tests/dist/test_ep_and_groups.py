@@ -14,12 +14,6 @@ from _moe_ranks import comm_round_trip, group_sizes
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[RankPool]:
-    with RankPool(2, timeout_s=60.0) as p:
-        yield p
-
-
 # 4 experts over 2 ranks (2 local experts each); top-2 ids per token, flattened.
 # Rank 0 sends tokens 0..2 to experts (0,3), (1,2), (0,1): 4 rows to itself, 2 rows to rank 1.
 # Rank 1 sends one token to experts (2,3): nothing to rank 0 (a zero-length split), 2 rows to itself.

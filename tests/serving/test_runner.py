@@ -10,7 +10,6 @@ ubatch cover other rows than the whole batch's, so results may differ in the las
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -18,8 +17,8 @@ import torch
 from _model_ranks import ALWAYS, SMALL, Case, fail_mid_step, serial_vs_dbo, tokens
 
 from asyncdbo import dbo_current_ubatch_id, run_ubatches
-from asyncdbo.testing import RankError, RankPool
 from asyncdbo.models import MiniModel
+from asyncdbo.observe import Tracer
 from asyncdbo.plan import (
     AttentionMetadata,
     PlanReason,
@@ -29,7 +28,7 @@ from asyncdbo.plan import (
     split_tokens,
 )
 from asyncdbo.serving import Batch, BatchBuilder, DBORunner, RunnerConfig
-from asyncdbo.observe import Tracer
+from asyncdbo.testing import RankError, RankPool
 
 TOL = 1e-5
 
@@ -151,12 +150,6 @@ def test_bad_runner_config_and_batch_are_value_errors() -> None:
 
 
 # ------------------------------------------------------------------------- 2 ranks, DP + EP
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[RankPool]:
-    with RankPool(2, timeout_s=60.0) as p:
-        yield p
 
 
 def _prefill_case(**kw: object) -> Case:

@@ -13,9 +13,15 @@ import torch
 
 from asyncdbo import dbo_current_ubatch_id, dbo_yield, run_ubatches
 from asyncdbo.cli import main as cli_main
-from asyncdbo.plan.records import PlanReason, StepRecord
+from asyncdbo.observe import (
+    RunNumbers,
+    Tracer,
+    hidden_seconds,
+    merge_traces,
+    union_seconds,
+)
 from asyncdbo.observe.timeline import render_png
-from asyncdbo.observe import RunNumbers, Tracer, hidden_seconds, merge_traces, union_seconds
+from asyncdbo.plan.records import PlanReason, StepRecord
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -238,7 +244,10 @@ def test_a_tracer_that_saw_no_run_exports_an_empty_valid_trace() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.asyncio
 async def test_device_spans_come_from_timing_events_on_the_streams() -> None:
-    from asyncdbo import dbo_yield_and_switch_from_comm_to_compute, dbo_yield_and_switch_from_compute_to_comm
+    from asyncdbo import (
+        dbo_yield_and_switch_from_comm_to_compute,
+        dbo_yield_and_switch_from_compute_to_comm,
+    )
 
     x_NN = torch.randn(2048, 2048, device="cuda")
 

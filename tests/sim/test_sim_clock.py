@@ -15,17 +15,17 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import asyncdbo
-from asyncdbo.lowlevel import get_ubatch
+from asyncdbo.backends import get_backend, link_spec
 from asyncdbo.dbo import (
     dbo_submit,
     dbo_yield,
     dbo_yield_and_switch_from_comm_to_compute,
     dbo_yield_and_switch_from_compute_to_comm,
 )
+from asyncdbo.lowlevel import get_ubatch
 from asyncdbo.sim import CostModel, SimCheckError, device_spec
-from asyncdbo.sim.clock import Engine
-from asyncdbo.backends import get_backend, link_spec
 from asyncdbo.sim.backend import SimBackend
+from asyncdbo.sim.clock import Engine
 
 DEV = device_spec("h100")
 LINK = link_spec("ib400")
@@ -183,7 +183,7 @@ async def test_a_wait_on_a_never_recorded_event_is_a_dead_wait_with_the_waiting_
     assert msg.splitlines()[0] == "asyncdbo sim: 2 ordering problem(s):"
     for ub in (0, 1):
         assert re.search(
-            rf"dead wait: ubatch {ub} at yield point 'dispatch', stream comm, tests/test_sim_clock.py:{line} in "
+            rf"dead wait: ubatch {ub} at yield point 'dispatch', stream comm, tests/sim/test_sim_clock.py:{line} in "
             r"waits_on_an_unrecorded_done_event: wait event\n\s+waits on an event that no one recorded before the run ended",
             msg,
         ), msg
@@ -227,9 +227,9 @@ async def test_a_wait_issued_before_the_record_is_reported_with_both_places() ->
     await asyncdbo.run_ubatches(waits_before_ubatch_1_records, [(x[:32],), (x[32:],)], backend=be, stream_policy="ubatch")
     (dead,) = be.report.dead_waits
     assert str(dead) == (
-        f"wait before record: ubatch 0 at yield point None, stream ub0, tests/test_sim_clock.py:{_line('# WAIT TOO EARLY')} in "
+        f"wait before record: ubatch 0 at yield point None, stream ub0, tests/sim/test_sim_clock.py:{_line('# WAIT TOO EARLY')} in "
         "waits_before_ubatch_1_records: wait event\n    waits on an event first recorded later by: ubatch 1 at yield point "
-        f"'stage', stream ub1, tests/test_sim_clock.py:{_line('# RECORDED LATER')} in waits_before_ubatch_1_records: record event "
+        f"'stage', stream ub1, tests/sim/test_sim_clock.py:{_line('# RECORDED LATER')} in waits_before_ubatch_1_records: record event "
         "(CUDA ignores such a wait: early read; NPU stalls)"
     )
 

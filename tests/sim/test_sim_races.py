@@ -19,19 +19,19 @@ import torch
 import torch.distributed as dist
 
 import asyncdbo
-from asyncdbo.lowlevel import get_ubatch
 from asyncdbo.dbo import (
-    dbo_submit,
     dbo_record_event,
+    dbo_submit,
     dbo_switch_to_compute,
     dbo_wait_event,
     dbo_yield,
     dbo_yield_and_switch_from_comm_to_compute,
     dbo_yield_and_switch_from_compute_to_comm,
 )
+from asyncdbo.lowlevel import get_ubatch
 from asyncdbo.sim import SimCheckError
-from asyncdbo.sim.predict import ModelShape, fake_ep_group, predict
 from asyncdbo.sim.backend import SimBackend
+from asyncdbo.sim.predict import ModelShape, fake_ep_group, predict
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,7 +58,7 @@ def line(marker: str) -> int:
 
 
 def place(fn: str, marker: str) -> str:
-    return re.escape(f"tests/test_sim_races.py:{line(marker)} in {fn}")
+    return re.escape(f"tests/sim/test_sim_races.py:{line(marker)} in {fn}")
 
 
 # ------------------------------------------------------------------------------------ schedules
@@ -241,7 +241,7 @@ async def test_a_background_transfer_is_ordered_by_awaiting_its_handle(early: bo
     (race,) = rep.races
     assert str(race) == (
         f"read-after-write race: ubatch 0 at yield point 'dispatch_send', stream compute, "
-        f"tests/test_sim_races.py:{line('# LL EARLY READ')} in ll_style: aten::relu\n    reads a buffer written with no "
-        f"event ordering it by: ubatch 0 at yield point None, stream compute:dispatch, tests/test_sim_races.py:"
+        f"tests/sim/test_sim_races.py:{line('# LL EARLY READ')} in ll_style: aten::relu\n    reads a buffer written with no "
+        f"event ordering it by: ubatch 0 at yield point None, stream compute:dispatch, tests/sim/test_sim_races.py:"
         f"{line('# ALL-TO-ALL')} in a2a: c10d::alltoall_base_"
     )

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from asyncdbo.testing import RankPool
 from asyncdbo.plan import (
     LocalStepInfo,
     PlanReason,
@@ -23,6 +21,7 @@ from asyncdbo.plan import (
     plan_step,
     should_microbatch,
 )
+from asyncdbo.testing import RankPool
 
 LOW = ThresholdConfig(decode_threshold=4, prefill_threshold=8)
 
@@ -145,22 +144,10 @@ def _mismatched_num_ubatches(rank: int, world_size: int) -> str:
     return "no error"
 
 
-@pytest.fixture(scope="module")
-def pool2() -> Iterator[RankPool]:
-    with RankPool(2, timeout_s=60.0) as p:
-        yield p
-
-
-@pytest.fixture(scope="module")
-def pool4() -> Iterator[RankPool]:
-    with RankPool(4, timeout_s=60.0) as p:
-        yield p
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_two_ranks_agree_and_pad_to_the_larger(pool2: RankPool) -> None:
-    a, b = pool2.run(_plan_on_rank, [prefill(10, 10), prefill(5, 4)],
+def test_two_ranks_agree_and_pad_to_the_larger(pool: RankPool) -> None:
+    a, b = pool.run(_plan_on_rank, [prefill(10, 10), prefill(5, 4)],
                      {"thresholds": LOW, "padded_by_rank": [24, 9]})
     assert a.microbatched and b.microbatched
     assert a.num_tokens_padded == b.num_tokens_padded == 24
@@ -173,8 +160,8 @@ def test_two_ranks_agree_and_pad_to_the_larger(pool2: RankPool) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_a_busy_rank_below_threshold_stops_everyone_and_is_named(pool2: RankPool) -> None:
-    plans = pool2.run(_plan_on_rank, [prefill(600), prefill(100)], {})
+def test_a_busy_rank_below_threshold_stops_everyone_and_is_named(pool: RankPool) -> None:
+    plans = pool.run(_plan_on_rank, [prefill(600), prefill(100)], {})
     for p in plans:
         assert (p.microbatched, p.record.reason, p.record.detail) == (
             False, PlanReason.RANK_DECLINED, "rank 1: below_threshold")
@@ -184,8 +171,8 @@ def test_a_busy_rank_below_threshold_stops_everyone_and_is_named(pool2: RankPool
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_an_idle_rank_joins_with_padding_ubatches(pool2: RankPool) -> None:
-    busy, idle = pool2.run(_plan_on_rank, [prefill(300, 300), [0, 1]], {"idle_ranks": (1,), "padded_by_rank": [608, 1]})
+def test_an_idle_rank_joins_with_padding_ubatches(pool: RankPool) -> None:
+    busy, idle = pool.run(_plan_on_rank, [prefill(300, 300), [0, 1]], {"idle_ranks": (1,), "padded_by_rank": [608, 1]})
     assert busy.microbatched and idle.microbatched
     assert busy.record.detail == idle.record.detail == "idle rank(s) [1] run padding-only ubatches"
     assert idle.record.ubatch_num_tokens == (1, 0) and idle.record.ubatch_num_tokens_padded == (304, 304)
@@ -194,19 +181,19 @@ def test_an_idle_rank_joins_with_padding_ubatches(pool2: RankPool) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_imbalance_falls_out_only_when_asked(pool2: RankPool) -> None:
+def test_imbalance_falls_out_only_when_asked(pool: RankPool) -> None:
     qsls = [prefill(1300), prefill(600)]
-    allowed = pool2.run(_plan_on_rank, qsls, {})
+    allowed = pool.run(_plan_on_rank, qsls, {})
     assert all(p.microbatched for p in allowed)
-    limited = pool2.run(_plan_on_rank, qsls, {"max_imbalance": 2.0})
+    limited = pool.run(_plan_on_rank, qsls, {"max_imbalance": 2.0})
     assert {(p.microbatched, p.record.reason) for p in limited} == {(False, PlanReason.IMBALANCE)}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_mismatched_num_ubatches_fails_on_every_rank(pool2: RankPool) -> None:
+def test_mismatched_num_ubatches_fails_on_every_rank(pool: RankPool) -> None:
     msg = "ranks disagree on num_ubatches ([2, 3], by rank); every rank must plan the same number of ubatches"
-    assert pool2.run(_mismatched_num_ubatches) == [msg, msg]
+    assert pool.run(_mismatched_num_ubatches) == [msg, msg]
 
 
 @pytest.mark.slow

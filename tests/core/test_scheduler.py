@@ -9,7 +9,6 @@ import threading
 
 import pytest
 
-import asyncdbo
 from asyncdbo import (
     DeadlockError,
     NoOverlapWarning,

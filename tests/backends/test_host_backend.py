@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,20 +16,13 @@ from asyncdbo import (
     dbo_yield_and_switch_from_compute_to_comm,
     run_ubatches,
 )
-from asyncdbo.lowlevel import get_ubatch
-from asyncdbo.dist.groups import ubatch_group, ubatch_groups
-from asyncdbo.testing import RankPool
 from asyncdbo.backends import LinkSpec
 from asyncdbo.backends.host import HostBackend, HostEvent, HostStream, HostWork
-from asyncdbo.lowlevel import MonotonicClock
+from asyncdbo.dist.groups import ubatch_group, ubatch_groups
+from asyncdbo.lowlevel import MonotonicClock, get_ubatch
+from asyncdbo.testing import RankPool
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[RankPool]:
-    with RankPool(2, timeout_s=60) as p:
-        yield p
 
 
 def _submit_a2a(x: torch.Tensor, what: str):  # type: ignore[no-untyped-def]

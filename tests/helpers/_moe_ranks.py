@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 
 import asyncdbo
-from asyncdbo.lowlevel import Instrument
-from asyncdbo.dist.ep import ep_comm, plan_dispatch
-from asyncdbo.moe import MoEConfig, MoELayer
 from asyncdbo.backends import link_spec
 from asyncdbo.backends.host import HostBackend
+from asyncdbo.dist.ep import ep_comm, plan_dispatch
+from asyncdbo.lowlevel import Instrument
+from asyncdbo.moe import MoEConfig, MoELayer
 
 MIXTRAL_LIKE = dict(hidden_size=32, intermediate_size=16, num_experts=8, top_k=2)
 DEEPSEEK_LIKE = dict(
@@ -218,7 +218,7 @@ def moe_stage_events(rank: int, world_size: int, schedule: str) -> list[tuple[An
         return await asyncdbo.run_ubatches(twice, cut(x_TD, [3, 5]), backend="host", stream_policy="ubatch", instrument=Keep())
 
     asyncdbo.run(dbo)
-    return sorted(holder["run"].data["events"])
+    return sorted(holder["run"].ext.events)
 
 
 def teardown_after_a_dbo_step(rank: int, world_size: int) -> dict[str, Any]:
