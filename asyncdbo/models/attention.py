@@ -9,7 +9,12 @@ New keys/values are written into a paged cache through ``slot_mapping`` (one slo
 
 This is exactly what makes a chunked-prefill continuation work: a request whose first tokens
 were in an earlier ubatch finds their keys in the cache (the earlier ubatch wrote them in the
-same layer first), and its ``seq_len`` spans that prefix.
+same layer first), and its ``seq_len`` spans that prefix.  Under DBO that order is not free when
+a ubatch can overtake a parked one; :func:`wait_for_earlier_kv` makes it explicit (see
+:mod:`asyncdbo.models.mini` for the full argument).
+
+A cache may hold keys only (``v_head_dim=0``): multi-head latent attention (DeepSeek-V3) stores
+one compressed latent per token and expands it to per-head keys and values after the read.
 
 The reference implementation loops over requests with CPU-side lengths (``*_cpu`` mirrors): it
 needs no device sync and is exact, not fast; it is the numerical reference for DBO-vs-serial.
@@ -25,9 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .._core import get_ubatch
 from ..plan.metadata import AttentionMetadata
+from ..primitives import dbo_record_event, dbo_wait_event
 
-__all__ = ["KVCacheConfig", "PagedKVCache", "paged_causal_attention", "slots_for"]
+__all__ = ["KVCacheConfig", "PagedKVCache", "paged_causal_attention", "slots_for", "wait_for_earlier_kv"]
 
 #: slot_mapping value of a token that writes nothing (padding), as in vLLM.
 PAD_SLOT_ID = -1
@@ -35,19 +42,27 @@ PAD_SLOT_ID = -1
 
 @dataclass(frozen=True, kw_only=True)
 class KVCacheConfig:
-    """Shape of one rank's paged KV cache (all layers)."""
+    """Shape of one rank's paged KV cache (all layers).  ``v_head_dim``: the values' head dim
+    (None: ``head_dim``; 0: no value cache, for a latent cache that keeps keys only)."""
 
     num_layers: int
     num_blocks: int
     block_size: int
     num_heads: int
     head_dim: int
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_blocks", "block_size", "num_heads", "head_dim"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"KVCacheConfig.{name} must be >= 1 (got {value})")
+        if self.v_head_dim is not None and self.v_head_dim < 0:
+            raise ValueError(f"KVCacheConfig.v_head_dim must be >= 0 or None (got {self.v_head_dim})")
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @property
     def num_slots(self) -> int:
@@ -64,19 +79,31 @@ class PagedKVCache:
     def __init__(self, cfg: KVCacheConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
         shape = (cfg.num_blocks, cfg.block_size, cfg.num_heads, cfg.head_dim)
+        v_shape = (*shape[:3], cfg.value_dim)
         self.k_cache_LNZHK = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v_cache_LNZHK = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v_cache_LNZHK = ([torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+                              if cfg.value_dim else [])
 
-    def write(self, layer: int, k_THK: torch.Tensor, v_THK: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
-        """Store the new tokens' keys/values at their slots; ``PAD_SLOT_ID`` slots are skipped."""
+    def write(self, layer: int, k_THK: torch.Tensor, v_THK: torch.Tensor | None, slot_mapping_T: torch.Tensor) -> None:
+        """Store the new tokens' keys/values at their slots; ``PAD_SLOT_ID`` slots are skipped.
+        ``v_THK`` is None exactly when the cache keeps keys only."""
+        assert (v_THK is None) == (self.cfg.value_dim == 0), "values given to a keys-only cache, or missing"
         if k_THK.shape[0] == 0:
             return
         keep_T = slot_mapping_T >= 0
         slots = slot_mapping_T[keep_T]
         flat_k = self.k_cache_LNZHK[layer].view(-1, self.cfg.num_heads, self.cfg.head_dim)
-        flat_v = self.v_cache_LNZHK[layer].view(-1, self.cfg.num_heads, self.cfg.head_dim)
         flat_k.index_copy_(0, slots, k_THK[keep_T])
-        flat_v.index_copy_(0, slots, v_THK[keep_T])
+        if v_THK is not None:
+            flat_v = self.v_cache_LNZHK[layer].view(-1, self.cfg.num_heads, self.cfg.value_dim)
+            flat_v.index_copy_(0, slots, v_THK[keep_T])
+
+    def read(self, layer: int, slots_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Keys ``[S, H, K]`` and values (None for a keys-only cache) stored at ``slots_S``."""
+        k_SHK = self.k_cache_LNZHK[layer].view(-1, self.cfg.num_heads, self.cfg.head_dim)[slots_S]
+        if not self.cfg.value_dim:
+            return k_SHK, None
+        return k_SHK, self.v_cache_LNZHK[layer].view(-1, self.cfg.num_heads, self.cfg.value_dim)[slots_S]
 
     def reset(self) -> None:
         for t in (*self.k_cache_LNZHK, *self.v_cache_LNZHK):
@@ -86,6 +113,26 @@ class PagedKVCache:
 def slots_for(block_table_B: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Cache slots of the given positions of one request (int64)."""
     return block_table_B.long()[positions // block_size] * block_size + positions % block_size
+
+
+async def wait_for_earlier_kv(owner: object, layer: int) -> None:
+    """Order this ubatch's K/V read in ``layer`` of ``owner`` (a model) after the earlier
+    ubatches' writes; a no-op outside a DBO run.  Call it between the write and the read.
+
+    Only a ubatch that continues a request of the previous one waits; the runner says so in
+    ``ub.data["first_is_continuation"]`` (absent: wait, to be safe).  A decode ubatch never
+    waits, so a low-latency schedule keeps its natural lead of one ubatch over the next.  If it
+    parks, the scheduler first launches the recv hook the previous ubatch left with it (under the
+    low-latency schedule that ubatch may be waiting for exactly that receive).
+    """
+    ub = get_ubatch()
+    if ub is None:
+        return
+    if ub.id > 0 and ub.data.get("first_is_continuation", True):
+        await dbo_wait_event(("models.kv", id(owner), layer, ub.id - 1))
+    # Recorded after the wait, so kv(l, k) means "ubatches 0..k wrote layer l" whenever k
+    # continues a request: a request spanning three ubatches needs the first one's K/V too.
+    dbo_record_event(("models.kv", id(owner), layer, ub.id))
 
 
 def paged_causal_attention(
