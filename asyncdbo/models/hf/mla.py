@@ -43,13 +43,13 @@ def mla_project(h_TD: torch.Tensor, w: dict[str, torch.Tensor | None], cos_TK: t
                 heads: int, nope: int, lora: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The synchronous piece before the cache write: queries ``q_THK`` (rotary part rotated) and
     the cache rows ``latent_T1C`` = normed latent and rotated shared key."""
-    T = h_TD.shape[0]
+    T = h_TD.shape[0]  # may be 0 (an idle rank's ubatch): every view names its sizes
     if w["q_a_proj"] is None:
         q_TF = F.linear(h_TD, w["q_proj"])  # type: ignore[arg-type]
     else:
         q_TQ = rms_norm(F.linear(h_TD, w["q_a_proj"], w["q_a_bias"]), w["q_a_norm"], LATENT_NORM_EPS)  # type: ignore[arg-type]
         q_TF = F.linear(q_TQ, w["q_b_proj"])  # type: ignore[arg-type]
-    q_THK = q_TF.view(T, heads, -1)
+    q_THK = q_TF.view(T, heads, q_TF.shape[1] // heads)
     compressed_TC = F.linear(h_TD, w["kv_a_proj"], w["kv_a_bias"])  # type: ignore[arg-type]
     latent_TL = rms_norm(compressed_TC[:, :lora], w["kv_a_norm"], LATENT_NORM_EPS)  # type: ignore[arg-type]
     k_rot_T1P = apply_rope(compressed_TC[:, None, lora:], cos_TK, sin_TK, interleave)
@@ -115,7 +115,7 @@ class MLAttention:
         await wait_for_earlier_kv(model, layer)
         o_THV = paged_attention(q_THK, positions_T, model.kv_cache, layer, attn, scale=self.scale,
                                 context=context, attend_fn=seg.attend, v_dim=self.v_dim)
-        return seg.linear(o_THV.reshape(o_THV.shape[0], -1), self.wo_DF, self.bo_D)  # type: ignore[no-any-return]
+        return seg.linear(o_THV.reshape(o_THV.shape[0], self.heads * self.v_dim), self.wo_DF, self.bo_D)  # type: ignore[no-any-return]
 
 
 def _yarn_mscale_squared(params: dict[str, Any]) -> float:

@@ -206,8 +206,8 @@ class HFMoEModel:
         if missing:
             shown = ", ".join(repr(n) for n in missing[:3]) + (", ..." if len(missing) > 3 else "")
             raise ValueError(
-                f"{where}: tensor {missing[0]!r} is missing ({len(missing)} of the {len(self.slots.names())} "
-                f"tensors this rank needs: {shown}); the checkpoint does not match its config.json"
+                f"{where}: no tensor {missing[0]!r} ({len(missing)} of the {len(self.slots.names())} tensors "
+                f"this rank needs are missing: {shown}); the checkpoint does not match its config.json"
             )
 
     # -- running ---------------------------------------------------------------------------------
@@ -260,7 +260,8 @@ class HFMoEModel:
         return seg.linear(h_TD, self.lm_head_VD, None)  # type: ignore[no-any-return]
 
 
-_FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<which>gate_up_proj|down_proj)$")
+#: A fused expert tensor's name (transformers 5's in-memory layout).
+FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<which>gate_up_proj|down_proj)$")
 
 
 def hub_layout(arch: Architecture, state_dict: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -270,7 +271,7 @@ def hub_layout(arch: Architecture, state_dict: Mapping[str, torch.Tensor]) -> It
     g, u, d = arch.expert_names
     for name, tensor in state_dict.items():
         name = arch.hub_name(name)
-        m = _FUSED.match(name)
+        m = FUSED_EXPERTS.match(name)
         if m is None:
             yield name, tensor
             continue
