@@ -307,6 +307,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launcher", choices=("local", "env"), default="local",
                    help="local: start --ranks processes here; env: this process is one rank of torchrun [%(default)s]")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck rank or collective fails [%(default)s]")
+    p.add_argument("--model", choices=("mini", "mixtral", "qwen3-moe", "deepseek-v3"), default="mini",
+                   help="mini: the small reference model; or a Hugging Face architecture, checked against "
+                        "transformers (see asyncdbo.demo_hf; --layers/--experts/--top-k/--hidden come from its config) [%(default)s]")
+    p.add_argument("--weights", metavar="DIR", default=None,
+                   help="--model: a local checkpoint directory (config.json + safetensors); default: a tiny random model")
 
 
 def _config_from_args(args: argparse.Namespace, ranks: int | None = None) -> DemoConfig:
@@ -382,6 +387,10 @@ def _main_env(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     from .launch import RankError, run_ranks
 
+    if args.model != "mini" or args.weights is not None:
+        from .demo_hf import main_hf
+
+        return main_hf(args)
     try:
         if args.launcher == "env":
             return _main_env(args)

@@ -66,9 +66,9 @@ class DeepseekV3(Architecture):
             vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=2,
             first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
             qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3,
-            n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=256,
+            n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=4096,
             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                             "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "original_max_position_embeddings": 1024, "mscale": 1.0, "mscale_all_dim": 1.0,
                              "beta_fast": 32, "beta_slow": 1},
         )
         return DeepseekV3Config(**{**kw, **overrides})

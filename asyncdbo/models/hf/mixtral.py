@@ -59,6 +59,6 @@ class Mixtral(Architecture):
 
         kw: dict[str, Any] = dict(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                  num_experts_per_tok=2, max_position_embeddings=256,
+                                  num_experts_per_tok=2, max_position_embeddings=4096,
                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})
         return MixtralConfig(**{**kw, **overrides})

@@ -58,6 +58,6 @@ class Qwen3Moe(Architecture):
         kw: dict[str, Any] = dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                   num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
-                                  max_position_embeddings=256,
+                                  max_position_embeddings=4096,
                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
         return Qwen3MoeConfig(**{**kw, **overrides})
