@@ -125,3 +125,21 @@ def test_gpu_check_script_is_valid_and_refuses_without_cuda() -> None:
     proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2
     assert "torch does not see a CUDA device" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_compiled_segments_quick() -> None:
+    """Two gloo ranks run the Qwen3-MoE step eager and with every segment through torch.compile
+    (Dynamo's ``eager`` backend in --quick: tracing without inductor's minutes of compiling), and
+    the compiled model's logits are eager's."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "compiled_segments.py"), "--quick"], capture_output=True, text=True, timeout=170,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [ln.split("|") for ln in proc.stdout.splitlines() if ln.startswith("| prefill") or ln.startswith("| decode")]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [
+        ("prefill 24", "serial"), ("prefill 24", "dbo"), ("decode 4", "serial"), ("decode 4", "dbo")]
+    assert all(float(r[-2]) == 0.0 for r in rows)  # Dynamo's eager backend runs the same ops
+    assert "| fixed cost: x + 1, one element |" in proc.stdout

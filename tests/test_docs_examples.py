@@ -45,11 +45,13 @@ def test_block_parser_reads_code_lines_and_skip_reasons() -> None:
 
 
 def test_there_are_docs_and_examples() -> None:
-    assert {p.name for p in DOCS} >= {"tutorial.md", "porting_from_vllm.md", "design.md", "reference.md", "troubleshooting.md"}
+    assert {p.name for p in DOCS} >= {"tutorial.md", "porting_from_vllm.md", "design.md", "reference.md", "troubleshooting.md",
+                                      "integration.md", "compile.md"}
     assert {p.name for p in EXAMPLES} >= {
         "01_hello_pingpong.py",
         "03_item_kills_overlap_broken.py",
         "04_item_kills_overlap_fixed.py",
+        "05_engine_integration.py",
     }
 
 
@@ -65,6 +67,9 @@ MODULES: list[tuple[str, str]] = [
     ("asyncdbo.comm", "Expert-parallel all-to-all through the stream backend."),
     ("asyncdbo.moe", "The reference MoE layer."),
     ("asyncdbo.models", "A small DeepSeek-like model and its paged attention."),
+    ("asyncdbo.models.hf", "Hugging Face MoE architectures under DBO."),
+    ("asyncdbo.models.hf.checkpoint", "Local checkpoint loading."),
+    ("asyncdbo.models.hf.generate", "Greedy generation and parity with transformers."),
     ("asyncdbo.runner", "Plan, run, merge: the overlapped step runner."),
     ("asyncdbo.trace", "Spans, numbers and trace export."),
     ("asyncdbo.sim", "The simulated device: specs, cost model, checks."),
@@ -87,7 +92,7 @@ def _sig(name: str, obj: object) -> str:
     import inspect
 
     try:
-        s = str(inspect.signature(obj))  # type: ignore[arg-type]
+        s = re.sub(r" at 0x[0-9a-f]+", "", str(inspect.signature(obj)))  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return name
     return f"{name}{s[:157] + '...)' if len(s) > 160 else s}"

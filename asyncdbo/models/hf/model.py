@@ -89,6 +89,7 @@ class Architecture:
         self.check()
 
     def check(self) -> None:
+        """Refuse what the model does not implement (ValueError naming the setting)."""
         hf = self.hf
         if getattr(hf, "hidden_act", "silu") != "silu":
             raise ValueError(f"{self.name}: hidden_act={hf.hidden_act!r} is not supported (SwiGLU experts only)")
@@ -98,19 +99,24 @@ class Architecture:
             raise ValueError(f"{self.name}: quantized checkpoints ({hf.quantization_config}) are not supported; use a bf16/fp32 one")
 
     def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has a MoE block (else a dense MLP)."""
         raise NotImplementedError
 
     def moe_config(self, schedule: Schedule) -> MoEConfig:
+        """The routing rule and sizes of this architecture's MoE layers."""
         raise NotImplementedError
 
     def make_attention(self, prefix: str, slots: WeightSlots, *, dtype: torch.dtype, device: Any) -> Any:
+        """One layer's attention, its weights registered in ``slots`` under ``prefix``."""
         raise NotImplementedError
 
     def rope(self) -> Rope:
+        """The rotary tables of the model."""
         raise NotImplementedError
 
     @property
     def dense_intermediate_size(self) -> int:
+        """Intermediate size of the dense MLP layers."""
         return int(self.hf.intermediate_size)
 
     def hub_name(self, name: str) -> str:
