@@ -53,6 +53,8 @@ class HFDemoConfig:
     seed: int = 0
     prefill_threshold: int = 512
     decode_threshold: int = 32
+    link: str | None = None
+    link_scale: float = 1000.0
 
     def __post_init__(self) -> None:
         from .models.hf import architecture
@@ -67,6 +69,12 @@ class HFDemoConfig:
             raise ValueError(f"unknown MoE schedule {self.schedule!r}; use one of ('ht', 'll')")
         if self.stream_policy not in ("role", "ubatch"):
             raise ValueError(f"unknown --stream-policy {self.stream_policy!r}; use 'role' or 'ubatch'")
+        self.link_spec()  # an unknown link or a bad scale: the mini demo's messages
+
+    def link_spec(self) -> Any:
+        from .demo import DemoConfig
+
+        return DemoConfig(link=self.link, link_scale=self.link_scale).link_spec()
 
 
 def _prompts(cfg: HFDemoConfig, rank: int, vocab: int) -> dict[int, list[int]]:
@@ -93,7 +101,8 @@ async def _rank_async(rank: int, world: int, cfg: HFDemoConfig, ckpt: str) -> di
                                     max_ubatches=max(cfg.ubatches, 2), block_size=16, num_kv_blocks=blocks)
     rc = RunnerConfig(num_ubatches=cfg.ubatches, stream_policy=cfg.stream_policy,  # type: ignore[arg-type]
                       thresholds=ThresholdConfig(prefill_threshold=cfg.prefill_threshold,
-                                                 decode_threshold=cfg.decode_threshold))
+                                                 decode_threshold=cfg.decode_threshold),
+                      backend="host" if cfg.link else "auto", link=cfg.link_spec())
     prompts = _prompts(cfg, rank, model.hf.vocab_size)
     barrier = dist.barrier if group is not None else None
     for _ in range(cfg.warmup):  # untimed, on throwaway caches: first-call costs (gloo, allocator)
@@ -154,7 +163,9 @@ def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], wh
         f"loop {cfg.loop}",
         f"weights: {where}; each rank read {per_rank[0]['read']} tensors from {per_rank[0]['shards']} shard(s), "
         "routed experts by rank: " + " ".join(f"{a}-{b}" for a, b in (r["experts"] for r in per_rank)),
-        "comm: real gloo all-to-all over loopback (it shares the CPU with compute)",
+        ("comm: real gloo all-to-all over loopback (it shares the CPU with compute)" if cfg.link is None else
+         f"comm: MODELED LINK {cfg.link} x{cfg.link_scale:g} (the real all-to-all runs, its completion is released "
+         "on the modeled link)"),
         "",
     ]
     rows = [("", "serial", "DBO", "DBO / serial")]
@@ -195,10 +206,12 @@ def main_hf(args: argparse.Namespace) -> int:
             raise ValueError("--model runs with --launcher local only")
         if args.model == "mini":
             raise ValueError("--weights needs --model mixtral, qwen3-moe or deepseek-v3")
+        _refuse_mini_only_flags(args)
         cfg = HFDemoConfig(model=args.model, weights=args.weights, ranks=args.ranks, tokens=args.tokens,
                            steps=args.steps, warmup=args.warmup, schedule=args.schedule, stream_policy=args.stream_policy,
                            ubatches=args.ubatches, loop=args.loop, seed=args.seed,
-                           prefill_threshold=args.prefill_threshold, decode_threshold=args.decode_threshold)
+                           prefill_threshold=args.prefill_threshold, decode_threshold=args.decode_threshold,
+                           link=None if args.link == "none" else args.link, link_scale=args.link_scale)
         if cfg.weights is None:
             hf_model = _reference(cfg)
             config = hf_model.config
@@ -236,6 +249,21 @@ def main_hf(args: argparse.Namespace) -> int:
     if cfg.weights is not None:  # after the ranks: their loader names a broken file and tensor first
         hf_model = _reference(cfg)
     return _report(cfg, hf_model, per_rank, where)
+
+
+#: Flags of the mini model's demo that ``--model`` takes from the config or does not have.
+MINI_ONLY = ("layers", "experts", "top_k", "hidden", "shape", "context", "trace")
+
+
+def _refuse_mini_only_flags(args: argparse.Namespace) -> None:
+    from .demo import DemoConfig
+
+    defaults = DemoConfig()
+    for name in MINI_ONLY:
+        if getattr(args, name) != getattr(defaults, name):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} is not used with --model (the sizes come from the model's config.json; "
+                             "prefill then decode is what every run does); drop it")
 
 
 def _num_experts(hf: Any) -> int:

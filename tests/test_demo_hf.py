@@ -53,11 +53,12 @@ def test_demo_runs_a_tiny_random_deepseek_v3_and_matches_transformers(capsys: py
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_demo_loads_a_checkpoint_directory(capsys: pytest.CaptureFixture[str], mixtral_dir: Path) -> None:
-    rc = main(["demo", "--model", "mixtral", "--weights", str(mixtral_dir), *QUICK])
+    rc = main(["demo", "--model", "mixtral", "--weights", str(mixtral_dir), *QUICK, "--link", "ib400"])
     out = capsys.readouterr().out
     assert rc == 0, out
     shards = len(list(mixtral_dir.glob("*.safetensors")))
     assert f"weights: {mixtral_dir}; each rank read " in out and f"from {shards} shard(s)" in out
+    assert "comm: MODELED LINK ib400 x1000 (the real all-to-all runs" in out
     assert "routed experts by rank: 0-1 2-3" in out
     m = MATCH.search(out)
     assert m is not None and m[1] == "MixtralForCausalLM" and m[2] == m[3], out
@@ -88,6 +89,10 @@ def test_a_broken_checkpoint_fails_with_the_file_and_the_tensor(capsys: pytest.C
         (["--weights", "/nonexistent/ckpt"], "--weights needs --model mixtral, qwen3-moe or deepseek-v3"),
         (["--model", "qwen3-moe", "--launcher", "env"], "--model runs with --launcher local only"),
         (["--model", "qwen3-moe", "--schedule", "fast"], "unknown MoE schedule 'fast'; use one of ('ht', 'll')"),
+        (["--model", "qwen3-moe", "--hidden", "64"],
+         "--hidden is not used with --model (the sizes come from the model's config.json; prefill then decode is "
+         "what every run does); drop it"),
+        (["--model", "qwen3-moe", "--link", "pigeon"], "unknown --link 'pigeon'; use one of ('none', 'nvlink', 'ib400', 'eth100')"),
     ],
 )
 def test_bad_flags_give_one_error_line_and_exit_2(capsys: pytest.CaptureFixture[str], flags: list[str], message: str) -> None:
