@@ -16,7 +16,7 @@ attention scaled by the architecture's factor and masked causally by position.
 """
 
 # Shape legend: T = tokens, D = hidden, H = heads, K = query/key head dim, V = value head dim,
-# S = context length of one request, R = rotary dims / 2, F = projected features.
+# S = context length of one request, R = rotary dims / 2, F = input features, O = output features.
 
 from __future__ import annotations
 
@@ -50,11 +50,8 @@ def residual_norm(x_TD: torch.Tensor, delta_TD: torch.Tensor, w_D: torch.Tensor,
 
 
 def linear(x_TF: torch.Tensor, w_OF: torch.Tensor, b_O: torch.Tensor | None) -> torch.Tensor:
+    """A projection (a piece of its own: the attention output and the LM head)."""
     return F.linear(x_TF, w_OF, b_O)
-
-
-def final_logits(x_TD: torch.Tensor, w_D: torch.Tensor, eps: float, head_VD: torch.Tensor) -> torch.Tensor:
-    return F.linear(rms_norm(x_TD, w_D, eps), head_VD)
 
 
 def apply_rope(x_THK: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor, interleave: bool) -> torch.Tensor:
