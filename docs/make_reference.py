@@ -23,6 +23,9 @@ MODULES: list[tuple[str, str]] = [
     ("asyncdbo.moe.hf", "Hugging Face MoE blocks as asyncdbo layers."),
     ("asyncdbo.serving", "Plan, run, merge: the overlapped step runner."),
     ("asyncdbo.models", "The reference model."),
+    ("asyncdbo.models.hf", "Hugging Face MoE architectures under DBO."),
+    ("asyncdbo.models.hf.checkpoint", "Local checkpoint loading."),
+    ("asyncdbo.models.hf.generate", "Greedy generation and parity with transformers."),
     ("asyncdbo.observe", "Observing runs."),
     ("asyncdbo.sim", "The simulated device."),
     ("asyncdbo.sim.backend", "The simulated-device backend."),
@@ -41,7 +44,7 @@ def _sig(name: str, obj: object) -> str:
     import inspect
 
     try:
-        s = str(inspect.signature(obj))  # type: ignore[arg-type]
+        s = re.sub(r" at 0x[0-9a-f]+", "", str(inspect.signature(obj)))  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return name
     return f"{name}{s[:157] + '...)' if len(s) > 160 else s}"

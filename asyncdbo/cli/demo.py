@@ -7,7 +7,7 @@ with status 1.
 
 Two launchers share one per-rank function (:func:`demo_rank`):
 
-* ``--launcher local`` (default): :func:`asyncdbo.launch.run_ranks` starts W processes joined in a
+* ``--launcher local`` (default): :func:`asyncdbo.testing.run_ranks` starts W processes joined in a
   gloo group on 127.0.0.1 and collects their numbers;
 * ``--launcher env``: run under ``torchrun --nproc-per-node W -m asyncdbo demo --launcher env``;
   every process joins through ``env://`` (NCCL and its own GPU when CUDA is available, else
@@ -39,7 +39,7 @@ from ..moe.config import Schedule
 
 __all__ = ["DemoConfig", "add_arguments", "demo_rank", "error_line", "main", "summarize"]
 
-logger = logging.getLogger("asyncdbo.demo")
+logger = logging.getLogger("asyncdbo.cli.demo")
 
 LINK_CHOICES = ("none", "nvlink", "ib400", "eth100")
 #: Max |logits| difference between serial and DBO accepted as a match (fp32 CPU rounding).
@@ -309,6 +309,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launcher", choices=("local", "env"), default="local",
                    help="local: start --ranks processes here; env: this process is one rank of torchrun [%(default)s]")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck rank or collective fails [%(default)s]")
+    p.add_argument("--model", choices=("mini", "mixtral", "qwen3-moe", "deepseek-v3"), default="mini",
+                   help="mini: the small reference model; or a Hugging Face architecture, checked against "
+                        "transformers (see asyncdbo.cli.demo_hf; --layers/--experts/--top-k/--hidden come from its config) [%(default)s]")
+    p.add_argument("--weights", metavar="DIR", default=None,
+                   help="--model: a local checkpoint directory (config.json + safetensors); default: a tiny random model")
 
 
 def _config_from_args(args: argparse.Namespace, ranks: int | None = None) -> DemoConfig:
@@ -384,6 +389,10 @@ def _main_env(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     from ..testing.ranks import RankError, run_ranks
 
+    if args.model != "mini" or args.weights is not None:
+        from .demo_hf import main_hf
+
+        return main_hf(args)
     try:
         if args.launcher == "env":
             return _main_env(args)

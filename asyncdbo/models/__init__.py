@@ -1,5 +1,6 @@
 """Models for DBO tests, examples and the demo: a small DeepSeek-like MoE model and its paged
-attention."""
+attention.  Hugging Face architectures (Mixtral, Qwen3-MoE, DeepSeek-V3) live in
+:mod:`asyncdbo.models.hf`, imported on its own (it needs transformers for configs)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,12 @@ New keys/values are written into a paged cache through ``slot_mapping`` (one slo
 
 This is exactly what makes a chunked-prefill continuation work: a request whose first tokens
 were in an earlier ubatch finds their keys in the cache (the earlier ubatch wrote them in the
-same layer first), and its ``seq_len`` spans that prefix.
+same layer first), and its ``seq_len`` spans that prefix.  Under DBO that order is not free when
+a ubatch can overtake a parked one; :func:`wait_for_earlier_kv` makes it explicit (see
+:mod:`asyncdbo.models.mini` for the full argument).
+
+A cache may hold keys only (``v_head_dim=0``): multi-head latent attention (DeepSeek-V3) stores
+one compressed latent per token and expands it to per-head keys and values after the read.
 
 The reference implementation loops over requests with CPU-side lengths (``*_cpu`` mirrors): it
 needs no device sync and is exact, not fast; it is the numerical reference for DBO-vs-serial.
@@ -24,10 +29,34 @@ import math
 
 import torch
 
+from .._core import get_ubatch
+from ..dbo import dbo_record_event, dbo_wait_event
 from ..plan.metadata import AttentionMetadata
+from ..serving import current_slice
 from ..serving.kv_cache import PAD_SLOT_ID, KVCacheConfig, PagedKVCache, slots_for
 
-__all__ = ["PAD_SLOT_ID", "KVCacheConfig", "PagedKVCache", "paged_causal_attention", "slots_for"]
+__all__ = ["PAD_SLOT_ID", "KVCacheConfig", "PagedKVCache", "paged_causal_attention", "slots_for", "wait_for_earlier_kv"]
+
+async def wait_for_earlier_kv(owner: object, layer: int) -> None:
+    """Order this ubatch's K/V read in ``layer`` of ``owner`` (a model) after the earlier
+    ubatches' writes; a no-op outside a DBO run.  Call it between the write and the read.
+
+    Only a ubatch that continues a request of the previous one waits; the runner's
+    :func:`~asyncdbo.serving.current_slice` says so (no slice: wait, to be safe).  A decode ubatch never
+    waits, so a low-latency schedule keeps its natural lead of one ubatch over the next.  If it
+    parks, the scheduler first launches the recv hook the previous ubatch left with it (under the
+    low-latency schedule that ubatch may be waiting for exactly that receive).
+    """
+    ub = get_ubatch()
+    if ub is None:
+        return
+    ub_slice = current_slice()
+    if ub.id > 0 and (ub_slice is None or ub_slice.first_is_continuation):
+        await dbo_wait_event(("models.kv", id(owner), layer, ub.id - 1))
+    # Recorded after the wait, so kv(l, k) means "ubatches 0..k wrote layer l" whenever k
+    # continues a request: a request spanning three ubatches needs the first one's K/V too.
+    dbo_record_event(("models.kv", id(owner), layer, ub.id))
+
 
 def paged_causal_attention(
     q_THK: torch.Tensor,

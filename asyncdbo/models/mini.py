@@ -41,13 +41,11 @@ from typing import Any
 
 import torch
 
-from .._core import get_ubatch
-from ..dbo import dbo_record_event, dbo_wait_event
 from ..moe import MoEConfig, MoELayer
 from ..moe.config import Schedule, Scoring
 from ..plan.metadata import AttentionMetadata
-from ..serving import KVCacheConfig, PagedKVCache, current_slice
-from .attention import paged_causal_attention
+from ..serving import KVCacheConfig, PagedKVCache
+from .attention import paged_causal_attention, wait_for_earlier_kv
 
 __all__ = ["MiniConfig", "MiniModel"]
 
@@ -160,26 +158,6 @@ class MiniModel:
         self.lm_head_DV = init(d, cfg.vocab_size, fan_in=d)
         self.kv_cache = PagedKVCache(cfg.kv_cache_config, dtype=dtype, device=device)
 
-    async def _order_after_previous_ubatch(self, layer: int) -> None:
-        """Make this ubatch's K/V read in ``layer`` wait for the earlier ubatches' writes (module
-        docstring).  A no-op outside a DBO run.
-
-        Only a ubatch that continues a request of the previous one waits; the runner's
-        :func:`~asyncdbo.serving.current_slice` says so (no slice: wait, to be safe).  A decode ubatch never
-        waits, so a low-latency schedule keeps its natural lead of one ubatch over the next.
-        If it parks, the scheduler first launches the recv hook the previous ubatch left with it
-        (under the low-latency schedule that ubatch may be waiting for exactly that receive).
-        """
-        ub = get_ubatch()
-        if ub is None:
-            return
-        ub_slice = current_slice()
-        if ub.id > 0 and (ub_slice is None or ub_slice.first_is_continuation):
-            await dbo_wait_event(("mini.kv", id(self), layer, ub.id - 1))
-        # Recorded after the wait, so kv(l, k) means "ubatches 0..k wrote layer l" whenever k
-        # continues a request: a request spanning three ubatches needs the first one's K/V too.
-        dbo_record_event(("mini.kv", id(self), layer, ub.id))
-
     async def _attention(self, layer: int, p: dict[str, Any], h_TD: torch.Tensor, positions_T: torch.Tensor,
                          attn: AttentionMetadata) -> torch.Tensor:
         cfg = self.cfg
@@ -192,7 +170,7 @@ class MiniModel:
         self.kv_cache.write(layer, k_THK, v_THK, attn.slot_mapping)
         # Order the read after the previous ubatch's write in this layer (module docstring).
         # No-ops outside a DBO run.
-        await self._order_after_previous_ubatch(layer)
+        await wait_for_earlier_kv(self, layer)
         o_THK = paged_causal_attention(q_THK, positions_T, self.kv_cache, layer, attn)
         return o_THK.reshape(-1, cfg.num_heads * cfg.head_dim) @ p["wo_FD"]
 

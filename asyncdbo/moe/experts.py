@@ -10,6 +10,8 @@ same model, whatever the parallelism.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -69,12 +71,15 @@ def run_experts(
     gate_LFD: torch.Tensor,
     up_LFD: torch.Tensor,
     down_LDF: torch.Tensor,
+    *,
+    mlp: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
 ) -> torch.Tensor:
-    """Apply each row's local expert; rows of one expert go through one batched matmul."""
+    """Apply each row's local expert; rows of one expert go through one batched matmul.
+    ``mlp`` is the expert function (:func:`swiglu`, or a compiled twin of it)."""
     y_RD = torch.empty_like(x_RD)
     if x_RD.shape[0] == 0:
         return y_RD
     for expert in torch.unique(local_ids_R).tolist():
         rows = (local_ids_R == expert).nonzero().squeeze(1)
-        y_RD[rows] = swiglu(x_RD[rows], gate_LFD[expert], up_LFD[expert], down_LDF[expert])
+        y_RD[rows] = mlp(x_RD[rows], gate_LFD[expert], up_LFD[expert], down_LDF[expert])
     return y_RD

@@ -107,15 +107,28 @@ async def _to_comm(st: Any, tag: str, *, after: str) -> None:
         await st.wait(after)
 
 
+def _empty_weights(cfg: MoEConfig, local: int) -> tuple[Any, ...]:
+    """Uninitialised weights of the shapes :func:`router_init`, :func:`expert_init` and
+    :func:`shared_init` give (the correction bias zeroed: a checkpoint may lack it)."""
+    E, D, Fi, S = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.shared_intermediate_size
+    bias_E = torch.zeros(E) if cfg.scoring == "sigmoid" else None
+    shared = None if S == 0 else {"gate_proj": torch.empty(S, D), "up_proj": torch.empty(S, D),
+                                  "down_proj": torch.empty(D, S)}
+    return (torch.empty(E, D), bias_E, torch.empty(local, Fi, D), torch.empty(local, Fi, D),
+            torch.empty(local, D, Fi), shared)
+
+
 class MoELayer(nn.Module):
     """A routed-experts layer (plus optional shared experts) under DP+EP, as ``async def``.
 
     Every rank derives the same global weights from ``seed`` and keeps its shard (experts
-    ``rank*L .. rank*L+L-1``); router, correction bias and shared experts are replicated. EP size
+    ``rank*L .. rank*L+L-1``); router, correction bias and shared experts are replicated
+    (``init_weights=False`` skips the seeded draw and leaves the weights uninitialised, for a
+    loader that fills them from a checkpoint). EP size
     and rank come from ``ep_group`` (None: the default group when torch.distributed is
     initialised, else a single rank). With EP size > 1, building the first layer of a group is a
     collective call (it creates ``max_ubatches`` per-ubatch process groups, see
-    :mod:`asyncdbo.comm`), so every rank must build its layers in the same order.
+    :mod:`asyncdbo.dist.ep`), so every rank must build its layers in the same order.
     """
 
     def __init__(
@@ -127,6 +140,7 @@ class MoELayer(nn.Module):
         dtype: torch.dtype = torch.float32,
         max_ubatches: int = 4,
         name: str | None = None,
+        init_weights: bool = True,
     ) -> None:
         super().__init__()
         comm = ep_comm(ep_group, max_ubatches=max_ubatches)
@@ -140,20 +154,37 @@ class MoELayer(nn.Module):
         self.name = name if name is not None else f"moe{next(_layer_ids)}"
         self.experts_per_rank = cfg.num_experts // comm.size
         self.first_expert = comm.rank * self.experts_per_rank
-        router_ED, bias_E = router_init(cfg, seed)
+        if init_weights:
+            router_ED, bias_E = router_init(cfg, seed)
+            local = [expert_init(cfg, seed, e) for e in self._local_range()]
+            gate_LFD, up_LFD = torch.stack([w[0] for w in local]), torch.stack([w[1] for w in local])
+            down_LDF = torch.stack([w[2] for w in local])
+            shared = shared_init(cfg, seed)
+        else:
+            router_ED, bias_E, gate_LFD, up_LFD, down_LDF, shared = _empty_weights(cfg, self.experts_per_rank)
         # The router stays float32 whatever ``dtype``: routing is computed in float32 (as both
         # reference models do) and a rounded router weight could flip a top-k choice.
         self.router_ED = _frozen(router_ED)
         self.bias_E: torch.Tensor | None
         self.register_buffer("bias_E", bias_E)
-        local = [expert_init(cfg, seed, e) for e in self._local_range()]
-        self.gate_LFD = _frozen(torch.stack([w[0] for w in local]).to(dtype))
-        self.up_LFD = _frozen(torch.stack([w[1] for w in local]).to(dtype))
-        self.down_LDF = _frozen(torch.stack([w[2] for w in local]).to(dtype))
-        shared = shared_init(cfg, seed)
+        self.gate_LFD = _frozen(gate_LFD.to(dtype))
+        self.up_LFD = _frozen(up_LFD.to(dtype))
+        self.down_LDF = _frozen(down_LDF.to(dtype))
         self.shared_gate_SD = None if shared is None else _frozen(shared["gate_proj"].to(dtype))
         self.shared_up_SD = None if shared is None else _frozen(shared["up_proj"].to(dtype))
         self.shared_down_DS = None if shared is None else _frozen(shared["down_proj"].to(dtype))
+        # The synchronous pieces between the yields; compile_segments() swaps in compiled ones.
+        self._route = route
+        self._mlp = swiglu
+
+    def compile_segments(self, **compile_kwargs: Any) -> None:
+        """Compile the synchronous pieces between this layer's yields with ``torch.compile``:
+        routing and the SwiGLU MLP (each local expert's GEMMs and the shared expert).  The comm,
+        the yields and the per-expert row grouping stay eager: a coroutine cannot suspend inside a
+        compiled region, so every compiled piece must end before a yield.  ``compile_kwargs`` go
+        to ``torch.compile`` (e.g. ``dynamic=True``: row counts change every call)."""
+        self._route = torch.compile(route, **compile_kwargs)
+        self._mlp = torch.compile(swiglu, **compile_kwargs)
 
     def _local_range(self) -> range:
         return range(self.first_expert, self.first_expert + self.experts_per_rank)
@@ -225,10 +256,11 @@ class MoELayer(nn.Module):
         if self.shared_gate_SD is None:
             return None
         assert self.shared_up_SD is not None and self.shared_down_DS is not None
-        return swiglu(x_TD, self.shared_gate_SD, self.shared_up_SD, self.shared_down_DS)
+        return self._mlp(x_TD, self.shared_gate_SD, self.shared_up_SD, self.shared_down_DS)
 
     def _experts(self, plan: DispatchPlan, recv_x_RD: torch.Tensor) -> torch.Tensor:
-        return run_experts(recv_x_RD, plan.local_expert_ids(), self.gate_LFD, self.up_LFD, self.down_LDF)
+        return run_experts(recv_x_RD, plan.local_expert_ids(), self.gate_LFD, self.up_LFD, self.down_LDF,
+                           mlp=self._mlp)
 
     def _stages(self) -> _Stages | None:
         """Explicit-event stage keys under the ubatch-stream policy, else None (role streams or
@@ -259,7 +291,7 @@ class MoELayer(nn.Module):
         return out_TD.reshape(*lead, D)
 
     def _prepare(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, DispatchPlan]:
-        topk_w_TK, topk_ids_TK = route(x_TD, self.router_ED, self.cfg, bias_E=self.bias_E)
+        topk_w_TK, topk_ids_TK = self._route(x_TD, self.router_ED, self.cfg, bias_E=self.bias_E)
         ub = get_ubatch()
         plan = plan_dispatch(
             topk_ids_TK, num_experts=self.cfg.num_experts, comm=self.comm, ub_id=None if ub is None else ub.id

@@ -136,3 +136,21 @@ def test_compare_commits_quick_measures_both_packages_side_by_side() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| 2 | 2 |"))
     assert float(row.rsplit("|", 2)[-2]) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_compiled_segments_quick() -> None:
+    """Two gloo ranks run the Qwen3-MoE step eager and with every segment through torch.compile
+    (Dynamo's ``eager`` backend in --quick: tracing without inductor's minutes of compiling), and
+    the compiled model's logits are eager's."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "compiled_segments.py"), "--quick"], capture_output=True, text=True, timeout=170,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [ln.split("|") for ln in proc.stdout.splitlines() if ln.startswith("| prefill") or ln.startswith("| decode")]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [
+        ("prefill 24", "serial"), ("prefill 24", "dbo"), ("decode 4", "serial"), ("decode 4", "dbo")]
+    assert all(float(r[-2]) == 0.0 for r in rows)  # Dynamo's eager backend runs the same ops
+    assert "| fixed cost: x + 1, one element |" in proc.stdout

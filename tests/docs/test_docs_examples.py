@@ -45,11 +45,13 @@ def test_block_parser_reads_code_lines_and_skip_reasons() -> None:
 
 
 def test_there_are_docs_and_examples() -> None:
-    assert {p.name for p in DOCS} >= {"tutorial.md", "porting_from_vllm.md", "design.md", "reference.md", "troubleshooting.md"}
+    assert {p.name for p in DOCS} >= {"tutorial.md", "porting_from_vllm.md", "design.md", "reference.md", "troubleshooting.md",
+                                      "integration.md", "compile.md"}
     assert {p.name for p in EXAMPLES} >= {
         "01_hello_pingpong.py",
         "03_item_kills_overlap_broken.py",
         "04_item_kills_overlap_fixed.py",
+        "05_engine_integration.py",
     }
 
 

@@ -1,0 +1,273 @@
+"""``asyncdbo demo --model mixtral|qwen3-moe|deepseek-v3 [--weights DIR]``: a Hugging Face MoE
+architecture on W local ranks, serial vs DBO, checked against transformers' own forward.
+
+Without ``--weights`` the model is a tiny random one of the architecture (built offline from a
+config), saved to a temporary checkpoint directory so that the ranks go through the same loading
+path as a real checkpoint: shard by shard, each rank reading its own experts.  With ``--weights
+DIR`` the ranks load that local directory (config.json + safetensors), and this process loads the
+same directory into transformers for the reference, in float32 (the whole model: size the demo
+for this machine's memory).
+
+Every rank gets ``--tokens`` prompt tokens in 1-4 requests, then ``--steps`` greedy decode steps;
+each step runs serially and then with DBO on a second KV cache, on the same inputs (the serial
+run's tokens), so the two are timed back to back (after ``--warmup`` untimed generations on
+throwaway caches).  The logits of both runs must match each other
+and transformers' forward over the same tokens, and the greedy tokens must be identical, or the
+command exits with status 1.
+"""
+
+# Shape legend: V = vocab.
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["HFDemoConfig", "hf_demo_rank", "main_hf"]
+
+#: Max |logits diff| accepted as a match (serial vs DBO, and against transformers; fp32 CPU).
+MATCH_ATOL = 1e-4
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFDemoConfig:
+    """Everything one ``--model`` demo run needs; identical on every rank."""
+
+    model: str
+    weights: str | None = None
+    ranks: int = 2
+    tokens: int = 512
+    steps: int = 5
+    warmup: int = 1
+    schedule: str = "ht"
+    stream_policy: str = "role"
+    ubatches: int = 2
+    loop: str = "auto"
+    seed: int = 0
+    prefill_threshold: int = 512
+    decode_threshold: int = 32
+    link: str | None = None
+    link_scale: float = 1000.0
+
+    def __post_init__(self) -> None:
+        from ..models.hf import architecture
+
+        architecture(self.model)  # unknown names: one ValueError listing the known ones
+        if self.steps < 0 or self.warmup < 0:
+            raise ValueError(f"--steps and --warmup must be >= 0 (got {self.steps}, {self.warmup})")
+        for name in ("ranks", "tokens", "ubatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1 (got {getattr(self, name)})")
+        if self.schedule not in ("ht", "ll"):
+            raise ValueError(f"unknown MoE schedule {self.schedule!r}; use one of ('ht', 'll')")
+        if self.stream_policy not in ("role", "ubatch"):
+            raise ValueError(f"unknown --stream-policy {self.stream_policy!r}; use 'role' or 'ubatch'")
+        self.link_spec()  # an unknown link or a bad scale: the mini demo's messages
+
+    def link_spec(self) -> Any:
+        from .demo import DemoConfig
+
+        return DemoConfig(link=self.link, link_scale=self.link_scale).link_spec()
+
+
+def _prompts(cfg: HFDemoConfig, rank: int, vocab: int) -> dict[int, list[int]]:
+    """``cfg.tokens`` prompt tokens in 1-4 requests of uneven, seeded lengths."""
+    g = torch.Generator().manual_seed(cfg.seed * 100003 + rank * 1009)
+    num_reqs = min(cfg.tokens, int(torch.randint(1, 5, (1,), generator=g)))
+    cuts = sorted(torch.randperm(cfg.tokens - 1, generator=g)[: num_reqs - 1].add(1).tolist()) if num_reqs > 1 else []
+    bounds = [0, *cuts, cfg.tokens]
+    ids = torch.randint(0, vocab, (cfg.tokens,), generator=g).tolist()
+    return {r: ids[bounds[r]: bounds[r + 1]] for r in range(num_reqs)}
+
+
+async def _rank_async(rank: int, world: int, cfg: HFDemoConfig, ckpt: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from ..models.hf.checkpoint import load_checkpoint
+    from ..models.hf.generate import greedy_generate
+    from ..plan import ThresholdConfig
+    from ..serving import BatchBuilder, DBORunner, RunnerConfig
+
+    group = dist.group.WORLD if dist.is_initialized() and world > 1 else None
+    blocks = (cfg.tokens + 4 * (cfg.steps + 1)) // 16 + 8  # every request's prompt and decode tokens
+    model, report = load_checkpoint(ckpt, model=cfg.model, ep_group=group, schedule=cfg.schedule,
+                                    max_ubatches=max(cfg.ubatches, 2), block_size=16, num_kv_blocks=blocks)
+    rc = RunnerConfig(num_ubatches=cfg.ubatches, stream_policy=cfg.stream_policy,  # type: ignore[arg-type]
+                      thresholds=ThresholdConfig(prefill_threshold=cfg.prefill_threshold,
+                                                 decode_threshold=cfg.decode_threshold),
+                      backend="host" if cfg.link else "auto", link=cfg.link_spec())
+    prompts = _prompts(cfg, rank, model.hf.vocab_size)
+    barrier = dist.barrier if group is not None else None
+    for _ in range(cfg.warmup):  # untimed, on throwaway caches: first-call costs (gloo, allocator)
+        warm = [(DBORunner(model.with_fresh_cache(), rc, dp_group=group), mode) for mode in (False, True)]
+        await greedy_generate(warm, BatchBuilder(model.kv_cache_config), prompts, decode_steps=min(cfg.steps, 1),
+                              barrier=barrier)
+    runners = [(DBORunner(model, rc, dp_group=group), False),
+               (DBORunner(model.with_fresh_cache(), rc, dp_group=group), True)]
+    serial, dbo = await greedy_generate(runners, BatchBuilder(model.kv_cache_config), prompts,
+                                        decode_steps=cfg.steps, barrier=barrier)
+    moe = next(layer.moe for layer in model.layers if layer.moe is not None)
+    return {"serial": serial, "dbo": dbo, "experts": (moe.first_expert, moe.first_expert + moe.experts_per_rank - 1),
+            "read": len(report.tensors_read), "shards": len(report.shards)}
+
+
+def hf_demo_rank(rank: int, world: int, cfg: HFDemoConfig, ckpt: str) -> dict[str, Any]:
+    """The work of one rank (the process group is already initialised)."""
+    from ..dbo import run
+
+    return run(_rank_async, rank, world, cfg, ckpt, loop=cfg.loop)  # type: ignore[arg-type]
+
+
+def _reference(cfg: HFDemoConfig) -> Any:
+    """The transformers model: the tiny random one, or the checkpoint loaded in float32."""
+    from ..models.hf.reference import tiny_hf_model
+
+    if cfg.weights is None:
+        return tiny_hf_model(cfg.model, seed=cfg.seed)
+    from transformers import AutoModelForCausalLM
+
+    from ..models.hf.checkpoint import read_config
+
+    config = read_config(cfg.weights)
+    config._experts_implementation = "eager"
+    return AutoModelForCausalLM.from_pretrained(cfg.weights, config=config, local_files_only=True,
+                                                attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], where: str) -> int:
+    from ..models.hf.generate import compare_with_hf
+
+    hf = hf_model.config
+    diff = 0.0
+    for r in per_rank:
+        for req, rows in r["serial"].logits.items():
+            diff = max(diff, float((rows - r["dbo"].logits[req]).abs().max()))
+    parity = {mode: [compare_with_hf(hf_model, r[mode]) for r in per_rank] for mode in ("serial", "dbo")}
+
+    def step_ms(mode: str, steps: slice) -> float:
+        per_step = zip(*(r[mode].step_s[steps] for r in per_rank))  # slowest rank per step
+        values = [max(s) for s in per_step]
+        return statistics.median(values) * 1e3 if values else 0.0
+
+    lines = [
+        f"asyncdbo demo: {cfg.model} ({type(hf_model).__name__}: {hf.num_hidden_layers} layers, hidden "
+        f"{hf.hidden_size}, vocab {hf.vocab_size}), {cfg.ranks} ranks x {cfg.tokens} prompt tokens + {cfg.steps} "
+        f"decode steps after {cfg.warmup} warm-up, schedule {cfg.schedule}, stream policy {cfg.stream_policy}, {cfg.ubatches} ubatches, "
+        f"loop {cfg.loop}",
+        f"weights: {where}; each rank read {per_rank[0]['read']} tensors from {per_rank[0]['shards']} shard(s), "
+        "routed experts by rank: " + " ".join(f"{a}-{b}" for a, b in (r["experts"] for r in per_rank)),
+        ("comm: real gloo all-to-all over loopback (it shares the CPU with compute)" if cfg.link is None else
+         f"comm: MODELED LINK {cfg.link} x{cfg.link_scale:g} (the real all-to-all runs, its completion is released "
+         "on the modeled link)"),
+        "",
+    ]
+    rows = [("", "serial", "DBO", "DBO / serial")]
+    for label, steps in (("prefill step", slice(0, 1)), ("decode step (median)", slice(1, None))):
+        if steps == slice(1, None) and cfg.steps == 0:
+            continue
+        s, d = step_ms("serial", steps), step_ms("dbo", steps)
+        rows.append((label, f"{s:.2f} ms", f"{d:.2f} ms", f"{d / s:.2f}x" if s else ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines += [f"  {a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {e:>{widths[3]}}" for a, b, c, e in rows]
+    reasons = sorted({(rec.reason.value, rec.detail) for r in per_rank for rec in r["dbo"].records
+                      if not rec.microbatched})
+    lines += ["", "DBO steps: microbatched, every step on every rank" if not reasons else
+              "DBO steps: NOT microbatched in some steps: " + "; ".join(f"{a} ({b})" if b else a for a, b in reasons)]
+    ok_dbo = diff <= MATCH_ATOL
+    lines.append(f"outputs serial vs DBO: max |logits diff| = {diff:.3g} "
+                 f"({'bitwise equal' if diff == 0 else 'match' if ok_dbo else 'MISMATCH'}, tolerance {MATCH_ATOL:g})")
+    worst = {mode: max(p.max_abs_diff for p in ps) for mode, ps in parity.items()}
+    equal = sum(p.greedy_equal for ps in parity.values() for p in ps)
+    total = sum(p.greedy_total for ps in parity.values() for p in ps)
+    ok_hf = max(worst.values()) <= MATCH_ATOL and equal == total
+    lines.append(f"vs transformers ({type(hf_model).__name__} forward, eager fp32, over each request's tokens): "
+                 f"max |logits diff| = {worst['serial']:.3g} serial, {worst['dbo']:.3g} DBO; greedy tokens "
+                 f"{equal}/{total} identical ({'match' if ok_hf else 'MISMATCH'}, tolerance {MATCH_ATOL:g})")
+    print("\n".join(lines))
+    return 0 if ok_dbo and ok_hf else 1
+
+
+def main_hf(args: argparse.Namespace) -> int:
+    """``asyncdbo demo --model ...``: start the ranks here, load, run, compare, print."""
+    from ..testing.ranks import RankError, run_ranks
+    from .demo import error_line
+
+    try:
+        if importlib.util.find_spec("transformers") is None:
+            raise ValueError("--model needs transformers (configs and the reference): pip install 'asyncdbo[hf]'")
+        if args.launcher != "local":
+            raise ValueError("--model runs with --launcher local only")
+        if args.model == "mini":
+            raise ValueError("--weights needs --model mixtral, qwen3-moe or deepseek-v3")
+        _refuse_mini_only_flags(args)
+        cfg = HFDemoConfig(model=args.model, weights=args.weights, ranks=args.ranks, tokens=args.tokens,
+                           steps=args.steps, warmup=args.warmup, schedule=args.schedule, stream_policy=args.stream_policy,
+                           ubatches=args.ubatches, loop=args.loop, seed=args.seed,
+                           prefill_threshold=args.prefill_threshold, decode_threshold=args.decode_threshold,
+                           link=None if args.link == "none" else args.link, link_scale=args.link_scale)
+        if cfg.weights is None:
+            hf_model = _reference(cfg)
+            config = hf_model.config
+        else:
+            from ..models.hf import architecture_for
+            from ..models.hf.checkpoint import read_config
+
+            config = read_config(cfg.weights)
+            if architecture_for(config).name != cfg.model:
+                raise ValueError(f"{cfg.weights}/config.json: model_type {config.model_type!r} is a "
+                                 f"{architecture_for(config).name} checkpoint, not {cfg.model}; "
+                                 f"pass --model {architecture_for(config).name}")
+        experts = _num_experts(config)
+        if experts % cfg.ranks:
+            raise ValueError(f"the model's {experts} routed experts do not divide over --ranks {cfg.ranks}: "
+                             f"each rank owns an equal share; use a divisor of {experts}")
+    except ValueError as exc:
+        print(f"asyncdbo demo: error: {exc}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="asyncdbo-demo-") as tmp:
+        if cfg.weights is None:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+            hf_model.save_pretrained(tmp, max_shard_size="50KB")
+            where = f"a tiny random {type(hf_model).__name__} (seed {cfg.seed}) saved to a temporary checkpoint"
+        else:
+            where = cfg.weights
+        try:
+            per_rank = run_ranks(hf_demo_rank, cfg.ranks, cfg, cfg.weights or tmp, timeout_s=args.timeout)
+        except RankError as exc:
+            why = error_line(exc.details[exc.ranks[0]])
+            print(f"asyncdbo demo: error: {str(exc).splitlines()[0]}: {why}", file=sys.stderr)
+            return 1
+    if cfg.weights is not None:  # after the ranks: their loader names a broken file and tensor first
+        hf_model = _reference(cfg)
+    return _report(cfg, hf_model, per_rank, where)
+
+
+#: Flags of the mini model's demo that ``--model`` takes from the config or does not have.
+MINI_ONLY = ("layers", "experts", "top_k", "hidden", "shape", "context", "trace")
+
+
+def _refuse_mini_only_flags(args: argparse.Namespace) -> None:
+    from .demo import DemoConfig
+
+    defaults = DemoConfig()
+    for name in MINI_ONLY:
+        if getattr(args, name) != getattr(defaults, name):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} is not used with --model (the sizes come from the model's config.json; "
+                             "prefill then decode is what every run does); drop it")
+
+
+def _num_experts(hf: Any) -> int:
+    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if getattr(hf, name, None):
+            return int(getattr(hf, name))
+    raise ValueError(f"the config of model_type {getattr(hf, 'model_type', None)!r} names no routed experts")

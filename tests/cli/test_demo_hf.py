@@ -1,0 +1,109 @@
+"""``asyncdbo demo --model ...`` end to end: a Hugging Face architecture on local ranks, from a
+tiny random model or from a checkpoint directory, serial vs DBO, checked against transformers;
+bad input is one error line (exit 2), a broken checkpoint is the rank's error line naming the file
+and the tensor (exit 1)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from asyncdbo.cli import main  # noqa: E402
+from asyncdbo.models.hf.checkpoint import INDEX  # noqa: E402
+from asyncdbo.models.hf.reference import tiny_hf_model  # noqa: E402
+
+QUICK = ["--tokens", "48", "--steps", "2", "--warmup", "0", "--prefill-threshold", "1", "--decode-threshold", "1"]
+MATCH = re.compile(r"^vs transformers \((\w+) forward, eager fp32, over each request's tokens\): max \|logits diff\| = "
+                   r"\S+ serial, \S+ DBO; greedy tokens (\d+)/(\d+) identical \(match, tolerance 0.0001\)$", re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("demo") / "mixtral"
+    tiny_hf_model("mixtral", seed=3).save_pretrained(path, max_shard_size="20KB")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_demo_runs_a_tiny_random_deepseek_v3_and_matches_transformers(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["demo", "--model", "deepseek-v3", *QUICK, "--schedule", "ll", "--loop", "asyncio"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.startswith("asyncdbo demo: deepseek-v3 (DeepseekV3ForCausalLM: 2 layers, hidden 32, vocab 96), 2 ranks "
+                          "x 48 prompt tokens + 2 decode steps after 0 warm-up, schedule ll, stream policy role")
+    assert "weights: a tiny random DeepseekV3ForCausalLM (seed 0) saved to a temporary checkpoint; each rank read" in out
+    assert "routed experts by rank: 0-3 4-7" in out
+    for row in ("prefill step", "decode step (median)"):
+        assert re.search(rf"^  {re.escape(row)} +\S+ ms +\S+ ms +\S+x$", out, re.MULTILINE), row
+    assert "DBO steps: microbatched, every step on every rank" in out
+    assert re.search(r"^outputs serial vs DBO: max \|logits diff\| = \S+ \((bitwise equal|match), tolerance 0.0001\)$",
+                     out, re.MULTILINE)
+    m = MATCH.search(out)
+    assert m is not None, out
+    assert m[1] == "DeepseekV3ForCausalLM" and m[2] == m[3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_demo_loads_a_checkpoint_directory(capsys: pytest.CaptureFixture[str], mixtral_dir: Path) -> None:
+    rc = main(["demo", "--model", "mixtral", "--weights", str(mixtral_dir), *QUICK, "--link", "ib400"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    shards = len(list(mixtral_dir.glob("*.safetensors")))
+    assert f"weights: {mixtral_dir}; each rank read " in out and f"from {shards} shard(s)" in out
+    assert "comm: MODELED LINK ib400 x1000 (the real all-to-all runs" in out
+    assert "routed experts by rank: 0-1 2-3" in out
+    m = MATCH.search(out)
+    assert m is not None and m[1] == "MixtralForCausalLM" and m[2] == m[3], out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_broken_checkpoint_fails_with_the_file_and_the_tensor(capsys: pytest.CaptureFixture[str],
+                                                                 mixtral_dir: Path, tmp_path: Path) -> None:
+    broken = Path(shutil.copytree(mixtral_dir, tmp_path / "broken"))
+    index = json.loads((broken / INDEX).read_text())
+    del index["weight_map"]["model.layers.1.block_sparse_moe.experts.0.w2.weight"]
+    (broken / INDEX).write_text(json.dumps(index))
+    assert main(["demo", "--model", "mixtral", "--weights", str(broken), "--ranks", "1", *QUICK]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("asyncdbo demo: error: rank(s) [0] failed during hf_demo_rank: ValueError: "
+                          f"{broken / INDEX}: no tensor 'model.layers.1.block_sparse_moe.experts.0.w2.weight' (1 of ")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "mixtral", "--ranks", "3"],
+         "the model's 4 routed experts do not divide over --ranks 3: each rank owns an equal share; use a divisor of 4"),
+        (["--model", "qwen3-moe", "--weights", "/nonexistent/ckpt"],
+         "checkpoint directory '/nonexistent/ckpt' does not exist; pass a local directory with config.json and "
+         "*.safetensors (nothing is downloaded)"),
+        (["--weights", "/nonexistent/ckpt"], "--weights needs --model mixtral, qwen3-moe or deepseek-v3"),
+        (["--model", "qwen3-moe", "--launcher", "env"], "--model runs with --launcher local only"),
+        (["--model", "qwen3-moe", "--schedule", "fast"], "unknown MoE schedule 'fast'; use one of ('ht', 'll')"),
+        (["--model", "qwen3-moe", "--hidden", "64"],
+         "--hidden is not used with --model (the sizes come from the model's config.json; prefill then decode is "
+         "what every run does); drop it"),
+        (["--model", "qwen3-moe", "--link", "pigeon"], "unknown --link 'pigeon'; use one of ('none', 'nvlink', 'ib400', 'eth100')"),
+    ],
+)
+def test_bad_flags_give_one_error_line_and_exit_2(capsys: pytest.CaptureFixture[str], flags: list[str], message: str) -> None:
+    assert main(["demo", *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"asyncdbo demo: error: {message}\n"
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_before_any_rank_starts(
+        capsys: pytest.CaptureFixture[str], mixtral_dir: Path) -> None:
+    assert main(["demo", "--model", "qwen3-moe", "--weights", str(mixtral_dir)]) == 2
+    assert capsys.readouterr().err == (f"asyncdbo demo: error: {mixtral_dir}/config.json: model_type 'mixtral' is a "
+                                       "mixtral checkpoint, not qwen3-moe; pass --model mixtral\n")
