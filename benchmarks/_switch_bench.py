@@ -43,6 +43,7 @@ from typing import Any
 
 from asyncdbo import dbo_yield
 from asyncdbo.backends.host import HostBackend
+from asyncdbo.dbo.hooks import on_exit, run_pending_hook
 from asyncdbo.dbo.run import _loop_factory as loop_factory
 from asyncdbo.dbo.state import Lane, RunState
 from asyncdbo.lowlevel import SWITCH, DBORun, Instrument
@@ -144,7 +145,8 @@ def _bench_asyncdbo(
 
     async def main() -> float:
         backend = HostBackend()
-        run = run_cls([fn(i) for i in range(N)], install=backend.install_stream, instrument=instrument)
+        run = run_cls([fn(i) for i in range(N)], install=backend.install_stream, before_park=run_pending_hook,
+                      at_exit=on_exit, instrument=instrument)
         state = RunState(backend=backend, policy="role", lanes=[Lane(ub) for ub in run.ubatches])
         run.ext = state
         for ub, lane in zip(run.ubatches, state.lanes):
@@ -169,29 +171,39 @@ class _NoHooksRun(DBORun):
 
     async def _loop_until_done(self) -> None:
         ready, woken, timers = self._ready, self._woken, self._timers
-        watch = self._num_parked > 0 or bool(timers)
-        installs = self._install is not None
-        switch, pop, push = SWITCH, ready.popleft, ready.append
-        n = 0
-        try:
-            while ready:
-                ub = pop()
-                if installs and ub.resume_with is not self._installed:
-                    self.install(ub.resume_with)
-                try:
-                    request = ub.resume()
-                except BaseException as exc:
-                    self._stopped(ub, exc)
-                    continue
-                if request is switch:
-                    n += 1
-                    if watch and (woken or timers):
-                        self._drain()
-                    push(ub)
-                else:
-                    raise AssertionError(f"the switch benchmark never parks (got {request!r})")
-        finally:
-            self.num_switches += n
+        while self._live:
+            if timers or woken:
+                self._drain()
+            if not ready:
+                raise AssertionError("the switch benchmark never parks")
+            watch = self._num_parked > 0 or bool(timers)
+            installs = self._install is not None
+            n = 0
+            switch, pop, push = SWITCH, ready.popleft, ready.append
+            self._enter_view()
+            try:
+                while ready:
+                    ub = pop()
+                    if installs and ub.resume_with is not self._installed:
+                        self.install(ub.resume_with)
+                    try:
+                        request = ub.resume()
+                    except StopIteration as stop:
+                        self._finish(ub, stop.value)
+                        break
+                    if request is switch:
+                        n += 1
+                        if watch:
+                            if woken or timers:
+                                self._drain()
+                            push(ub)
+                        else:
+                            push(ub)
+                    else:
+                        raise AssertionError(f"the switch benchmark never parks (got {request!r})")
+            finally:
+                self.num_switches += n
+                self._leave_view()
 
 
 def bench_asyncdbo_nohooks(N: int, K: int, work: Work, depth: int) -> float:

@@ -14,19 +14,21 @@ from .errors import (
     YieldMismatchError,
 )
 from .instrument import Fanout, Instrument
-from .kernel import LIVE_RUNS, DBORun
-from .stacks import await_chain, format_run, format_ubatch
+from .kernel import LIVE_RUNS, LOOP_POLL_S, DBORun
+from .stacks import Frame, await_chain, format_run, format_ubatch, user_frame
 from .traps import SWITCH, Signal, switch, trap
 from .ubatch import UBatch, UBatchState, current_ubatch, get_ubatch
 
 __all__ = [
     "LIVE_RUNS",
+    "LOOP_POLL_S",
     "SWITCH",
     "AsyncDBOError",
     "Clock",
     "DBORun",
     "DeadlockError",
     "Fanout",
+    "Frame",
     "Instrument",
     "MonotonicClock",
     "NoOverlapWarning",
@@ -43,4 +45,5 @@ __all__ = [
     "get_ubatch",
     "switch",
     "trap",
+    "user_frame",
 ]

@@ -64,5 +64,14 @@ class Fanout(Instrument):
             i.woke(run)
 
     def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
+        """Every instrument hears the end of the run, even after another one raised (a checker
+        that fails the run must not leave a tool's resources behind); the first error is raised."""
+        first: BaseException | None = None
         for i in self.instruments:
-            i.run_finished(run, exc)
+            try:
+                i.run_finished(run, exc)
+            except BaseException as err:  # noqa: BLE001 - re-raised below
+                if first is None:
+                    first = err
+        if first is not None:
+            raise first

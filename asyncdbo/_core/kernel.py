@@ -20,9 +20,17 @@ Invariants (each has a test in tests/core/):
    resolves: the event loop stays free for other tasks and nothing spins.
 4. When every live ubatch is parked on something no one can produce (a signal that only another
    ubatch could set), the run raises :class:`DeadlockError` with each ubatch's await chain.
-5. An exception in one ubatch cancels the others at their suspension point and propagates with its
-   coroutine traceback and a note naming the ubatch and its last yield.
+5. An exception in one ubatch cancels the others at their suspension point (in their own context,
+   with their stream installed, a bounded number of times: :mod:`asyncdbo._core.cancel`) and
+   propagates with its coroutine traceback and a note naming the ubatch and its last yield.
 6. Runs share nothing: two runs in two asyncio tasks never see each other's ubatches.
+7. Inside a ubatch asyncio behaves as in a task of its own (:mod:`asyncdbo._core.tasks`): a ubatch
+   parked on the event loop (a sleep, a future, an executor) wakes within about ``loop_poll_s``
+   even while others keep switching, since the kernel then lets the loop run every
+   ``loop_poll_s``; ``asyncio.timeout`` cancels that ubatch only; a task created from a ubatch is
+   not part of the run.
+8. A finished run frees itself: it drops every ubatch's coroutine, context and state, so results
+   and device memory go as soon as the caller drops them, with no cycle collection.
 
 The fast path of a yield (``SWITCH``) never touches the event loop: it is one ``ctx.run(send)``,
 a deque pop and push, and a counter. See benchmarks/switch_cost.py.
@@ -32,32 +40,58 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import inspect
 import itertools
 import logging
+import time
 import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from .cancel import cancel_all, cancel_now, throw_at_next_resume
 from .clock import Clock, MonotonicClock
 from .errors import DeadlockError, NoOverlapWarning, WatchdogTimeout
 from .instrument import Instrument
 from .stacks import format_run
+from .tasks import (
+    UBatchTaskView,
+    attach_task_factory,
+    detach_task_factory,
+    enter_view,
+    leave_view,
+)
 from .traps import SWITCH, Signal
 from .ubatch import UBatch, UBatchState
 
-__all__ = ["LIVE_RUNS", "DBORun"]
+__all__ = ["LIVE_RUNS", "LOOP_POLL_S", "DBORun"]
 
 READY, PARKED, DONE = UBatchState.READY, UBatchState.PARKED, UBatchState.DONE
 _MONOTONIC = MonotonicClock()
+_now = time.perf_counter
+
+#: Default for how often the kernel lets the event loop run while a ubatch waits on it and others
+#: keep switching (seconds of real time).
+LOOP_POLL_S = 0.001
 
 log = logging.getLogger("asyncdbo")
 
 LIVE_RUNS: weakref.WeakSet[DBORun] = weakref.WeakSet()
 """Runs being driven right now, in any task of this process (what ``asyncdbo.dump_stacks`` shows).
 Held weakly: a run that is dropped disappears without bookkeeping."""
+
+
+class _LoopTurn:
+    """What a ubatch that yielded bare (``asyncio.sleep(0)``) is parked on: one turn of the loop."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "asyncio.sleep(0)"
+
+
+def _is_future(obj: object) -> bool:
+    return getattr(obj, "_asyncio_future_blocking", None) is not None
 
 
 class DBORun:
@@ -75,6 +109,7 @@ class DBORun:
         instrument: Instrument | None = None,
         watchdog_s: float | None = None,
         clock: Clock | None = None,
+        loop_poll_s: float = LOOP_POLL_S,
         name: str | None = None,
     ) -> None:
         """``install(obj)`` makes a ubatch's ``resume_with`` current before it resumes (None: the
@@ -85,9 +120,13 @@ class DBORun:
         self.instrument = instrument
         self.watchdog_s = watchdog_s
         self.clock: Clock = _MONOTONIC if clock is None else clock
+        self.loop_poll_s = loop_poll_s
         self.num_parks = 0
         self.num_switches = 0
         self._num_parked = 0
+        self._loop_waits = 0  # ubatches parked on the event loop (futures, sleeps, bare yields)
+        self._poll_at = 0.0
+        self._poll_due = False
         self.time_asleep_s = 0.0
         self.ext: Any = None  # the layer above's per-run state; the kernel never reads it
         self._install = install
@@ -95,12 +134,14 @@ class DBORun:
         self._at_exit = at_exit
         self._installed: object = None
         self._ready: deque[UBatch] = deque(self.ubatches)
-        self._woken: deque[UBatch] = deque()
+        self._woken: deque[tuple[UBatch, object]] = deque()
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._timer_seq = itertools.count()
         self._sleeping = False
         self._wakeup: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._view: UBatchTaskView | None = None
         self._live = len(self.ubatches)
 
     # ------------------------------------------------------------------ services for the layer above
@@ -118,40 +159,79 @@ class DBORun:
         keep the CPU busy (a loop timer would wait until they all park)."""
         heapq.heappush(self._timers, (deadline, next(self._timer_seq), fn))
 
-    def wake(self, ub: UBatch) -> None:
-        """Make a parked ubatch runnable. Safe from any thread."""
-        self._woken.append(ub)
+    def wake(self, ub: UBatch, token: object) -> None:
+        """Make ``ub`` runnable if it is still parked on ``token`` (a stale wake, from something it
+        stopped waiting for, is ignored). Safe from any thread."""
+        self._woken.append((ub, token))
         if self._sleeping and self._loop is not None:
             self._loop.call_soon_threadsafe(self._poke)
+
+    def cancel_ubatch(self, ub: UBatch, msg: Any = None) -> bool:
+        """Cancel one ubatch the way ``Task.cancel`` cancels a task: ``CancelledError`` is raised at
+        its suspension point when it next runs (at once if it waits on an asyncio future). The run
+        goes on; what happens next is the ubatch's business (``asyncio.timeout`` turns it into
+        ``TimeoutError``). False if it already finished."""
+        if ub.state is DONE:
+            return False
+        ub.cancels += 1
+        parked = ub.parked_on
+        if ub.state is PARKED and _is_future(parked) and not parked.done():
+            parked.cancel(msg)  # its done callback wakes the ubatch; its await raises CancelledError
+            return True
+        throw_at_next_resume(ub, asyncio.CancelledError() if msg is None else asyncio.CancelledError(msg))
+        if ub.state is PARKED:
+            self.wake(ub, parked)
+        return True
 
     # ------------------------------------------------------------------ the loop
     async def drive(self) -> list[Any]:
         """Run every ubatch to completion; return their results in ubatch order."""
-        self._loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
+        task = self._task = asyncio.current_task()
+        if task is not None:
+            self._view = UBatchTaskView(self, task)
         inst = self.instrument
         if inst is not None:
             inst.run_started(self)
         LIVE_RUNS.add(self)
+        attach_task_factory(loop)
         try:
-            await self._loop_until_done()
-        except BaseException as exc:
-            self._cancel_all(exc)
+            try:
+                await self._loop_until_done()
+            except BaseException as exc:
+                self._enter_view()
+                try:
+                    for note in cancel_all(self, exc):
+                        exc.add_note(note)
+                finally:
+                    self._leave_view()
+                if inst is not None:
+                    inst.run_finished(self, exc)
+                raise
             if inst is not None:
-                inst.run_finished(self, exc)
-            raise
+                inst.run_finished(self, None)
+            if len(self.ubatches) >= 2 and self.num_switches == 0 and self.num_parks == 0:
+                warnings.warn(
+                    NoOverlapWarning(
+                        f"{len(self.ubatches)} ubatches ran without a single yield, so nothing could overlap; "
+                        "put `await dbo_yield()` (or a switch primitive) where one ubatch should hand over"
+                    ),
+                    stacklevel=3,
+                )
+            results = [ub.result for ub in self.ubatches]
         finally:
             LIVE_RUNS.discard(self)
-        if inst is not None:
-            inst.run_finished(self, None)
-        if len(self.ubatches) >= 2 and self.num_switches == 0 and self.num_parks == 0:
-            warnings.warn(
-                NoOverlapWarning(
-                    f"{len(self.ubatches)} ubatches ran without a single yield, so nothing could overlap; "
-                    "put `await dbo_yield()` (or a switch primitive) where one ubatch should hand over"
-                ),
-                stacklevel=3,
-            )
-        return [ub.result for ub in self.ubatches]
+            detach_task_factory(loop)
+            self._release()
+        return results
+
+    def _enter_view(self) -> None:
+        if self._view is not None:
+            enter_view(self._loop, self._task, self._view)  # type: ignore[arg-type]
+
+    def _leave_view(self) -> None:
+        if self._view is not None:
+            leave_view(self._loop, self._task, self._view)  # type: ignore[arg-type]
 
     async def _loop_until_done(self) -> None:
         ready, woken, timers = self._ready, self._woken, self._timers
@@ -162,14 +242,20 @@ class DBORun:
             if not ready:
                 await self._sleep()
                 continue
+            if self._poll_due:  # a ubatch waits on the event loop: let it run once
+                self._poll_due = False
+                self._poll_at = _now() + self.loop_poll_s
+                await asyncio.sleep(0)
+                continue
             # ---- fast path. Ubatches that keep switching stay in this loop until one parks or
-            # finishes. Completions and timers only matter for parked ubatches, so they are checked
-            # only while some ubatch is parked (a wake can only target a parked ubatch). Bound
-            # methods are cached on the UBatch; the switch count is a local until the loop exits.
+            # finishes. Completions, timers and loop polls only matter for parked ubatches, so they
+            # are checked only while some ubatch is parked (a wake can only target a parked one).
+            # Bound methods are cached on the UBatch; the switch count is a local until the loop exits.
             watch = self._num_parked > 0 or bool(timers)
             installs = self._install is not None  # a host has no device stream to install
             n = 0
             switch, pop, push = SWITCH, ready.popleft, ready.append
+            self._enter_view()
             try:
                 while ready:
                     ub = pop()
@@ -179,17 +265,26 @@ class DBORun:
                         inst.resuming(ub)
                     try:
                         request = ub.resume()
-                    except BaseException as exc:
-                        self._stopped(ub, exc)
+                    except StopIteration as stop:
+                        self._finish(ub, stop.value)
                         break
+                    except BaseException as exc:
+                        self._failed(ub, exc)
+                        raise
                     if request is switch:
                         n += 1
-                        if watch and (woken or timers):
-                            self._drain()  # woken during this step: they were runnable first
-                        push(ub)
                         if inst is not None:
                             ub.num_yields += 1
                             inst.stepped(ub, request)
+                        if watch:
+                            if woken or timers:
+                                self._drain()  # woken during this step: they were runnable first
+                            push(ub)
+                            if self._loop_waits and not n & 63 and _now() >= self._poll_at:
+                                self._poll_due = True
+                                break
+                        else:
+                            push(ub)
                     else:
                         self._park(ub, request)
                         if inst is not None:
@@ -197,16 +292,13 @@ class DBORun:
                         break
             finally:
                 self.num_switches += n
+                self._leave_view()
 
-    def _stopped(self, ub: UBatch, exc: BaseException) -> None:
-        """``ub`` left its coroutine: finished (StopIteration) or failed (re-raised with a note)."""
-        if isinstance(exc, StopIteration):
-            self._finish(ub, exc.value)
-            return
+    def _failed(self, ub: UBatch, exc: BaseException) -> None:
+        """``ub`` raised: it is done, and its error gets a note (the caller re-raises it)."""
         ub.state = DONE
         self._live -= 1
         self._annotate(ub, exc)
-        raise exc
 
     def _finish(self, ub: UBatch, result: object) -> None:
         ub.state = DONE
@@ -227,42 +319,68 @@ class DBORun:
             try:
                 ub.ctx_run(self._before_park, ub)
             except BaseException as exc:
-                ub.state = DONE
-                self._live -= 1
+                # It cannot park (what it had to launch failed) and nothing will resume it: cancel
+                # it now, so its cleanup runs before the run's error propagates.
+                note = cancel_now(self, ub, f"asyncdbo: ubatch {ub.id} failed as it parked: {type(exc).__name__}: {exc}")
                 self._annotate(ub, exc, where="as it parked")
+                if note is not None:
+                    exc.add_note(note)
                 raise
         ub.state = PARKED
-        ub.parked_on = request
         self.num_parks += 1
         self._num_parked += 1
         if isinstance(request, Signal):
-            request.add_waiter(lambda: self.wake(ub))
-        elif request is None:  # a bare `yield` (asyncio.sleep(0)): let the loop run once
-            ub.parked_on = "asyncio.sleep(0)"
-            self._loop.call_soon(self.wake, ub)  # type: ignore[union-attr]
-        elif getattr(request, "_asyncio_future_blocking", None) is not None:
+            ub.parked_on = request
+            ub.waker = waker = lambda: self.wake(ub, request)
+            request.add_waiter(waker)
+            return
+        if request is None:  # a bare `yield` (asyncio.sleep(0)): let the loop run once
+            ub.parked_on = turn = _LoopTurn()
+            self._loop_parked()
+            self._loop.call_soon(self.wake, ub, turn)  # type: ignore[union-attr]
+            return
+        if _is_future(request):
+            ub.parked_on = request
             request._asyncio_future_blocking = False  # type: ignore[attr-defined]
-            request.add_done_callback(lambda _f: self.wake(ub))  # type: ignore[attr-defined]
-        else:  # not ours, not asyncio's: raise it inside the ubatch, at the await that yielded it
-            ub.parked_on = None
-            ub.state = READY
-            self.num_parks -= 1
-            self._num_parked -= 1
-            error = TypeError(
+            ub.waker = done = lambda _f: self.wake(ub, request)
+            request.add_done_callback(done)  # type: ignore[attr-defined]
+            self._loop_parked()
+            return
+        # not ours, not asyncio's: raise it inside the ubatch, at the await that yielded it
+        ub.state = READY
+        self.num_parks -= 1
+        self._num_parked -= 1
+        throw_at_next_resume(
+            ub,
+            TypeError(
                 f"ubatch {ub.id} awaited something that yielded {request!r}; asyncdbo can park a ubatch "
                 "on asyncdbo primitives and on asyncio awaitables (futures, tasks, asyncio.sleep) only. "
                 "Wrap other event loops' objects in an asyncio future first."
-            )
-            try:
-                request = ub.ctx_run(ub.coro.throw, error)
-            except BaseException as exc:
-                self._stopped(ub, exc)
-                return
-            if request is SWITCH:
-                self.num_switches += 1
-                self._ready.append(ub)
-            else:
-                self._park(ub, request)
+            ),
+        )
+        self._ready.append(ub)
+
+    def _loop_parked(self) -> None:
+        if not self._loop_waits:
+            self._poll_at = _now() + self.loop_poll_s
+        self._loop_waits += 1
+
+    def _unpark(self, ub: UBatch) -> None:
+        """``ub`` stops waiting (it is being cancelled): forget its wake-up, cancel its future."""
+        parked, waker = ub.parked_on, ub.waker
+        ub.parked_on = ub.waker = None
+        if ub.state is not PARKED:
+            return
+        self._num_parked -= 1
+        if isinstance(parked, Signal):
+            if waker is not None:
+                parked.remove_waiter(waker)
+            return
+        self._loop_waits -= 1
+        if _is_future(parked) and not parked.done():
+            if waker is not None:
+                parked.remove_done_callback(waker)
+            parked.cancel()
 
     def _drain(self) -> None:
         """Fire due timers, then move woken ubatches to the back of the ready ring."""
@@ -270,11 +388,13 @@ class DBORun:
             self._fire_timers()
         woken = self._woken
         while woken:
-            ub = woken.popleft()
-            if ub.state == PARKED:
+            ub, token = woken.popleft()
+            if ub.state is PARKED and ub.parked_on is token:
                 ub.state = READY
-                ub.parked_on = None
+                ub.parked_on = ub.waker = None
                 self._num_parked -= 1
+                if not isinstance(token, Signal):
+                    self._loop_waits -= 1
                 self._ready.append(ub)
 
     def _fire_timers(self) -> None:
@@ -347,7 +467,7 @@ class DBORun:
                 )
             )
 
-    # ------------------------------------------------------------------ failure
+    # ------------------------------------------------------------------ failure and release
     def _annotate(self, ub: UBatch, exc: BaseException, where: str = "") -> None:
         if isinstance(exc, asyncio.CancelledError):
             return
@@ -356,28 +476,15 @@ class DBORun:
             f"(last yield point {ub.tag!r}); the other ubatches were cancelled"
         )
 
-    def _cancel_all(self, cause: BaseException) -> None:
-        """Cancel every live ubatch at its suspension point (like Task.cancel), then close it."""
+    def _release(self) -> None:
+        """Drop everything a ubatch held (coroutine, context, state, the back-reference to this
+        run), so a finished run is freed by reference counting alone (invariant 8)."""
         for ub in self.ubatches:
-            if ub.state == DONE:
-                continue
-            parked = ub.parked_on
-            if ub.state == PARKED:
-                self._num_parked -= 1
-            ub.state = DONE
-            ub.parked_on = None
-            self._live -= 1
-            if getattr(parked, "_asyncio_future_blocking", None) is not None and not parked.done():
-                parked.cancel()
-            if inspect.getcoroutinestate(ub.coro) != inspect.CORO_SUSPENDED:
-                ub.coro.close()  # never started: closing it also avoids a "never awaited" warning
-                continue
-            try:
-                ub.ctx.run(ub.coro.throw, asyncio.CancelledError(f"asyncdbo: sibling ubatch failed: {cause!r}"))
-            except (asyncio.CancelledError, StopIteration):
-                pass
-            except BaseException as exc:  # noqa: BLE001 - cleanup of an already failing run
-                log.debug("ubatch %d raised while being cancelled: %r", ub.id, exc)
-            else:
-                log.debug("ubatch %d ignored its cancellation; closing it", ub.id)
-            ub.coro.close()
+            ub.coro = ub.ctx = ub.ctx_run = ub.send = ub.resume = None  # type: ignore[assignment]
+            ub.ext = ub.waker = ub.parked_on = ub.result = ub.resume_with = ub.debug = ub.unawaited = None
+            ub.run = None  # type: ignore[assignment]
+        self._ready.clear()
+        self._woken.clear()
+        self._timers.clear()
+        self._view = self._task = self._wakeup = None
+        self._installed = None

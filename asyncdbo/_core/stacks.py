@@ -9,6 +9,7 @@ traceback uses. One printer serves the deadlock error, the watchdog and ``dump_s
 from __future__ import annotations
 
 import linecache
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ from .ubatch import UBatchState
 if TYPE_CHECKING:
     from .ubatch import UBatch
 
-__all__ = ["Frame", "await_chain", "format_ubatch", "format_run"]
+__all__ = ["Frame", "await_chain", "format_run", "format_ubatch", "user_frame"]
 
 
 @dataclass(frozen=True)
@@ -67,3 +68,15 @@ def format_ubatch(ub: UBatch) -> str:
 
 def format_run(ubatches: list[UBatch], title: str) -> str:
     return title + "\n" + "\n".join(format_ubatch(ub) for ub in ubatches)
+
+
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def user_frame(ub: UBatch) -> Frame | None:
+    """The innermost frame of ``ub``'s await chain outside asyncdbo's own code: where the user's
+    code yielded or parked (None if it is not suspended)."""
+    if ub.coro is None:
+        return None
+    frames = [f for f in await_chain(ub.coro) if not f.filename.startswith(_PKG)]
+    return frames[-1] if frames else None

@@ -2,8 +2,8 @@
 
 A ubatch coroutine leaves the CPU in exactly three ways:
 
-* :func:`switch` (``await switch(tag)``, what ``dbo_yield`` is): hand the CPU to the next runnable
-  ubatch. The fast path: no event loop, no allocation beyond the generator ``await`` needs;
+* :func:`switch` (what ``await dbo_yield()`` awaits): hand the CPU to the next runnable ubatch.
+  The fast path: no event loop, no allocation beyond the generator ``await`` needs;
 * :func:`trap` with a :class:`Signal` (``await signal``, or ``await trap(signal)``): park until
   the signal is set (an event another ubatch records, a recv hook that must run first, a comm
   work that must complete); ``trap(SWITCH)`` is a switch with no tag change;
@@ -23,7 +23,7 @@ import types
 from collections.abc import Callable, Generator
 from typing import Any
 
-from .ubatch import current_ubatch
+from .ubatch import UBatch
 
 __all__ = ["SWITCH", "Signal", "switch", "trap"]
 
@@ -45,21 +45,16 @@ def trap(request: object) -> Generator[object, Any, Any]:
     return (yield request)
 
 
-_get_ubatch = current_ubatch.get
-
-
 @types.coroutine
-def switch(tag: str = "yield") -> Generator[Any, Any, None]:
-    """Set the running ubatch's yield tag and hand the CPU to the next runnable ubatch; outside a
-    run, return at once.
+def switch(ub: UBatch) -> Generator[Any, Any, None]:
+    """Hand the CPU to the next runnable ubatch (``ub``, the running one, comes back at the end of
+    the ring). Clears ``ub.unawaited``: the awaitable that led here was awaited.
 
-    The hottest path in asyncdbo (``dbo_yield`` is this function): it yields ``SWITCH`` itself
+    The hottest path in asyncdbo (``await dbo_yield()`` ends here): it yields ``SWITCH`` itself
     instead of delegating to :func:`trap`, one generator frame less per switch (measured in
     benchmarks/switch_cost.py)."""
-    ub = _get_ubatch(None)
-    if ub is not None:
-        ub.tag = tag
-        yield SWITCH
+    ub.unawaited = None
+    yield SWITCH
 
 
 class Signal:
@@ -115,6 +110,14 @@ class Signal:
                 self._waiters.append(callback)
                 return
         callback()
+
+    def remove_waiter(self, callback: Callable[[], None]) -> None:
+        """Forget ``callback`` (a waiter that stopped waiting: its ubatch was cancelled)."""
+        with self._lock:
+            try:
+                self._waiters.remove(callback)
+            except ValueError:
+                pass
 
     def __await__(self) -> Generator[object, Any, None]:
         if self._left:

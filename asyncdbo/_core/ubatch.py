@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 
 __all__ = ["UBatch", "UBatchState", "current_ubatch", "get_ubatch"]
 
-current_ubatch: contextvars.ContextVar[UBatch] = contextvars.ContextVar("asyncdbo_ubatch")
+current_ubatch: contextvars.ContextVar[UBatch | None] = contextvars.ContextVar("asyncdbo_ubatch")
+"""The running ubatch in its own context; None (or unset) outside a run, and in a task created
+from a ubatch (such a task is not part of the run)."""
 
 
 class UBatchState(enum.Enum):
@@ -45,7 +47,14 @@ class UBatch:
     ``id`` (its index), ``run`` (the :class:`~asyncdbo._core.kernel.DBORun`), ``tag`` (the last yield
     tag), ``num_yields`` (counted only while an instrument is set), ``state``, ``parked_on`` (what it
     waits on), ``result``; ``resume_with``: what the run installs before resuming it (a device
-    stream; the kernel only compares and passes it on); ``ext``: the upper layer's per-ubatch state.
+    stream; the kernel only compares and passes it on); ``ext``: the upper layer's per-ubatch state;
+    ``unawaited``: the upper layer's record of an awaitable it handed out and that was not awaited
+    yet (the DBO layer's missing-await check); ``debug``: the upper layer's debug-mode state (None
+    outside debug mode); ``cancels``: pending cancellation requests (``Task.cancelling()``).
+
+    The record is valid while its run is driven: afterwards the run drops the coroutine, context,
+    state and the back-reference to the run, so that nothing of a finished run outlives it
+    through reference cycles.
     """
 
     __slots__ = (
@@ -62,6 +71,12 @@ class UBatch:
         "result",
         "resume_with",
         "ext",
+        "send",
+        "waker",
+        "unawaited",
+        "debug",
+        "cancels",
+        "__weakref__",
     )
 
     def __init__(self, ub_id: int, run: DBORun, coro: Coroutine[Any, Any, Any]) -> None:
@@ -72,7 +87,8 @@ class UBatch:
         self.ctx_run = self.ctx.run
         # coro.send(None) inside this ubatch's context, prebuilt: the kernel's fast path calls it
         # once per switch, with no attribute lookups or argument packing of its own.
-        self.resume: Callable[[], object] = functools.partial(self.ctx.run, coro.send, None)
+        self.send: Callable[[], object] = functools.partial(self.ctx.run, coro.send, None)
+        self.resume: Callable[[], object] = self.send  # swapped for a one-shot throw by a cancellation
         self.ctx.run(current_ubatch.set, self)
         self.state = UBatchState.READY
         self.tag: str | None = None
@@ -81,6 +97,10 @@ class UBatch:
         self.result: object = None
         self.resume_with: object = None
         self.ext: Any = None
+        self.waker: Any = None  # the callback the kernel registered on what it is parked on
+        self.unawaited: object = None
+        self.debug: Any = None
+        self.cancels = 0
 
     @property
     def num_ubatches(self) -> int:

@@ -1,5 +1,14 @@
 """Debug mode of a DBO run (``run_ubatches(..., debug=True)``): checks that cost time per yield.
 
+* every dropped awaitable is an error naming the line that created it (:mod:`asyncdbo.dbo.awaits`);
+* the yield discipline (:class:`YieldChecker`, below);
+* blocking code between two yields (:class:`BlockingDetector`): a ``time.sleep``, a lock, an
+  ``.item()`` that waits for the device, reported with the yield points around it and kept in the
+  run's stats and traces;
+* two ubatches issuing collectives on one process group (:class:`SharedGroupGuard`): an error
+  before the second collective is issued (gloo would abort the process on the mismatch, from C++,
+  where Python cannot catch it).
+
 Yield discipline: every ubatch of a step should pass the same yield points in the same order.
 
 Mismatched yields are the usual cause of lost overlap and of hangs in DBO code: if ubatch 0 yields
@@ -21,9 +30,48 @@ Rules:
 
 from __future__ import annotations
 
-from .._core import SWITCH, DBORun, Instrument, UBatch, YieldMismatchError
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["YieldChecker"]
+from .._core import SWITCH, DBORun, Instrument, UBatch, YieldMismatchError, user_frame
+
+__all__ = ["BlockingDetector", "BlockingStep", "DebugMode", "SharedGroupGuard", "YieldChecker", "debug_instruments"]
+
+log = logging.getLogger("asyncdbo")
+
+
+@dataclass(frozen=True)
+class DebugMode:
+    """What debug mode checks. ``blocking_s``: a step (the code between two yield points) that
+    blocks the CPU longer than this is reported (None: not checked)."""
+
+    blocking_s: float | None
+
+
+@dataclass(frozen=True)
+class BlockingStep:
+    """A step that blocked the CPU: ubatch, the yield points before and after it with where the
+    user's code stood at each, its wall time and how long the CPU was blocked in it, and its span
+    ``[t0, t1]`` on the run's clock (for traces)."""
+
+    ub: int
+    from_tag: str | None
+    to_tag: str | None
+    from_where: str
+    to_where: str
+    wall_s: float
+    blocked_s: float
+    t0: float
+    t1: float
+
+    def describe(self) -> str:
+        return (
+            f"asyncdbo: ubatch {self.ub} blocked the CPU for {self.blocked_s * 1e3:.1f} ms between yield points "
+            f"{self.from_tag!r} ({self.from_where}) and {self.to_tag!r} ({self.to_where}); nothing else could run "
+            "meanwhile. Look for a time.sleep, a lock, or a host sync (.item(), .tolist(), .cpu()) in that stretch."
+        )
 
 
 class YieldChecker(Instrument):
@@ -48,8 +96,10 @@ class YieldChecker(Instrument):
             return
         ref_ub, ref_tag = self._first[pos]
         if ub.tag != ref_tag:
+            frame = user_frame(ub)
+            where = f" at {frame.filename}:{frame.lineno} in {frame.name}" if frame is not None else ""
             raise YieldMismatchError(
-                f"yield mismatch in run {ub.run.name!r}: ubatch {ub.id} yield #{pos} is {ub.tag!r} but "
+                f"yield mismatch in run {ub.run.name!r}: ubatch {ub.id} yield #{pos} is {ub.tag!r}{where} but "
                 f"ubatch {ref_ub} yield #{pos} was {ref_tag!r}. Sequences so far: {self._sequences()}. "
                 "Every ubatch should pass the same yield points in the same order; check the branches "
                 "that skip or add a yield for one ubatch."
@@ -73,3 +123,146 @@ class YieldChecker(Instrument):
 
     def _sequences(self) -> str:
         return "; ".join(f"ubatch {i}: {seq}" for i, seq in self._tags.items())
+
+
+
+def _where(ub: UBatch) -> str:
+    frame = user_frame(ub)
+    return "start" if frame is None else f"{frame.filename}:{frame.lineno} in {frame.name}"
+
+
+class _ThreadTimes:
+    """This thread's CPU time and the time it waited for a CPU while runnable, in seconds, from
+    ``/proc/thread-self/schedstat`` (Linux); elsewhere ``time.thread_time`` and no wait time."""
+
+    def __init__(self) -> None:
+        import os
+
+        self._os = os
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def read(self) -> tuple[float, float]:
+        if self._fd is None:
+            return time.thread_time(), 0.0
+        cpu_ns, runq_ns, _ = self._os.pread(self._fd, 128, 0).split()
+        return int(cpu_ns) * 1e-9, int(runq_ns) * 1e-9
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self._os.close(self._fd)
+            self._fd = None
+
+
+class BlockingDetector(Instrument):
+    """Reports steps that block the CPU for more than ``threshold_s``.
+
+    A step is blocked for its wall time less the time its thread waited for a CPU while runnable
+    (a loaded machine preempts it: that is not the step's doing), and, on the host backend, less
+    the CPU time it used: there the CPU *is* the compute stream, so time on the CPU is compute and
+    only time off it (a sleep, a lock, a wait) is blocking. On a device backend the CPU only
+    launches work, so a long step is a blocked one whether it sleeps or spins (a device sync
+    spin-waits). Findings are reports (a log warning, ``RunStats.blocking``, spans marked in traces
+    and timelines), never errors."""
+
+    def __init__(self, threshold_s: float) -> None:
+        self.threshold_s = threshold_s
+        self.found: list[BlockingStep] = []
+        self._open: dict[int, tuple[float, float, float, float, str | None, str]] = {}
+        self._host = True
+        self._times = _ThreadTimes()
+
+    def run_started(self, run: DBORun) -> None:
+        self.found = []
+        self._open = {}
+        self._host = run.ext.backend.install_stream is None  # no device stream: compute is the CPU
+        self._clock = run.clock
+
+    def resuming(self, ub: UBatch) -> None:
+        cpu, runq = self._times.read()
+        self._open[ub.id] = (time.perf_counter(), cpu, runq, self._clock.now(), ub.tag, _where(ub))
+
+    def stepped(self, ub: UBatch, request: object) -> None:
+        opened = self._open.pop(ub.id, None)
+        if opened is None:
+            return
+        w0, cpu0, runq0, t0, from_tag, from_where = opened
+        wall = time.perf_counter() - w0
+        cpu, runq = self._times.read()
+        blocked = wall - (runq - runq0) - ((cpu - cpu0) if self._host else 0.0)
+        if blocked > self.threshold_s:
+            step = BlockingStep(ub.id, from_tag, ub.tag if request is not None else "exit", from_where,
+                                _where(ub) if request is not None else "exit", wall, blocked, t0, self._clock.now())
+            self.found.append(step)
+            ub.run.ext.blocking.append(step)  # now: a tracer reads them when the run finishes
+            log.warning("%s", step.describe())
+
+    def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
+        self._times.close()
+
+
+class SharedGroupGuard(Instrument):
+    """Fails a run in which two ubatches issue collectives on the same process group.
+
+    Collectives on one group must be issued in the same order on every rank; under DBO the order
+    of different ubatches' collectives is timing (a ubatch parked on comm is skipped), so every
+    ubatch slot needs its own clone of the group (:func:`asyncdbo.ubatch_groups`). Gloo aborts the
+    whole process, from C++, when two ranks pair different ubatches' collectives, so this checks
+    before each collective is issued, through a torch dispatch mode active while the run lasts."""
+
+    def __init__(self) -> None:
+        self._mode: Any = None
+
+    def run_started(self, run: DBORun) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode as _Mode
+
+        from .._core import get_ubatch
+
+        mode_base: Any = _Mode  # torch's class is untyped
+
+        users: dict[str, int] = {}
+        n = len(run.ubatches)
+
+        class _Guard(mode_base):  # type: ignore[misc]
+            def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+                if func.namespace == "c10d":
+                    ub = get_ubatch()
+                    if ub is not None and ub.run is run:
+                        _check_group(func, args, ub, users, n)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Guard()
+        self._mode.__enter__()
+
+    def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+
+
+def _check_group(func: Any, args: tuple[Any, ...], ub: UBatch, users: dict[str, int], n: int) -> None:
+    import torch
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a):
+            name = torch._C._distributed_c10d.ProcessGroup.unbox(a).group_name
+            first = users.setdefault(name, ub.id)
+            if first != ub.id:
+                frame = user_frame(ub)
+                where = f" ({frame.filename}:{frame.lineno} in {frame.name})" if frame is not None else ""
+                raise RuntimeError(
+                    f"ubatches {first} and {ub.id} both issue collectives on process group {name!r} in one run"
+                    f"{where}: their order across ranks is timing, and gloo aborts the process when ranks pair "
+                    f"different ubatches' collectives. Call asyncdbo.ubatch_groups({n}, group) once on every rank "
+                    "before the run, and issue each ubatch's collectives on asyncdbo.ubatch_group(group)."
+                )
+
+
+def debug_instruments(mode: DebugMode) -> list[Instrument]:
+    """The instruments debug mode adds to a run."""
+    insts: list[Instrument] = [SharedGroupGuard(), YieldChecker()]
+    if mode.blocking_s is not None:
+        insts.append(BlockingDetector(mode.blocking_s))
+    return insts

@@ -14,6 +14,7 @@ from typing import Any
 
 from .._core import Signal, UBatch, current_ubatch, trap
 from ..backends import COMPLETED
+from .awaits import check_unawaited, mark_unawaited
 from .state import RunState
 
 __all__ = ["dbo_record_event", "dbo_wait_event"]
@@ -34,6 +35,8 @@ def dbo_record_event(key: Hashable) -> None:
     ub = current_ubatch.get(None)
     if ub is None:
         return
+    if ub.unawaited is not None:
+        check_unawaited(ub)
     state: RunState = ub.run.ext
     device_event, signal = _key_signal(state, key)
     if device_event is not None:
@@ -51,6 +54,7 @@ def dbo_record_event(key: Hashable) -> None:
 
 @types.coroutine
 def _wait_event(ub: UBatch, key: Hashable) -> Generator[Any, Any, None]:
+    ub.unawaited = None
     state: RunState = ub.run.ext
     _, signal = _key_signal(state, key)
     if not signal.done():
@@ -70,4 +74,5 @@ def dbo_wait_event(key: Hashable) -> Awaitable[None]:
     ub = current_ubatch.get(None)
     if ub is None:
         return COMPLETED
+    mark_unawaited(ub, "dbo_wait_event", repr(key), hazard=True)
     return _wait_event(ub, key)

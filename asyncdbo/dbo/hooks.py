@@ -13,8 +13,9 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from .._core import Signal, UBatch, UBatchState, current_ubatch
+from .awaits import check_unawaited
 
-__all__ = ["RecvHookHandle", "dbo_maybe_run_recv_hook", "dbo_register_recv_hook", "run_pending_hook"]
+__all__ = ["RecvHookHandle", "dbo_maybe_run_recv_hook", "dbo_register_recv_hook", "on_exit", "run_pending_hook"]
 
 
 class RecvHookHandle:
@@ -57,6 +58,8 @@ def dbo_register_recv_hook(hook: Callable[[], object]) -> RecvHookHandle:
         handle = RecvHookHandle(hook, 0, 0)
         handle._run()
         return handle
+    if ub.unawaited is not None:
+        check_unawaited(ub)
     ring = ub.run.ubatches
     n = len(ring)
     target = next((c for c in (ring[(ub.id + k) % n] for k in range(1, n)) if c.state is UBatchState.READY), None)
@@ -80,6 +83,8 @@ def dbo_maybe_run_recv_hook() -> None:
     """Run the recv hook another ubatch left for this one, if any."""
     ub = current_ubatch.get(None)
     if ub is not None:
+        if ub.unawaited is not None:
+            check_unawaited(ub)
         run_pending_hook(ub)
 
 
@@ -90,3 +95,11 @@ def run_pending_hook(ub: UBatch) -> None:
     if hook is not None:
         lane.recv_hook = None
         hook()
+
+
+def on_exit(ub: UBatch) -> None:
+    """What the run does when a ubatch returns: report an awaitable it left unawaited, then launch
+    the recv hook it holds (vLLM: a ubatch's exit launches its pending receive)."""
+    if ub.unawaited is not None:
+        check_unawaited(ub)
+    run_pending_hook(ub)

@@ -17,8 +17,9 @@ import types
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
-from .._core import SWITCH, UBatch, current_ubatch, switch, trap
+from .._core import SWITCH, Signal, UBatch, current_ubatch, switch, trap
 from ..backends import COMPLETED, CommHandle, DoneWork, Role, StreamPolicy
+from .awaits import Unawaited, _site, check_unawaited, mark_unawaited
 from .state import Lane
 
 __all__ = [
@@ -70,10 +71,28 @@ def dbo_stream_policy() -> StreamPolicy | None:
     return policy
 
 
-dbo_yield = switch
-"""``await dbo_yield(tag="yield")``: hand the CPU to the next ubatch; come back after every other
-runnable ubatch had a turn. ``tag`` names the yield point in traces, stack dumps and the
-yield-discipline checker. (The kernel's :func:`~asyncdbo._core.traps.switch`: the hottest path.)"""
+def dbo_yield(tag: str = "yield") -> Awaitable[None]:
+    """``await dbo_yield(tag)``: hand the CPU to the next ubatch; come back after every other
+    runnable ubatch had a turn. ``tag`` names the yield point in traces, stack dumps and the
+    yield-discipline checker. Outside a run it returns at once.
+
+    The hottest path in asyncdbo: a plain call that marks the ubatch (the missing-await check,
+    :mod:`asyncdbo.dbo.awaits`) and returns the kernel's switch."""
+    ub = _get_ubatch(None)
+    if ub is None:
+        return COMPLETED
+    if ub.unawaited is not None or ub.debug is not None:
+        _mark_yield(ub, tag)
+    else:
+        ub.unawaited = tag
+    ub.tag = tag
+    return switch(ub)
+
+
+def _mark_yield(ub: UBatch, tag: str) -> None:
+    if ub.unawaited is not None:
+        check_unawaited(ub)
+    ub.unawaited = tag if ub.debug is None else Unawaited("dbo_yield", tag, hazard=False, site=_site(3))
 
 
 def _other(role: Role) -> Role:
@@ -90,6 +109,7 @@ def _check_role(ub: UBatch, lane: Lane, expected: Role, name: str) -> None:
 
 @types.coroutine
 def _yield_and_switch(ub: UBatch, lane: Lane, tag: str, src: Role, dst: Role) -> Generator[Any, Any, None]:
+    ub.unawaited = None
     backend = ub.run.ext.backend
     event = lane.events[src]
     backend.record(event, lane.streams[src])  # before the yield: covers only this ubatch's work
@@ -102,11 +122,19 @@ def _yield_and_switch(ub: UBatch, lane: Lane, tag: str, src: Role, dst: Role) ->
         yield from signal.__await__()
 
 
+@types.coroutine
+def _then_wait(ub: UBatch, signal: Signal | None) -> Generator[Any, Any, None]:
+    ub.unawaited = None
+    if signal is not None:
+        yield from signal.__await__()
+
+
 def dbo_yield_and_switch_from_compute_to_comm(tag: str = "compute->comm") -> Awaitable[None]:
     """Record compute-done, yield, then continue on the comm stream after compute-done."""
     ub = _get_ubatch(None)
     if ub is None:
         return COMPLETED
+    mark_unawaited(ub, "dbo_yield_and_switch_from_compute_to_comm", tag, hazard=True)
     lane = ub.ext
     _check_role(ub, lane, "compute", "dbo_yield_and_switch_from_compute_to_comm")
     return _yield_and_switch(ub, lane, tag, "compute", "comm")
@@ -119,49 +147,51 @@ def dbo_yield_and_switch_from_comm_to_compute(tag: str = "comm->compute") -> Awa
     ub = _get_ubatch(None)
     if ub is None:
         return COMPLETED
+    mark_unawaited(ub, "dbo_yield_and_switch_from_comm_to_compute", tag, hazard=True)
     lane = ub.ext
     _check_role(ub, lane, "comm", "dbo_yield_and_switch_from_comm_to_compute")
     return _yield_and_switch(ub, lane, tag, "comm", "compute")
 
 
-def _switch(role: Role, sync: bool) -> Awaitable[None]:
+def _switch(role: Role, sync: bool, name: str) -> Awaitable[None]:
     ub = _get_ubatch(None)
     if ub is None:
         return COMPLETED
     lane: Lane = ub.ext
-    signal = None
-    if sync:
-        backend = ub.run.ext.backend
-        event = lane.events[lane.role]
-        backend.record(event, lane.stream)
+    if not sync:
+        if ub.unawaited is not None:
+            check_unawaited(ub)
         lane.role = role
         lane.set_stream(lane.streams[role])
-        signal = backend.wait(lane.stream, event)
-    else:
-        lane.role = role
-        lane.set_stream(lane.streams[role])
-    return COMPLETED if signal is None else signal  # a failed comm raises when awaited
+        return COMPLETED
+    mark_unawaited(ub, name, None, hazard=True)
+    backend = ub.run.ext.backend
+    event = lane.events[lane.role]
+    backend.record(event, lane.stream)
+    lane.role = role
+    lane.set_stream(lane.streams[role])
+    return _then_wait(ub, backend.wait(lane.stream, event))  # a failed comm raises when awaited
 
 
 def dbo_switch_to_comm() -> Awaitable[None]:
     """Continue on the comm stream, with no dependency on earlier compute."""
-    return _switch("comm", sync=False)
+    return _switch("comm", False, "dbo_switch_to_comm")
 
 
 def dbo_switch_to_compute() -> Awaitable[None]:
     """Continue on the compute stream, with no dependency on earlier comm."""
-    return _switch("compute", sync=False)
+    return _switch("compute", False, "dbo_switch_to_compute")
 
 
 def dbo_switch_to_comm_sync() -> Awaitable[None]:
     """Continue on the comm stream after everything this ubatch queued on its current stream."""
-    return _switch("comm", sync=True)
+    return _switch("comm", True, "dbo_switch_to_comm_sync")
 
 
 def dbo_switch_to_compute_sync() -> Awaitable[None]:
     """Continue on the compute stream after this ubatch's comm. Await it: on the host backend it
     parks the ubatch until the comm work completes."""
-    return _switch("compute", sync=True)
+    return _switch("compute", True, "dbo_switch_to_compute_sync")
 
 
 def dbo_get_previous_event(func: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
@@ -170,6 +200,8 @@ def dbo_get_previous_event(func: Callable[..., T], *args: Any, **kwargs: Any) ->
     ub = _get_ubatch(None)
     if ub is None:
         return None
+    if ub.unawaited is not None:
+        check_unawaited(ub)
     lane: Lane = ub.ext
     prev = lane.stream
     lane.set_stream(lane.streams["compute"])
@@ -193,5 +225,7 @@ def dbo_submit(work: Any, *, nbytes: int = 0, what: str = "comm", **backend_opti
         if work is not None:
             work.wait()
         return DoneWork(what, nbytes, work)
+    if ub.unawaited is not None:
+        check_unawaited(ub)
     handle: CommHandle = ub.run.ext.backend.submit(work, ub.ext, nbytes=nbytes, what=what, **backend_options)
     return handle

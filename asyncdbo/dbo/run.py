@@ -13,9 +13,10 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from .._core import Clock, DBORun, Fanout, Instrument
+from .._core import LOOP_POLL_S, Clock, DBORun, Fanout, Instrument
 from ..backends import CommRecord, StreamBackend, StreamPolicy, get_backend
-from .hooks import run_pending_hook
+from .debug import DebugMode, debug_instruments
+from .hooks import on_exit, run_pending_hook
 from .state import Lane, RunState
 
 __all__ = ["DBOOptions", "RunStats", "run", "run_ubatches", "run_ubatches_with_stats"]
@@ -35,7 +36,11 @@ class DBOOptions:
         sequence. debug: also run the yield-discipline checker (asyncdbo.dbo.debug.YieldChecker), which
         reports the first place the ubatches' yield-tag sequences diverge. name: shows in errors
         and traces. clock: the time source of timers and the watchdog (default: real monotonic
-        time; ``asyncdbo.VirtualClock()`` for tests that must take no wall time).
+        time; ``asyncdbo.lowlevel.VirtualClock()`` for tests that must take no wall time).
+        debug: also make every dropped awaitable an error naming its line, report steps that block
+        the CPU for more than ``blocking_s`` (None: don't), and fail a run whose ubatches share a
+        process group (see :mod:`asyncdbo.dbo.debug`). loop_poll_s: while a ubatch waits on the
+        event loop (a sleep, a future) and others keep switching, let the loop run this often.
     """
 
     backend: str | StreamBackend | None = "auto"
@@ -45,12 +50,18 @@ class DBOOptions:
     debug: bool = False
     name: str | None = None
     clock: Clock | None = None
+    blocking_s: float | None = 0.01
+    loop_poll_s: float = LOOP_POLL_S
 
     def __post_init__(self) -> None:
         if self.stream_policy not in ("role", "ubatch"):
             raise ValueError(f"stream_policy must be 'role' or 'ubatch' (got {self.stream_policy!r})")
         if self.watchdog_s is not None and not self.watchdog_s > 0:
             raise ValueError(f"watchdog_s must be > 0 seconds or None (got {self.watchdog_s!r})")
+        if self.blocking_s is not None and not self.blocking_s > 0:
+            raise ValueError(f"blocking_s must be > 0 seconds or None (got {self.blocking_s!r})")
+        if not 0 < self.loop_poll_s < float("inf"):
+            raise ValueError(f"loop_poll_s must be a positive number of seconds (got {self.loop_poll_s!r})")
 
 
 def _not_a_coroutine_error(fn: object, where: str) -> TypeError:
@@ -106,6 +117,7 @@ class RunStats:
     num_parks: int
     time_asleep_s: float
     comm: tuple[CommRecord, ...]
+    blocking: tuple[Any, ...] = ()  # debug mode: asyncdbo.dbo.debug.BlockingStep records
 
 
 def _options(options: dict[str, Any]) -> DBOOptions:
@@ -157,16 +169,19 @@ async def run_ubatches_with_stats(
         coros,
         install=backend.install_stream,
         before_park=run_pending_hook,
-        at_exit=run_pending_hook,
+        at_exit=on_exit,
         instrument=_instrument(opts),
         watchdog_s=opts.watchdog_s,
         clock=opts.clock,
+        loop_poll_s=opts.loop_poll_s,
         name=opts.name,
     )
     state = RunState(backend=backend, policy=opts.stream_policy, lanes=[Lane(ub) for ub in dbo.ubatches])
     dbo.ext = state
+    debug = DebugMode(blocking_s=opts.blocking_s) if opts.debug else None
     for ub, lane in zip(dbo.ubatches, state.lanes):
         ub.ext = lane
+        ub.debug = debug
     try:
         backend.attach(dbo, state)
     except BaseException:
@@ -183,6 +198,7 @@ async def run_ubatches_with_stats(
         num_parks=dbo.num_parks,
         time_asleep_s=dbo.time_asleep_s,
         comm=tuple(state.comm_records()) if state.comm else (),
+        blocking=tuple(state.blocking),
     )
     return results, stats
 
@@ -194,9 +210,7 @@ def _instrument(opts: DBOOptions) -> Instrument | None:
     elif opts.instrument is not None:
         insts.extend(opts.instrument)
     if opts.debug:
-        from .debug import YieldChecker
-
-        insts.append(YieldChecker())
+        insts += debug_instruments(DebugMode(blocking_s=opts.blocking_s))
     if not insts:
         return None
     return insts[0] if len(insts) == 1 else Fanout(*insts)

@@ -27,10 +27,11 @@ class Lane(UBatchStreams):
 
 @dataclass(eq=False)
 class RunState(RunStreams):
-    """A run's backend state plus its named events: key -> (device event or None, signal set on
-    the record)."""
+    """A run's backend state plus its named events (key -> (device event or None, signal set on
+    the record)) and, in debug mode, the steps that blocked the CPU."""
 
     events: dict[Hashable, tuple[Any, Signal]] = field(default_factory=dict)
+    blocking: list[Any] = field(default_factory=list)  # debug mode: BlockingStep records
 
 
 def lane_of(ub: UBatch) -> Lane:

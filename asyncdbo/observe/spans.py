@@ -30,8 +30,10 @@ class RunNumbers:
     yields_per_ubatch: ``SWITCH`` yields of each ubatch. parked_s: total time ubatches spent
     parked (summed over ubatches). idle_s: time every ubatch was parked (the CPU had nothing to do).
     compute_s: total CPU (or compute-stream) time of ubatch steps. comm_s: measure of the union of
-    comm intervals. comm_hidden_s / comm_hidden_share: see the module docstring. microbatched /
-    reason: from :meth:`Tracer.mark_step` (None when the step was not marked).
+    comm intervals. comm_hidden_s / comm_hidden_share: see :mod:`asyncdbo.observe.tracer`.
+    microbatched / reason: from :meth:`Tracer.mark_step` (None when the step was not marked).
+    blocking_s: CPU time blocked in the steps debug mode reported (0 outside debug mode); those
+    steps are not counted in compute_s.
     """
 
     step: int
@@ -53,6 +55,7 @@ class RunNumbers:
     comm_bytes: int
     microbatched: bool | None = None
     reason: str | None = None
+    blocking_s: float = 0.0
 
     def summary(self) -> str:
         """One line for logs, the demo and the PNG title."""

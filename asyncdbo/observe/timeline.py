@@ -21,7 +21,8 @@ from typing import Any
 
 __all__ = ["load_trace", "render_png"]
 
-_COLORS = {"compute": "#4C72B0", "issue": "#8172B2", "wait": "#DDDDDD", "comm": "#DD8452", "hidden": "#55A868"}
+_COLORS = {"compute": "#4C72B0", "issue": "#8172B2", "blocking": "#C44E52", "wait": "#DDDDDD", "comm": "#DD8452",
+           "hidden": "#55A868"}
 
 
 def _import_matplotlib() -> tuple[Any, Any]:
@@ -100,11 +101,12 @@ def render_png(
     ax = fig.add_subplot(1, 1, 1)
     for row, key in enumerate(keys):
         y = len(keys) - 1 - row
-        for style in ("wait", "compute", "issue", "comm"):
+        for style in ("wait", "compute", "issue", "blocking", "comm"):
             bars = [(s, d) for s, d, st in lanes[key] if st == style]
             if bars:
-                ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=_COLORS[style], hatch="//" if style == "wait" else None,
-                               edgecolor="#999999" if style == "wait" else "none", linewidth=0.3)
+                hatch = {"wait": "//", "blocking": "xx"}.get(style)
+                ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=_COLORS[style], hatch=hatch,
+                               edgecolor="#999999" if hatch else "none", linewidth=0.3)
         if key[2] == "comm":
             others = [(s, s + d) for k2 in keys if k2[0] == key[0] and k2[2] == "compute"
                       for s, d, st in lanes[k2] if st in ("compute", "issue")]

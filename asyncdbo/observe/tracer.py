@@ -80,6 +80,7 @@ class StepRecorder:
         self._spans: list[Span] | None = None
         self.idle_s = 0.0
         self.works: list[Any] = []  # the backend's handles, read as CommRecords when needed
+        self.blocking: list[Any] = []  # debug mode's BlockingStep records of this run
         self.backend_obj: Any = run.ext.backend
         self.device: _DeviceTimer | None = None
         self.record = record
@@ -107,7 +108,14 @@ class StepRecorder:
         for ub, t0, t1, frm, outcome, to, role in self.cpu:
             to_text = {"yield": to, "done": "finished"}.get(outcome, f"parked on {to}")
             args = {"ub": ub, "kind": "compute", "from": frm, "role": role, "to": to_text}
-            spans.append(Span(ub=ub, kind="compute", role=role, name=f"ub{ub}:{frm}", t0=t0, t1=t1, args=args))
+            kind = "compute"
+            # debug mode's record of a blocking step starts inside this span (its clock was read a
+            # moment after the tracer's, in the same resume)
+            b = next((b for b in self.blocking if b.ub == ub and t0 <= b.t0 <= t1), None)
+            if b is not None:
+                kind = args["kind"] = "blocking"
+                args.update(blocked_ms=round(b.blocked_s * 1e3, 3), where=b.to_where)
+            spans.append(Span(ub=ub, kind=kind, role=role, name=f"ub{ub}:{frm}", t0=t0, t1=t1, args=args))
         for ub, t0, t1, what in self.waits:
             args = {"ub": ub, "kind": "wait", "parked_on": what}
             spans.append(Span(ub=ub, kind="wait", role="", name=f"wait: {what}", t0=t0, t1=t1, args=args))
@@ -172,6 +180,7 @@ class StepRecorder:
             comm_bytes=sum(int(w.nbytes) for w in comm_records),
             microbatched=None if rec is None else bool(getattr(rec, "microbatched")),
             reason=None if reason is None else str(getattr(reason, "value", reason)),
+            blocking_s=sum(b.blocked_s for b in self.blocking),
         )
         if all(w.t_done is not None for w in comm_records):
             self._numbers = numbers  # final: nothing left in flight
@@ -341,6 +350,8 @@ class Tracer(Instrument):
         if step.t0 is None:
             step.t0 = step.t1
         step.works = list(run.ext.comm)
+        step.blocking = list(run.ext.blocking)
+        step._spans = None
         for rf, nvtx in self._ranges.values():  # a failed step may leave ranges open
             if nvtx:
                 self._nvtx.range_pop()

@@ -34,7 +34,8 @@ async def test_a_mismatched_pair_is_reported_at_the_first_divergence() -> None:
     log: list[str] = []
     tags = {0: ["attn", "dispatch", "combine"], 1: ["attn", "combine", "dispatch"]}
     msg = (
-        r"^yield mismatch in run 'mismatch': ubatch 1 yield #1 is 'combine' but ubatch 0 yield #1 was 'dispatch'\. "
+        r"^yield mismatch in run 'mismatch': ubatch 1 yield #1 is 'combine' at .*tests/dbo/test_debug_mode\.py:\d+ "
+        r"in layer\.<locals>\.forward but ubatch 0 yield #1 was 'dispatch'\. "
         r"Sequences so far: ubatch 0: \['attn', 'dispatch'\]; ubatch 1: \['attn', 'combine'\]\. "
     )
     with pytest.raises(YieldMismatchError, match=msg):
@@ -76,6 +77,52 @@ async def test_the_checker_works_as_an_explicit_instrument_and_is_reusable() -> 
     checker = YieldChecker()
     tags = {0: ["x", "y"], 1: ["x", "y"]}
     await run_ubatches(layer(tags, []), [(), ()], instrument=checker)
-    with pytest.raises(YieldMismatchError, match=r"ubatch 1 yield #0 is 'y' but ubatch 0 yield #0 was 'x'"):
+    with pytest.raises(YieldMismatchError, match=r"ubatch 1 yield #0 is 'y' at .* but ubatch 0 yield #0 was 'x'"):
         await run_ubatches(layer({0: ["x"], 1: ["y"]}, []), [(), ()], instrument=checker)
     await run_ubatches(layer(tags, []), [(), ()], instrument=checker)
+
+
+# ---------------------------------------------------------------- blocking code between yields
+async def test_debug_mode_reports_a_step_that_blocks_with_its_yield_points_and_lines() -> None:
+    import time
+
+    from asyncdbo import run_ubatches_with_stats
+
+    async def forward(i: int) -> int:
+        await dbo_yield("attn")
+        if i == 1:
+            time.sleep(0.05)  # a host sync in disguise: nothing else can run meanwhile
+        await dbo_yield("moe")  # BLOCKED BEFORE THIS
+        return i
+
+    with open(__file__) as f:
+        line = next(n + 1 for n, ln in enumerate(f) if ln.rstrip().endswith("# BLOCKED BEFORE THIS"))
+    _, stats = await run_ubatches_with_stats(forward, [(0,), (1,)], debug=True, blocking_s=0.02)
+    (step,) = [b for b in stats.blocking if b.ub == 1]
+    assert (step.from_tag, step.to_tag) == ("attn", "moe")
+    assert step.to_where.endswith(f"tests/dbo/test_debug_mode.py:{line} in test_debug_mode_reports_a_step_that_blocks_with_its_yield_points_and_lines.<locals>.forward")
+    assert step.blocked_s >= 0.04  # the 50 ms sleep, less the tick granularity of the kernel's CPU accounting
+    assert step.describe().startswith(f"asyncdbo: ubatch 1 blocked the CPU for {step.blocked_s * 1e3:.1f} ms between yield points 'attn'")
+
+
+async def test_outside_debug_mode_nothing_is_measured() -> None:
+    import time
+
+    from asyncdbo import run_ubatches_with_stats
+
+    async def forward(i: int) -> int:
+        time.sleep(0.03)
+        await dbo_yield("y")
+        return i
+
+    _, stats = await run_ubatches_with_stats(forward, [(0,), (1,)], blocking_s=0.01)
+    assert stats.blocking == ()
+
+
+async def test_a_checker_that_fails_the_run_at_its_end_leaves_no_dispatch_mode_behind() -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    before = len(_get_current_dispatch_mode_stack())
+    with pytest.raises(YieldMismatchError):
+        await run_ubatches(layer({0: ["a", "b"], 1: ["a"]}, []), [(), ()], debug=True)
+    assert len(_get_current_dispatch_mode_stack()) == before

@@ -66,3 +66,26 @@ def test_destroy_process_groups_joins_every_groups_gloo_threads() -> None:
         assert r["groups"] == 5  # the default group and 4 per-ubatch clones (max_ubatches=4)
         assert r["alive_after"] == 0
         assert r["threads_joined"] >= 3 * r["groups"]
+
+
+@pytest.mark.timeout(60)
+def test_debug_mode_stops_two_ubatches_sharing_a_group_before_gloo_can_abort(pool: RankPool) -> None:
+    from _moe_ranks import ubatches_share_the_default_group
+
+    msgs = pool.run(ubatches_share_the_default_group, True)
+    assert msgs[0] == msgs[1]
+    assert msgs[0].startswith("ubatches 0 and 1 both issue collectives on process group '0' in one run (")
+    assert msgs[0].endswith(
+        ": their order across ranks is timing, and gloo aborts the process when ranks pair different ubatches' "
+        "collectives. Call asyncdbo.ubatch_groups(2, group) once on every rank before the run, and issue each "
+        "ubatch's collectives on asyncdbo.ubatch_group(group)."
+    )
+
+
+@pytest.mark.timeout(60)
+def test_the_missing_clones_error_names_the_number_the_run_needs(pool: RankPool) -> None:
+    from _moe_ranks import ubatch_group_without_clones
+
+    msgs = pool.run(ubatch_group_without_clones)
+    assert msgs[0].startswith("ubatch 0 needs its own clone of process group")
+    assert "call asyncdbo.ubatch_groups(3, group) on every rank before the DBO run" in msgs[0]

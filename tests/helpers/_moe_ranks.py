@@ -253,3 +253,38 @@ def teardown_after_a_dbo_step(rank: int, world_size: int) -> dict[str, Any]:
         "alive_after": sum(r() is not None for r in alive),
         "threads_joined": before - threads(),
     }
+
+
+def ubatches_share_the_default_group(rank: int, world_size: int, debug: bool) -> str:
+    """Two ubatches issue their all-to-alls on the default group (not their own clones)."""
+    async def forward(i: int) -> None:
+        out = torch.empty(2 * world_size)
+        work = dist.all_to_all_single(out, torch.ones(2 * world_size), async_op=True)
+        await asyncdbo.dbo_submit(work, nbytes=8, what="a2a")
+        await asyncdbo.dbo_yield("after")
+
+    async def main() -> None:
+        await asyncdbo.run_ubatches(forward, [(0,), (1,)], backend="host", debug=debug)
+
+    try:
+        asyncdbo.run(main)
+    except RuntimeError as exc:
+        return str(exc).split("\n")[0]
+    return "no error"
+
+
+def ubatch_group_without_clones(rank: int, world_size: int) -> str:
+    group = dist.new_group(list(range(world_size)))  # fresh: no per-ubatch clones made for it
+
+    async def forward(i: int) -> None:
+        asyncdbo.ubatch_group(group)
+        await asyncdbo.dbo_yield("y")
+
+    async def main() -> None:
+        await asyncdbo.run_ubatches(forward, [(0,), (1,), (2,)], backend="host")
+
+    try:
+        asyncdbo.run(main)
+    except RuntimeError as exc:
+        return str(exc).split("\n")[0]
+    return "no error"

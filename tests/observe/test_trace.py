@@ -278,3 +278,28 @@ async def test_on_the_sim_backend_the_tracer_keeps_host_spans() -> None:
     assert tracer.steps[0].device is None
     assert [s.name for s in tracer.spans()] == ["ub0:start", "ub1:start", "ub0:attn", "ub1:attn", "ub0:moe", "ub1:moe"]
     assert tracer.numbers().backend == "sim"
+
+
+# ----------------------------------------------------------------------------------- blocking
+@pytest.mark.asyncio
+async def test_a_step_debug_mode_finds_blocking_is_a_blocking_span_in_the_trace_and_the_png(tmp_path: Path) -> None:
+    import time
+
+    async def forward(i: int) -> int:
+        await dbo_yield("attn")
+        if i == 0:
+            time.sleep(0.05)
+        await dbo_yield("moe")
+        return i
+
+    tracer = Tracer()
+    await run_ubatches(forward, [(0,), (1,)], instrument=tracer, debug=True, blocking_s=0.02)
+    (span,) = [s for s in tracer.spans() if s.kind == "blocking"]
+    assert (span.ub, span.args["from"], span.args["to"]) == (0, "attn", "moe")
+    assert span.args["blocked_ms"] >= 40
+    assert tracer.numbers().blocking_s >= 0.04
+    events = [e for e in tracer.to_chrome()["traceEvents"] if e.get("cat") == "blocking"]
+    assert [e["name"] for e in events] == ["ub0:attn"]
+    from asyncdbo.observe.timeline import render_png
+
+    assert render_png(tracer.to_chrome(), tmp_path / "t.png") == (1600, 160 + 36 * 2)

@@ -1,0 +1,153 @@
+"""How a ubatch looks to asyncio: a task of its own, while it runs on the run's one task.
+
+Ubatches are coroutines the kernel drives inside one asyncio task (the one that awaits
+``run_ubatches``). Three asyncio facilities assume "the running coroutine is a task" and would act
+on that whole task; this module makes each of them act on the ubatch instead:
+
+* ``asyncio.current_task()`` inside a ubatch returns the run's :class:`UBatchTaskView`, swapped in
+  for the driving task while the kernel resumes ubatches (four C calls per entry into the
+  kernel's fast loop, none per switch). Its ``cancel``/``uncancel``/``cancelling`` act on the
+  ubatch whose context calls them: asyncio schedules a timeout's callback in the context that
+  armed it, which is that ubatch's, so ``asyncio.timeout`` (and ``wait_for``, ``TaskGroup``)
+  cancel that ubatch only and it sees ``TimeoutError``.
+* A task created inside a ubatch (``create_task``, ``ensure_future``, ``wait_for`` on 3.11) would
+  copy the ubatch's context and believe it is in the run (``dbo_enabled()``) although the kernel
+  never drives it ("Task got bad yield: SWITCH"). While a run is active, the loop's task factory
+  gives such a task a copy of the context with the running ubatch unset: it is not part of the
+  run, and the primitives are no-ops in it.
+* Nothing here touches the fast path of a switch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from asyncio import tasks as _tasks
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+from .ubatch import UBatch, current_ubatch
+
+if TYPE_CHECKING:
+    from .kernel import DBORun
+
+__all__ = ["UBatchTaskView", "attach_task_factory", "detach_task_factory", "enter_view", "leave_view"]
+
+_enter_task = _tasks._enter_task
+_leave_task = _tasks._leave_task
+
+
+class UBatchTaskView:
+    """What ``asyncio.current_task()`` returns inside a ubatch of a run.
+
+    Cancellation is per ubatch (resolved from the calling context, see the module docstring);
+    everything else is the driving task's (``get_loop``, ``add_done_callback``...). Called from a
+    context that belongs to no ubatch of this run, ``cancel`` cancels the driving task, hence the
+    whole run."""
+
+    __slots__ = ("_run", "_task")
+
+    def __init__(self, run: DBORun, task: asyncio.Task[Any]) -> None:
+        self._run = run
+        self._task = task
+
+    def _ubatch(self) -> UBatch | None:
+        ub = current_ubatch.get(None)
+        return ub if ub is not None and ub.run is self._run else None
+
+    def cancel(self, msg: Any = None) -> bool:
+        ub = self._ubatch()
+        if ub is None:
+            return self._task.cancel(msg)
+        return self._run.cancel_ubatch(ub, msg)
+
+    def uncancel(self) -> int:
+        ub = self._ubatch()
+        if ub is None:
+            return self._task.uncancel()
+        if ub.cancels > 0:
+            ub.cancels -= 1
+        return ub.cancels
+
+    def cancelling(self) -> int:
+        ub = self._ubatch()
+        return self._task.cancelling() if ub is None else ub.cancels
+
+    def done(self) -> bool:
+        ub = self._ubatch()
+        return self._task.done() if ub is None else str(ub.state) == "done"
+
+    def cancelled(self) -> bool:
+        return self._task.cancelled() if self._ubatch() is None else False
+
+    def get_name(self) -> str:
+        ub = self._ubatch()
+        base = self._task.get_name()
+        return base if ub is None else f"{base}:{self._run.name}:ubatch{ub.id}"
+
+    def get_coro(self) -> Any:
+        ub = self._ubatch()
+        return self._task.get_coro() if ub is None else ub.coro
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+    def __repr__(self) -> str:
+        ub = self._ubatch()
+        where = "" if ub is None else f" ubatch {ub.id}"
+        return f"<UBatchTaskView run={self._run.name!r}{where} of {self._task!r}>"
+
+
+def enter_view(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], view: UBatchTaskView) -> None:
+    """Make ``view`` the loop's current task in place of ``task`` (the kernel resumes ubatches)."""
+    _leave_task(loop, task)
+    _enter_task(loop, view)  # type: ignore[arg-type]  # asyncio accepts any object as the current task
+
+
+def leave_view(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], view: UBatchTaskView) -> None:
+    """Give the loop its current task back before the kernel awaits."""
+    _leave_task(loop, view)  # type: ignore[arg-type]
+    _enter_task(loop, task)
+
+
+# loop -> [active runs, the factory that was there before, ours]
+_FACTORIES: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+
+TaskFactory = Callable[..., "asyncio.Future[Any]"]
+
+
+def _make_factory(previous: TaskFactory | None) -> TaskFactory:
+    def factory(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any) -> asyncio.Future[Any]:
+        if kwargs.get("context") is None and current_ubatch.get(None) is not None:
+            context = contextvars.copy_context()
+            context.run(current_ubatch.set, None)
+            kwargs["context"] = context
+        if previous is not None:
+            return previous(loop, coro, **kwargs)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    return factory
+
+
+def attach_task_factory(loop: asyncio.AbstractEventLoop) -> None:
+    """While a run is active on ``loop``, tasks created inside a ubatch are not part of it."""
+    entry = _FACTORIES.get(loop)
+    if entry is not None:
+        entry[0] += 1
+        return
+    previous = loop.get_task_factory()
+    ours = _make_factory(previous)
+    loop.set_task_factory(ours)
+    _FACTORIES[loop] = [1, previous, ours]
+
+
+def detach_task_factory(loop: asyncio.AbstractEventLoop) -> None:
+    """The last active run on ``loop`` ended: put the previous task factory back."""
+    entry = _FACTORIES.get(loop)
+    if entry is None:
+        return
+    entry[0] -= 1
+    if entry[0] == 0:
+        del _FACTORIES[loop]
+        if loop.get_task_factory() is entry[2]:
+            loop.set_task_factory(entry[1])

@@ -1,0 +1,172 @@
+"""The asyncio contract: inside a ubatch, asyncio's own tools behave as they do in a task, scoped to
+that ubatch (docs/design.md, "asyncio inside a ubatch").
+
+* ``asyncio.sleep``, futures and executor futures park only the ubatch that awaits them, and it
+  wakes within a bounded time even while the others keep switching (the kernel lets the event
+  loop run every ``loop_poll_s`` while anything waits on it);
+* ``asyncio.timeout`` / ``asyncio.wait_for`` around them raise ``TimeoutError`` in that ubatch
+  only; the run goes on;
+* a task created from a ubatch is not part of the run: ``dbo_enabled()`` is False there and the
+  primitives are no-ops (never "Task got bad yield").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from asyncdbo import dbo_current_ubatch_id, dbo_enabled, dbo_yield, run_ubatches
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
+
+#: a bound no healthy run reaches: a ubatch still parked after this many switches of the other
+#: one starved (the poll interval is 1 ms; a switch costs well under 10 us even on a loaded machine)
+STARVED = 2_000_000
+
+
+async def test_timeout_raises_timeout_error_in_that_ubatch_only() -> None:
+    trace: list[str] = []
+
+    async def forward(i: int) -> str:
+        if i == 0:
+            try:
+                async with asyncio.timeout(0.01):
+                    await asyncio.sleep(30)
+            except TimeoutError:
+                trace.append("ub0: timed out")
+                await dbo_yield("after")
+                return "recovered"
+            return "not reached"
+        for k in range(3):
+            trace.append(f"ub1: {k}")
+            await dbo_yield(f"k{k}")
+        return "done"
+
+    assert await run_ubatches(forward, [(0,), (1,)]) == ["recovered", "done"]
+    assert trace.index("ub0: timed out") > trace.index("ub1: 0")
+
+
+async def test_wait_for_a_future_raises_timeout_error_in_that_ubatch_only() -> None:
+    never: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def forward(i: int) -> str:
+        if i == 0:
+            try:
+                await asyncio.wait_for(never, 0.01)
+            except TimeoutError:
+                return "ub0 timed out"
+        await dbo_yield("y")
+        return f"ub{i}"
+
+    assert await run_ubatches(forward, [(0,), (1,), (2,)]) == ["ub0 timed out", "ub1", "ub2"]
+    assert never.cancelled()  # wait_for cancels what it waited for, as in a task
+
+
+async def test_a_timeout_that_does_not_expire_changes_nothing() -> None:
+    async def forward(i: int) -> int:
+        async with asyncio.timeout(30):
+            await asyncio.sleep(0)
+            await dbo_yield("y")
+        return i
+
+    assert await run_ubatches(forward, [(0,), (1,)]) == [0, 1]
+
+
+async def test_a_timeout_around_a_ubatch_that_keeps_switching_still_expires() -> None:
+    """The timer fires while ubatches run: the kernel polls the loop while a timeout is armed?
+    No: it polls while a ubatch waits on the loop. A ubatch that only switches under a timeout
+    gets its cancellation at its next yield once the loop has run (here: the other ubatch's
+    sleep makes the kernel poll)."""
+
+    async def forward(i: int) -> str:
+        if i == 1:
+            await asyncio.sleep(0.05)
+            return "slept"
+        try:
+            async with asyncio.timeout(0.01):
+                for _ in range(STARVED):
+                    await dbo_yield("spin")
+        except TimeoutError:
+            return "timed out while switching"
+        return "never timed out"
+
+    assert await run_ubatches(forward, [(0,), (1,)]) == ["timed out while switching", "slept"]
+
+
+@pytest.mark.parametrize("what", ["sleep", "executor", "future from a thread"])
+async def test_a_ubatch_waiting_on_the_loop_wakes_while_another_keeps_switching(what: str) -> None:
+    loop = asyncio.get_running_loop()
+    woke = asyncio.Event()
+    switches: list[int] = []
+
+    async def forward(i: int) -> str:
+        if i == 0:
+            if what == "sleep":
+                await asyncio.sleep(0.001)
+            elif what == "executor":
+                await loop.run_in_executor(None, time.sleep, 0.001)
+            else:
+                fut: asyncio.Future[None] = loop.create_future()
+                loop.call_soon_threadsafe(fut.set_result, None)
+                await fut
+            woke.set()
+            return "woke"
+        n = 0
+        while not woke.is_set() and n < STARVED:
+            n += 1
+            await dbo_yield("spin")
+        switches.append(n)
+        return "switched"
+
+    assert await run_ubatches(forward, [(0,), (1,)]) == ["woke", "switched"]
+    assert switches[0] < STARVED
+
+
+async def test_a_task_created_in_a_ubatch_is_not_part_of_the_run() -> None:
+    seen: list[tuple[int, bool]] = []
+
+    async def child(parent: int) -> str:
+        seen.append((parent, dbo_enabled()))
+        await dbo_yield("no-op in a task")
+        await asyncio.sleep(0)
+        return f"child of ub{parent}"
+
+    async def forward(i: int) -> str:
+        task = asyncio.create_task(child(dbo_current_ubatch_id()))
+        await dbo_yield("y")
+        assert dbo_enabled()  # the ubatch itself is still in the run
+        return await task
+
+    assert await run_ubatches(forward, [(0,), (1,)]) == ["child of ub0", "child of ub1"]
+    assert sorted(seen) == [(0, False), (1, False)]
+
+
+async def test_tasks_created_after_the_run_see_the_callers_context_again() -> None:
+    async def forward(i: int) -> int:
+        await dbo_yield("y")
+        return i
+
+    await run_ubatches(forward, [(0,), (1,)])
+
+    async def probe() -> bool:
+        return dbo_enabled()
+
+    assert await asyncio.create_task(probe()) is False
+
+
+async def test_current_task_inside_a_ubatch_is_the_ubatchs_own() -> None:
+    names: list[str] = []
+
+    async def forward(i: int) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        names.append(task.get_name())
+        await dbo_yield("y")
+
+    outer = asyncio.current_task()
+    assert outer is not None
+    await run_ubatches(forward, [(0,), (1,)], name="r")
+    assert names == [f"{outer.get_name()}:r:ubatch0", f"{outer.get_name()}:r:ubatch1"]
+    assert asyncio.current_task() is outer  # restored once the run is over

@@ -1,0 +1,204 @@
+"""Failure and cancellation paths, built as carefully as the fast path.
+
+When one ubatch raises (or the run is cancelled), every other live ubatch is cancelled at its
+suspension point: its cleanup (``finally``, ``except CancelledError``, ``GeneratorExit``) runs in
+its own context with its stream installed; the user's original exception is the one that
+propagates, later errors ride on it as notes; a ubatch that refuses cancellation gets a bounded
+number of throws and is then named, never spun on; after the run, everything it held is freed
+without the cycle collector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import gc
+import weakref
+from typing import Any
+
+import pytest
+from _recording_backend import RecordingBackend
+
+from asyncdbo import (
+    dbo_current_ubatch_id,
+    dbo_enabled,
+    dbo_register_recv_hook,
+    dbo_yield,
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+    run_ubatches,
+)
+from asyncdbo.lowlevel import Instrument
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
+
+LABEL: contextvars.ContextVar[str] = contextvars.ContextVar("label", default="caller")
+
+
+class Boom(Exception):
+    pass
+
+
+async def test_cleanup_runs_in_the_ubatchs_own_context_with_its_stream_installed() -> None:
+    log: list[str] = []
+
+    async def forward(i: int) -> None:
+        LABEL.set(f"label of ub{i}")
+        await dbo_yield_and_switch_from_compute_to_comm("to comm")  # ub1 then waits on the comm stream
+        if i == 0:  # ub0 goes back to compute, so the compute stream is installed when it raises
+            await dbo_yield_and_switch_from_comm_to_compute("ub1 enters its try")
+            raise Boom("ub0 failed")
+        try:
+            await dbo_yield("parked here")
+        finally:
+            log.append(f"cleanup ub{dbo_current_ubatch_id()} enabled={dbo_enabled()} {LABEL.get()}")
+
+    with pytest.raises(Boom, match="ub0 failed"):
+        await run_ubatches(forward, [(0,), (1,)], backend=RecordingBackend(log))
+    cleanup = log.index("cleanup ub1 enabled=True label of ub1")
+    assert log[cleanup - 1] == "install comm"  # ub1's stream went back in before its cleanup ran
+
+
+async def test_the_original_error_propagates_and_every_sibling_is_cancelled_even_if_one_cleanup_raises() -> None:
+    cleaned: list[int] = []
+
+    async def forward(i: int) -> None:
+        await dbo_yield("start")
+        if i == 0:
+            await dbo_yield("the others enter their try")
+            raise Boom("the real error")
+        try:
+            await dbo_yield("parked")
+        finally:
+            cleaned.append(i)
+            if i == 1:
+                raise ValueError("cleanup of ub1 failed too")
+
+    with pytest.raises(Boom, match="the real error") as info:
+        await run_ubatches(forward, [(0,), (1,), (2,)])
+    assert cleaned == [1, 2]
+    notes = info.value.__notes__
+    assert notes[0] == (
+        "asyncdbo: raised in ubatch 0 of 3 while running (last yield point 'the others enter their try'); the other "
+        "ubatches were cancelled"
+    )
+    assert notes[1] == "asyncdbo: while cancelling ubatch 1, its cleanup raised ValueError: cleanup of ub1 failed too"
+
+
+async def test_a_ubatch_that_refuses_cancellation_is_named_not_spun_on() -> None:
+    attempts: list[str] = []
+
+    async def forward(i: int) -> None:
+        if i == 0:
+            await dbo_yield("start")
+            raise Boom("ub0 failed")
+        while True:  # swallows everything, the worst sibling there is
+            try:
+                await dbo_yield("stubborn")
+            except BaseException as exc:  # noqa: BLE001 - the point of the test
+                attempts.append(type(exc).__name__)
+
+    with pytest.raises(Boom) as info:
+        await run_ubatches(forward, [(0,), (1,)])
+    assert attempts == ["CancelledError", "CancelledError", "CancelledError", "GeneratorExit"]
+    assert info.value.__notes__[1] == (
+        "asyncdbo: ubatch 1 ignored cancellation 3 times and then GeneratorExit, at yield point 'stubborn'; "
+        "it was abandoned (its cleanup did not finish). Let CancelledError and GeneratorExit propagate."
+    )
+
+
+async def test_a_recv_hook_that_fails_as_its_holder_parks_closes_the_holder_at_once() -> None:
+    log: list[str] = []
+
+    def failing_hook() -> None:
+        raise Boom("the receive could not be launched")
+
+    async def forward(i: int) -> None:
+        try:
+            if i == 0:
+                dbo_register_recv_hook(failing_hook)  # left with ub1
+                await dbo_yield("sent")
+                await asyncio.sleep(1)
+            else:
+                await asyncio.sleep(0.001)  # ub1 parks: it must launch the hook first, which fails
+        finally:
+            log.append(f"finally ub{i}")
+
+    with pytest.raises(Boom, match="could not be launched") as info:
+        await run_ubatches(forward, [(0,), (1,)])
+    assert sorted(log) == ["finally ub0", "finally ub1"]  # both ran before run_ubatches raised
+    assert "raised in ubatch 1 of 2 as it parked" in info.value.__notes__[0]
+
+
+async def test_cancelling_the_awaiting_task_runs_every_ubatchs_cleanup_in_its_context() -> None:
+    cleaned: list[str] = []
+    started = asyncio.Event()
+
+    async def forward(i: int) -> None:
+        LABEL.set(f"ub{i}")
+        try:
+            started.set()
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cleaned.append(LABEL.get())
+            raise
+
+    task = asyncio.create_task(run_ubatches(forward, [(0,), (1,)]))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sorted(cleaned) == ["ub0", "ub1"]
+
+
+class KeepRun(Instrument):
+    """Holds the run only weakly: a test tool must not keep it alive itself."""
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref[Any]] = []
+
+    def run_started(self, run: Any) -> None:
+        self.refs.append(weakref.ref(run))
+        self.refs += [weakref.ref(ub) for ub in run.ubatches]
+
+
+async def test_a_finished_run_frees_itself_its_ubatches_and_their_results_without_gc() -> None:
+    import torch
+
+    keep = KeepRun()
+
+    async def forward(i: int) -> torch.Tensor:
+        await dbo_yield("y")
+        return torch.full((4,), float(i))
+
+    gc.disable()
+    try:
+        results = await run_ubatches(forward, [(0,), (1,)], instrument=keep)
+        result_refs = [weakref.ref(t) for t in results]
+        del results
+        await asyncio.sleep(0)
+        assert [r() for r in keep.refs] == [None, None, None]
+        assert [r() for r in result_refs] == [None, None]
+    finally:
+        gc.enable()
+
+
+async def test_a_failed_run_frees_itself_once_the_error_is_dropped_without_gc() -> None:
+    keep = KeepRun()
+
+    async def forward(i: int) -> None:
+        await dbo_yield("y")
+        if i == 1:
+            raise Boom("fail")
+        await asyncio.sleep(30)
+
+    gc.disable()
+    try:
+        try:
+            await run_ubatches(forward, [(0,), (1,)], instrument=keep)
+        except Boom:
+            pass
+        await asyncio.sleep(0)
+        assert [r() for r in keep.refs] == [None, None, None]
+    finally:
+        gc.enable()

@@ -1,0 +1,127 @@
+"""A missing ``await`` is caught where it is made, never a silent wrong number.
+
+vLLM's primitives are plain calls; a port that keeps one as a call creates an awaitable nothing
+runs. The next primitive of that ubatch (or its exit) reports it: a dropped ``dbo_yield`` only
+loses overlap, so it warns (an error under ``-W error``, as in this suite); a dropped switch or
+event wait could let the ubatch read comm output that has not arrived, so it is an error always;
+in debug mode every kind is an error naming the line that created the awaitable.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from asyncdbo import (
+    dbo_switch_to_compute_sync,
+    dbo_wait_event,
+    dbo_yield,
+    dbo_yield_and_switch_from_compute_to_comm,
+    run_ubatches,
+)
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
+
+HERE = __file__
+
+
+def line_of(marker: str) -> int:
+    with open(HERE) as f:
+        return next(i + 1 for i, ln in enumerate(f) if ln.rstrip().endswith(marker))
+
+
+async def forgets_a_yield(i: int) -> int:
+    dbo_yield("dispatch")  # noqa: B018  FORGOT YIELD
+    await dbo_yield("combine")
+    return i
+
+
+async def forgets_a_yield_at_the_end(i: int) -> int:
+    await dbo_yield("dispatch")
+    dbo_yield("combine")  # noqa: B018
+    return i
+
+
+async def forgets_a_sync_switch(i: int) -> int:
+    await dbo_yield_and_switch_from_compute_to_comm("dispatch")
+    dbo_switch_to_compute_sync()  # noqa: B018  FORGOT SYNC
+    return i  # on the host backend this would read the all-to-all's output before it arrived
+
+
+async def test_a_dropped_yield_warns_at_the_next_primitive_and_names_it() -> None:
+    with pytest.raises(RuntimeWarning) as info:  # the suite turns warnings into errors
+        await run_ubatches(forgets_a_yield, [(0,), (1,)])
+    assert str(info.value) == (
+        "asyncdbo: dbo_yield('dispatch') in ubatch 0 was never awaited (missing await?): it did not hand over, so "
+        "nothing overlapped there. Write `await dbo_yield('dispatch')`."
+    )
+
+
+async def test_a_dropped_yield_warns_once_and_the_run_goes_on_when_warnings_only_print() -> None:
+    with pytest.warns(RuntimeWarning, match=r"dbo_yield\(.dispatch.\) in ubatch [01] was never awaited") as record:
+        assert await run_ubatches(forgets_a_yield, [(0,), (1,)]) == [0, 1]
+    assert len(record) == 2  # one per ubatch
+    assert {r.filename for r in record} == {HERE}  # it points at the user's code
+
+
+async def test_a_yield_dropped_last_is_found_at_the_ubatchs_exit() -> None:
+    with pytest.warns(RuntimeWarning, match=r"dbo_yield\(.combine.\) in ubatch [01] was never awaited"):
+        assert await run_ubatches(forgets_a_yield_at_the_end, [(0,), (1,)]) == [0, 1]
+
+
+async def test_a_dropped_sync_switch_is_an_error_even_when_warnings_only_print() -> None:
+    with pytest.raises(RuntimeError) as info:
+        with pytest.warns(RuntimeWarning) if False else _no_filter():
+            await run_ubatches(forgets_a_sync_switch, [(0,), (1,)], backend="host")
+    assert str(info.value).startswith(
+        "asyncdbo: dbo_switch_to_compute_sync() in ubatch 0 was never awaited (missing await?): the stream "
+        "switch and its wait did not happen, so what the ubatch read since may be comm output that had not "
+        "arrived yet. Write `await dbo_switch_to_compute_sync()`."
+    )
+
+
+async def test_a_dropped_event_wait_is_an_error() -> None:
+    async def forward(i: int) -> None:
+        if i == 1:
+            dbo_wait_event("ready")  # noqa: B018
+            return
+        from asyncdbo import dbo_record_event
+
+        dbo_record_event("ready")
+
+    with pytest.raises(RuntimeError, match=re.escape("dbo_wait_event(\"'ready'\") in ubatch 1 was never awaited")):
+        await run_ubatches(forward, [(0,), (1,)])
+
+
+async def test_in_debug_mode_every_dropped_awaitable_is_an_error_naming_its_line() -> None:
+    with pytest.raises(RuntimeError) as info:
+        await run_ubatches(forgets_a_yield, [(0,), (1,)], debug=True)
+    assert f"(created at {HERE}:{line_of('FORGOT YIELD')} in forgets_a_yield)" in str(info.value)
+    with pytest.raises(RuntimeError) as info:
+        await run_ubatches(forgets_a_sync_switch, [(0,), (1,)], debug=True)
+    assert f"(created at {HERE}:{line_of('FORGOT SYNC')} in forgets_a_sync_switch)" in str(info.value)
+
+
+async def test_awaited_primitives_leave_nothing_to_report() -> None:
+    async def forward(i: int) -> int:
+        await dbo_yield_and_switch_from_compute_to_comm("dispatch")
+        await dbo_switch_to_compute_sync()
+        await dbo_yield("combine")
+        return i
+
+    assert await run_ubatches(forward, [(0,), (1,)], debug=True) == [0, 1]
+
+
+class _no_filter:
+    """Let warnings print (the suite's filter turns them into errors) for one block."""
+
+    def __enter__(self) -> None:
+        import warnings
+
+        self._cm = warnings.catch_warnings()
+        self._cm.__enter__()
+        warnings.simplefilter("default")
+
+    def __exit__(self, *exc: object) -> None:
+        self._cm.__exit__(*exc)
