@@ -40,6 +40,8 @@ __all__ = ["DemoConfig", "add_arguments", "demo_rank", "error_line", "main", "su
 logger = logging.getLogger("asyncdbo.demo")
 
 LINK_CHOICES = ("none", "nvlink", "ib400", "eth100")
+#: --deterministic: auto (MiniConfig's default: on for CPU tensors), on, off.
+DETERMINISTIC_CHOICES = ("auto", "on", "off")
 #: Max |logits| difference between serial and DBO accepted as a match (fp32 CPU rounding).
 MATCH_ATOL = 1e-4
 
@@ -68,6 +70,7 @@ class DemoConfig:
     seed: int = 0
     prefill_threshold: int = 512
     decode_threshold: int = 32
+    deterministic: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("ranks", "layers", "experts", "top_k", "hidden", "ubatches", "steps"):
@@ -97,6 +100,8 @@ class DemoConfig:
             raise ValueError(f"--link-scale must be > 0 (got {self.link_scale})")
         if self.loop not in ("auto", "asyncio", "uvloop"):
             raise ValueError(f"unknown --loop {self.loop!r}; use 'auto', 'asyncio' or 'uvloop'")
+        if self.deterministic not in DETERMINISTIC_CHOICES:
+            raise ValueError(f"unknown --deterministic {self.deterministic!r}; use one of {DETERMINISTIC_CHOICES}")
         if self.stream_policy not in ("role", "ubatch"):
             raise ValueError(f"unknown --stream-policy {self.stream_policy!r}; use 'role' or 'ubatch'")
         self.model_config()  # MiniConfig checks top-k, schedule and sizes with its own messages
@@ -115,6 +120,7 @@ class DemoConfig:
             hidden_size=self.hidden, num_layers=self.layers, num_heads=heads, head_dim=self.hidden // heads,
             num_experts=self.experts, top_k=self.top_k, moe_intermediate_size=self.hidden,
             schedule=self.schedule, block_size=block, num_kv_blocks=blocks, seed=self.seed,
+            deterministic={"auto": None, "on": True, "off": False}[self.deterministic],
         )
 
     def link_spec(self) -> Any:
@@ -303,6 +309,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="microbatch a mixed/prefill step from this many tokens per rank (vLLM's default) [%(default)s]")
     p.add_argument("--decode-threshold", type=int, default=d.decode_threshold,
                    help="microbatch a uniform-decode step from this many tokens per rank (vLLM's default) [%(default)s]")
+    p.add_argument("--deterministic", default=d.deterministic,
+                   help="batch-invariant numerics, DBO bitwise equal to serial: auto (on for CPU), on, off [%(default)s]")
     p.add_argument("--seed", type=int, default=d.seed, help="[%(default)s]")
     p.add_argument("--launcher", choices=("local", "env"), default="local",
                    help="local: start --ranks processes here; env: this process is one rank of torchrun [%(default)s]")
@@ -317,7 +325,7 @@ def _config_from_args(args: argparse.Namespace, ranks: int | None = None) -> Dem
         warmup=args.warmup, shape=args.shape, context=args.context,
         link=None if args.link == "none" else args.link, link_scale=args.link_scale,
         trace=args.trace, seed=args.seed, prefill_threshold=args.prefill_threshold,
-        decode_threshold=args.decode_threshold,
+        decode_threshold=args.decode_threshold, deterministic=args.deterministic,
     )
 
 

@@ -12,11 +12,27 @@ were in an earlier ubatch finds their keys in the cache (the earlier ubatch wrot
 same layer first), and its ``seq_len`` spans that prefix.
 
 The reference implementation loops over requests with CPU-side lengths (``*_cpu`` mirrors): it
-needs no device sync and is exact, not fast; it is the numerical reference for DBO-vs-serial.
+needs no device sync and is exact, not fast.
+
+**Deterministic mode** (``deterministic=True``) makes a query's result depend only on its own
+position and its request's keys, not on the call it is in. Without it, DBO changes a token's
+bits: a request cut between two ubatches is attended by ubatch 0 over a shorter context than in
+the serial step, and the BLAS and softmax reductions over the context split their sums by the
+context length (the masked keys are exact zeros, but the summation tree moves); small query
+counts also take other GEMM paths. So the deterministic path:
+
+* cuts each request's queries into items of ``QUERY_TILE`` rows (padded), so every GEMM has the
+  same shape whatever the number of queries;
+* reads the context in ``KEY_TILE``-key tiles at fixed absolute positions (``[j*KEY_TILE,
+  (j+1)*KEY_TILE)``), computes one score GEMM and one value GEMM per tile, and adds the tiles'
+  partial sums in tile order 0, 1, 2, ...; the row max is exact in any order. Tiles past a
+  query's position contribute exact zeros at the end of that order, so a longer context (the
+  serial step) leaves the bits unchanged.
 """
 
 # Shape legend: T = tokens, R = requests, B = max blocks per request, S = context length of one
-# request, H = heads, K = head dim, N = blocks in the cache, Z = block size, L = layers.
+# request, H = heads, K = head dim, N = blocks in the cache, Z = block size, L = layers,
+# I = query items (QUERY_TILE rows of one request), Q = QUERY_TILE, J = key tiles, C = KEY_TILE.
 
 from __future__ import annotations
 
@@ -27,10 +43,14 @@ import torch
 
 from ..plan.metadata import AttentionMetadata
 
-__all__ = ["KVCacheConfig", "PagedKVCache", "paged_causal_attention", "slots_for"]
+__all__ = ["KEY_TILE", "QUERY_TILE", "KVCacheConfig", "PagedKVCache", "paged_causal_attention", "slots_for"]
 
 #: slot_mapping value of a token that writes nothing (padding), as in vLLM.
 PAD_SLOT_ID = -1
+#: Queries per GEMM in deterministic mode (a decode request pads its one query to this).
+QUERY_TILE = 16
+#: Keys per tile in deterministic mode; tiles start at multiples of it.
+KEY_TILE = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,11 +114,14 @@ def paged_causal_attention(
     cache: PagedKVCache,
     layer: int,
     attn: AttentionMetadata,
+    *,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Attention of each request's new queries over its cached context, causal by position.
 
     Expects the new tokens' K/V already written to ``cache`` (write, then read: the same order
     vLLM's backends use).  Rows past ``attn.num_actual_tokens`` (padding) get zeros.
+    ``deterministic``: a query's result depends only on its position (module docstring).
     """
     num_heads, head_dim = q_THK.shape[1], q_THK.shape[2]
     out_THK = torch.zeros_like(q_THK)
@@ -106,6 +129,11 @@ def paged_causal_attention(
     block_size = cache.cfg.block_size
     k_flat = cache.k_cache_LNZHK[layer].view(-1, num_heads, head_dim)
     v_flat = cache.v_cache_LNZHK[layer].view(-1, num_heads, head_dim)
+    if deterministic:
+        if attn.num_actual_tokens:
+            out_THK[: attn.num_actual_tokens] = _tiled_attention(q_THK, positions_T, k_flat, v_flat, attn,
+                                                                 block_size, scale)
+        return out_THK
     qsl = attn.query_start_loc_cpu.tolist()
     seq_lens = attn.seq_lens_cpu.tolist()
     if attn.num_reqs and attn.max_query_len == 1 and attn.num_actual_tokens == attn.num_reqs:
@@ -147,3 +175,86 @@ def _decode_attention(q_RHK: torch.Tensor, positions_R: torch.Tensor, k_flat: to
     visible_RS = (pos_S[None, :] <= positions_R[:, None]) & (pos_S[None, :] < attn.seq_lens.long()[:, None])
     probs_RHS = scores_RHS.masked_fill(~visible_RS[:, None, :], float("-inf")).softmax(-1)
     return torch.einsum("rhs,rshk->rhk", probs_RHS, v_RSHK)
+
+
+def _tiled_attention(q_THK: torch.Tensor, positions_T: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                     attn: AttentionMetadata, block_size: int, scale: float) -> torch.Tensor:
+    """The deterministic path (module docstring). Returns ``[num_actual_tokens, H, K]``.
+
+    An online softmax over the key tiles in order 0, 1, 2, ...: per tile, one ``[Q, K] x [K, C]``
+    score GEMM and one ``[Q, C] x [C, K]`` value GEMM per (item, head), batched over the items
+    that reach the tile. Only the GEMMs see the padding rows; the softmax arithmetic runs on the
+    real rows (elementwise ops and per-row reductions give a row the same bits wherever it sits).
+    A tile whose keys a row cannot see changes nothing for that row (its max stays, the rescale
+    factor is exactly 1, the added terms are exact zeros), so an item that stops earlier (a
+    truncated head in DBO) ends with the same bits."""
+    dev = q_THK.device
+    H, K = q_THK.shape[1], q_THK.shape[2]
+    Q, C = QUERY_TILE, KEY_TILE
+    T = attn.num_actual_tokens
+    # Items, on the host from the CPU mirrors: item i holds token rows rows_IQ[i] (Q of them, the
+    # real ones first) of request req_I[i]; a request's queries are the last positions of its seq_len.
+    qsl_R1 = attn.query_start_loc_cpu.long()
+    end_R, seq_R = qsl_R1[1:], attn.seq_lens_cpu.long()
+    items_R = (end_R - qsl_R1[:-1] + Q - 1) // Q
+    req_I = torch.repeat_interleave(torch.arange(attn.num_reqs), items_R)
+    nth_I = torch.arange(req_I.numel()) - torch.repeat_interleave(items_R.cumsum(0) - items_R, items_R)
+    rows_IQ = qsl_R1[:-1][req_I, None] + nth_I[:, None] * Q + torch.arange(Q)[None, :]
+    real_IQ = rows_IQ < end_R[req_I, None]
+    rows_IQ = rows_IQ.where(real_IQ, 0)
+    last_tile_I = (seq_R[req_I] - end_R[req_I] + rows_IQ.amax(dim=1)) // C  # tile of the item's last query
+    # Head-major, so that (head, item) flattens into one bmm batch.
+    q_HIQK = q_THK[rows_IQ.to(dev)].masked_fill(~real_IQ.to(dev)[:, :, None, None], 0).permute(2, 0, 1, 3).contiguous()
+    seq_T = torch.repeat_interleave(seq_R, end_R - qsl_R1[:-1]).to(dev)
+    pos_T = positions_T[:T]
+    # Online-softmax state per real query row (token) and head.
+    m_HT = q_THK.new_full((H, T), float("-inf"))
+    l_HT = q_THK.new_zeros((H, T))
+    o_HTK = q_THK.new_zeros((H, T, K))
+    for j in range(int(last_tile_I.max()) + 1):
+        live_I = last_tile_I >= j
+        live = live_I.nonzero().squeeze(1)
+        n = live.numel()
+        real_LQ = real_IQ[live]
+        tok = rows_IQ[live][real_LQ].to(dev)  # token rows of the tile, in padded order
+        pad_pos = None if bool(real_LQ.all()) else real_LQ.flatten().nonzero().squeeze(1).to(dev)
+        # Keys of the tile per live request, then per item (a request's items share them).
+        req_L = req_I[live]
+        reqs, item_of = torch.unique_consecutive(req_L, return_inverse=True)
+        kpos_C = torch.arange(j * C, (j + 1) * C)
+        table_RB = attn.block_table[reqs.to(attn.block_table.device)].long()
+        slots_RC = table_RB[:, (kpos_C // block_size).clamp(max=table_RB.shape[1] - 1).to(dev)] * block_size \
+            + (kpos_C % block_size).to(dev)
+        k_HRCK = k_flat.index_select(0, slots_RC.flatten()).view(-1, C, H, K).permute(2, 0, 1, 3)
+        v_HRCK = v_flat.index_select(0, slots_RC.flatten()).view(-1, C, H, K).permute(2, 0, 1, 3)
+        if bool((seq_R[reqs] < (j + 1) * C).any()):  # keys past a context read as zeros, never NaN
+            outside_RC = (kpos_C[None, :] >= seq_R[reqs][:, None]).to(dev)
+            v_HRCK = v_HRCK.masked_fill(outside_RC[None, :, :, None], 0)
+        if reqs.numel() == n:
+            k_HLCK, v_HLCK = k_HRCK.contiguous(), v_HRCK.contiguous()
+        else:
+            item_dev = item_of.to(dev)
+            k_HLCK, v_HLCK = k_HRCK.index_select(1, item_dev), v_HRCK.index_select(1, item_dev)
+        q_pad = q_HIQK if n == q_HIQK.shape[1] else q_HIQK.index_select(1, live.to(dev))
+        s_HXC = torch.bmm(q_pad.reshape(-1, Q, K), k_HLCK.view(-1, C, K).transpose(1, 2)).view(H, n * Q, C)
+        s_HNC = s_HXC if pad_pos is None else s_HXC.index_select(1, pad_pos)
+        kpos_dev = kpos_C.to(dev)
+        visible_NC = (kpos_dev[None, :] <= pos_T[tok][:, None]) & (kpos_dev[None, :] < seq_T[tok][:, None])
+        s_HNC = (s_HNC * scale).masked_fill(~visible_NC, float("-inf"))
+        m_old = m_HT[:, tok]
+        m_new = torch.maximum(m_old, s_HNC.amax(dim=-1))
+        m_use = m_new.masked_fill(m_new == float("-inf"), 0.0)
+        alpha_HN = torch.exp(m_old - m_use)
+        p_HNC = torch.exp(s_HNC - m_use[..., None])
+        l_HT[:, tok] = l_HT[:, tok] * alpha_HN + p_HNC.sum(dim=-1)
+        if pad_pos is None:
+            p_HXC = p_HNC
+        else:
+            p_HXC = p_HNC.new_zeros((H, n * Q, C))
+            p_HXC[:, pad_pos] = p_HNC
+        pv_HXK = torch.bmm(p_HXC.view(-1, Q, C), v_HLCK.view(-1, C, K)).view(H, n * Q, K)
+        pv_HNK = pv_HXK if pad_pos is None else pv_HXK.index_select(1, pad_pos)
+        o_HTK[:, tok] = o_HTK[:, tok] * alpha_HN[..., None] + pv_HNK
+        m_HT[:, tok] = m_new
+    out_HTK = o_HTK / l_HT.masked_fill(l_HT == 0, 1.0)[..., None]
+    return out_HTK.permute(1, 0, 2)
