@@ -46,6 +46,7 @@ from .plan import (
     StepPlan,
     StepRecord,
     ThresholdConfig,
+    check_max_ubatches,
     merge_outputs,
     plan_step,
 )
@@ -220,10 +221,13 @@ class DBORunner:
     with DBO across the ranks of ``dp_group`` (None: no DP agreement, plan locally).
 
     Every rank of the group must call :meth:`step` for every step, idle ranks with an empty batch.
+    A model with a ``max_ubatches`` attribute (:class:`~asyncdbo.models.MiniModel`) must allow
+    ``cfg.num_ubatches``: checked here and at every plan.
     """
 
     def __init__(self, model: Any, cfg: RunnerConfig = RunnerConfig(), *, dp_group: Any = None,
                  device: torch.device | str | None = None, instrument: Instrument | None = None) -> None:
+        check_max_ubatches(cfg.num_ubatches, getattr(model, "max_ubatches", None))
         self.model = model
         self.cfg = cfg
         self.dp_group = dp_group
@@ -251,6 +255,7 @@ class DBORunner:
             max_imbalance=cfg.max_imbalance,
             min_share=cfg.min_share,
             stats=self.stats,
+            max_ubatches=getattr(self.model, "max_ubatches", None),
         )
         pad = plan.num_tokens_padded - batch.num_tokens
         ids_P, pos_P = batch.input_ids_T, batch.positions_T

@@ -48,7 +48,7 @@ __all__ = ["KEY_TILE", "QUERY_TILE", "KVCacheConfig", "PagedKVCache", "paged_cau
 #: slot_mapping value of a token that writes nothing (padding), as in vLLM.
 PAD_SLOT_ID = -1
 #: Queries per GEMM in deterministic mode (a decode request pads its one query to this).
-QUERY_TILE = 16
+QUERY_TILE = 8
 #: Keys per tile in deterministic mode; tiles start at multiples of it.
 KEY_TILE = 64
 
@@ -182,16 +182,20 @@ def _tiled_attention(q_THK: torch.Tensor, positions_T: torch.Tensor, k_flat: tor
     """The deterministic path (module docstring). Returns ``[num_actual_tokens, H, K]``.
 
     An online softmax over the key tiles in order 0, 1, 2, ...: per tile, one ``[Q, K] x [K, C]``
-    score GEMM and one ``[Q, C] x [C, K]`` value GEMM per (item, head), batched over the items
-    that reach the tile. Only the GEMMs see the padding rows; the softmax arithmetic runs on the
-    real rows (elementwise ops and per-row reductions give a row the same bits wherever it sits).
-    A tile whose keys a row cannot see changes nothing for that row (its max stays, the rescale
-    factor is exactly 1, the added terms are exact zeros), so an item that stops earlier (a
-    truncated head in DBO) ends with the same bits."""
+    score GEMM and one ``[Q, C] x [C, K]`` value GEMM per (item, head), over the items that reach
+    the tile. Items of one request share the tile's keys (a zero-stride batch, no copies); items
+    alone in their request get their own keys in one batch. Every GEMM has the same shape either
+    way, and at ``Q >= 8`` rows neither the batching nor the operand strides change a row's bits
+    (``tests/test_batch_invariant.py``). Only the GEMMs see the padding rows; the softmax
+    arithmetic runs on the real rows (elementwise ops and per-row reductions give a row the same
+    bits wherever it sits). A tile whose keys a row cannot see changes nothing for that row (its
+    max stays, the rescale factor is exactly 1, the added terms are exact zeros), so an item that
+    stops earlier (a truncated head in DBO) ends with the same bits."""
     dev = q_THK.device
     H, K = q_THK.shape[1], q_THK.shape[2]
     Q, C = QUERY_TILE, KEY_TILE
     T = attn.num_actual_tokens
+    table = attn.block_table
     # Items, on the host from the CPU mirrors: item i holds token rows rows_IQ[i] (Q of them, the
     # real ones first) of request req_I[i]; a request's queries are the last positions of its seq_len.
     qsl_R1 = attn.query_start_loc_cpu.long()
@@ -203,43 +207,51 @@ def _tiled_attention(q_THK: torch.Tensor, positions_T: torch.Tensor, k_flat: tor
     real_IQ = rows_IQ < end_R[req_I, None]
     rows_IQ = rows_IQ.where(real_IQ, 0)
     last_tile_I = (seq_R[req_I] - end_R[req_I] + rows_IQ.amax(dim=1)) // C  # tile of the item's last query
-    # Head-major, so that (head, item) flattens into one bmm batch.
-    q_HIQK = q_THK[rows_IQ.to(dev)].masked_fill(~real_IQ.to(dev)[:, :, None, None], 0).permute(2, 0, 1, 3).contiguous()
+    q_IQHK = q_THK[rows_IQ.to(dev)].masked_fill(~real_IQ.to(dev)[:, :, None, None], 0)  # padding rows zero
     seq_T = torch.repeat_interleave(seq_R, end_R - qsl_R1[:-1]).to(dev)
     pos_T = positions_T[:T]
+
+    def tile_kv(reqs: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[len(reqs), C, H, K]`` of tile j. Positions past a context read the
+        slot of its position 0: real, finite values, whose weights are exact zeros."""
+        kpos_C = torch.arange(j * C, (j + 1) * C)
+        kpos_RC = kpos_C[None, :].where(kpos_C[None, :] < seq_R[reqs][:, None], 0).to(table.device)
+        table_RB = table.index_select(0, reqs.to(table.device)).long()
+        slots = (table_RB.gather(1, kpos_RC // block_size) * block_size + kpos_RC % block_size).flatten().to(dev)
+        return k_flat.index_select(0, slots).view(-1, C, H, K), v_flat.index_select(0, slots).view(-1, C, H, K)
+
     # Online-softmax state per real query row (token) and head.
     m_HT = q_THK.new_full((H, T), float("-inf"))
     l_HT = q_THK.new_zeros((H, T))
     o_HTK = q_THK.new_zeros((H, T, K))
     for j in range(int(last_tile_I.max()) + 1):
-        live_I = last_tile_I >= j
-        live = live_I.nonzero().squeeze(1)
-        n = live.numel()
-        real_LQ = real_IQ[live]
-        tok = rows_IQ[live][real_LQ].to(dev)  # token rows of the tile, in padded order
+        live = (last_tile_I >= j).nonzero().squeeze(1)
+        reqs, per_req = torch.unique_consecutive(req_I[live], return_counts=True)
+        alone = per_req == 1
+        # Order: items alone in their request first (one batch), then each shared request's items.
+        order = torch.cat([live[torch.repeat_interleave(alone, per_req)], live[torch.repeat_interleave(~alone, per_req)]])
+        groups: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (first item, items, k, v)
+        if bool(alone.any()):
+            groups.append((0, int(alone.sum()), *tile_kv(reqs[alone], j)))
+        first = int(alone.sum())
+        for r, cnt in zip(reqs[~alone].tolist(), per_req[~alone].tolist()):
+            k_1CHK, v_1CHK = tile_kv(torch.tensor([r]), j)
+            groups.append((first, cnt, k_1CHK.expand(cnt, C, H, K), v_1CHK.expand(cnt, C, H, K)))
+            first += cnt
+        n = order.numel()
+        real_LQ = real_IQ[order]
+        tok = rows_IQ[order][real_LQ].to(dev)  # token rows of the tile, in padded order
         pad_pos = None if bool(real_LQ.all()) else real_LQ.flatten().nonzero().squeeze(1).to(dev)
-        # Keys of the tile per live request, then per item (a request's items share them).
-        req_L = req_I[live]
-        reqs, item_of = torch.unique_consecutive(req_L, return_inverse=True)
-        kpos_C = torch.arange(j * C, (j + 1) * C)
-        table_RB = attn.block_table[reqs.to(attn.block_table.device)].long()
-        slots_RC = table_RB[:, (kpos_C // block_size).clamp(max=table_RB.shape[1] - 1).to(dev)] * block_size \
-            + (kpos_C % block_size).to(dev)
-        k_HRCK = k_flat.index_select(0, slots_RC.flatten()).view(-1, C, H, K).permute(2, 0, 1, 3)
-        v_HRCK = v_flat.index_select(0, slots_RC.flatten()).view(-1, C, H, K).permute(2, 0, 1, 3)
-        if bool((seq_R[reqs] < (j + 1) * C).any()):  # keys past a context read as zeros, never NaN
-            outside_RC = (kpos_C[None, :] >= seq_R[reqs][:, None]).to(dev)
-            v_HRCK = v_HRCK.masked_fill(outside_RC[None, :, :, None], 0)
-        if reqs.numel() == n:
-            k_HLCK, v_HLCK = k_HRCK.contiguous(), v_HRCK.contiguous()
-        else:
-            item_dev = item_of.to(dev)
-            k_HLCK, v_HLCK = k_HRCK.index_select(1, item_dev), v_HRCK.index_select(1, item_dev)
-        q_pad = q_HIQK if n == q_HIQK.shape[1] else q_HIQK.index_select(1, live.to(dev))
-        s_HXC = torch.bmm(q_pad.reshape(-1, Q, K), k_HLCK.view(-1, C, K).transpose(1, 2)).view(H, n * Q, C)
+        q_LQHK = q_IQHK if n == q_IQHK.shape[0] and bool((order == torch.arange(n)).all()) \
+            else q_IQHK.index_select(0, order.to(dev))
+        s_HXC = q_THK.new_empty((H, n * Q, C))
+        for a, cnt, k_GCHK, _ in groups:
+            for h in range(H):
+                torch.bmm(q_LQHK[a:a + cnt, :, h], k_GCHK[:, :, h].transpose(1, 2),
+                          out=s_HXC[h, a * Q:(a + cnt) * Q].view(cnt, Q, C))
         s_HNC = s_HXC if pad_pos is None else s_HXC.index_select(1, pad_pos)
-        kpos_dev = kpos_C.to(dev)
-        visible_NC = (kpos_dev[None, :] <= pos_T[tok][:, None]) & (kpos_dev[None, :] < seq_T[tok][:, None])
+        kpos_C = torch.arange(j * C, (j + 1) * C, device=dev)
+        visible_NC = (kpos_C[None, :] <= pos_T[tok][:, None]) & (kpos_C[None, :] < seq_T[tok][:, None])
         s_HNC = (s_HNC * scale).masked_fill(~visible_NC, float("-inf"))
         m_old = m_HT[:, tok]
         m_new = torch.maximum(m_old, s_HNC.amax(dim=-1))
@@ -252,7 +264,11 @@ def _tiled_attention(q_THK: torch.Tensor, positions_T: torch.Tensor, k_flat: tor
         else:
             p_HXC = p_HNC.new_zeros((H, n * Q, C))
             p_HXC[:, pad_pos] = p_HNC
-        pv_HXK = torch.bmm(p_HXC.view(-1, Q, C), v_HLCK.view(-1, C, K)).view(H, n * Q, K)
+        pv_HXK = q_THK.new_empty((H, n * Q, K))
+        for a, cnt, _, v_GCHK in groups:
+            for h in range(H):
+                torch.bmm(p_HXC[h, a * Q:(a + cnt) * Q].view(cnt, Q, C), v_GCHK[:, :, h],
+                          out=pv_HXK[h, a * Q:(a + cnt) * Q].view(cnt, Q, K))
         pv_HNK = pv_HXK if pad_pos is None else pv_HXK.index_select(1, pad_pos)
         o_HTK[:, tok] = o_HTK[:, tok] * alpha_HN[..., None] + pv_HNK
         m_HT[:, tok] = m_new

@@ -140,6 +140,7 @@ class MiniModel:
     def __init__(self, cfg: MiniConfig, *, ep_group: Any = None, max_ubatches: int = 4,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
+        self.max_ubatches = max_ubatches
         gen = torch.Generator().manual_seed(cfg.seed)
         d, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim
 

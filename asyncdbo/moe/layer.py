@@ -131,6 +131,7 @@ class MoELayer(nn.Module):
                 "every rank must hold the same number of experts: change num_experts or the number of ranks"
             )
         self.cfg = cfg
+        self.max_ubatches = max_ubatches
         self.comm: EPComm = comm
         self.name = name if name is not None else f"moe{next(_layer_ids)}"
         self.experts_per_rank = cfg.num_experts // comm.size

@@ -36,12 +36,13 @@ from .slices import (
     UBatchSlice as UBatchSlice,
     as_query_start_loc as as_query_start_loc,
     plan_slices as plan_slices,
+    slices_from_split_points as slices_from_split_points,
     split_balanced as split_balanced,
     split_requests as split_requests,
     split_tokens as split_tokens,
     whole_batch_slice as whole_batch_slice,
 )
-from .step import StepPlan as StepPlan, plan_step as plan_step
+from .step import StepPlan as StepPlan, check_max_ubatches as check_max_ubatches, plan_step as plan_step
 
 __all__ = (
     "AttentionMetadata",
@@ -58,6 +59,7 @@ __all__ = (
     "UBatchSlice",
     "agree_across_dp",
     "as_query_start_loc",
+    "check_max_ubatches",
     "decide_from_votes",
     "is_uniform_decode",
     "log_record",
@@ -66,6 +68,7 @@ __all__ = (
     "plan_step",
     "should_microbatch",
     "slice_tokens",
+    "slices_from_split_points",
     "split_attn_metadata",
     "split_balanced",
     "split_extra",
