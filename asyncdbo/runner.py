@@ -16,11 +16,15 @@ exactly the collectives one ubatch issues (an empty batch still joins every all-
 comm goes through the same (possibly modeled) link: serial and overlapped steps are measured on
 equal terms.
 
-Numerical contract: the merged logits equal the single-batch logits of the same model and
-inputs, up to float rounding; tests check max-abs-diff <= 1e-5.  On CPU fp32 it is not bitwise in
-general: with EP the experts' matmuls see other row sets per ubatch than for the whole batch (BLAS
-blocks them differently), which gives ~2e-6 on the demo's logits; single-rank runs and decode
-steps measured bitwise equal.
+Numerical contract: the runner adds no arithmetic (it slices, runs and concatenates), so the
+merged logits equal the single-batch logits bit for bit exactly when the model is batch-invariant:
+:class:`~asyncdbo.models.MiniModel` in deterministic mode (``MiniConfig.deterministic``, on by
+default for CPU tensors; see :mod:`asyncdbo.moe.batch_invariant` and "Numerics" in
+``docs/design.md``). Without it (deterministic=False, or on an accelerator, where it is off by
+default) they agree to float rounding only: a ubatch's GEMMs see other row counts than the whole
+batch's, and a request cut between ubatches is attended over a shorter context in the first one
+(measured with the mode off: 2.4e-6 on the demo's prefill logits on one rank as on two, and in
+decode steps over a 512-token context; ``benchmarks/results/deterministic_*.md``).
 """
 
 # Shape legend: T = tokens (real), P = tokens (padded), R = requests, B = max blocks per request,

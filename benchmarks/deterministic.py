@@ -13,6 +13,9 @@ gloo ranks (DP = EP = 2), 2 ubatches, token split:
   KV caches, fed the same batches);
 * step time: ``DBORunner.step`` wall time (planning included, the same for all four), medians
   over the measured steps of the slower rank;
+* CPU time: the rank process's CPU seconds over the same call (all its threads, gloo's included),
+  medians over steps, the larger rank. On a shared machine this moves less than wall time with
+  other jobs' load, so the on/off ratio is given for both;
 * max |diff|: the largest logits difference between DBO and serial of the same mode.
 
 It also runs the probes behind :mod:`asyncdbo.moe.batch_invariant`'s claims (which GEMM row
@@ -76,6 +79,7 @@ async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int
             await runners[label].step(builders[label].build(ctx), enabled=False)
     designs = [(label, dbo) for label, _ in MODES for dbo in (False, True)]
     out: dict[str, Any] = {f"{label}/{'dbo' if dbo else 'serial'}": [] for label, dbo in designs}
+    out.update({f"cpu:{label}/{'dbo' if dbo else 'serial'}": [] for label, dbo in designs})
     out["diff"] = {label: 0.0 for label, _ in MODES}
     out["microbatched"] = True
     for i in range(warmup + steps):
@@ -90,12 +94,15 @@ async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int
         k = i % len(designs)
         for label, dbo in designs[k:] + designs[:k]:  # rotate the order step by step
             dist.barrier()
+            cpu0 = time.process_time()
             res = await runners[label].step(batches[label], enabled=dbo)
+            cpu_s = time.process_time() - cpu0
             logits[label, dbo] = res.logits_TV
             if dbo and not res.record.microbatched:
                 out["microbatched"] = False
             if i >= warmup:
                 out[f"{label}/{'dbo' if dbo else 'serial'}"].append(res.step_s)
+                out[f"cpu:{label}/{'dbo' if dbo else 'serial'}"].append(cpu_s)
         for label, _ in MODES:
             d = float((logits[label, True] - logits[label, False]).abs().max())
             out["diff"][label] = max(out["diff"][label], d)
@@ -147,7 +154,7 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     s: dict[str, Any] = {"diff": {k: max(r["diff"][k] for r in per_rank) for k, _ in MODES},
                          "microbatched": all(r["microbatched"] for r in per_rank)}
     for key in per_rank[0]:
-        if "/" in key:
+        if "/" in key and isinstance(per_rank[0][key], list):
             s[key] = {
                 "med": max(statistics.median(r[key]) for r in per_rank),
                 "min": max(min(r[key]) for r in per_rank),
@@ -169,10 +176,16 @@ def table(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
                 f"{dbo['med'] * 1e3:.1f} [{dbo['min'] * 1e3:.1f}..{dbo['max'] * 1e3:.1f}] | "
                 f"{dbo['med'] / ser['med']:.2f} | {s['diff'][label]:.3g} |"
             )
-    rows += ["", "| case | serial on / off | DBO on / off |", "|---|---:|---:|"]
+    rows += ["", "| case | CPU ms serial off / on | CPU ms DBO off / on | wall: serial on / off | wall: DBO on / off "
+             "| CPU: serial on / off | CPU: DBO on / off |", "|---|---|---|---:|---:|---:|---:|"]
     for case, s in results:
-        rows.append(f"| {case.name} | {s['on/serial']['med'] / s['off/serial']['med']:.2f} | "
-                    f"{s['on/dbo']['med'] / s['off/dbo']['med']:.2f} |")
+        def r(key: str) -> float:
+            return float(s[key.replace("X", "on")]["med"] / s[key.replace("X", "off")]["med"])
+
+        rows.append(
+            f"| {case.name} | {s['cpu:off/serial']['med'] * 1e3:.1f} / {s['cpu:on/serial']['med'] * 1e3:.1f} | "
+            f"{s['cpu:off/dbo']['med'] * 1e3:.1f} / {s['cpu:on/dbo']['med'] * 1e3:.1f} | {r('X/serial'):.2f} | "
+            f"{r('X/dbo'):.2f} | {r('cpu:X/serial'):.2f} | {r('cpu:X/dbo'):.2f} |")
     return rows
 
 
@@ -200,7 +213,7 @@ QUICK_CASES = [Case(name="decode 16 req/rank, 1 layer", shape="decode", tokens=1
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one tiny case, 2 steps, print only (smoke test)")
-    parser.add_argument("--steps", type=int, default=7, help="measured steps per case (default 7)")
+    parser.add_argument("--steps", type=int, default=11, help="measured steps per case (default 11)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results, not with --quick)")
     args = parser.parse_args(argv)
     from asyncdbo.bench_cli import publish_results, results_preamble
@@ -223,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(
         "Model: asyncdbo.models.MiniModel, hidden 256, 8 experts top-2, 1 shared expert, HT schedule, 2 layers; "
         "EP over both ranks, 2 ubatches (token split), real gloo all-to-all over loopback (no modeled link). "
-        "Times: medians over steps of the slower rank.\n"
+        "Times: medians over steps of the slower rank; CPU: the rank process's CPU time over the same call.\n"
     )
     lines += table(results)
     not_split = [case.name for case, s in results if not s["microbatched"]]

@@ -131,8 +131,10 @@ def paged_causal_attention(
     v_flat = cache.v_cache_LNZHK[layer].view(-1, num_heads, head_dim)
     if deterministic:
         if attn.num_actual_tokens:
-            out_THK[: attn.num_actual_tokens] = _tiled_attention(q_THK, positions_T, k_flat, v_flat, attn,
-                                                                 block_size, scale)
+            # Half types accumulate the online softmax in float32 (one rounding at the end).
+            work = torch.float32 if q_THK.dtype in (torch.float16, torch.bfloat16) else q_THK.dtype
+            out_THK[: attn.num_actual_tokens] = _tiled_attention(
+                q_THK.to(work), positions_T, k_flat, v_flat, attn, block_size, scale).to(q_THK.dtype)
         return out_THK
     qsl = attn.query_start_loc_cpu.tolist()
     seq_lens = attn.seq_lens_cpu.tolist()
@@ -218,7 +220,8 @@ def _tiled_attention(q_THK: torch.Tensor, positions_T: torch.Tensor, k_flat: tor
         kpos_RC = kpos_C[None, :].where(kpos_C[None, :] < seq_R[reqs][:, None], 0).to(table.device)
         table_RB = table.index_select(0, reqs.to(table.device)).long()
         slots = (table_RB.gather(1, kpos_RC // block_size) * block_size + kpos_RC % block_size).flatten().to(dev)
-        return k_flat.index_select(0, slots).view(-1, C, H, K), v_flat.index_select(0, slots).view(-1, C, H, K)
+        k_RCHK = k_flat.index_select(0, slots).view(-1, C, H, K).to(q_THK.dtype)
+        return k_RCHK, v_flat.index_select(0, slots).view(-1, C, H, K).to(q_THK.dtype)
 
     # Online-softmax state per real query row (token) and head.
     m_HT = q_THK.new_full((H, T), float("-inf"))

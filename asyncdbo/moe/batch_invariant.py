@@ -6,15 +6,16 @@ I row tiles, Z rows per tile.
 DBO computes every token in a smaller call than the serial step does (a ubatch instead of the
 batch; an expert sees only the rows one ubatch routed to it), so a token's numbers are the serial
 ones only if no op lets the *number* of rows change how a row is computed. On a CPU, measured with
-torch 2.13 (MKL, AVX-512, 1 and 2 threads; ``tests/test_batch_invariant.py`` keeps the checks):
+torch 2.13 (MKL, AVX-512, 1 and 2 threads; ``benchmarks/deterministic.py`` reruns these probes,
+``tests/test_batch_invariant.py`` keeps the ones the mode relies on):
 
-* a float32 GEMM takes other code paths for very few rows (1-9 rows of a 256-wide GEMM differ
-  from the same rows inside a larger call), while every call with the same number of rows gives
-  a row the same bits whatever its place in the call and whatever the other rows hold, including
-  each entry of a ``bmm`` over equal tiles;
+* a float32 GEMM takes other code paths for very few rows (1 to 10 rows of a 256x256 GEMM give
+  other bits than the same rows inside a 512-row call), while every call with the same number of
+  rows (16 or 64 tested) gives a row the same bits whatever its place in the call and whatever
+  the other rows hold, including each entry of a ``bmm`` over equal tiles;
 * ``silu`` and ``sigmoid`` run vector lanes and the scalar remainder of an elementwise loop with
-  different ``exp`` code, so an element's bits depend on its index in the call (46 of 108 cut
-  lengths differed); ``exp``, ``sin``, ``cos`` and ``rsqrt`` did not (0 of 108).
+  different ``exp`` code, so an element's bits depend on its index in the call (48 to 54 of 116
+  cuts differed); ``exp``, ``sin``, ``cos`` and ``rsqrt`` did not (0 of 116).
 
 So in deterministic mode every GEMM is issued in tiles of a fixed number of rows (the last tile
 zero-padded, all tiles in one ``bmm``), and ``silu``/``sigmoid`` are composed from ``exp``, ``+``

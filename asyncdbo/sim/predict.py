@@ -159,6 +159,7 @@ class _Block:
         cfg = MoEConfig(
             hidden_size=D, intermediate_size=m.intermediate, num_experts=m.experts, top_k=m.top_k,
             num_shared_experts=m.shared_experts, schedule=m.schedule,
+            deterministic=False,  # the modeled device is an accelerator, where the mode is off by default
         )
         self.moe = MoELayer(cfg, ep_group=group, seed=layer, max_ubatches=2)
 
