@@ -149,6 +149,43 @@ def probe(threads: int) -> dict[str, Any]:
             "cuts": len(cuts), "capability": torch.backends.cpu.get_cpu_capability()}
 
 
+# ------------------------------------------------------------------ row tile sweep
+def tile_sweep() -> list[dict[str, Any]]:
+    """CPU ms of one forward of the demo's model on one rank (EP 1, one thread, median of 7) with
+    the mode off and on at several row tiles: what picked ``ROW_TILE``."""
+    import asyncio
+
+    import asyncdbo.models.mini as mini
+    import asyncdbo.moe.layer as layer
+    import asyncdbo.moe.router as router
+    from asyncdbo.demo import DemoConfig, _decode_chunks, _prefill_chunks
+    from asyncdbo.models import MiniModel
+    from asyncdbo.runner import BatchBuilder
+
+    torch.set_num_threads(1)
+    rows = []
+    for shape, tokens in (("prefill", 512), ("decode", 512), ("decode", 32)):
+        dcfg = DemoConfig(ranks=1, shape=shape, tokens=tokens)
+        row: dict[str, Any] = {"case": f"{shape} {tokens} {'tokens' if shape == 'prefill' else 'requests'}"}
+        for label, tile in (("off", None), ("16", 16), ("32", 32), ("64", 64), ("128", 128)):
+            for mod in (mini, layer, router):
+                mod.ROW_TILE = tile or 64  # type: ignore[attr-defined]
+            mcfg = replace(dcfg.model_config(), deterministic=tile is not None)
+            model, builder = MiniModel(mcfg), BatchBuilder(mcfg.kv_cache_config)
+            if shape == "decode":
+                builder.build(_decode_chunks(dcfg, 0, -1, mcfg.vocab_size, dcfg.context))
+            batch = builder.build(_prefill_chunks(dcfg, 0, 0, mcfg.vocab_size) if shape == "prefill"
+                                  else _decode_chunks(dcfg, 0, 0, mcfg.vocab_size, 1))
+            samples = []
+            for _ in range(8):
+                t0 = time.process_time()
+                asyncio.run(model.forward(batch.input_ids_T, batch.positions_T, batch.attn))
+                samples.append(time.process_time() - t0)
+            row[label] = statistics.median(samples[1:])
+        rows.append(row)
+    return rows
+
+
 # ------------------------------------------------------------------ report
 def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     s: dict[str, Any] = {"diff": {k: max(r["diff"][k] for r in per_rank) for k, _ in MODES},
@@ -231,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases:
             results.append((case, summarize(pool.run(bench_rank, case, steps, warmup))))
             print(f"{case.name} done", file=sys.stderr)
-    probes = [] if args.quick else [_probe_in_subprocess(t) for t in (1, 2)]
+    probes = [] if args.quick else [_in_subprocess(f"probe({t})") for t in (1, 2)]
+    sweep = [] if args.quick else _in_subprocess("tile_sweep()")
     lines[-1] = lines[-1].rstrip("\n") + f" ({steps} measured steps after {warmup} warm-up, four designs per step)\n"
     lines.append(
         "Model: asyncdbo.models.MiniModel, hidden 256, 8 experts top-2, 1 shared expert, HT schedule, 2 layers; "
@@ -245,18 +283,23 @@ def main(argv: list[str] | None = None) -> int:
     if probes:
         lines += ["", f"Probes (CPU capability {probes[0]['capability']}), the facts asyncdbo.moe.batch_invariant relies on:", ""]
         lines += probe_lines(probes)
+    if sweep:
+        lines += ["", "Row tile (`ROW_TILE`): CPU ms of one forward, one rank, one thread, median of 7, mode off and on "
+                  "with each tile:", "", "| case | off | 16 | 32 | 64 | 128 |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['case']} | " + " | ".join(f"{r[k] * 1e3:.1f}" for k in ("off", "16", "32", "64", "128")) + " |"
+                  for r in sweep]
     lines.append(f"\nTotal benchmark time {time.perf_counter() - t_start:.0f} s.")
     text = "\n".join(lines) + "\n"
     publish_results(text, args.out if args.out is not None else (None if args.quick else RESULTS), "deterministic", info)
     return 0 if all(s["diff"]["on"] == 0.0 for _, s in results) else 1
 
 
-def _probe_in_subprocess(threads: int) -> dict[str, Any]:
-    """torch's thread count is fixed once work ran in a process: probe each count in a fresh one."""
+def _in_subprocess(call: str) -> Any:
+    """torch's thread count is fixed once work ran in a process: run each setting in a fresh one."""
     import json
     import subprocess
 
-    code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import deterministic as d; print(json.dumps(d.probe({threads})))"
+    code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import deterministic as d; print(json.dumps(d.{call}))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 

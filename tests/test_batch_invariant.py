@@ -18,7 +18,7 @@ import asyncdbo
 from asyncdbo.models import KVCacheConfig, MiniConfig, PagedKVCache, paged_causal_attention
 from asyncdbo.models.attention import QUERY_TILE
 from asyncdbo.moe import MoEConfig, MoELayer
-from asyncdbo.moe.batch_invariant import EXPERT_ROW_TILE, is_deterministic, linear, sigmoid, silu, swiglu
+from asyncdbo.moe.batch_invariant import ROW_TILE, is_deterministic, linear, sigmoid, silu, swiglu
 from asyncdbo.plan import split_attn_metadata, split_tokens
 from asyncdbo.runner import BatchBuilder
 
@@ -45,12 +45,12 @@ def test_exact_silu_and_sigmoid_do_not_depend_on_the_lane() -> None:
 
 
 def test_swiglu_rows_are_batch_invariant() -> None:
-    x_MD = torch.randn(40, 32, generator=G)
+    x_MD = torch.randn(150, 32, generator=G)
     gate_FD, up_FD, down_DF = (torch.randn(16, 32, generator=G), torch.randn(16, 32, generator=G),
                                torch.randn(32, 16, generator=G))
-    whole_MD = swiglu(x_MD, gate_FD, up_FD, down_DF, EXPERT_ROW_TILE)
-    for lo, hi in [(0, 1), (3, 6), (10, 40)]:
-        assert torch.equal(swiglu(x_MD[lo:hi], gate_FD, up_FD, down_DF, EXPERT_ROW_TILE), whole_MD[lo:hi])
+    whole_MD = swiglu(x_MD, gate_FD, up_FD, down_DF, ROW_TILE)
+    for lo, hi in [(0, 1), (3, 6), (10, 40), (70, 150)]:
+        assert torch.equal(swiglu(x_MD[lo:hi], gate_FD, up_FD, down_DF, ROW_TILE), whole_MD[lo:hi])
 
 
 def test_the_default_is_on_for_cpu_tensors_and_the_flag_is_typed() -> None:

@@ -46,7 +46,7 @@ import torch
 
 from .._core import get_ubatch
 from ..moe import MoEConfig, MoELayer
-from ..moe.batch_invariant import DENSE_ROW_TILE, is_deterministic, linear
+from ..moe.batch_invariant import ROW_TILE, is_deterministic, linear
 from ..plan.metadata import AttentionMetadata
 from ..primitives import dbo_record_event, dbo_wait_event
 from .attention import KVCacheConfig, PagedKVCache, paged_causal_attention
@@ -226,7 +226,7 @@ class MiniModel:
                 f"{input_ids_T.shape[0]} were given"
             )
         x_TD = self.embed_VD[input_ids_T]
-        tile = DENSE_ROW_TILE if is_deterministic(self.cfg.deterministic, x_TD) else None
+        tile = ROW_TILE if is_deterministic(self.cfg.deterministic, x_TD) else None
         for layer, p in enumerate(self.layers):
             h_TD = _rms_norm(x_TD, p["attn_norm_D"], self.cfg.rms_eps)
             x_TD = x_TD + await self._attention(layer, p, h_TD, positions_T, attn, tile)

@@ -20,8 +20,8 @@ torch 2.13 (MKL, AVX-512, 1 and 2 threads; ``benchmarks/deterministic.py`` rerun
 So in deterministic mode every GEMM is issued in tiles of a fixed number of rows (the last tile
 zero-padded, all tiles in one ``bmm``), and ``silu``/``sigmoid`` are composed from ``exp``, ``+``
 and ``/``, whose results do not depend on the lane. The cost is the padding (at most ``Z - 1``
-rows per call) and a batched instead of a single GEMM; ``benchmarks/deterministic.py`` measures
-it. Off the CPU these ops keep the same fixed shapes, which removes the row-count dependence of
+rows per call, which small expert groups feel) and a batched instead of a single GEMM;
+``benchmarks/deterministic.py`` measures it. Off the CPU these ops keep the same fixed shapes, which removes the row-count dependence of
 cuBLAS's kernel choice, but asyncdbo has not measured them there (see ``docs/design.md``).
 """
 
@@ -30,13 +30,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DENSE_ROW_TILE", "EXPERT_ROW_TILE", "is_deterministic", "linear", "sigmoid", "silu", "swiglu"]
+__all__ = ["ROW_TILE", "is_deterministic", "linear", "sigmoid", "silu", "swiglu"]
 
-#: Rows per GEMM call for dense layers (projections, router, shared expert, LM head).
-DENSE_ROW_TILE = 64
-#: Rows per GEMM call for one routed expert: smaller, since a decode ubatch sends an expert a
-#: handful of rows and every call pays for a whole tile.
-EXPERT_ROW_TILE = 16
+#: Rows per GEMM call, dense layers and experts alike. ``benchmarks/deterministic.py`` times one
+#: forward of the demo's model per tile (16 to 128): 64 was fastest for a 512-request decode step
+#: and as fast as any for a 512-token prefill; only small batches, whose experts get a few rows
+#: each, prefer smaller tiles.
+ROW_TILE = 64
 
 
 def is_deterministic(flag: bool | None, x: torch.Tensor) -> bool:

@@ -58,7 +58,7 @@ from ..primitives import (
     dbo_yield_and_switch_from_comm_to_compute,
     dbo_yield_and_switch_from_compute_to_comm,
 )
-from .batch_invariant import DENSE_ROW_TILE, EXPERT_ROW_TILE, is_deterministic, swiglu
+from .batch_invariant import ROW_TILE, is_deterministic, swiglu
 from .config import MoEConfig
 from .experts import expert_init, router_init, run_experts, shared_init
 from .router import route
@@ -222,11 +222,11 @@ class MoELayer(nn.Module):
         if self.shared_gate_SD is None:
             return None
         assert self.shared_up_SD is not None and self.shared_down_DS is not None
-        tile = DENSE_ROW_TILE if is_deterministic(self.cfg.deterministic, x_TD) else None
+        tile = ROW_TILE if is_deterministic(self.cfg.deterministic, x_TD) else None
         return swiglu(x_TD, self.shared_gate_SD, self.shared_up_SD, self.shared_down_DS, tile)
 
     def _experts(self, plan: DispatchPlan, recv_x_RD: torch.Tensor) -> torch.Tensor:
-        tile = EXPERT_ROW_TILE if is_deterministic(self.cfg.deterministic, recv_x_RD) else None
+        tile = ROW_TILE if is_deterministic(self.cfg.deterministic, recv_x_RD) else None
         return run_experts(recv_x_RD, plan.local_expert_ids(), self.gate_LFD, self.up_LFD, self.down_LDF, tile)
 
     def _stages(self) -> _Stages | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .batch_invariant import DENSE_ROW_TILE, linear, sigmoid
+from .batch_invariant import ROW_TILE, linear, sigmoid
 from .config import MoEConfig
 
 __all__ = ["route"]
@@ -38,7 +38,7 @@ def route(
 
     ``bias_E`` (DeepSeek's ``e_score_correction_bias``) shifts the scores used to *choose*
     experts only; the weights come from the unshifted scores."""
-    tile = DENSE_ROW_TILE if deterministic else None
+    tile = ROW_TILE if deterministic else None
     if cfg.scoring == "softmax":
         logits_TE = linear(x_TD, router_ED.to(x_TD.dtype), tile)
         scores_TE = torch.softmax(logits_TE.float(), dim=-1)
