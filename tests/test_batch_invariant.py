@@ -16,7 +16,7 @@ import torch
 
 import asyncdbo
 from asyncdbo.models import KVCacheConfig, MiniConfig, PagedKVCache, paged_causal_attention
-from asyncdbo.models.attention import QUERY_TILE
+from asyncdbo.models.tiled_attention import QUERY_TILE
 from asyncdbo.moe import MoEConfig, MoELayer
 from asyncdbo.moe.batch_invariant import ROW_TILE, is_deterministic, linear, sigmoid, silu, swiglu
 from asyncdbo.plan import split_attn_metadata, split_tokens
