@@ -31,7 +31,7 @@ in every layer ``l`` it must read the K/V that ubatch ``k`` writes in layer ``l`
 same logits as the serial run for both stream policies and 2 to 4 ubatches, bit for bit in
 deterministic mode (``MiniConfig.deterministic``, on by default on a CPU: every GEMM in fixed row
 tiles, attention in fixed key tiles, see :mod:`asyncdbo.moe.batch_invariant` and
-:mod:`asyncdbo.models.attention`).
+:mod:`asyncdbo.models.tiled_attention`).
 """
 
 # Shape legend: T = tokens, D = hidden, H = heads, K = head dim, V = vocab, F = H*K.
