@@ -14,6 +14,8 @@
 #   3. switch cost with streams: host-side ns per `dbo_yield()` and per compute->comm->compute
 #      switch pair (event record + stream wait + set_stream) on the cuda backend; plus
 #      `asyncdbo bench` (pure handoff cost) on this host's CPU.
+#   4. deterministic mode on the GPU: serial vs DBO logits of the mini model (EP 1), prefill and
+#      decode, mode off and on: bitwise equal or the max |diff| (docs/design.md, "Numerics").
 set -euo pipefail
 
 if [[ "${ASYNCDBO_GPU_CHECK_INNER:-}" != "1" ]]; then
@@ -203,6 +205,39 @@ y = per_switch_ns(yields)
 r = per_switch_ns(role_switches)
 print(f"\n### 3. switch cost on the cuda backend, 2 ubatches, host ns per switch (median [min..max] of 5)")
 print(f"dbo_yield: {y[0]:.0f} [{y[1]:.0f}..{y[2]:.0f}]; compute<->comm switch (event record + wait_event + set_stream): {r[0]:.0f} [{r[1]:.0f}..{r[2]:.0f}]")
+
+# ---------------------------------------------------------------- 4. deterministic mode
+# Serial vs DBO logits of the mini model on one device (EP = 1), deterministic mode off and on:
+# is DBO bitwise equal to serial here, and if not, by how much does it differ?
+from functools import partial as _partial
+
+from asyncdbo.models import MiniConfig, MiniModel
+from asyncdbo.plan import ThresholdConfig
+from asyncdbo.runner import BatchBuilder, DBORunner, RunnerConfig
+
+_always = ThresholdConfig(prefill_threshold=0, decode_threshold=0)
+print("\n### 4. deterministic mode: serial vs DBO logits, mini model (hidden 256, 8 experts top-2, 2 layers), EP 1")
+for _shape in ("prefill", "decode"):
+    for _det in (False, True):
+        for _ub, _pol in ((2, "role"), (3, "ubatch")):
+            _cfg = MiniConfig(num_kv_blocks=512, deterministic=_det)
+            _runner = DBORunner(MiniModel(_cfg, device=dev),
+                                RunnerConfig(thresholds=_always, num_ubatches=_ub, stream_policy=_pol,
+                                             backend="cuda" if dev.type == "cuda" else "host"))
+            _builder = BatchBuilder(_cfg.kv_cache_config, device=dev)
+            _g = torch.Generator().manual_seed(0)
+            if _shape == "prefill":
+                _chunks = [(r, torch.randint(0, 1024, (n,), generator=_g).tolist()) for r, n in enumerate((300, 170, 42))]
+            else:
+                asyncdbo.run(_partial(_runner.step, enabled=False), _builder.build([(r, torch.randint(0, 1024, (40,), generator=_g).tolist()) for r in range(96)]))
+                _chunks = [(r, [int(torch.randint(0, 1024, (1,), generator=_g))]) for r in range(96)]
+            _batch = _builder.build(_chunks)
+            _serial = asyncdbo.run(_partial(_runner.step, enabled=False), _batch).logits_TV
+            _builder.reset()
+            _batch = _builder.build(_chunks) if _shape == "prefill" else _batch
+            _dbo = asyncdbo.run(_runner.step, _batch).logits_TV
+            print(f"{_shape}, deterministic={_det}, {_ub} ubatches, {_pol} streams: "
+                  f"{'bitwise equal' if torch.equal(_serial, _dbo) else 'differs'}, max |diff| {float((_serial - _dbo).abs().max()):.3g}")
 PYEOF
 rc=$?
 set -e

@@ -3,7 +3,8 @@
 Each step runs the same batch twice on every rank, first as one batch (DBO off) and then with
 DBO, so the two are measured back to back on the same (noisy, shared) machine; the table reports
 medians over the steps after a warm-up.  The logits of both runs must match, or the command exits
-with status 1.
+with status 1: bit for bit in deterministic mode (``--deterministic``, on by default on a CPU),
+within ``MATCH_ATOL`` without it.
 
 Two launchers share one per-rank function (:func:`demo_rank`):
 
@@ -37,12 +38,16 @@ import torch
 
 from ..moe.config import Schedule
 
-__all__ = ["DemoConfig", "add_arguments", "demo_rank", "error_line", "main", "summarize"]
+__all__ = ["DemoConfig", "add_arguments", "demo_rank", "error_line", "main", "passed", "summarize"]
 
 logger = logging.getLogger("asyncdbo.cli.demo")
 
 LINK_CHOICES = ("none", "nvlink", "ib400", "eth100")
-#: Max |logits| difference between serial and DBO accepted as a match (fp32 CPU rounding).
+#: --deterministic: auto (MiniConfig's default: on for CPU tensors), on, off.
+DETERMINISTIC_CHOICES = ("auto", "on", "off")
+#: Max |logits| difference between serial and DBO accepted as a match when deterministic mode is
+#: off (fp32 rounding: other row counts take other GEMM and reduction paths). With it on (the CPU
+#: default) the outputs must be bitwise equal.
 MATCH_ATOL = 1e-4
 
 
@@ -70,6 +75,7 @@ class DemoConfig:
     seed: int = 0
     prefill_threshold: int = 512
     decode_threshold: int = 32
+    deterministic: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("ranks", "layers", "experts", "top_k", "hidden", "ubatches", "steps"):
@@ -99,6 +105,8 @@ class DemoConfig:
             raise ValueError(f"--link-scale must be > 0 (got {self.link_scale})")
         if self.loop not in ("auto", "asyncio", "uvloop"):
             raise ValueError(f"unknown --loop {self.loop!r}; use 'auto', 'asyncio' or 'uvloop'")
+        if self.deterministic not in DETERMINISTIC_CHOICES:
+            raise ValueError(f"unknown --deterministic {self.deterministic!r}; use one of {DETERMINISTIC_CHOICES}")
         if self.stream_policy not in ("role", "ubatch"):
             raise ValueError(f"unknown --stream-policy {self.stream_policy!r}; use 'role' or 'ubatch'")
         self.model_config()  # MiniConfig checks top-k, schedule and sizes with its own messages
@@ -117,6 +125,7 @@ class DemoConfig:
             hidden_size=self.hidden, num_layers=self.layers, num_heads=heads, head_dim=self.hidden // heads,
             num_experts=self.experts, top_k=self.top_k, moe_intermediate_size=self.hidden,
             schedule=self.schedule, block_size=block, num_kv_blocks=blocks, seed=self.seed,
+            deterministic={"auto": None, "on": True, "off": False}[self.deterministic],
         )
 
     def link_spec(self) -> Any:
@@ -174,7 +183,10 @@ async def _demo_rank_async(rank: int, world: int, cfg: DemoConfig, device: torch
 
     if cfg.shape == "decode":  # fill every request's context once, untimed
         await runner.step(builder.build(_decode_chunks(cfg, rank, -1, mcfg.vocab_size, cfg.context)), enabled=False)
-    out: dict[str, Any] = {"rank": rank, "serial": [], "dbo": [], "max_abs_diff": 0.0, "trace": None}
+    from ..moe.batch_invariant import is_deterministic
+
+    out: dict[str, Any] = {"rank": rank, "serial": [], "dbo": [], "max_abs_diff": 0.0, "trace": None, "bitwise": True,
+                           "deterministic": is_deterministic(mcfg.deterministic, torch.empty(0, device=device))}
     for i in range(cfg.warmup + cfg.steps):
         if cfg.shape == "prefill":
             builder.reset()
@@ -199,6 +211,7 @@ async def _demo_rank_async(rank: int, world: int, cfg: DemoConfig, device: torch
                 out["trace"] = tracer.to_chrome()
         diff = (results["serial"].logits_TV - results["dbo"].logits_TV).abs().max().item() if batch.num_tokens else 0.0
         out["max_abs_diff"] = max(out["max_abs_diff"], diff)
+        out["bitwise"] &= torch.equal(results["serial"].logits_TV, results["dbo"].logits_TV)
     return out
 
 
@@ -219,7 +232,11 @@ def _median(values: list[float]) -> float:
 
 def summarize(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over steps of the slowest rank's step time; comm numbers averaged over ranks."""
-    summary: dict[str, Any] = {"max_abs_diff": max(r["max_abs_diff"] for r in per_rank)}
+    summary: dict[str, Any] = {
+        "max_abs_diff": max(r["max_abs_diff"] for r in per_rank),
+        "bitwise": all(r["bitwise"] for r in per_rank),
+        "deterministic": all(r["deterministic"] for r in per_rank),
+    }
     for mode in ("serial", "dbo"):
         steps = list(zip(*(r[mode] for r in per_rank)))  # per step: one entry per rank
         summary[mode] = {
@@ -232,6 +249,11 @@ def summarize(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]
         }
     summary["ratio"] = summary["dbo"]["step_s"] / summary["serial"]["step_s"] if summary["serial"]["step_s"] else 0.0
     return summary
+
+
+def passed(s: dict[str, Any]) -> bool:
+    """Serial and DBO agree: bit for bit in deterministic mode, else within MATCH_ATOL."""
+    return bool(s["bitwise"]) if s["deterministic"] else s["max_abs_diff"] <= MATCH_ATOL
 
 
 def _format(cfg: DemoConfig, s: dict[str, Any]) -> str:
@@ -273,9 +295,13 @@ def _format(cfg: DemoConfig, s: dict[str, Any]) -> str:
         "serial steps: one batch per rank (DBO off), run as a single ubatch on the same backend",
         why,
     ]
-    ok = s["max_abs_diff"] <= MATCH_ATOL
-    verdict = "bitwise equal" if s["max_abs_diff"] == 0 else ("match" if ok else "MISMATCH")
-    lines.append(f"outputs serial vs DBO: max |logits diff| = {s['max_abs_diff']:.3g} ({verdict}, tolerance {MATCH_ATOL:g})")
+    if s["deterministic"]:
+        verdict = "bitwise equal" if s["bitwise"] else "MISMATCH: deterministic mode promises bitwise equality"
+        rule = "deterministic mode"
+    else:
+        verdict = "bitwise equal" if s["bitwise"] else ("match" if passed(s) else "MISMATCH")
+        rule = f"tolerance {MATCH_ATOL:g}, deterministic mode off"
+    lines.append(f"outputs serial vs DBO: max |logits diff| = {s['max_abs_diff']:.3g} ({verdict}; {rule})")
     return "\n".join(lines)
 
 
@@ -305,6 +331,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="microbatch a mixed/prefill step from this many tokens per rank (vLLM's default) [%(default)s]")
     p.add_argument("--decode-threshold", type=int, default=d.decode_threshold,
                    help="microbatch a uniform-decode step from this many tokens per rank (vLLM's default) [%(default)s]")
+    p.add_argument("--deterministic", default=d.deterministic,
+                   help="batch-invariant numerics, DBO bitwise equal to serial: auto (on for CPU), on, off [%(default)s]")
     p.add_argument("--seed", type=int, default=d.seed, help="[%(default)s]")
     p.add_argument("--launcher", choices=("local", "env"), default="local",
                    help="local: start --ranks processes here; env: this process is one rank of torchrun [%(default)s]")
@@ -324,7 +352,7 @@ def _config_from_args(args: argparse.Namespace, ranks: int | None = None) -> Dem
         warmup=args.warmup, shape=args.shape, context=args.context,
         link=None if args.link == "none" else args.link, link_scale=args.link_scale,
         trace=args.trace, seed=args.seed, prefill_threshold=args.prefill_threshold,
-        decode_threshold=args.decode_threshold,
+        decode_threshold=args.decode_threshold, deterministic=args.deterministic,
     )
 
 
@@ -341,7 +369,7 @@ def _report(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> int:
         with open(paths[-1], "w", encoding="utf-8") as f:
             json.dump({"config": asdict(cfg), "summary": s}, f, indent=1, default=str)
         print(f"trace of the last DBO step (open the JSON in ui.perfetto.dev): {', '.join(paths)}")
-    return 0 if s["max_abs_diff"] <= MATCH_ATOL else 1
+    return 0 if passed(s) else 1
 
 
 def error_line(details: str) -> str:
@@ -376,7 +404,7 @@ def _main_env(args: argparse.Namespace) -> int:
         if rank == 0:
             rc = _report(cfg, gathered)
         else:
-            rc = 0 if summarize(cfg, gathered)["max_abs_diff"] <= MATCH_ATOL else 1
+            rc = 0 if passed(summarize(cfg, gathered)) else 1
     except BaseException:
         destroy_process_groups(barrier=False)  # peers may be gone: a barrier could only time out
         raise

@@ -1,6 +1,6 @@
 """``asyncdbo trace TRACE.json [--png out.png] [--print-numbers]``: look at a recorded trace.
 
-The trace is the Chrome/Perfetto JSON of :class:`asyncdbo.trace.Tracer` (one rank or merged); open
+The trace is the Chrome/Perfetto JSON of :class:`asyncdbo.observe.Tracer` (one rank or merged); open
 it in ui.perfetto.dev or chrome://tracing for the interactive view, or render a PNG here.
 """
 

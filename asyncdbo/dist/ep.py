@@ -176,9 +176,27 @@ class DispatchPlan:
         return back_ND, handle
 
     def finish(self, back_ND: torch.Tensor, topk_w_TK: torch.Tensor, out_TD: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of each token's expert outputs into ``out_TD`` (added in expert order)."""
-        w_N = topk_w_TK.reshape(-1)[self.order_N].to(back_ND.dtype)
-        out_TD.index_add_(0, self.order_N // self.top_k, back_ND * w_N[:, None])
+        """Add each token's weighted expert outputs into ``out_TD``, in expert-id order.
+
+        The rows are gathered to ``[T, K, D]`` (each token's K outputs in expert-id order) and
+        added one k at a time, so the sum has one fixed order on every backend: an
+        ``index_add_`` would add in index order on a CPU but with atomics in any order on CUDA.
+        Expert-id order is also Hugging Face's (its expert loop ``index_add_``s expert by expert),
+        and so is the dtype rule: the float32 weight multiplies in float32 and the product is
+        rounded to ``out_TD``'s dtype before it is added."""
+        T, K = self.num_tokens, self.top_k
+        if T == 0:
+            return out_TD
+        N = T * K
+        pos_N = torch.empty_like(self.order_N)
+        pos_N[self.order_N] = torch.arange(N, device=self.order_N.device)
+        # Rows of back_ND are sorted by expert (stably), so a token's rows in ascending position
+        # are its experts in ascending id.
+        rows_TK = pos_N.view(T, K).sort(dim=1).values
+        y_TKD = back_ND[rows_TK]
+        w_TK = topk_w_TK.reshape(-1)[self.order_N][rows_TK].float()
+        for k in range(K):
+            out_TD += (y_TKD[:, k].float() * w_TK[:, k, None]).to(out_TD.dtype)
         return out_TD
 
 

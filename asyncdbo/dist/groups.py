@@ -25,7 +25,7 @@ from .._core import get_ubatch
 
 __all__ = ["destroy_process_groups", "forget_group", "on_destroy", "ubatch_group", "ubatch_groups"]
 
-log = logging.getLogger("asyncdbo.groups")
+log = logging.getLogger("asyncdbo.dist.groups")
 
 # group_name of the base group -> its per-ubatch clones, in ubatch order
 _CLONES: dict[str, list[Any]] = {}

@@ -17,7 +17,11 @@ A cache may hold keys only (``v_head_dim=0``): multi-head latent attention (Deep
 one compressed latent per token and expands it to per-head keys and values after the read.
 
 The reference implementation loops over requests with CPU-side lengths (``*_cpu`` mirrors): it
-needs no device sync and is exact, not fast; it is the numerical reference for DBO-vs-serial.
+needs no device sync and is exact, not fast.
+
+**Deterministic mode** (``deterministic=True``) runs :mod:`asyncdbo.models.tiled_attention`
+instead: a query's result then depends only on its position and its request's keys, not on the
+call it is in, so a DBO ubatch computes the serial step's bits.
 """
 
 # Shape legend: T = tokens, R = requests, B = max blocks per request, S = context length of one
@@ -34,6 +38,7 @@ from ..dbo import dbo_record_event, dbo_wait_event
 from ..plan.metadata import AttentionMetadata
 from ..serving import current_slice
 from ..serving.kv_cache import PAD_SLOT_ID, KVCacheConfig, PagedKVCache, slots_for
+from .tiled_attention import tiled_causal_attention
 
 __all__ = ["PAD_SLOT_ID", "KVCacheConfig", "PagedKVCache", "paged_causal_attention", "slots_for", "wait_for_earlier_kv"]
 
@@ -64,11 +69,14 @@ def paged_causal_attention(
     cache: PagedKVCache,
     layer: int,
     attn: AttentionMetadata,
+    *,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Attention of each request's new queries over its cached context, causal by position.
 
     Expects the new tokens' K/V already written to ``cache`` (write, then read: the same order
     vLLM's backends use).  Rows past ``attn.num_actual_tokens`` (padding) get zeros.
+    ``deterministic``: a query's result depends only on its position (module docstring).
     """
     num_heads, head_dim = q_THK.shape[1], q_THK.shape[2]
     out_THK = torch.zeros_like(q_THK)
@@ -76,6 +84,10 @@ def paged_causal_attention(
     block_size = cache.cfg.block_size
     k_flat = cache.k_cache_LNZHK[layer].view(-1, num_heads, head_dim)
     v_flat = cache.v_cache_LNZHK[layer].view(-1, num_heads, head_dim)
+    if deterministic:
+        out_THK[: attn.num_actual_tokens] = tiled_causal_attention(q_THK, positions_T, k_flat, v_flat, attn,
+                                                                   block_size, scale)
+        return out_THK
     qsl = attn.query_start_loc_cpu.tolist()
     seq_lens = attn.seq_lens_cpu.tolist()
     if attn.num_reqs and attn.max_query_len == 1 and attn.num_actual_tokens == attn.num_reqs:

@@ -28,7 +28,10 @@ in every layer ``l`` it must read the K/V that ubatch ``k`` writes in layer ``l`
   becomes a stream wait on an event (no CPU wait).
 
 ``tests/test_runner.py`` checks the consequence: token splits with straddling requests give the
-same logits as the serial run for both stream policies and 2 and 3 ubatches.
+same logits as the serial run for both stream policies and 2 to 4 ubatches, bit for bit in
+deterministic mode (``MiniConfig.deterministic``, on by default on a CPU: every GEMM in fixed row
+tiles, attention in fixed key tiles, see :mod:`asyncdbo.moe.batch_invariant` and
+:mod:`asyncdbo.models.tiled_attention`).
 """
 
 # Shape legend: T = tokens, D = hidden, H = heads, K = head dim, V = vocab, F = H*K.
@@ -42,6 +45,7 @@ from typing import Any
 import torch
 
 from ..moe import MoEConfig, MoELayer
+from ..moe.batch_invariant import ROW_TILE, is_deterministic, linear
 from ..moe.config import Schedule, Scoring
 from ..plan.metadata import AttentionMetadata
 from ..serving import KVCacheConfig, PagedKVCache
@@ -59,7 +63,9 @@ SCORINGS = ("softmax", "sigmoid")
 class MiniConfig:
     """Sizes of the model and of one rank's KV cache.  Defaults run a demo step in tens of ms on
     2 CPU cores.  ``schedule`` is the MoE layer's DBO schedule (``ht`` high-throughput, ``ll``
-    low-latency)."""
+    low-latency).  ``deterministic``: a token's logits do not depend on the other tokens of the
+    call, so DBO equals serial bit for bit (module docstring); None (the default) is on for CPU
+    inputs, off on accelerators."""
 
     vocab_size: int = 1024
     hidden_size: int = 256
@@ -77,6 +83,7 @@ class MiniConfig:
     block_size: int = 16
     num_kv_blocks: int = 512
     seed: int = 0
+    deterministic: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "num_experts",
@@ -93,6 +100,8 @@ class MiniConfig:
             raise ValueError(f"unknown MoE schedule {self.schedule!r}; use one of {SCHEDULES}")
         if self.scoring not in SCORINGS:
             raise ValueError(f"unknown router scoring {self.scoring!r}; use one of {SCORINGS}")
+        if not (self.deterministic is None or isinstance(self.deterministic, bool)):
+            raise ValueError(f"MiniConfig.deterministic must be True, False or None (got {self.deterministic!r})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
 
@@ -104,6 +113,11 @@ class MiniConfig:
 
 def _rms_norm(x_TD: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
     return x_TD * torch.rsqrt(x_TD.pow(2).mean(-1, keepdim=True) + eps) * w_D
+
+
+def _matmul(x_TD: torch.Tensor, w_DF: torch.Tensor, tile: int | None) -> torch.Tensor:
+    """``x @ w``; with ``tile``, in GEMMs of exactly ``tile`` rows (batch-invariant)."""
+    return x_TD @ w_DF if tile is None else linear(x_TD, w_DF.t(), tile)
 
 
 def _rope(x_THK: torch.Tensor, positions_T: torch.Tensor, theta: float) -> torch.Tensor:
@@ -126,6 +140,7 @@ class MiniModel:
     def __init__(self, cfg: MiniConfig, *, ep_group: Any = None, max_ubatches: int = 4,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
+        self.max_ubatches = max_ubatches
         gen = torch.Generator().manual_seed(cfg.seed)
         d, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim
 
@@ -142,6 +157,7 @@ class MiniModel:
             scoring=cfg.scoring,
             num_shared_experts=cfg.num_shared_experts,
             schedule=cfg.schedule,
+            deterministic=cfg.deterministic,
         )
         for layer in range(cfg.num_layers):
             self.layers.append({
@@ -159,20 +175,20 @@ class MiniModel:
         self.kv_cache = PagedKVCache(cfg.kv_cache_config, dtype=dtype, device=device)
 
     async def _attention(self, layer: int, p: dict[str, Any], h_TD: torch.Tensor, positions_T: torch.Tensor,
-                         attn: AttentionMetadata) -> torch.Tensor:
+                         attn: AttentionMetadata, tile: int | None) -> torch.Tensor:
         cfg = self.cfg
         n = attn.num_actual_tokens  # rows past n are padding: no K/V written, zero attention output
-        q_THK = (h_TD @ p["wq_DF"]).view(-1, cfg.num_heads, cfg.head_dim)
-        k_THK = (h_TD[:n] @ p["wk_DF"]).view(-1, cfg.num_heads, cfg.head_dim)
-        v_THK = (h_TD[:n] @ p["wv_DF"]).view(-1, cfg.num_heads, cfg.head_dim)
+        q_THK = _matmul(h_TD, p["wq_DF"], tile).view(-1, cfg.num_heads, cfg.head_dim)
+        k_THK = _matmul(h_TD[:n], p["wk_DF"], tile).view(-1, cfg.num_heads, cfg.head_dim)
+        v_THK = _matmul(h_TD[:n], p["wv_DF"], tile).view(-1, cfg.num_heads, cfg.head_dim)
         q_THK = _rope(q_THK, positions_T, cfg.rope_theta)
         k_THK = _rope(k_THK, positions_T[:n], cfg.rope_theta)
         self.kv_cache.write(layer, k_THK, v_THK, attn.slot_mapping)
         # Order the read after the previous ubatch's write in this layer (module docstring).
         # No-ops outside a DBO run.
         await wait_for_earlier_kv(self, layer)
-        o_THK = paged_causal_attention(q_THK, positions_T, self.kv_cache, layer, attn)
-        return o_THK.reshape(-1, cfg.num_heads * cfg.head_dim) @ p["wo_FD"]
+        o_THK = paged_causal_attention(q_THK, positions_T, self.kv_cache, layer, attn, deterministic=tile is not None)
+        return _matmul(o_THK.reshape(-1, cfg.num_heads * cfg.head_dim), p["wo_FD"], tile)
 
     async def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor,
                       attn: AttentionMetadata) -> torch.Tensor:
@@ -191,9 +207,10 @@ class MiniModel:
                 f"{input_ids_T.shape[0]} were given"
             )
         x_TD = self.embed_VD[input_ids_T]
+        tile = ROW_TILE if is_deterministic(self.cfg.deterministic, x_TD) else None
         for layer, p in enumerate(self.layers):
             h_TD = _rms_norm(x_TD, p["attn_norm_D"], self.cfg.rms_eps)
-            x_TD = x_TD + await self._attention(layer, p, h_TD, positions_T, attn)
+            x_TD = x_TD + await self._attention(layer, p, h_TD, positions_T, attn, tile)
             h_TD = _rms_norm(x_TD, p["moe_norm_D"], self.cfg.rms_eps)
             x_TD = x_TD + await p["moe"].forward(h_TD)
-        return _rms_norm(x_TD, self.final_norm_D, self.cfg.rms_eps) @ self.lm_head_DV
+        return _matmul(_rms_norm(x_TD, self.final_norm_D, self.cfg.rms_eps), self.lm_head_DV, tile)

@@ -25,6 +25,12 @@ class MoEConfig:
     combine on the comm stream, three yields per layer) or ``ll`` (low-latency: send/receive
     halves with the receive launched by the next ubatch's recv hook, two yields per layer). Both
     give the same numbers; they differ only in what overlaps what.
+
+    ``deterministic`` makes the layer batch-invariant: a token's output does not depend on which
+    other tokens share the call (expert and dense GEMMs in fixed row tiles, lane-independent
+    silu/sigmoid, see :mod:`asyncdbo.moe.batch_invariant`), so a DBO run equals the serial one
+    bit for bit. None (the default) turns it on for CPU inputs and off on accelerators; True or
+    False force it.
     """
 
     hidden_size: int
@@ -38,6 +44,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     num_shared_experts: int = 0
     schedule: Schedule = "ht"
+    deterministic: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "n_group", "topk_group"):
@@ -56,6 +63,10 @@ class MoEConfig:
         if self.schedule not in ("ht", "ll"):
             raise ValueError(
                 f"MoEConfig.schedule must be 'ht' (high-throughput) or 'll' (low-latency) (got {self.schedule!r})"
+            )
+        if not (self.deterministic is None or isinstance(self.deterministic, bool)):
+            raise ValueError(
+                f"MoEConfig.deterministic must be True, False or None (on for CPU inputs) (got {self.deterministic!r})"
             )
         if self.num_experts % self.n_group != 0:
             raise ValueError(

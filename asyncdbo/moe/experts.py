@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
+from .batch_invariant import swiglu
 from .config import MoEConfig
 
 __all__ = ["router_init", "expert_init", "run_experts", "shared_init", "swiglu"]
@@ -60,26 +60,24 @@ def shared_init(cfg: MoEConfig, seed: int) -> dict[str, torch.Tensor] | None:
     }
 
 
-def swiglu(x_RD: torch.Tensor, gate_FD: torch.Tensor, up_FD: torch.Tensor, down_DF: torch.Tensor) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))``, the expert MLP of Mixtral and DeepSeek."""
-    return F.linear(F.silu(F.linear(x_RD, gate_FD)) * F.linear(x_RD, up_FD), down_DF)
-
-
 def run_experts(
     x_RD: torch.Tensor,
     local_ids_R: torch.Tensor,
     gate_LFD: torch.Tensor,
     up_LFD: torch.Tensor,
     down_LDF: torch.Tensor,
+    tile: int | None = None,
     *,
-    mlp: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
+    mlp: Callable[..., torch.Tensor] = swiglu,
 ) -> torch.Tensor:
-    """Apply each row's local expert; rows of one expert go through one batched matmul.
-    ``mlp`` is the expert function (:func:`swiglu`, or a compiled twin of it)."""
+    """Apply each row's local expert; rows of one expert go through one batched matmul (with
+    ``tile``: GEMMs of exactly ``tile`` rows, so a row's result does not depend on how many rows
+    its expert received, see :mod:`asyncdbo.moe.batch_invariant`). An expert that received no
+    rows issues no GEMM. ``mlp`` is the expert function (:func:`swiglu`, or a compiled twin)."""
     y_RD = torch.empty_like(x_RD)
     if x_RD.shape[0] == 0:
         return y_RD
     for expert in torch.unique(local_ids_R).tolist():
         rows = (local_ids_R == expert).nonzero().squeeze(1)
-        y_RD[rows] = mlp(x_RD[rows], gate_LFD[expert], up_LFD[expert], down_LDF[expert])
+        y_RD[rows] = mlp(x_RD[rows], gate_LFD[expert], up_LFD[expert], down_LDF[expert], tile)
     return y_RD

@@ -5,10 +5,15 @@ Legend (shape suffixes): E experts, D hidden, F expert intermediate, S shared-ex
 Supported blocks (transformers 5.x, experts stored as fused 3-D parameters ``gate_up_proj``
 E x 2F x D, gate rows first, and ``down_proj`` E x D x F):
 
-* Mixtral's ``MixtralSparseMoeBlock``: softmax over the router logits, top-k, renormalised.
-* DeepSeek-V3's ``DeepseekV3MoE``: sigmoid scores, ``e_score_correction_bias`` for selection only,
-  group-limited top-k (``n_group``/``topk_group``), weights optionally renormalised and times
-  ``routed_scaling_factor``, plus the shared-expert MLP.
+* Mixtral's ``MixtralSparseMoeBlock``: router logits in the block's dtype, softmax in float32,
+  top-k, renormalised.
+* DeepSeek-V3's ``DeepseekV3MoE``: float32 logits and sigmoid scores, ``e_score_correction_bias``
+  for selection only, group-limited top-k (``n_group``/``topk_group``), weights optionally
+  renormalised and times ``routed_scaling_factor``, plus the shared-expert MLP.
+
+The layer computes each rule the way the block does (``asyncdbo.moe.router``): in bf16 the same
+tokens go to the same experts, exact ties included, and the combine adds expert outputs in the
+block's order and dtype. ``tests/test_hf_interop.py`` checks fp32 and bf16, serial and DBO.
 
 The layer takes the block's weights (copied, then sharded by EP rank), so the same block on every
 rank gives an expert-parallel layer with the block's numbers. transformers is only imported to
@@ -59,7 +64,6 @@ def moe_from_hf(
     Call it on every rank of ``ep_group`` with the same block (same weights), in the same order
     as the other layers: building the first layer of a group is collective."""
     kind = type(hf_block).__name__
-    dtype = next(hf_block.parameters()).dtype
     gate: Any
     experts: Any
     if kind == "MixtralSparseMoeBlock":
@@ -106,7 +110,8 @@ def moe_from_hf(
             "and DeepseekV3MoE (transformers.models.deepseek_v3)"
         )
     gate_EFD, up_EFD, down_EDF = _split_gate_up(experts)
-    layer = MoELayer(cfg, ep_group=ep_group, dtype=dtype, max_ubatches=max_ubatches)
+    # The experts' dtype is the model's: DeepSeek-V3 keeps its router in float32 in a bf16 model.
+    layer = MoELayer(cfg, ep_group=ep_group, dtype=gate_EFD.dtype, max_ubatches=max_ubatches)
     layer.load_global_weights(
         router_weight_ED=gate.weight.detach(),
         w_gate_EFD=gate_EFD,

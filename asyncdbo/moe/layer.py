@@ -60,8 +60,9 @@ from ..dbo import (
     dbo_yield_and_switch_from_compute_to_comm,
 )
 from ..dist.ep import DispatchPlan, EPComm, ep_comm, plan_dispatch
+from .batch_invariant import ROW_TILE, is_deterministic, swiglu
 from .config import MoEConfig
-from .experts import expert_init, router_init, run_experts, shared_init, swiglu
+from .experts import expert_init, router_init, run_experts, shared_init
 from .router import route
 
 __all__ = ["MoELayer"]
@@ -150,6 +151,7 @@ class MoELayer(nn.Module):
                 "every rank must hold the same number of experts: change num_experts or the number of ranks"
             )
         self.cfg = cfg
+        self.max_ubatches = max_ubatches
         self.comm: EPComm = comm
         self.name = name if name is not None else f"moe{next(_layer_ids)}"
         self.experts_per_rank = cfg.num_experts // comm.size
@@ -162,9 +164,10 @@ class MoELayer(nn.Module):
             shared = shared_init(cfg, seed)
         else:
             router_ED, bias_E, gate_LFD, up_LFD, down_LDF, shared = _empty_weights(cfg, self.experts_per_rank)
-        # The router stays float32 whatever ``dtype``: routing is computed in float32 (as both
-        # reference models do) and a rounded router weight could flip a top-k choice.
-        self.router_ED = _frozen(router_ED)
+        # Each routing rule keeps its reference's router dtype: Mixtral's gate is a Linear of the
+        # model's dtype (logits in that dtype), DeepSeek-V3 keeps its gate and correction bias in
+        # float32 in a bf16 model (see asyncdbo.moe.router).
+        self.router_ED = _frozen(router_ED.to(dtype) if cfg.scoring == "softmax" else router_ED)
         self.bias_E: torch.Tensor | None
         self.register_buffer("bias_E", bias_E)
         self.gate_LFD = _frozen(gate_LFD.to(dtype))
@@ -256,10 +259,12 @@ class MoELayer(nn.Module):
         if self.shared_gate_SD is None:
             return None
         assert self.shared_up_SD is not None and self.shared_down_DS is not None
-        return self._mlp(x_TD, self.shared_gate_SD, self.shared_up_SD, self.shared_down_DS)
+        tile = ROW_TILE if is_deterministic(self.cfg.deterministic, x_TD) else None
+        return self._mlp(x_TD, self.shared_gate_SD, self.shared_up_SD, self.shared_down_DS, tile)
 
     def _experts(self, plan: DispatchPlan, recv_x_RD: torch.Tensor) -> torch.Tensor:
-        return run_experts(recv_x_RD, plan.local_expert_ids(), self.gate_LFD, self.up_LFD, self.down_LDF,
+        tile = ROW_TILE if is_deterministic(self.cfg.deterministic, recv_x_RD) else None
+        return run_experts(recv_x_RD, plan.local_expert_ids(), self.gate_LFD, self.up_LFD, self.down_LDF, tile,
                            mlp=self._mlp)
 
     def _stages(self) -> _Stages | None:
@@ -291,7 +296,8 @@ class MoELayer(nn.Module):
         return out_TD.reshape(*lead, D)
 
     def _prepare(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, DispatchPlan]:
-        topk_w_TK, topk_ids_TK = self._route(x_TD, self.router_ED, self.cfg, bias_E=self.bias_E)
+        topk_w_TK, topk_ids_TK = self._route(x_TD, self.router_ED, self.cfg, bias_E=self.bias_E,
+                                             deterministic=is_deterministic(self.cfg.deterministic, x_TD))
         ub = get_ubatch()
         plan = plan_dispatch(
             topk_ids_TK, num_experts=self.cfg.num_experts, comm=self.comm, ub_id=None if ub is None else ub.id

@@ -2,16 +2,25 @@
 
 Legend (shape suffixes): T tokens, D hidden, E experts, K top-k, G expert groups (n_group).
 
-Routing is pure per-token math (no comm, no yields), so a token gets the same experts and
-weights whether it is routed alone, in a ubatch slice or in the whole batch. Scores are computed
-in float32 whatever the activation dtype, as both reference implementations do.
+Routing is pure per-token math (no comm, no yields). Each rule computes its scores the way its
+reference model does, because in bf16 the dtype of the logits decides ties:
+
+* Mixtral (``softmax``): logits in the activations' dtype (the gate is a Linear of the model's
+  dtype), softmax in float32, ``topk`` on the probabilities. Computing the logits in float32
+  instead sends the tokens whose bf16 logits tie to other experts.
+* DeepSeek-V3 (``sigmoid``): logits and sigmoid in float32 (its gate weight and correction bias
+  stay float32 in a bf16 model), the bias added for the choice only.
+
+With ``deterministic`` the logits GEMM runs in fixed row tiles and the sigmoid is composed from
+lane-independent ops (:mod:`asyncdbo.moe.batch_invariant`), so a token gets the same experts and
+weights whether it is routed alone, in a ubatch or in the whole batch.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from .batch_invariant import ROW_TILE, linear, sigmoid
 from .config import MoEConfig
 
 __all__ = ["route"]
@@ -23,16 +32,19 @@ def route(
     cfg: MoEConfig,
     *,
     bias_E: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(topk_w_TK, topk_ids_TK)``: float32 weights and int64 expert ids per token.
 
     ``bias_E`` (DeepSeek's ``e_score_correction_bias``) shifts the scores used to *choose*
     experts only; the weights come from the unshifted scores."""
-    logits_TE = F.linear(x_TD.float(), router_ED.float())
+    tile = ROW_TILE if deterministic else None
     if cfg.scoring == "softmax":
-        scores_TE = torch.softmax(logits_TE, dim=-1)
+        logits_TE = linear(x_TD, router_ED.to(x_TD.dtype), tile)
+        scores_TE = torch.softmax(logits_TE.float(), dim=-1)
     else:
-        scores_TE = logits_TE.sigmoid()
+        logits_TE = linear(x_TD.float(), router_ED.float(), tile)
+        scores_TE = sigmoid(logits_TE, deterministic)
     choice_TE = scores_TE if bias_E is None else scores_TE + bias_E.float()
     if cfg.n_group > 1:
         T, E, G = x_TD.shape[0], cfg.num_experts, cfg.n_group
@@ -41,7 +53,9 @@ def route(
         keep_TG.scatter_(1, torch.topk(group_TG, k=cfg.topk_group, dim=-1, sorted=False)[1], 1)
         keep_TE = keep_TG.unsqueeze(-1).expand(T, G, E // G).reshape(T, E)
         choice_TE = choice_TE.masked_fill(~keep_TE.bool(), float("-inf"))
-    topk_ids_TK = torch.topk(choice_TE, k=cfg.top_k, dim=-1)[1]
+    # Ties go where the reference's own topk call sends them: sorted for Mixtral, unsorted for
+    # DeepSeek-V3 (the order of the K choices does not matter: the combine adds in expert order).
+    topk_ids_TK = torch.topk(choice_TE, k=cfg.top_k, dim=-1, sorted=cfg.scoring == "softmax")[1]
     topk_w_TK = scores_TE.gather(1, topk_ids_TK)
     if cfg.norm_topk_prob:
         topk_w_TK = topk_w_TK / (topk_w_TK.sum(dim=-1, keepdim=True) + 1e-20)

@@ -83,7 +83,7 @@ def render_png(
     data = load_trace(trace)
     spans = [e for e in data["traceEvents"] if e.get("ph") == "X" and "ub" in e.get("args", {})]
     if not spans:
-        raise ValueError("the trace has no asyncdbo spans to draw (was it exported by asyncdbo.trace.Tracer?)")
+        raise ValueError("the trace has no asyncdbo spans to draw (was it exported by asyncdbo.observe.Tracer?)")
     Figure, FigureCanvasAgg = _import_matplotlib()
     t0 = min(e["ts"] for e in spans)
     lanes: dict[tuple[int, int, str], list[tuple[float, float, str]]] = defaultdict(list)

@@ -9,84 +9,40 @@ from __future__ import annotations
 
 from .dp import (
     DPDecision as DPDecision,
-)
-from .dp import (
     LocalStepInfo as LocalStepInfo,
-)
-from .dp import (
     ThresholdConfig as ThresholdConfig,
-)
-from .dp import (
     agree_across_dp as agree_across_dp,
-)
-from .dp import (
     decide_from_votes as decide_from_votes,
-)
-from .dp import (
     is_uniform_decode as is_uniform_decode,
-)
-from .dp import (
     should_microbatch as should_microbatch,
 )
 from .metadata import (
     AttentionMetadata as AttentionMetadata,
-)
-from .metadata import (
     SplitKind as SplitKind,
-)
-from .metadata import (
     merge_outputs as merge_outputs,
-)
-from .metadata import (
     slice_tokens as slice_tokens,
-)
-from .metadata import (
     split_attn_metadata as split_attn_metadata,
-)
-from .metadata import (
     split_extra as split_extra,
 )
 from .records import (
     PlanReason as PlanReason,
-)
-from .records import (
     PlanStats as PlanStats,
-)
-from .records import (
     RankVote as RankVote,
-)
-from .records import (
     StepRecord as StepRecord,
-)
-from .records import (
     log_record as log_record,
 )
 from .slices import (
     SplitPolicy as SplitPolicy,
-)
-from .slices import (
     UBatchSlice as UBatchSlice,
-)
-from .slices import (
     as_query_start_loc as as_query_start_loc,
-)
-from .slices import (
     plan_slices as plan_slices,
-)
-from .slices import (
+    slices_from_split_points as slices_from_split_points,
     split_balanced as split_balanced,
-)
-from .slices import (
     split_requests as split_requests,
-)
-from .slices import (
     split_tokens as split_tokens,
-)
-from .slices import (
     whole_batch_slice as whole_batch_slice,
 )
-from .step import StepPlan as StepPlan
-from .step import plan_step as plan_step
+from .step import StepPlan as StepPlan, check_max_ubatches as check_max_ubatches, plan_step as plan_step
 
 __all__ = (
     "AttentionMetadata",
@@ -103,6 +59,7 @@ __all__ = (
     "UBatchSlice",
     "agree_across_dp",
     "as_query_start_loc",
+    "check_max_ubatches",
     "decide_from_votes",
     "is_uniform_decode",
     "log_record",
@@ -111,6 +68,7 @@ __all__ = (
     "plan_step",
     "should_microbatch",
     "slice_tokens",
+    "slices_from_split_points",
     "split_attn_metadata",
     "split_balanced",
     "split_extra",

@@ -81,10 +81,19 @@ def should_microbatch(
     query_start_loc: Sequence[int] | torch.Tensor,
     cfg: ThresholdConfig = ThresholdConfig(),
 ) -> tuple[bool, str]:
-    """Is this rank's step big enough to microbatch?  Returns ``(ok, detail)``."""
+    """Is this rank's step big enough to microbatch?  Returns ``(ok, detail)``.
+
+    ``num_tokens_unpadded`` must be the batch's token count, ``query_start_loc[-1]`` (the uniform
+    decode test reads the per-request counts, the threshold the total: they must describe one
+    batch)."""
     if num_tokens_unpadded < 0:
         raise ValueError(f"num_tokens_unpadded ({num_tokens_unpadded}) must be >= 0")
     qsl = as_query_start_loc(query_start_loc)
+    if num_tokens_unpadded != qsl[-1]:
+        raise ValueError(
+            f"num_tokens_unpadded ({num_tokens_unpadded}) disagrees with query_start_loc, whose last entry says "
+            f"the batch has {qsl[-1]} tokens; pass the real token count of the same batch"
+        )
     if is_uniform_decode(qsl, cfg.num_spec_tokens):
         kind, threshold = "uniform decode", cfg.decode_threshold
     else:

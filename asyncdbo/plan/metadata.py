@@ -28,6 +28,7 @@ from typing import Any, ClassVar, TypeVar, Union
 import torch
 
 from .slices import UBatchSlice
+from .validate import check_slices
 
 __all__ = [
     "AttentionMetadata",
@@ -191,7 +192,7 @@ def _split_one(value: Any, kind: SplitKind, s: UBatchSlice) -> Any:
     return value[s.token_slice] if kind is SplitKind.PER_TOKEN else value[s.request_slice]
 
 
-def _split_one_meta(meta: M, s: UBatchSlice) -> M:
+def _split_one_meta(meta: M, s: UBatchSlice, truncated: bool) -> M:
     r0, r1 = s.request_slice.start, s.request_slice.stop
     t0, t1 = s.token_slice.start, s.token_slice.stop
     num_tokens = t1 - t0
@@ -201,7 +202,7 @@ def _split_one_meta(meta: M, s: UBatchSlice) -> M:
     qsl_cpu = meta.query_start_loc_cpu[r0 : r1 + 1].sub(t0).clamp_(0, num_tokens)
     seq = meta.seq_lens[r0:r1]
     seq_cpu = meta.seq_lens_cpu[r0:r1]
-    if s.last_is_truncated:
+    if truncated:
         # The truncated head sees only the tokens written so far: drop the ones after this ubatch.
         not_here = int(meta.query_start_loc_cpu[r1]) - t1
         seq, seq_cpu = seq.clone(), seq_cpu.clone()
@@ -227,8 +228,11 @@ def _split_one_meta(meta: M, s: UBatchSlice) -> M:
 def split_attn_metadata(meta: M, slices: Sequence[UBatchSlice]) -> list[M]:
     """Split ``meta`` into one metadata per ubatch slice (see the module docstring for the rules).
 
-    Raises ValueError if ``meta`` is a subclass with a field missing from its ``split_rules``, or
-    if a slice does not fit the batch.
+    The slices are checked against ``meta.query_start_loc_cpu`` first (:mod:`asyncdbo.plan.validate`):
+    their token ranges must tile the batch, each request range must list exactly the requests
+    with tokens in it, and the continuation/truncation flags are derived from the batch (None)
+    or must agree with it.  Raises ValueError naming the bad slice, or if ``meta`` is a subclass
+    with a field missing from its ``split_rules``.
     """
     cls = type(meta)
     unknown = [f.name for f in dataclasses.fields(cls) if f.name not in _BASE_FIELDS and f.name not in cls.split_rules]
@@ -237,15 +241,8 @@ def split_attn_metadata(meta: M, slices: Sequence[UBatchSlice]) -> list[M]:
             f"{cls.__name__} has field(s) {unknown} with no split rule; declare one per field, "
             f"e.g. split_rules = {{{unknown[0]!r}: SplitKind.PER_TOKEN}} (or PER_REQUEST / SHARED)"
         )
-    for k, s in enumerate(slices):
-        if s.token_slice.stop > meta.num_actual_tokens or s.request_slice.stop > meta.num_reqs:
-            raise ValueError(
-                f"ubatch {k} (tokens {s.token_slice.start}:{s.token_slice.stop}, requests "
-                f"{s.request_slice.start}:{s.request_slice.stop}) exceeds the batch "
-                f"({meta.num_actual_tokens} tokens, {meta.num_reqs} requests); plan the slices "
-                f"from this metadata's query_start_loc_cpu"
-            )
-    return [_split_one_meta(meta, s) for s in slices]
+    flags = check_slices([int(v) for v in meta.query_start_loc_cpu.tolist()], slices)
+    return [_split_one_meta(meta, s, trunc) for s, (_, trunc) in zip(slices, flags)]
 
 
 ExtraKind = Union[SplitKind, str]

@@ -15,7 +15,15 @@ Policies:
   reach the last cut: the earlier ubatches then carry padding too (possibly only padding), since
   their size is fixed by the group, not by this rank.
 * ``"request"``: cuts only at request boundaries, each at the boundary nearest the even cut
-  ``k*T/N`` (for N=2 this is SGLang's min |left - right|).  No request is ever cut.
+  ``k*T/N`` among those that leave one distinct boundary for every later cut (for N=2 this is
+  SGLang's min |left - right|, ``_split_array_by_balanced_sum``, which SGLang calls "balanced").
+  No request is ever cut, and with at least N requests no ubatch is empty: ``[100, 100, 1000]``
+  in three is cut at ``[100, 200]``.  This is ROCm vLLM's ``request_aligned_split_points`` (its
+  batch-invariant DBO under DeepEP high-throughput), with two differences: the targets are the
+  even cuts of the *real* tokens (ROCm: of the padded count, which is what its DP ranks run;
+  here padding always goes last), and a batch with too few boundaries still gets slices, with
+  empty ubatches that :func:`~asyncdbo.plan.plan_step` turns into ``POLICY_REFUSED`` (ROCm:
+  ``None``, "do not microbatch": the same outcome).
 * ``"balanced"``: ``"request"``, unless that leaves a ubatch too small; then the cuts bordering
   too-small ubatches move to their even point, cutting the request there (SGLang's two-chunk
   split, PR #8144).  ``min_share`` is SGLang's threshold (default 0.48): the fraction of all
@@ -25,6 +33,10 @@ Policies:
 
 The non-token policies put all padding at the end of the last ubatch; only the padded *total*
 then matches across DP ranks, not the per-ubatch sizes.
+
+:func:`slices_from_split_points` cuts at points you choose: token offsets (vLLM's
+``split_point`` list) or SGLang's ``(tbo_split_seq_index, tbo_split_token_index)`` pairs.  It is
+the way to build slices by hand: it fills the request ranges and flags from ``query_start_loc``.
 """
 
 # Shape legend: R = requests, T = tokens (real), P = tokens (padded).
@@ -43,6 +55,7 @@ __all__ = [
     "UBatchSlice",
     "as_query_start_loc",
     "plan_slices",
+    "slices_from_split_points",
     "split_balanced",
     "split_requests",
     "split_tokens",
@@ -63,14 +76,34 @@ class UBatchSlice:
     padded input buffer (real tokens first, then ``num_padding`` padding tokens).
     ``request_slice`` lists every request with a token in the ubatch; ``first_is_continuation``
     says its first request started in an earlier ubatch and ``last_is_truncated`` that its last
-    request continues in a later one.
+    request continues in a later one.  Both flags follow from ``query_start_loc``: the planners
+    fill them in, and :func:`~asyncdbo.plan.split_attn_metadata` derives them when they are None
+    (vLLM's two-field slices) and refuses them when they disagree.
+
+    In SGLang's terms, ``(request_slice.start, token_slice.start)`` of the second ubatch is
+    ``(tbo_split_seq_index, tbo_split_token_index)``.
     """
 
     request_slice: slice
     token_slice: slice
     padded_token_slice: slice
-    first_is_continuation: bool = False
-    last_is_truncated: bool = False
+    first_is_continuation: bool | None = None
+    last_is_truncated: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("request_slice", "token_slice", "padded_token_slice"):
+            sl = getattr(self, name)
+            if not isinstance(sl, slice) or not isinstance(sl.start, int) or not isinstance(sl.stop, int) \
+                    or sl.step not in (None, 1) or not 0 <= sl.start <= sl.stop:
+                raise ValueError(
+                    f"UBatchSlice.{name} must be a slice(start, stop) with 0 <= start <= stop and no step (got {sl!r})"
+                )
+        if self.num_tokens_padded < self.num_tokens:
+            raise ValueError(
+                f"UBatchSlice.padded_token_slice {self.padded_token_slice.start}:{self.padded_token_slice.stop} is "
+                f"shorter than token_slice {self.token_slice.start}:{self.token_slice.stop}; it holds the real "
+                f"tokens plus padding"
+            )
 
     @property
     def num_tokens(self) -> int:
@@ -187,18 +220,83 @@ def split_tokens(
     return _slices_from_cuts(qsl, cuts, padded_cuts)
 
 
-def _request_cuts(qsl: list[int], num_ubatches: int) -> list[int]:
-    """Interior cuts at the request boundary nearest each even cut ``k*T/N`` (ties go left)."""
+def _point(qsl: list[int], i: int, point: object) -> int:
+    """A split point as a token offset: an int, or SGLang's (seq index, token index) pair."""
     num_tokens = qsl[-1]
+    if isinstance(point, tuple) and len(point) == 2 and all(isinstance(v, int) for v in point):
+        seq, token = point
+        if not 0 <= seq < len(qsl):
+            raise ValueError(f"split point {i} {point}: seq index {seq} is not a request index of the batch (0..{len(qsl) - 1}, the last meaning the end)")
+        first = qsl[seq]
+        last = qsl[seq + 1] if seq + 1 < len(qsl) else first
+        if not (first <= token < last or token == first):
+            raise ValueError(
+                f"split point {i} {point}: token {token} is not in request {seq} (tokens {first}:{last}); "
+                f"SGLang's (split_seq_index, split_token_index) names the request the second part starts in"
+            )
+        return token
+    if isinstance(point, int) and not isinstance(point, bool):
+        if not 0 <= point <= num_tokens:
+            raise ValueError(
+                f"split point {i} ({point}) is outside the batch's tokens 0..{num_tokens}; points are token "
+                f"offsets into query_start_loc"
+            )
+        return point
+    raise ValueError(
+        f"split point {i} must be a token offset (int) or a (seq index, token index) pair of ints (got {point!r})"
+    )
+
+
+def slices_from_split_points(
+    query_start_loc: QueryStartLoc,
+    points: Sequence[int | tuple[int, int]],
+    num_tokens_padded: int | None = None,
+) -> list[UBatchSlice]:
+    """Slices cut at ``points``: ``len(points) + 1`` ubatches.
+
+    Each point is a token offset (vLLM's ``split_point`` list) or SGLang's ``(seq index, token
+    index)`` pair, which must name the request the cut lies in (or starts).  Points must be
+    non-decreasing; equal points give an empty ubatch.  The request ranges and the continuation
+    and truncation flags come from ``query_start_loc``; padding goes to the end of the last
+    ubatch.  Use this instead of building :class:`UBatchSlice` objects by hand.
+    """
+    qsl = as_query_start_loc(query_start_loc)
+    padded = _check_padded(qsl[-1], num_tokens_padded)
+    cuts = [_point(qsl, i, p) for i, p in enumerate(points)]
+    for i in range(1, len(cuts)):
+        if cuts[i] < cuts[i - 1]:
+            raise ValueError(
+                f"split points must be non-decreasing, but point {i} ({cuts[i]}) is below point {i - 1} ({cuts[i - 1]})"
+            )
+    cuts = [0, *cuts, qsl[-1]]
+    return _slices_from_cuts(qsl, cuts, _with_padding(cuts, padded))
+
+
+def _request_cuts(qsl: list[int], num_ubatches: int) -> list[int]:
+    """Interior cuts on request boundaries, each as near its even cut ``k*T/N`` as the boundaries
+    left allow (ties go left).
+
+    Each cut takes a distinct interior boundary (``0 < b < T``) above the previous cut and leaves
+    one behind for every cut still to place, so a batch with at least ``N - 1`` interior
+    boundaries never gets an empty ubatch: ``[100, 100, 1000]`` in three cuts at ``[100, 200]``,
+    not ``[200, 1200]``. This is ROCm vLLM's ``request_aligned_split_points`` rule; see the module
+    docstring for where the two differ. With fewer boundaries the remaining cuts repeat the last
+    one (empty ubatches: :func:`~asyncdbo.plan.plan_step` then falls out as POLICY_REFUSED).
+    """
+    num_tokens, n = qsl[-1], num_ubatches
+    interior = sorted({b for b in qsl if 0 < b < num_tokens})
+
+    def nearest(k: int, candidates: list[int]) -> int:
+        # k*T/N against a boundary b, compared as N*b vs k*T (exact); min keeps the first on ties.
+        return min(candidates, key=lambda b: abs(b * n - k * num_tokens))
+
     cuts = [0]
-    for k in range(1, num_ubatches):
-        # Compare k*T/N with a boundary b as N*b vs k*T: exact integer arithmetic.
-        target = k * num_tokens
-        i = bisect.bisect_left([b * num_ubatches for b in qsl], target)
-        best = qsl[min(i, len(qsl) - 1)]
-        if i > 0 and abs(qsl[i - 1] * num_ubatches - target) <= abs(best * num_ubatches - target):
-            best = qsl[i - 1]
-        cuts.append(max(best, cuts[-1]))
+    for k in range(1, n):
+        if len(interior) < n - 1:  # not enough requests: some ubatch stays empty whatever we do
+            cuts.append(max(nearest(k, qsl), cuts[-1]))
+            continue
+        available = [b for b in interior if b > cuts[-1]]
+        cuts.append(nearest(k, available[: len(available) - (n - 1 - k)]))
     return cuts + [num_tokens]
 
 

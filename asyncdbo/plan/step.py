@@ -32,7 +32,19 @@ from .slices import (
     whole_batch_slice,
 )
 
-__all__ = ["StepPlan", "plan_step"]
+__all__ = ["StepPlan", "check_max_ubatches", "plan_step"]
+
+
+def check_max_ubatches(num_ubatches: int, max_ubatches: int | None) -> None:
+    """Refuse more ubatches than the model's MoE layers were built for (each ubatch slot needs its
+    own clone of the EP process group, made when the layer is built: see :mod:`asyncdbo.dist.ep`).
+    Checked at plan time, on every rank alike, before any collective of the step."""
+    if max_ubatches is not None and num_ubatches > max_ubatches:
+        raise ValueError(
+            f"num_ubatches ({num_ubatches}) exceeds max_ubatches ({max_ubatches}), the ubatches the model's MoE "
+            f"layers were built for (one process-group clone per ubatch); build them with max_ubatches >= "
+            f"{num_ubatches} or plan fewer ubatches"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +106,7 @@ def plan_step(
     min_share: float = 0.48,
     stats: PlanStats | None = None,
     step: int | None = None,
+    max_ubatches: int | None = None,
 ) -> StepPlan:
     """Plan one step: decide whether to microbatch, and if so how.
 
@@ -107,10 +120,13 @@ def plan_step(
     ``enabled=False`` votes no for this step (e.g. a vetoed prefix-cache case).
     ``stats``: if given, the step's record is counted there.  Every record is logged at DEBUG
     on the ``asyncdbo.plan`` logger.
+    ``max_ubatches``: the most ubatches the model's MoE layers were built for
+    (``MoELayer(max_ubatches=...)``); more is a ValueError here, not a failure mid-step.
     """
     qsl = as_query_start_loc(query_start_loc)
     if num_ubatches < 1:
         raise ValueError(f"num_ubatches ({num_ubatches}) must be at least 1")
+    check_max_ubatches(num_ubatches, max_ubatches)
     if policy not in SPLIT_POLICIES:
         raise ValueError(f"unknown split policy {policy!r}; use one of {SPLIT_POLICIES}")
     if not 0.0 <= min_share <= 0.5:

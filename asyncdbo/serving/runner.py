@@ -16,11 +16,15 @@ exactly the collectives one ubatch issues (an empty batch still joins every all-
 comm goes through the same (possibly modeled) link: serial and overlapped steps are measured on
 equal terms.
 
-Numerical contract: the merged logits equal the single-batch logits of the same model and
-inputs, up to float rounding; tests check max-abs-diff <= 1e-5.  On CPU fp32 it is not bitwise in
-general: with EP the experts' matmuls see other row sets per ubatch than for the whole batch (BLAS
-blocks them differently), which gives ~2e-6 on the demo's logits; single-rank runs and decode
-steps measured bitwise equal.
+Numerical contract: the runner adds no arithmetic (it slices, runs and concatenates), so the
+merged logits equal the single-batch logits bit for bit exactly when the model is batch-invariant:
+:class:`~asyncdbo.models.MiniModel` in deterministic mode (``MiniConfig.deterministic``, on by
+default for CPU tensors; see :mod:`asyncdbo.moe.batch_invariant` and "Numerics" in
+``docs/design.md``). Without it (deterministic=False, or on an accelerator, where it is off by
+default) they agree to float rounding only: a ubatch's GEMMs see other row counts than the whole
+batch's, and a request cut between ubatches is attended over a shorter context in the first one
+(measured with the mode off: 2.4e-6 on the demo's prefill logits on one rank as on two, and in
+decode steps over a 512-token context; ``benchmarks/results/deterministic_*.md``).
 """
 
 # Shape legend: T = tokens (real), P = tokens (padded), R = requests, B = max blocks per request,
@@ -47,6 +51,7 @@ from ..plan import (
     StepRecord,
     ThresholdConfig,
     UBatchSlice,
+    check_max_ubatches,
     merge_outputs,
     plan_step,
 )
@@ -66,7 +71,7 @@ def current_slice() -> UBatchSlice | None:
     ubatch's), or None outside a runner step. A step that falls back runs one whole-batch slice."""
     return _SLICE.get()
 
-logger = logging.getLogger("asyncdbo.runner")
+logger = logging.getLogger("asyncdbo.serving")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,10 +150,13 @@ class DBORunner:
     with DBO across the ranks of ``dp_group`` (None: no DP agreement, plan locally).
 
     Every rank of the group must call :meth:`step` for every step, idle ranks with an empty batch.
+    A model with a ``max_ubatches`` attribute (:class:`~asyncdbo.models.MiniModel`) must allow
+    ``cfg.num_ubatches``: checked here and at every plan.
     """
 
     def __init__(self, model: Any, cfg: RunnerConfig = RunnerConfig(), *, dp_group: Any = None,
                  device: torch.device | str | None = None, instrument: Instrument | None = None) -> None:
+        check_max_ubatches(cfg.num_ubatches, getattr(model, "max_ubatches", None))
         self.model = model
         self.cfg = cfg
         self.dp_group = dp_group
@@ -176,6 +184,7 @@ class DBORunner:
             max_imbalance=cfg.max_imbalance,
             min_share=cfg.min_share,
             stats=self.stats,
+            max_ubatches=getattr(self.model, "max_ubatches", None),
         )
         pad = plan.num_tokens_padded - batch.num_tokens
         ids_P, pos_P = batch.input_ids_T, batch.positions_T

@@ -6,7 +6,7 @@ order, on a laptop.
 * :mod:`~asyncdbo.sim.clock`: virtual streams, events, engines and the timeline;
 * :mod:`~asyncdbo.sim.races`: vector-clock happens-before checking, dead waits, lost overlap;
 * :mod:`~asyncdbo.sim.predict`: serial vs DBO step time for the reference MoE model;
-* the backend itself is :class:`asyncdbo.streams.sim.SimBackend` (``backend="sim"``).
+* the backend itself is :class:`asyncdbo.sim.backend.SimBackend` (``backend="sim"``).
 """
 
 from __future__ import annotations

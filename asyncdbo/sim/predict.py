@@ -159,6 +159,7 @@ class _Block:
         cfg = MoEConfig(
             hidden_size=D, intermediate_size=m.intermediate, num_experts=m.experts, top_k=m.top_k,
             num_shared_experts=m.shared_experts, schedule=m.schedule,
+            deterministic=False,  # the modeled device is an accelerator, where the mode is off by default
         )
         self.moe = MoELayer(cfg, ep_group=group, seed=layer, max_ubatches=2)
 
@@ -245,7 +246,7 @@ async def predict(
 
 def sim_trace(report: SimReport, *, rank: int = 0, label: str = "") -> dict[str, Any]:
     """A Chrome trace (Perfetto, ``asyncdbo trace`` PNGs) of one sim run, in the layout of
-    :meth:`asyncdbo.trace.Tracer.to_chrome` for device spans: pid = rank, one thread per (ubatch,
+    :meth:`asyncdbo.observe.Tracer.to_chrome` for device spans: pid = rank, one thread per (ubatch,
     stream role) with tid ``ub * 100 + 50`` (compute) or ``+ 60`` (comm) plus a lane when spans of
     one thread overlap; ``ts``/``dur`` in microseconds of the virtual clock; the run's numbers
     under ``otherData.asyncdbo.ranks[0].steps`` with the Tracer's field names."""

@@ -100,6 +100,19 @@ def test_moe_step_quick() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_deterministic_quick() -> None:
+    """Two gloo ranks run serial and DBO with deterministic mode off and on; the script exits 1
+    unless every DBO step with the mode on equals its serial step bit for bit."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "deterministic.py"), "--quick"], capture_output=True, text=True, timeout=110,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    on_row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| decode 16 req/rank, 1 layer | on |"))
+    assert on_row.endswith("| 0 |")
+
+
+@pytest.mark.timeout(120)
 def test_sim_sweep_quick_writes_table_and_plot(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(BENCH / "sim_sweep.py"), "--quick", "--out", str(tmp_path)],

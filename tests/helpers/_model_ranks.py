@@ -3,7 +3,7 @@
 A *case* describes one scenario: per-rank steps of chunks ``(request_id, token_ids)``, the runner
 config, and per-rank overrides.  :func:`serial_vs_dbo` runs the steps twice on two models with
 the same weights and separate KV caches, once with DBO off and once on, so a DBO step can only
-read K/V that DBO steps wrote.
+read K/V that DBO steps wrote; ``bitwise`` says whether every step's logits were ``torch.equal``.
 """
 
 from __future__ import annotations
@@ -47,12 +47,13 @@ async def _serial_vs_dbo(rank: int, case: Case) -> dict[str, Any]:
     serial = DBORunner(MiniModel(case.model, ep_group=group, max_ubatches=max_ub), case.runner, dp_group=group)
     dbo = DBORunner(MiniModel(case.model, ep_group=group, max_ubatches=max_ub), case.runner, dp_group=group)
     builder = BatchBuilder(case.model.kv_cache_config)
-    out: dict[str, Any] = {"max_abs_diff": 0.0, "records": [], "serial_records": [], "num_tokens": []}
+    out: dict[str, Any] = {"max_abs_diff": 0.0, "bitwise": True, "records": [], "serial_records": [], "num_tokens": []}
     for chunks in case.steps[rank]:
         batch = builder.build([(rid, list(toks)) for rid, toks in chunks])
         s = await serial.step(batch, enabled=False)
         d = await dbo.step(batch, enabled=rank not in case.disabled_ranks)
         assert s.logits_TV.shape == d.logits_TV.shape == (batch.num_tokens, case.model.vocab_size)
+        out["bitwise"] &= torch.equal(s.logits_TV, d.logits_TV)
         if batch.num_tokens:
             out["max_abs_diff"] = max(out["max_abs_diff"], (s.logits_TV - d.logits_TV).abs().max().item())
         out["records"].append(d.record)

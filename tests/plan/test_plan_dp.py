@@ -107,9 +107,28 @@ def test_plan_step_records_every_reason_and_logs_it(caplog: pytest.LogCaptureFix
     assert "step 1: below_threshold (mixed/prefill: 3 tokens < threshold 8)" in caplog.messages[1]
 
 
+def test_should_microbatch_refuses_a_count_that_is_not_the_batchs() -> None:
+    # 600 tokens against a 5-token batch would pass the 512 threshold for a batch that is not there
+    with pytest.raises(ValueError, match=r"^num_tokens_unpadded \(600\) disagrees with query_start_loc, whose last "
+                                         r"entry says the batch has 5 tokens; pass the real token count of the same batch$"):
+        should_microbatch(600, [0, 5])
+
+
+def test_request_policy_splits_three_ways_when_there_are_three_requests() -> None:
+    plan = plan_step(prefill(100, 100, 1000), num_ubatches=3, policy="request", thresholds=LOW)
+    assert plan.microbatched and plan.record.ubatch_num_tokens == (100, 100, 1000)
+    refused = plan_step(prefill(100, 1000), num_ubatches=3, policy="request", thresholds=LOW).record
+    assert refused.reason is PlanReason.POLICY_REFUSED
+    assert refused.detail == "request split leaves a ubatch without real tokens (sizes [100, 1000, 0])"
+
+
 def test_plan_step_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match=r"^num_ubatches \(0\) must be at least 1$"):
         plan_step(prefill(4), num_ubatches=0)
+    with pytest.raises(ValueError, match=r"^num_ubatches \(9\) exceeds max_ubatches \(4\), the ubatches the model's MoE "
+                                         r"layers were built for \(one process-group clone per ubatch\); build them with "
+                                         r"max_ubatches >= 9 or plan fewer ubatches$"):
+        plan_step(prefill(4), num_ubatches=9, max_ubatches=4)
     with pytest.raises(ValueError, match=r"^min_share \(-0\.1\) must lie in \[0, 0\.5\]$"):
         plan_step(prefill(4), min_share=-0.1)
 

@@ -11,6 +11,7 @@ import torch
 from asyncdbo.plan import (
     AttentionMetadata,
     SplitKind,
+    UBatchSlice,
     merge_outputs,
     slice_tokens,
     split_attn_metadata,
@@ -111,6 +112,57 @@ def test_split_extra_needs_a_kind_for_every_field() -> None:
         split_extra({"mrope": torch.arange(20)}, {}, slices)
     with pytest.raises(ValueError, match=r"split kind 'tokens' of extra field 'p' is unknown; use 'token', 'request' or 'shared'"):
         split_extra({"p": torch.arange(20)}, {"p": "tokens"}, slices)
+
+
+def test_two_field_slices_get_their_flags_from_query_start_loc() -> None:
+    # vLLM's UBatchSlice has a request range and a token range only. Requests of 32 and 40 new
+    # tokens cut at 68: ubatch 0 holds 36 of request 1's tokens and must see a context of 36, not
+    # 40 (which would read KV slots the ubatch after it has not written yet).
+    meta = AttentionMetadata.from_lengths([32, 40], [32, 40], torch.arange(4, dtype=torch.int32).reshape(2, 2),
+                                          torch.arange(72))
+    first, second = split_attn_metadata(meta, [UBatchSlice(slice(0, 2), slice(0, 68), slice(0, 68)),
+                                               UBatchSlice(slice(1, 2), slice(68, 72), slice(68, 72))])
+    assert first.seq_lens_cpu.tolist() == [32, 36] == first.seq_lens.tolist()
+    assert second.seq_lens_cpu.tolist() == [40] and second.query_start_loc_cpu.tolist() == [0, 4]
+    with pytest.raises(ValueError, match=r"^ubatch 0 \(tokens 0:68, requests 0:2\) has last_is_truncated=False, but "
+                                         r"query_start_loc says True; leave the flags None to derive them$"):
+        split_attn_metadata(meta, [UBatchSlice(slice(0, 2), slice(0, 68), slice(0, 68), False, False),
+                                   UBatchSlice(slice(1, 2), slice(68, 72), slice(68, 72))])
+
+
+def _slices(*spec: tuple[tuple[int, int], tuple[int, int]]) -> list[UBatchSlice]:
+    return [UBatchSlice(slice(*reqs), slice(*toks), slice(*toks)) for reqs, toks in spec]
+
+
+@pytest.mark.parametrize(
+    ("slices", "message"),
+    [
+        # tokens 4:12 in both ubatches
+        (_slices(((0, 4), (0, 12)), ((1, 4), (4, 20))),
+         r"^ubatch 1 \(tokens 4:20, requests 1:4\) overlaps ubatch 0 \(tokens 0:12\): tokens 4:12 would be computed "
+         r"twice; each ubatch must start where the previous one stops$"),
+        # tokens 10:12 in neither
+        (_slices(((0, 2), (0, 10)), ((3, 4), (12, 20))),
+         r"^ubatch 1 \(tokens 12:20, requests 3:4\) leaves tokens 10:12 after ubatch 0 \(tokens 0:10\) in no ubatch; "
+         r"each ubatch must start where the previous one stops, the first at token 0$"),
+        (_slices(((0, 4), (2, 20)),),
+         r"^ubatch 0 \(tokens 2:20, requests 0:4\) leaves tokens 0:2 before it in no ubatch"),
+        (_slices(((0, 2), (0, 10)), ((2, 4), (10, 16))),
+         r"^the ubatches stop at token 16 but the batch has 20 tokens: tokens 16:20 are in no ubatch$"),
+        # request 1 (tokens 3:10) listed by ubatch 1 (tokens 10:20)
+        (_slices(((0, 2), (0, 10)), ((1, 4), (10, 20))),
+         r"^ubatch 1 \(tokens 10:20, requests 1:4\) lists request 1 \(tokens 3:10\), which has no token in it; a "
+         r"ubatch's requests are exactly those with tokens in its token range \(use slices_from_split_points to "
+         r"build slices\)$"),
+        # a request range that does not match the tokens (it used to fail as "query_start_loc must start at 0")
+        (_slices(((1, 4), (0, 20)),),
+         r"^ubatch 0 \(tokens 0:20, requests 1:4\) omits request 0 \(tokens 0:3\), which has tokens 0:3 in it"),
+        ([], r"^no ubatch slices given; pass at least one \(the whole batch is one slice\)$"),
+    ],
+)
+def test_slices_that_do_not_tile_the_batch_are_named(slices: list[UBatchSlice], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        split_attn_metadata(make_meta(), slices)
 
 
 def test_slices_that_do_not_fit_the_batch_are_rejected() -> None:

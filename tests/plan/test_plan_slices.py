@@ -8,6 +8,7 @@ import torch
 from asyncdbo.plan import (
     UBatchSlice,
     plan_slices,
+    slices_from_split_points,
     split_balanced,
     split_requests,
     split_tokens,
@@ -61,6 +62,54 @@ def test_request_split_never_cuts_a_request() -> None:
     assert [s.token_slice for s in split_requests(QSL, 4)] == [
         slice(0, 3), slice(3, 10), slice(10, 11), slice(11, 20)]
     assert not any(s.first_is_continuation or s.last_is_truncated for s in split_requests(QSL, 4))
+
+
+def test_request_split_keeps_a_distinct_boundary_for_every_cut() -> None:
+    # Even cuts of 1200 in three are 400 and 800; the nearest boundaries (200, 200) would leave the
+    # last ubatch empty. Each cut keeps one boundary back for the cuts after it (ROCm's rule).
+    assert [s.token_slice for s in split_requests([0, 100, 200, 1200], 3)] == [slice(0, 100), slice(100, 200), slice(200, 1200)]
+    # 5 requests of 10 and 1 of 50 in four: cuts near 25, 50, 75 on distinct boundaries
+    assert [s.token_slice.start for s in split_requests([0, 10, 20, 30, 40, 50, 100], 4)[1:]] == [20, 40, 50]
+    # Too few boundaries: some ubatch is empty whatever the cuts (plan_step refuses it)
+    assert [s.num_tokens for s in split_requests([0, 100, 1100], 3)] == [100, 1000, 0]
+
+
+def test_split_points_give_slices_with_request_ranges_and_flags() -> None:
+    # vLLM's split_point list: token offsets; SGLang's (split_seq_index, split_token_index) pairs.
+    assert slices_from_split_points(QSL, [12]) == split_tokens(QSL, 2, 24)[:1] + [S((3, 4), (12, 20), cont=True)]
+    assert slices_from_split_points(QSL, [(3, 12)]) == slices_from_split_points(QSL, [12])
+    assert slices_from_split_points(QSL, [(2, 10)]) == split_requests(QSL, 2)  # a boundary split
+    assert slices_from_split_points(QSL, [3, 11], 24) == [
+        S((0, 1), (0, 3)), S((1, 3), (3, 11)), S((3, 4), (11, 20), (11, 24))]
+    # SGLang's view of the second ubatch: (request_slice.start, token_slice.start)
+    second = slices_from_split_points(QSL, [(3, 12)])[1]
+    assert (second.request_slice.start, second.token_slice.start) == (3, 12)
+    assert slices_from_split_points(QSL, []) == [whole_batch_slice(QSL)]
+
+
+@pytest.mark.parametrize(
+    ("points", "message"),
+    [
+        ([25], r"^split point 0 \(25\) is outside the batch's tokens 0\.\.20; points are token offsets into query_start_loc$"),
+        ([12, 5], r"^split points must be non-decreasing, but point 1 \(5\) is below point 0 \(12\)$"),
+        ([(2, 12)], r"^split point 0 \(2, 12\): token 12 is not in request 2 \(tokens 10:11\); SGLang's "
+                    r"\(split_seq_index, split_token_index\) names the request the second part starts in$"),
+        ([(7, 12)], r"^split point 0 \(7, 12\): seq index 7 is not a request index of the batch \(0\.\.4, the last meaning the end\)$"),
+        (["12"], r"^split point 0 must be a token offset \(int\) or a \(seq index, token index\) pair of ints \(got '12'\)$"),
+    ],
+)
+def test_bad_split_points_are_named(points: list, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        slices_from_split_points(QSL, points)
+
+
+def test_a_malformed_slice_is_refused_when_built() -> None:
+    with pytest.raises(ValueError, match=r"^UBatchSlice\.token_slice must be a slice\(start, stop\) with 0 <= start <= stop "
+                                         r"and no step \(got slice\(3, 1, None\)\)$"):
+        UBatchSlice(slice(0, 1), slice(3, 1), slice(0, 5))
+    with pytest.raises(ValueError, match=r"^UBatchSlice\.padded_token_slice 0:3 is shorter than token_slice 0:5; it holds "
+                                         r"the real tokens plus padding$"):
+        UBatchSlice(slice(0, 1), slice(0, 5), slice(0, 3))
 
 
 def test_request_split_puts_padding_at_the_end() -> None:

@@ -1,0 +1,102 @@
+"""Checking ubatch slices against the batch they claim to split.
+
+Slices reach :func:`~asyncdbo.plan.split_attn_metadata` from the planners, but also from users
+porting vLLM code (two-field slices: request range and token range) or SGLang code (a split
+request index and token index).  A slice that does not fit the batch gives attention metadata
+that reads KV slots not yet written or drops tokens, and nothing downstream notices, so the
+split checks every slice first and says which one is wrong and how:
+
+* the token ranges must tile the batch: ubatch 0 starts at token 0, each starts where the
+  previous one stops, the last stops at ``num_actual_tokens`` (no overlap, no gap, nothing
+  outside);
+* a ubatch's request range must list exactly the requests with a token in its token range (a
+  request without query tokens may sit at either edge);
+* the continuation and truncation flags follow from the ranges and ``query_start_loc``: None
+  means "derive them" (vLLM's slices carry none), a value that disagrees is refused.
+"""
+
+# Shape legend: R = requests, T = tokens (real).
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .slices import UBatchSlice
+
+__all__ = ["check_slices"]
+
+
+def _span(sl: slice) -> str:
+    return f"{sl.start}:{sl.stop}"
+
+
+def _describe(k: int, s: UBatchSlice) -> str:
+    return f"ubatch {k} (tokens {_span(s.token_slice)}, requests {_span(s.request_slice)})"
+
+
+def check_slices(qsl: Sequence[int], slices: Sequence[UBatchSlice]) -> list[tuple[bool, bool]]:
+    """Validate ``slices`` against the batch ``qsl`` (``query_start_loc_cpu`` as ints) and return
+    each slice's ``(first_is_continuation, last_is_truncated)`` as the batch defines them.
+    Raises ValueError naming the first bad slice."""
+    num_reqs, num_tokens = len(qsl) - 1, qsl[-1]
+    if not slices:
+        raise ValueError("no ubatch slices given; pass at least one (the whole batch is one slice)")
+    for k, s in enumerate(slices):  # first what does not fit at all: it explains the rest
+        if s.token_slice.stop > num_tokens or s.request_slice.stop > num_reqs:
+            raise ValueError(
+                f"{_describe(k, s)} exceeds the batch ({num_tokens} tokens, {num_reqs} requests); plan the "
+                f"slices from this metadata's query_start_loc_cpu"
+            )
+    expected_start = 0
+    for k, s in enumerate(slices):
+        t0, t1 = s.token_slice.start, s.token_slice.stop
+        if t0 < expected_start:
+            raise ValueError(
+                f"{_describe(k, s)} overlaps ubatch {k - 1} (tokens {_span(slices[k - 1].token_slice)}): "
+                f"tokens {t0}:{min(expected_start, t1)} would be computed twice; each ubatch must start where "
+                f"the previous one stops"
+            )
+        if t0 > expected_start:
+            where = "before it" if k == 0 else f"after ubatch {k - 1} (tokens {_span(slices[k - 1].token_slice)})"
+            raise ValueError(
+                f"{_describe(k, s)} leaves tokens {expected_start}:{t0} {where} in no ubatch; each ubatch must "
+                f"start where the previous one stops, the first at token 0"
+            )
+        expected_start = t1
+    if expected_start != num_tokens:
+        raise ValueError(
+            f"the ubatches stop at token {expected_start} but the batch has {num_tokens} tokens: tokens "
+            f"{expected_start}:{num_tokens} are in no ubatch"
+        )
+    flags: list[tuple[bool, bool]] = []
+    for k, s in enumerate(slices):
+        t0, t1 = s.token_slice.start, s.token_slice.stop
+        r0, r1 = s.request_slice.start, s.request_slice.stop
+        # Requests with a token in [t0, t1): their range [qsl[r], qsl[r+1]) meets it.
+        having = [r for r in range(num_reqs) if max(qsl[r], t0) < min(qsl[r + 1], t1)]
+        for r in range(r0, r1):
+            empty_at_edge = qsl[r] == qsl[r + 1] and t0 <= qsl[r] <= t1
+            if r not in having and not empty_at_edge:
+                raise ValueError(
+                    f"{_describe(k, s)} lists request {r} (tokens {qsl[r]}:{qsl[r + 1]}), which has no token in "
+                    f"it; a ubatch's requests are exactly those with tokens in its token range (use "
+                    f"slices_from_split_points to build slices)"
+                )
+        for r in having:
+            if not r0 <= r < r1:
+                raise ValueError(
+                    f"{_describe(k, s)} omits request {r} (tokens {qsl[r]}:{qsl[r + 1]}), which has tokens "
+                    f"{max(qsl[r], t0)}:{min(qsl[r + 1], t1)} in it; a ubatch's requests are exactly those with "
+                    f"tokens in its token range (use slices_from_split_points to build slices)"
+                )
+        cont = r1 > r0 and qsl[r0] < t0
+        trunc = r1 > r0 and qsl[r1] > t1
+        for name, given, derived in (("first_is_continuation", s.first_is_continuation, cont),
+                                     ("last_is_truncated", s.last_is_truncated, trunc)):
+            if given is not None and given != derived:
+                raise ValueError(
+                    f"{_describe(k, s)} has {name}={given}, but query_start_loc says {derived}; leave the flags "
+                    f"None to derive them"
+                )
+        flags.append((cont, trunc))
+    return flags
