@@ -14,6 +14,9 @@ from .dp import (
     LocalStepInfo as LocalStepInfo,
 )
 from .dp import (
+    RecoveryVote as RecoveryVote,
+)
+from .dp import (
     ThresholdConfig as ThresholdConfig,
 )
 from .dp import (
@@ -95,6 +98,7 @@ __all__ = (
     "PlanReason",
     "PlanStats",
     "RankVote",
+    "RecoveryVote",
     "SplitKind",
     "SplitPolicy",
     "StepPlan",
