@@ -67,3 +67,11 @@ def test_four_ranks_one_ubatch_raises_every_peer_names_it_then_ten_good_steps(po
     for rank in (0, 1, 3):
         assert results[rank]["outcome"].startswith("StepAborted: step aborted: rank 2 failed it (RuntimeError: "), rank
     _check_recovered(results)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_fails_after_the_last_collective_recovers_its_peers_through_the_next_vote(pool: RankPool) -> None:
+    # Rank 0 finished the step and waits in the next step's vote, where rank 1 votes "recover".
+    results = pool.run(fail_then_step, Failure(late_on=1), timeout_s=90.0)
+    assert [r["outcome"] for r in results] == ["completed", "completed"]
+    _check_recovered(results)

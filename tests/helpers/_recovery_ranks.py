@@ -31,10 +31,13 @@ GOOD_STEPS = 10
 @dataclass(frozen=True)
 class Failure:
     """How the failed step fails: ``cancel_after[rank]`` scheduler steps into it, rank ``rank``'s
-    task is cancelled (None: not by its own hand); ``raise_on``: this rank's ubatch 1 raises."""
+    task is cancelled (None: not by its own hand); ``raise_on``: this rank's ubatch 1 raises;
+    ``late_on``: this rank fails after the step's last collective (the others finish the step
+    and wait in the next step's vote), as the runner records a failure of its merge."""
 
     cancel_after: tuple[int | None, ...] = ()
     raise_on: int | None = None
+    late_on: int | None = None
 
 
 class _CancelAfter(Instrument):
@@ -95,6 +98,9 @@ async def _fail_then_step(rank: int, failure: Failure) -> dict[str, Any]:
     except Exception as exc:
         outcome = f"{type(exc).__name__}: {exc}"
     raising.armed = False
+    if failure.late_on == rank:
+        assert dbo.sync is not None
+        dbo.sync.post_failure(RuntimeError("merge failed after the last collective"))
 
     microbatched = []
     for i in range(GOOD_STEPS):
