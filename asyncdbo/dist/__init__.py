@@ -21,7 +21,7 @@ from .groups import (
     ubatch_group,
     ubatch_groups,
 )
-from .recovery import StepAborted, StepSync, step_sync
+from .recovery import StepAborted, StepSync, roll_call, step_sync
 
 if TYPE_CHECKING:
     from .ep import DispatchPlan, EPComm, ep_comm, forget_ep_comm, plan_dispatch
@@ -51,6 +51,7 @@ __all__ = [
     "on_destroy",
     "plan_dispatch",
     "renew_ubatch_groups",
+    "roll_call",
     "step_sync",
     "ubatch_group",
     "ubatch_groups",

@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from .groups import _base, clone_group, on_destroy, renew_ubatch_groups
 
-__all__ = ["POLL_S", "StepAborted", "StepSync", "step_sync"]
+__all__ = ["POLL_S", "StepAborted", "StepSync", "roll_call", "step_sync"]
 
 log = logging.getLogger("asyncdbo.recovery")
 
@@ -145,3 +146,29 @@ def step_sync(group: Any = None) -> StepSync | None:
     if sync is None:
         sync = _SYNCS[base.group_name] = StepSync(base)
     return sync
+
+
+def roll_call(tag: str, wait_s: float) -> list[int] | None:
+    """Check in under ``tag`` in the rendezvous store and wait up to ``wait_s`` seconds for every
+    rank of the default group to do the same; return the ranks that did not (a stopped, hung or
+    dead rank never does), or None if the store cannot be reached.
+
+    For a failure path: every rank that fails calls it with the same ``tag``, so the survivors of a
+    silent peer name it instead of the peer they happened to be waiting on."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        store = c10d._get_default_store()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        store.set(f"asyncdbo/roll-call/{tag}/{rank}", "here")
+        deadline = time.monotonic() + wait_s
+        missing = [r for r in range(world) if r != rank]
+        while True:
+            missing = [r for r in missing if not store.check([f"asyncdbo/roll-call/{tag}/{r}"])]
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(POLL_S)
+    except Exception as exc:  # the store's host is gone too
+        log.warning("roll call %r failed: %s", tag, exc)
+        return None
