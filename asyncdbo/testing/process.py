@@ -14,9 +14,10 @@ import sys
 import threading
 import time
 
-__all__ = ["exit_with_parent"]
+__all__ = ["exit_with_parent", "set_process_name"]
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 #: How often the fallback watcher thread looks at the parent pid.
 _PARENT_POLL_S = 0.5
 
@@ -41,6 +42,15 @@ def exit_with_parent(parent_pid: int | None = None, *, watch: bool = False) -> s
     if how == "watch":
         threading.Thread(target=_watch, args=(parent,), name="asyncdbo-parent-watch", daemon=True).start()
     return how
+
+
+def set_process_name(name: str) -> bool:
+    """Name this process for ``ps``, ``top`` and ``pgrep`` (Linux: ``/proc/<pid>/comm``, at most 15
+    bytes), so ``kill -USR1 $(pgrep -x asyncdbo-rank1)`` finds a rank. Returns whether it worked."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return bool(libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0) == 0)
 
 
 def _watch(parent_pid: int) -> None:

@@ -6,7 +6,7 @@ peers' steps with :class:`~asyncdbo.dist.StepAborted`. Listing the lowest failin
 blames a bystander (killing rank 1 of the demo printed rank 0's "raised in ubatch 1" note and hid
 "rank 1 process died"). :attr:`RankError.root` orders the evidence instead:
 
-1. a rank whose process died;
+1. a rank whose process died, or stayed stopped (SIGSTOP) for the pool's timeout;
 2. a rank that raised an error of its own (not a peer's closed connection or a timeout);
 3. a rank that did not answer (stopped, or stuck) while others failed;
 4. a rank that raised because of a peer (closed connection, reset, time-out, ``StepAborted``);
@@ -23,8 +23,8 @@ __all__ = ["RankError", "exception_line"]
 
 # Errors a rank raises because a peer failed or went silent, not because of anything it did.
 _CONSEQUENCE = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out waiting|timed out|"
-    r"WatchdogTimeout|StepAborted|Socket Timeout|no answer within",
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out waiting|timed out|Wait timeout|"
+    r"Timeout waiting for key|WatchdogTimeout|StepAborted|Socket Timeout|no answer within",
     re.IGNORECASE,
 )
 _DIED, _RAISED, _SILENT, _AFTER_PEER = range(4)
@@ -53,7 +53,7 @@ class RankError(RuntimeError):
         details: dict[int, str],
         *,
         errors: dict[int, str] | None = None,
-        died: tuple[int, ...] = (),
+        died: tuple[int, ...] = (),  # died or stopped
         silent: tuple[int, ...] = (),
         order: tuple[int, ...] = (),
     ) -> None:

@@ -16,11 +16,13 @@ machine, so :class:`RankPool` keeps its workers alive between calls; a test modu
 Failure is always bounded in time, never a hang:
 
 * a rank that raises gives :class:`RankError` naming the rank and carrying its traceback text;
-* a rank whose process dies, or a call that runs past ``timeout_s``, gives :class:`RankError`
-  naming the rank(s) that did not answer;
+* a rank whose process dies or stays stopped (SIGSTOP) for ``timeout_s``, or a call that runs
+  past its own ``timeout_s``, gives :class:`RankError` naming the rank(s), the root cause first
+  (:mod:`asyncdbo.testing.rank_error`);
 * the process group itself is created with the same timeout, so a collective whose peer is gone
   fails inside the worker instead of blocking forever;
-* workers exit on their own when the parent process dies (pipe EOF or a changed parent pid).
+* workers exit on their own when the parent process dies (pipe EOF or a changed parent pid),
+  and are named ``asyncdbo-rank<r>`` for ``ps`` and ``pgrep``.
 
 Nothing listens beyond loopback: the ranks meet through a ``file://`` store in a private (0700)
 directory, so there is no TCP rendezvous server (torch's ``TCPStore`` listens on every interface,
@@ -55,7 +57,7 @@ from multiprocessing.connection import Connection, wait
 from types import TracebackType
 from typing import Any
 
-from .process import exit_with_parent
+from .process import exit_with_parent, set_process_name
 from .rank_error import RankError, exception_line
 
 __all__ = ["RankError", "RankPool", "free_port", "rank_world", "run_ranks"]
@@ -65,6 +67,8 @@ _CLOSE_GRACE_S = 5.0
 #: After the first rank fails, seconds to wait for the other ranks' answers, so that the error can
 #: name every rank that failed (peers often fail a moment later in the same collective).
 _FAILURE_GRACE_S = 1.0
+#: How often a waiting pool looks whether a rank's process is stopped.
+_STATE_POLL_S = 0.5
 
 
 def free_port() -> int:
@@ -120,6 +124,7 @@ def _worker_main(
     # A thread watches the parent pid (the pipe EOF misses a worker busy in a call); no
     # PR_SET_PDEATHSIG: it would fire when the parent *thread* that made the pool exits.
     exit_with_parent(parent_pid, watch=True)
+    set_process_name(f"asyncdbo-rank{rank}")  # ps / pgrep show which rank a process is
     try:
         import torch
         import torch.distributed as dist
@@ -296,7 +301,12 @@ class RankPool:
     # -- internals ------------------------------------------------------------------------------
 
     def _collect(self, what: str, timeout_s: float) -> list[Any]:
-        """Wait for one answer per rank; on any failure close the pool and raise RankError."""
+        """Wait for one answer per rank; on any failure close the pool and raise RankError.
+
+        A rank whose process stays stopped (SIGSTOP, a debugger) for the pool's ``timeout_s``
+        fails the call by itself: its peers would fail at their collective timeout too, but one of
+        them may instead be blocked for good on a lock the stopped process holds (the ``file://``
+        store's ``flock``)."""
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
         errors: dict[int, str] = {}
@@ -304,7 +314,18 @@ class RankPool:
         order: list[int] = []  # failing ranks in the order their failure arrived
         deadline = time.monotonic() + timeout_s  # inf: no deadline
         failed_at: float | None = None
+        stopped_since: dict[int, float] = {}
         pending = set(range(self.world_size))
+
+        def fail(rank: int, kind: str, value: Any) -> None:
+            pending.discard(rank)
+            order.append(rank)
+            if kind == "err":
+                failures[rank], errors[rank] = value
+            else:
+                died.append(rank)
+                failures[rank] = errors[rank] = value
+
         while pending:
             now = time.monotonic()
             limit = deadline if failed_at is None else min(deadline, failed_at + _FAILURE_GRACE_S)
@@ -313,7 +334,7 @@ class RankPool:
             waitables: list[Any] = []
             for rank in pending:
                 waitables += [self._conns[rank], self._procs[rank].sentinel]
-            ready = wait(waitables, timeout=None if limit == float("inf") else limit - now)
+            ready = wait(waitables, timeout=min(limit - now, _STATE_POLL_S))
             for rank in sorted(pending):
                 conn, proc = self._conns[rank], self._procs[rank]
                 if conn in ready:
@@ -322,23 +343,23 @@ class RankPool:
                     except (EOFError, OSError):
                         # The pipe closed without an answer: the process is dying or dead.
                         proc.join(_FAILURE_GRACE_S)
-                        kind, value = "died", None
-                    pending.discard(rank)
-                    if kind == "ok" or kind == "ready":
-                        results[rank] = value
+                        fail(rank, "died", f"process died (exit code {proc.exitcode}) during {what}")
                         continue
-                    order.append(rank)
-                    if kind == "died":
-                        died.append(rank)
-                        failures[rank] = errors[rank] = f"process died (exit code {proc.exitcode}) during {what}"
+                    if kind == "err":
+                        fail(rank, kind, value)
                     else:
-                        failures[rank], errors[rank] = value
+                        pending.discard(rank)
+                        results[rank] = value
                 elif proc.sentinel in ready and not conn.poll():
                     proc.join(_FAILURE_GRACE_S)
-                    pending.discard(rank)
-                    order.append(rank)
-                    died.append(rank)
-                    failures[rank] = errors[rank] = f"process died (exit code {proc.exitcode}) during {what}"
+                    fail(rank, "died", f"process died (exit code {proc.exitcode}) during {what}")
+                elif _is_stopped(proc.pid):
+                    since = stopped_since.setdefault(rank, time.monotonic())
+                    if time.monotonic() - since >= self.timeout_s:
+                        fail(rank, "stopped", f"process stopped (SIGSTOP or a debugger) for {self.timeout_s:g} s "
+                                              f"during {what}")
+                else:
+                    stopped_since.pop(rank, None)
             if failures and failed_at is None:
                 failed_at = time.monotonic()
         if not failures and not pending:
@@ -358,6 +379,15 @@ class RankPool:
         self._broken = summary
         self._shutdown(0.0)  # surviving ranks may be stuck in a collective: do not wait for them
         raise RankError(summary, failures, errors=errors, died=tuple(died), silent=silent, order=tuple(order))
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """Whether the process is stopped by a signal or a tracer (Linux ``/proc``; False elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def run_ranks(
