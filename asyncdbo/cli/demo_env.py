@@ -93,6 +93,9 @@ def _record_for_torchrun(message: str) -> None:
     try:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-        ErrorHandler().record_exception(RuntimeError(message))
+        try:  # raised, so that the "traceback" torchrun prints (format_exc) ends with this line
+            raise RuntimeError(message)
+        except RuntimeError as exc:
+            ErrorHandler().record_exception(exc)
     except Exception as exc:  # the summary is a courtesy; the exit status carries the failure
         print(f"asyncdbo demo: could not record the error for torchrun: {exc}", file=sys.stderr)
