@@ -18,7 +18,8 @@ from typing import Any
 
 from ..sim.devices import DEVICES
 from ..sim.races import SimCheckError
-from .inputs import PROCESS_BASE_BYTES, available_bytes, check_output_dir, human_bytes, largest_fitting
+from . import inputs
+from .inputs import PROCESS_BASE_BYTES, check_output_dir, human_bytes, largest_fitting
 
 __all__ = ["add_arguments", "check_bytes", "main"]
 
@@ -146,7 +147,7 @@ def _check_inputs(args: argparse.Namespace, model: Any) -> None:
         raise ValueError(f"--ubatches {args.ubatches}: a step needs at least 1 ubatch (DBO uses 2); use --ubatches 2")
     if args.trace:
         check_output_dir("--trace", args.trace)
-    avail = available_bytes()
+    avail = inputs.available_bytes()
     tokens = max(args.tokens)
     if avail is not None and check_bytes(model, args.shape, tokens) > avail:
         best = largest_fitting(lambda t: check_bytes(model, args.shape, t), 2, tokens, avail)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from .inputs import PROCESS_BASE_BYTES, available_bytes, human_bytes, largest_fitting
+from . import inputs
+from .inputs import PROCESS_BASE_BYTES, human_bytes, largest_fitting
 
 if TYPE_CHECKING:
     from .demo import DemoConfig
@@ -48,7 +49,7 @@ def check_memory(cfg: DemoConfig, *, processes: int | None = None, available: in
     """Refuse (ValueError) a run whose ranks on this machine (``processes``, default all
     ``cfg.ranks``) would not fit the memory available here, naming the largest ``--tokens`` that
     would; before any rank starts."""
-    avail = available_bytes() if available is None else available
+    avail = inputs.available_bytes() if available is None else available
     if avail is None:
         return
     here = cfg.ranks if processes is None else processes

@@ -22,7 +22,6 @@ __all__ = [
     "available_bytes",
     "check_output_dir",
     "check_timeout",
-    "fits",
     "human_bytes",
     "largest_fitting",
 ]
@@ -82,12 +81,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
-
-
-def fits(needed: float, available: int | None = None) -> bool:
-    """Whether ``needed`` bytes fit the available memory (always True when that is unknown)."""
-    avail = available_bytes() if available is None else available
-    return avail is None or needed <= avail
 
 
 def largest_fitting(estimate: Callable[[int], float], lo: int, hi: int, available: int) -> int | None:
