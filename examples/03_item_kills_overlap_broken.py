@@ -29,7 +29,6 @@ from asyncdbo import (
 from asyncdbo.backends import LinkSpec
 from asyncdbo.backends.host import HostBackend
 from asyncdbo.observe import Tracer
-from asyncdbo.testing import free_port
 
 # Legend: T tokens of this ubatch, D hidden, E experts, R rows received.
 D, E, LAYERS, TOKENS = 384, 8, 3, 512
@@ -74,7 +73,8 @@ async def step(x_TD: torch.Tensor, num_ubatches: int, tracer: Tracer) -> torch.T
 
 
 def main() -> dict[str, float]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    # One process: an in-memory store, no port to listen on.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         x_TD = torch.randn(TOKENS, D)
         serial, dbo = Tracer(), Tracer()

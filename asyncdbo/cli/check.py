@@ -18,8 +18,31 @@ from typing import Any
 
 from ..sim.devices import DEVICES
 from ..sim.races import SimCheckError
+from . import inputs
+from .inputs import PROCESS_BASE_BYTES, check_output_dir, human_bytes, largest_fitting
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["add_arguments", "check_bytes", "main"]
+
+
+def check_bytes(model: Any, shape: str, tokens: int) -> float:
+    """Estimated peak bytes of one ``check`` row: the sim runs the model for real on this CPU, the
+    serial pass over all ``tokens`` at once. Weights (this rank's experts and the shared ones),
+    prefill attention (``heads x T x T`` scores three times over, the mask) or decode attention
+    (every token's cached keys and values over ``--context``, per layer, and its scores), and
+    per-token activations; plus the process and 256 MiB the simulator holds beyond these terms
+    (measured: peak RSS over tokens has a 745 MiB intercept where the terms give 489 MiB). Against
+    the measured peak RSS: 1.1-1.6x (``benchmarks/results/memory_estimate_cpu-2c_2026-12-01.md``)."""
+    f32 = 4
+    T, D, L, I, k = tokens, model.hidden, model.layers, model.intermediate, model.top_k
+    H, C, F = model.heads, model.context, model.heads * model.head_dim
+    experts_here = model.experts // model.ep + model.shared_experts
+    weights = L * (4 * D * F + 3 * experts_here * D * I + D * model.experts) * f32
+    if shape == "prefill":
+        attention = 3 * H * T * T * f32 + T * T
+    else:
+        attention = (L * 2 * T * C * model.head_dim + 2 * T * H * C) * f32
+    activations = T * (8 * D + 3 * F + 4 * k * D + 2 * k * I) * f32
+    return float(PROCESS_BASE_BYTES + 256 * 2**20 + weights + attention + activations)
 
 
 def _tokens(text: str) -> list[int]:
@@ -71,6 +94,7 @@ def main(args: argparse.Namespace) -> int:
             top_k=args.top_k, shared_experts=args.shared_experts, heads=args.heads, head_dim=args.head_dim,
             context=args.context, ep=args.ep, schedule=args.schedule,
         )
+        _check_inputs(args, model)
     except ValueError as exc:
         print(f"asyncdbo check: {exc}")
         return 2
@@ -90,8 +114,6 @@ def main(args: argparse.Namespace) -> int:
         head += f" | {pol + ' DBO us':>14} {'gain':>7} {'comm hidden':>11}"
     print(head)
     print("-" * len(head))
-    if args.trace:
-        os.makedirs(args.trace, exist_ok=True)
     for tokens in args.tokens:
         row = f"{tokens:>11}"
         for i, pol in enumerate(policies):
@@ -116,6 +138,25 @@ def main(args: argparse.Namespace) -> int:
         print(row)
     print("gain: serial step time / DBO step time - 1 (positive: DBO is faster). See docs/sim.md for the model.")
     return 0
+
+
+def _check_inputs(args: argparse.Namespace, model: Any) -> None:
+    """Flags that would fail only after rows of output (or take the machine's memory): refuse them
+    up front with the value and the fix."""
+    if args.ubatches < 1:
+        raise ValueError(f"--ubatches {args.ubatches}: a step needs at least 1 ubatch (DBO uses 2); use --ubatches 2")
+    if args.trace:
+        check_output_dir("--trace", args.trace)
+    avail = inputs.available_bytes()
+    tokens = max(args.tokens)
+    if avail is not None and check_bytes(model, args.shape, tokens) > avail:
+        best = largest_fitting(lambda t: check_bytes(model, args.shape, t), 2, tokens, avail)
+        fix = f"use --tokens up to {best}" if best else "use a smaller model (--hidden, --layers, --context)"
+        raise ValueError(
+            f"--tokens {tokens} needs about {human_bytes(check_bytes(model, args.shape, tokens))} for the {args.shape} "
+            f"step (the sim runs the model on this CPU; estimated before running it), but "
+            f"{human_bytes(avail)} is available; {fix}"
+        )
 
 
 def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:

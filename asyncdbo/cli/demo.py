@@ -27,18 +27,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 
 from ..moe.config import Schedule
+from .demo_memory import check_memory, rank_bytes
+from .inputs import check_output_dir, check_timeout
 
-__all__ = ["DemoConfig", "add_arguments", "demo_rank", "error_line", "main", "passed", "summarize"]
+__all__ = ["DemoConfig", "add_arguments", "demo_rank", "error_line", "main", "passed", "rank_bytes", "summarize"]
 
 logger = logging.getLogger("asyncdbo.cli.demo")
 
@@ -49,6 +51,9 @@ DETERMINISTIC_CHOICES = ("auto", "on", "off")
 #: off (fp32 rounding: other row counts take other GEMM and reduction paths). With it on (the CPU
 #: default) the outputs must be bitwise equal.
 MATCH_ATOL = 1e-4
+#: Seconds the local ranks may take to start (spawn, import torch, join the group) on a loaded
+#: machine, however short --timeout is.
+START_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +81,7 @@ class DemoConfig:
     prefill_threshold: int = 512
     decode_threshold: int = 32
     deterministic: str = "auto"
+    timeout_s: float = 120.0  # bounds a stuck rank or collective: group timeout and runner watchdog
 
     def __post_init__(self) -> None:
         for name in ("ranks", "layers", "experts", "top_k", "hidden", "ubatches", "steps"):
@@ -101,8 +107,9 @@ class DemoConfig:
             raise ValueError(f"unknown --shape {self.shape!r}; use 'prefill' or 'decode'")
         if self.link is not None and self.link not in LINK_CHOICES[1:]:
             raise ValueError(f"unknown --link {self.link!r}; use one of {LINK_CHOICES}")
-        if not self.link_scale > 0:
-            raise ValueError(f"--link-scale must be > 0 (got {self.link_scale})")
+        if not 0 < self.link_scale < math.inf:
+            raise ValueError(f"--link-scale must be a finite number > 0 (got {self.link_scale:g}); the default is 1000")
+        check_timeout("--timeout", self.timeout_s)
         if self.loop not in ("auto", "asyncio", "uvloop"):
             raise ValueError(f"unknown --loop {self.loop!r}; use 'auto', 'asyncio' or 'uvloop'")
         if self.deterministic not in DETERMINISTIC_CHOICES:
@@ -171,7 +178,7 @@ async def _demo_rank_async(rank: int, world: int, cfg: DemoConfig, device: torch
         RunnerConfig(num_ubatches=cfg.ubatches, stream_policy=cfg.stream_policy,  # type: ignore[arg-type]
                      thresholds=ThresholdConfig(prefill_threshold=cfg.prefill_threshold,
                                                 decode_threshold=cfg.decode_threshold),
-                     backend="host" if cfg.link else "auto", link=cfg.link_spec()),
+                     backend="host" if cfg.link else "auto", link=cfg.link_spec(), watchdog_s=cfg.timeout_s),
         dp_group=group,
         device=device,
     )
@@ -216,8 +223,12 @@ async def _demo_rank_async(rank: int, world: int, cfg: DemoConfig, device: torch
 
 
 def demo_rank(rank: int, world: int, cfg: DemoConfig) -> dict[str, Any]:
-    """The work of one rank, for either launcher: the process group is already initialised."""
+    """The work of one rank, for either launcher: the process group is already initialised.
+    ``kill -USR1 <pid>`` of a rank prints its ubatches' await chains (it keeps running)."""
     from ..dbo import run
+    from ..observe import install_stack_dump_signal
+
+    install_stack_dump_signal()
 
     device = torch.device("cpu")
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
@@ -336,7 +347,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="[%(default)s]")
     p.add_argument("--launcher", choices=("local", "env"), default="local",
                    help="local: start --ranks processes here; env: this process is one rank of torchrun [%(default)s]")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck rank or collective fails [%(default)s]")
+    p.add_argument("--timeout", type=float, default=d.timeout_s,
+                   help="seconds before a stuck rank or collective fails (each wait, not the whole run) [%(default)s]")
     p.add_argument("--model", choices=("mini", "mixtral", "qwen3-moe", "deepseek-v3"), default="mini",
                    help="mini: the small reference model; or a Hugging Face architecture, checked against "
                         "transformers (see asyncdbo.cli.demo_hf; --layers/--experts/--top-k/--hidden come from its config) [%(default)s]")
@@ -352,7 +364,7 @@ def _config_from_args(args: argparse.Namespace, ranks: int | None = None) -> Dem
         warmup=args.warmup, shape=args.shape, context=args.context,
         link=None if args.link == "none" else args.link, link_scale=args.link_scale,
         trace=args.trace, seed=args.seed, prefill_threshold=args.prefill_threshold,
-        decode_threshold=args.decode_threshold, deterministic=args.deterministic,
+        decode_threshold=args.decode_threshold, deterministic=args.deterministic, timeout_s=args.timeout,
     )
 
 
@@ -383,55 +395,31 @@ def error_line(details: str) -> str:
     return lines[-1] if lines else details.strip()
 
 
-def _main_env(args: argparse.Namespace) -> int:
-    """One rank of a torchrun job: join through env://, run, gather to rank 0, print there."""
-    import torch.distributed as dist
-
-    from ..dist import destroy_process_groups
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = _config_from_args(args, ranks=world)
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if use_cuda else "gloo", init_method="env://",
-                            timeout=timedelta(seconds=args.timeout))
-    try:
-        rank = dist.get_rank()
-        mine = demo_rank(rank, world, cfg)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine)
-        if rank == 0:
-            rc = _report(cfg, gathered)
-        else:
-            rc = 0 if passed(summarize(cfg, gathered)) else 1
-    except BaseException:
-        destroy_process_groups(barrier=False)  # peers may be gone: a barrier could only time out
-        raise
-    # Leave together, and join every group's gloo threads now: left to interpreter exit, they can
-    # abort the process (see destroy_process_groups).
-    destroy_process_groups()
-    return rc
-
-
 def main(args: argparse.Namespace) -> int:
-    from ..testing.ranks import RankError, run_ranks
+    from ..testing.ranks import RankError, RankPool
 
     if args.model != "mini" or args.weights is not None:
         from .demo_hf import main_hf
 
         return main_hf(args)
+    if args.launcher == "env":
+        from .demo_env import main_env
+
+        return main_env(args)
     try:
-        if args.launcher == "env":
-            return _main_env(args)
         cfg = _config_from_args(args)
+        check_memory(cfg)
+        if cfg.trace:
+            check_output_dir("--trace", cfg.trace)
     except ValueError as exc:
         print(f"asyncdbo demo: error: {exc}", file=sys.stderr)
         return 2
     try:
-        per_rank = run_ranks(demo_rank, cfg.ranks, cfg, timeout_s=args.timeout)
+        # --timeout bounds every collective and every wait of a step (group timeout, watchdog),
+        # not the run: a healthy run of any length finishes; a stuck rank fails its peers.
+        with RankPool(cfg.ranks, timeout_s=cfg.timeout_s, start_timeout_s=max(cfg.timeout_s, START_TIMEOUT_S)) as pool:
+            per_rank = pool.run(demo_rank, cfg, timeout_s=math.inf)
     except RankError as exc:
-        why = error_line(exc.details[exc.ranks[0]])
-        print(f"asyncdbo demo: error: {str(exc).splitlines()[0]}: {why}", file=sys.stderr)
+        print(f"asyncdbo demo: error: {exc.root_line()}", file=sys.stderr)
         return 1
     return _report(cfg, per_rank)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import statistics
 import sys
 import tempfile
@@ -119,9 +120,12 @@ async def _rank_async(rank: int, world: int, cfg: HFDemoConfig, ckpt: str) -> di
 
 
 def hf_demo_rank(rank: int, world: int, cfg: HFDemoConfig, ckpt: str) -> dict[str, Any]:
-    """The work of one rank (the process group is already initialised)."""
+    """The work of one rank (the process group is already initialised); SIGUSR1 prints its
+    ubatches' await chains."""
     from ..dbo import run
+    from ..observe import install_stack_dump_signal
 
+    install_stack_dump_signal()
     return run(_rank_async, rank, world, cfg, ckpt, loop=cfg.loop)  # type: ignore[arg-type]
 
 
@@ -196,8 +200,9 @@ def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], wh
 
 def main_hf(args: argparse.Namespace) -> int:
     """``asyncdbo demo --model ...``: start the ranks here, load, run, compare, print."""
-    from ..testing.ranks import RankError, run_ranks
-    from .demo import error_line
+    from ..testing.ranks import RankError, RankPool
+    from .demo import START_TIMEOUT_S
+    from .inputs import check_timeout
 
     try:
         if importlib.util.find_spec("transformers") is None:
@@ -207,6 +212,7 @@ def main_hf(args: argparse.Namespace) -> int:
         if args.model == "mini":
             raise ValueError("--weights needs --model mixtral, qwen3-moe or deepseek-v3")
         _refuse_mini_only_flags(args)
+        timeout_s = check_timeout("--timeout", args.timeout)
         cfg = HFDemoConfig(model=args.model, weights=args.weights, ranks=args.ranks, tokens=args.tokens,
                            steps=args.steps, warmup=args.warmup, schedule=args.schedule, stream_policy=args.stream_policy,
                            ubatches=args.ubatches, loop=args.loop, seed=args.seed,
@@ -241,10 +247,11 @@ def main_hf(args: argparse.Namespace) -> int:
         else:
             where = cfg.weights
         try:
-            per_rank = run_ranks(hf_demo_rank, cfg.ranks, cfg, cfg.weights or tmp, timeout_s=args.timeout)
+            # --timeout bounds each collective (the group's timeout), not the run.
+            with RankPool(cfg.ranks, timeout_s=timeout_s, start_timeout_s=max(timeout_s, START_TIMEOUT_S)) as pool:
+                per_rank = pool.run(hf_demo_rank, cfg, cfg.weights or tmp, timeout_s=math.inf)
         except RankError as exc:
-            why = error_line(exc.details[exc.ranks[0]])
-            print(f"asyncdbo demo: error: {str(exc).splitlines()[0]}: {why}", file=sys.stderr)
+            print(f"asyncdbo demo: error: {exc.root_line()}", file=sys.stderr)
             return 1
     if cfg.weights is not None:  # after the ranks: their loader names a broken file and tensor first
         hf_model = _reference(cfg)

@@ -7,9 +7,16 @@ it in ui.perfetto.dev or chrome://tracing for the interactive view, or render a 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from typing import Any
 
-__all__ = ["add_arguments", "format_numbers", "main"]
+__all__ = ["MAX_TRACE_BYTES", "add_arguments", "format_numbers", "main", "read_trace"]
+
+#: The largest trace file read (a trace of a few steps is kilobytes to a few megabytes; a device
+#: file such as /dev/zero never ends).
+MAX_TRACE_BYTES = 256 * 2**20
 
 _COLUMNS = (
     ("rank", "rank", "{}"),
@@ -55,11 +62,70 @@ def format_numbers(trace: dict) -> str:
     return "\n".join(lines)
 
 
+def read_trace(path: str) -> dict[str, Any]:
+    """Read and check a trace file: at most :data:`MAX_TRACE_BYTES`, JSON, a Chrome trace object,
+    and every asyncdbo field this command uses present with the right kind of value. Raises
+    ValueError (or OSError) naming what is wrong."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_TRACE_BYTES:
+            raise ValueError(f"it is {size / 2**20:.0f} MiB, more than the {MAX_TRACE_BYTES // 2**20} MiB a trace may have")
+        raw = f.read(MAX_TRACE_BYTES + 1)
+    if len(raw) > MAX_TRACE_BYTES:
+        raise ValueError(f"it goes on past {MAX_TRACE_BYTES // 2**20} MiB (a device or a pipe, not a trace file)")
+    try:
+        data = json.loads(raw)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"it is not UTF-8 JSON ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"it is not JSON ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise ValueError("it is JSON but not a Chrome trace: no 'traceEvents' list at the top level")
+    _check_fields(data)
+    return data
+
+
+def _check_fields(data: dict[str, Any]) -> None:
+    """The fields :func:`format_numbers` and the PNG timeline read, so a foreign or older trace
+    fails here with its path instead of a KeyError later."""
+    numbers = ("wall_s", "compute_s", "comm_s", "comm_hidden_s", "comm_hidden_share", "parked_s", "switches")
+    ranks: Any = data
+    for i, key in enumerate(("otherData", "asyncdbo", "ranks")):
+        if not isinstance(ranks, dict) or key not in ranks:
+            ranks = []  # no asyncdbo numbers: a plain Chrome trace
+            break
+        ranks = ranks[key]
+        if i < 2 and not isinstance(ranks, dict):
+            raise ValueError(f"{'.'.join(('otherData', 'asyncdbo')[: i + 1])} is not an object")
+    if not isinstance(ranks, list):
+        raise ValueError("otherData.asyncdbo.ranks is not a list")
+    for i, r in enumerate(ranks):
+        where = f"otherData.asyncdbo.ranks[{i}]"
+        if not isinstance(r, dict) or "rank" not in r or not isinstance(r.get("steps", []), list):
+            raise ValueError(f"{where} lacks 'rank' or its 'steps' list (not written by asyncdbo's Tracer?)")
+        for j, step in enumerate(r.get("steps", [])):
+            missing = [k for k in (*numbers, "step", "yields_per_ubatch") if not isinstance(step, dict) or k not in step]
+            if missing:
+                raise ValueError(f"{where}.steps[{j}] lacks {missing} (not written by asyncdbo's Tracer?)")
+            bad = [k for k in numbers if not isinstance(step[k], (int, float)) or isinstance(step[k], bool)]
+            if bad:
+                raise ValueError(f"{where}.steps[{j}] has non-numbers in {bad}")
+    for i, e in enumerate(data["traceEvents"]):
+        if not isinstance(e, dict):
+            raise ValueError(f"traceEvents[{i}] is not an object")
+        args = e.get("args")
+        if e.get("ph") == "X" and isinstance(args, dict) and "ub" in args:
+            missing = [k for k in ("ts", "dur", "pid") if not isinstance(e.get(k), (int, float))]
+            missing += [f"args.{k}" for k in ("kind",) if k not in args]
+            if missing:
+                raise ValueError(f"traceEvents[{i}] (an asyncdbo span) lacks {missing} or has non-numbers there")
+
+
 def main(args: argparse.Namespace) -> int:
-    from ..observe.timeline import load_trace, render_png
+    from ..observe.timeline import render_png
 
     try:
-        trace = load_trace(args.trace)
+        trace = read_trace(args.trace)
     except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         print(f"asyncdbo trace: cannot read {args.trace!r}: {exc}", file=sys.stderr)
         return 2

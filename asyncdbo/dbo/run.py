@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal, TypeVar
 
 from .._core import LOOP_POLL_S, Clock, DBORun, Fanout, Instrument
@@ -62,6 +62,15 @@ class DBOOptions:
             raise ValueError(f"blocking_s must be > 0 seconds or None (got {self.blocking_s!r})")
         if not 0 < self.loop_poll_s < float("inf"):
             raise ValueError(f"loop_poll_s must be a positive number of seconds (got {self.loop_poll_s!r})")
+        insts = self.instrument
+        if insts is not None and not isinstance(insts, Instrument):
+            if isinstance(insts, (str, bytes)) or not isinstance(insts, Sequence) or not all(
+                isinstance(i, Instrument) for i in insts
+            ):
+                raise TypeError(
+                    f"instrument must be an asyncdbo.lowlevel.Instrument, a list of them, or None (got {insts!r}); "
+                    "subclass Instrument and override the hooks you need"
+                )
 
 
 def _not_a_coroutine_error(fn: object, where: str) -> TypeError:
@@ -123,10 +132,13 @@ class RunStats:
 def _options(options: dict[str, Any]) -> DBOOptions:
     opts = options.pop("options", None)
     if opts is None:
-        try:
-            return DBOOptions(**options)
-        except TypeError as exc:
-            raise TypeError(f"run_ubatches: {exc}; valid options are the fields of DBOOptions") from None
+        unknown = sorted(set(options) - {f.name for f in fields(DBOOptions)})
+        if unknown:
+            raise TypeError(
+                f"run_ubatches() got an unexpected keyword argument {unknown[0]!r}; valid options are the fields "
+                f"of DBOOptions ({', '.join(f.name for f in fields(DBOOptions))})"
+            )
+        return DBOOptions(**options)
     if options:
         raise TypeError(f"pass either options=DBOOptions(...) or keyword options, not both (got {sorted(options)})")
     if not isinstance(opts, DBOOptions):
@@ -165,17 +177,22 @@ async def run_ubatches_with_stats(
         for c in coros:
             c.close()
         raise
-    dbo = DBORun(
-        coros,
-        install=backend.install_stream,
-        before_park=run_pending_hook,
-        at_exit=on_exit,
-        instrument=_instrument(opts),
-        watchdog_s=opts.watchdog_s,
-        clock=opts.clock,
-        loop_poll_s=opts.loop_poll_s,
-        name=opts.name,
-    )
+    try:
+        dbo = DBORun(
+            coros,
+            install=backend.install_stream,
+            before_park=run_pending_hook,
+            at_exit=on_exit,
+            instrument=_instrument(opts),
+            watchdog_s=opts.watchdog_s,
+            clock=opts.clock,
+            loop_poll_s=opts.loop_poll_s,
+            name=opts.name,
+        )
+    except BaseException:  # never leave a coroutine that was not awaited behind
+        for c in coros:
+            c.close()
+        raise
     state = RunState(backend=backend, policy=opts.stream_policy, lanes=[Lane(ub) for ub in dbo.ubatches])
     dbo.ext = state
     debug = DebugMode(blocking_s=opts.blocking_s) if opts.debug else None

@@ -1,14 +1,27 @@
-"""torch.distributed for DBO: per-ubatch process groups and the expert-parallel all-to-all.
+"""torch.distributed for DBO: per-ubatch process groups, step recovery and the expert-parallel
+all-to-all.
 
 :func:`ubatch_groups` makes one clone of a group per ubatch slot (collectives of different
-ubatches then never need a global order); :func:`destroy_process_groups` leaves torch.distributed
-so that no gloo thread outlives the interpreter; :mod:`asyncdbo.dist.ep` issues the MoE dispatch
-and combine through the run's stream backend (imported on first use: it imports torch).
+ubatches then never need a global order); :mod:`asyncdbo.dist.recovery` lets the ranks run the
+next step after one failed or was cancelled (:class:`StepSync`, :class:`StepAborted`);
+:func:`destroy_process_groups` leaves torch.distributed so that no gloo thread outlives the
+interpreter; :mod:`asyncdbo.dist.ep` issues the MoE dispatch and combine through the run's stream
+backend (imported on first use: it imports torch).
 """
 
 from typing import TYPE_CHECKING, Any
 
-from .groups import destroy_process_groups, forget_group, on_destroy, ubatch_group, ubatch_groups
+from .groups import (
+    clone_group,
+    current_clones,
+    destroy_process_groups,
+    forget_group,
+    on_destroy,
+    renew_ubatch_groups,
+    ubatch_group,
+    ubatch_groups,
+)
+from .recovery import StepAborted, StepSync, roll_call, step_sync
 
 if TYPE_CHECKING:
     from .ep import DispatchPlan, EPComm, ep_comm, forget_ep_comm, plan_dispatch
@@ -27,12 +40,19 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "DispatchPlan",
     "EPComm",
+    "StepAborted",
+    "StepSync",
+    "clone_group",
+    "current_clones",
     "destroy_process_groups",
     "ep_comm",
     "forget_ep_comm",
     "forget_group",
     "on_destroy",
     "plan_dispatch",
+    "renew_ubatch_groups",
+    "roll_call",
+    "step_sync",
     "ubatch_group",
     "ubatch_groups",
 ]

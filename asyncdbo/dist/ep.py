@@ -17,7 +17,9 @@ ubatch 1 first while rank 1 resumes ubatch 0, and their next collectives would p
 Giving each ubatch slot its own group (same ranks) makes each group's order that ubatch's program
 order, which is the same on every rank whatever the interleaving. :func:`ep_comm` takes the
 clones from :func:`asyncdbo.dist.ubatch_groups` (made once per EP group, a collective call: every
-rank must construct its layers in the same order, which model construction does) for all layers.
+rank must construct its layers in the same order, which model construction does) for all layers,
+and looks the current clone up at every call: a failed step replaces them all
+(:mod:`asyncdbo.dist.recovery`).
 
 All state of one call lives in a :class:`DispatchPlan` the caller keeps in a local variable.
 """
@@ -33,7 +35,7 @@ import torch.distributed as dist
 from .._core import get_ubatch
 from ..backends import COMPLETED
 from ..dbo import dbo_submit
-from .groups import forget_group, on_destroy, ubatch_groups
+from .groups import current_clones, forget_group, on_destroy, ubatch_groups
 
 __all__ = ["DispatchPlan", "EPComm", "ep_comm", "forget_ep_comm", "plan_dispatch"]
 
@@ -47,18 +49,25 @@ class EPComm:
     size: int
     rank: int
     group: Any  # ProcessGroup | None (None: the default group, or no distributed at all)
-    ubatch_groups: tuple[Any, ...]
+    max_ubatches: int = 0  # per-ubatch clones this layer uses (0 for a single-rank EP)
+
+    @property
+    def ubatch_groups(self) -> tuple[Any, ...]:
+        """The current per-ubatch clones, in ubatch order (new ones after a failed step)."""
+        if self.size == 1:
+            return ()
+        return tuple(current_clones(self.group)[: self.max_ubatches])
 
     def group_for(self, ub_id: int | None) -> Any:
         """The group a ubatch issues on: its own slot inside a run, the base group outside."""
         if ub_id is None or self.size == 1:
             return self.group
-        if ub_id >= len(self.ubatch_groups):
+        if ub_id >= self.max_ubatches:
             raise ValueError(
-                f"ubatch {ub_id} ran an expert-parallel MoE layer built for at most {len(self.ubatch_groups)} "
+                f"ubatch {ub_id} ran an expert-parallel MoE layer built for at most {self.max_ubatches} "
                 f"ubatches; build the layer with max_ubatches >= {ub_id + 1}"
             )
-        return self.ubatch_groups[ub_id]
+        return current_clones(self.group)[ub_id]
 
 
 _CACHE: dict[tuple[int, int], EPComm] = {}
@@ -72,16 +81,17 @@ def ep_comm(group: Any = None, *, max_ubatches: int = 4) -> EPComm:
     if max_ubatches < 1:
         raise ValueError(f"max_ubatches must be >= 1 (got {max_ubatches})")
     if group is None and not (dist.is_available() and dist.is_initialized()):
-        return EPComm(size=1, rank=0, group=None, ubatch_groups=())
+        return EPComm(size=1, rank=0, group=None)
     size = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if size == 1:
-        return EPComm(size=1, rank=0, group=group, ubatch_groups=())
+        return EPComm(size=1, rank=0, group=group)
     key = (id(group if group is not None else dist.group.WORLD), max_ubatches)
     cached = _CACHE.get(key)
     if cached is not None:
         return cached
-    comm = EPComm(size=size, rank=rank, group=group, ubatch_groups=ubatch_groups(max_ubatches, group))
+    ubatch_groups(max_ubatches, group)
+    comm = EPComm(size=size, rank=rank, group=group, max_ubatches=max_ubatches)
     _CACHE[key] = comm
     return comm
 

@@ -10,25 +10,56 @@ one ubatch the program order is the same on every rank, and that is all gloo/NCC
 
 Creating a group is itself a collective, so the clones are made up front, on every rank, outside
 any DBO run (:func:`ubatch_groups`), and looked up inside a run (:func:`ubatch_group`).
+
+A step that fails or is cancelled half-way leaves collectives in flight on some clones and not on
+others; the next collective on such a clone would pair with a stale one of the failed step. So
+after a failed step every clone is replaced (:func:`renew_ubatch_groups`, driven by
+:mod:`asyncdbo.dist.recovery`): look clones up when you issue (``ubatch_group``), do not keep them.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import threading
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from .._core import get_ubatch
 
-__all__ = ["destroy_process_groups", "forget_group", "on_destroy", "ubatch_group", "ubatch_groups"]
+__all__ = [
+    "clone_group",
+    "current_clones",
+    "destroy_process_groups",
+    "forget_group",
+    "on_destroy",
+    "renew_ubatch_groups",
+    "ubatch_group",
+    "ubatch_groups",
+]
 
 log = logging.getLogger("asyncdbo.dist.groups")
 
-# group_name of the base group -> its per-ubatch clones, in ubatch order
-_CLONES: dict[str, list[Any]] = {}
+
+
+@dataclass(eq=False)
+class _Clones:
+    """The per-ubatch clones of one base group, and what it takes to make more of them."""
+
+    ranks: list[int]
+    backend: str
+    timeout: timedelta | None
+    local: bool  # a sub-group: only its members take part in making a clone
+    groups: list[Any]
+
+
+# group_name of the base group -> its per-ubatch clones, in ubatch order (made in this order)
+_CLONES: dict[str, _Clones] = {}
+# Threads that release replaced clones (a gloo group's destructor waits for its works in flight).
+_RELEASERS: list[threading.Thread] = []
 # Other caches that hold process groups (the EP comm cache), emptied by destroy_process_groups().
 _FORGETTERS: list[Callable[[], None]] = []
 
@@ -41,13 +72,33 @@ def _base(group: Any) -> Any:
     return dist.group.WORLD if group is None else group
 
 
+def clone_group(group: Any = None) -> Any:
+    """A new process group over the ranks of ``group`` (None: the default group), with its backend
+    and collective timeout. A collective: every rank of ``group`` calls it, in the same order."""
+    return _make_clone(_spec(_base(group)))
+
+
+def _spec(base: Any) -> _Clones:
+    import torch.distributed as dist
+
+    # A sub-group (one of several disjoint EP groups under DP) syncs only its own members, so each
+    # such group makes its clones independently of the others.
+    return _Clones(ranks=dist.get_process_group_ranks(base), backend=dist.get_backend(base),
+                   timeout=_timeout(base), local=base is not dist.group.WORLD, groups=[])
+
+
+def _make_clone(spec: _Clones) -> Any:
+    import torch.distributed as dist
+
+    return dist.new_group(spec.ranks, backend=spec.backend, timeout=spec.timeout, use_local_synchronization=spec.local)
+
+
 def ubatch_groups(num_ubatches: int, group: Any = None) -> tuple[Any, ...]:
     """Make sure ``group`` has at least ``num_ubatches`` per-ubatch clones; return them.
 
     Call it on every rank of ``group``, in the same order, outside a DBO run (it creates process
-    groups, which is a collective). Clones are cached, so calling it again is free."""
-    import torch.distributed as dist
-
+    groups, which is a collective). Clones are cached, so calling it again is free. The tuple is
+    a snapshot: a failed step replaces every clone (see :func:`renew_ubatch_groups`)."""
     if num_ubatches < 1:
         raise ValueError(f"num_ubatches must be >= 1 (got {num_ubatches})")
     if get_ubatch() is not None:
@@ -56,18 +107,15 @@ def ubatch_groups(num_ubatches: int, group: Any = None) -> tuple[Any, ...]:
             "call it once at start-up, e.g. ubatch_groups(max_ubatches, ep_group)"
         )
     base = _base(group)
-    clones = _CLONES.setdefault(base.group_name, [])
-    if len(clones) < num_ubatches:
-        ranks = dist.get_process_group_ranks(base)
-        backend = dist.get_backend(base)
-        timeout = _timeout(base)
-        # A sub-group (one of several disjoint EP groups under DP) syncs only its own members,
-        # so each such group makes its clones independently of the others.
-        local = base is not dist.group.WORLD
-        while len(clones) < num_ubatches:
-            clones.append(dist.new_group(ranks, backend=backend, timeout=timeout, use_local_synchronization=local))
-        log.debug("%d per-ubatch %s clones of group %s over ranks %s", len(clones), backend, base.group_name, ranks)
-    return tuple(clones[:num_ubatches])
+    clones = _CLONES.get(base.group_name)
+    if clones is None:
+        clones = _CLONES[base.group_name] = _spec(base)
+    if len(clones.groups) < num_ubatches:
+        while len(clones.groups) < num_ubatches:
+            clones.groups.append(_make_clone(clones))
+        log.debug("%d per-ubatch %s clones of group %s over ranks %s", len(clones.groups), clones.backend,
+                  base.group_name, clones.ranks)
+    return tuple(clones.groups[:num_ubatches])
 
 
 def forget_group(group: Any) -> None:
@@ -76,6 +124,54 @@ def forget_group(group: Any) -> None:
     name = getattr(group, "group_name", None)
     if name is not None:
         _CLONES.pop(name, None)
+
+
+def current_clones(group: Any = None) -> list[Any]:
+    """The current per-ubatch clones of ``group`` (empty if none were made); a live list."""
+    base = _base(group)
+    clones = _CLONES.get(base.group_name)
+    return clones.groups if clones is not None else []
+
+
+def renew_ubatch_groups() -> int:
+    """Replace every per-ubatch clone of every group with a new one; return how many.
+
+    A collective over every group that has clones: all their ranks call it together, outside any
+    DBO run (:mod:`asyncdbo.dist.recovery` does, after a failed step). The new groups start with
+    no collective in flight, so nothing of the failed step can pair with the next one. The old
+    ones are aborted (NCCL ends their kernels in flight; for gloo ``abort()`` is a no-op in torch
+    2.13), unregistered, and released by a background thread: a gloo group's destructor waits for
+    its works in flight, and one whose peer has not closed its side yet would wait up to the
+    group timeout. :func:`destroy_process_groups` waits for these threads."""
+    import torch.distributed as dist
+
+    if get_ubatch() is not None:
+        raise RuntimeError("renew_ubatch_groups() makes process groups (a collective); call it outside a DBO run")
+    old: list[Any] = []
+    for clones in _CLONES.values():
+        fresh = [_make_clone(clones) for _ in clones.groups]
+        old += clones.groups
+        clones.groups[:] = fresh
+    count = len(old)
+    for i in range(count):  # by index: a loop variable would keep the last group alive here
+        try:
+            old[i].abort()
+        except RuntimeError as exc:  # an abort must never stop the renewal
+            log.debug("abort of a replaced per-ubatch group failed: %s", exc)
+        dist.destroy_process_group(old[i])
+    _release_later(old)
+    log.debug("replaced %d per-ubatch groups", count)
+    return count
+
+
+def _release_later(groups: list[Any]) -> None:
+    """Drop the last references to ``groups`` in a background thread (the caller's must be gone:
+    pass the only list that holds them)."""
+    _RELEASERS[:] = [t for t in _RELEASERS if t.is_alive()]
+    if groups:
+        releaser = threading.Thread(target=groups.clear, name="asyncdbo-release-groups", daemon=True)
+        releaser.start()
+        _RELEASERS.append(releaser)
 
 
 def _timeout(base: Any) -> timedelta | None:
@@ -105,7 +201,7 @@ def ubatch_group(group: Any = None) -> Any:
     base = _base(group)
     if ub is None:
         return base
-    clones = _CLONES.get(base.group_name, [])
+    clones = current_clones(base)
     if ub.id >= len(clones):
         raise RuntimeError(
             f"ubatch {ub.id} needs its own clone of process group {base.group_name!r}, but only {len(clones)} exist; "
@@ -145,12 +241,13 @@ def destroy_process_groups(*, barrier: bool = True) -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         _CLONES.clear()
+        _join_releasers()
         return
     if get_ubatch() is not None:
         raise RuntimeError("destroy_process_groups() must run outside a DBO run (it destroys the groups the run uses)")
     from torch.distributed import distributed_c10d as c10d
 
-    groups = {id(g): g for g in (*c10d._world.pg_map, *(g for clones in _CLONES.values() for g in clones))}
+    groups = {id(g): g for g in (*c10d._world.pg_map, *(g for clones in _CLONES.values() for g in clones.groups))}
     alive = [weakref.ref(g) for g in groups.values()]
     del groups
     if barrier:
@@ -159,6 +256,7 @@ def destroy_process_groups(*, barrier: bool = True) -> None:
         forget()
     _CLONES.clear()
     dist.destroy_process_group()
+    _join_releasers()
     if any(r() is not None for r in alive):
         gc.collect()  # reference cycles (a model, a finished run) may still hold a group
     left = sum(r() is not None for r in alive)
@@ -172,3 +270,12 @@ def destroy_process_groups(*, barrier: bool = True) -> None:
             RuntimeWarning,
             stacklevel=2,
         )
+
+
+def _join_releasers() -> None:
+    """Wait for the threads that release replaced groups: left running into interpreter exit, a
+    gloo thread of theirs could abort the process (see :func:`destroy_process_groups`). Each waits
+    at most for its groups' works in flight, which the group timeout bounds."""
+    while _RELEASERS:
+        thread = _RELEASERS.pop()
+        thread.join()

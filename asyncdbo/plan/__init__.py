@@ -10,6 +10,7 @@ from __future__ import annotations
 from .dp import (
     DPDecision as DPDecision,
     LocalStepInfo as LocalStepInfo,
+    RecoveryVote as RecoveryVote,
     ThresholdConfig as ThresholdConfig,
     agree_across_dp as agree_across_dp,
     decide_from_votes as decide_from_votes,
@@ -51,6 +52,7 @@ __all__ = (
     "PlanReason",
     "PlanStats",
     "RankVote",
+    "RecoveryVote",
     "SplitKind",
     "SplitPolicy",
     "StepPlan",

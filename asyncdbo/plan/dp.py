@@ -20,6 +20,10 @@ Rules (differences from vLLM marked *):
   With ``max_imbalance=x``, the step falls out (``IMBALANCE``) when the largest busy rank has
   more than ``x`` times the real tokens of the smallest busy rank.
 * If every rank is idle, nobody splits (``ALL_IDLE``).
+
+The same vote carries step recovery (:mod:`asyncdbo.dist.recovery`): a rank whose previous step
+failed votes *recover* instead of a plan, and then every rank of the vote gets
+:class:`RecoveryVote`, replaces its per-ubatch groups and votes again.
 """
 
 # Shape legend: W = DP world size.
@@ -38,6 +42,7 @@ from .slices import as_query_start_loc
 __all__ = [
     "DPDecision",
     "LocalStepInfo",
+    "RecoveryVote",
     "ThresholdConfig",
     "agree_across_dp",
     "decide_from_votes",
@@ -45,8 +50,8 @@ __all__ = [
 ]
 
 # Rows of the vote tensor.
-_VOTE, _UNPADDED, _PADDED, _IDLE, _REASON, _NUM_UBATCHES = range(6)
-_ROWS = 6
+_VOTE, _UNPADDED, _PADDED, _IDLE, _REASON, _NUM_UBATCHES, _RECOVER = range(7)
+_ROWS = 7
 _REASON_CODES: tuple[PlanReason, ...] = tuple(PlanReason)
 
 
@@ -195,6 +200,17 @@ def decide_from_votes(
 Device = Union[torch.device, str, None]
 
 
+class RecoveryVote(Exception):
+    """Raised on every rank of a DP vote in which some rank voted *recover* (``agree_across_dp(...,
+    recover=True)``): its previous step failed, so every rank of the vote must replace the
+    per-ubatch groups before the next step, and the ranks that voted a plan vote again.
+    ``ranks``: the ranks that voted recover."""
+
+    def __init__(self, ranks: tuple[int, ...]) -> None:
+        self.ranks = ranks
+        super().__init__(f"rank(s) {list(ranks)} recover from a failed step; every rank renews its groups")
+
+
 def agree_across_dp(
     local: LocalStepInfo,
     num_ubatches: int,
@@ -202,13 +218,15 @@ def agree_across_dp(
     *,
     device: Device = None,
     max_imbalance: float | None = None,
+    recover: bool = False,
 ) -> DPDecision:
     """Vote with every rank of ``group`` (torch.distributed; None = the default group).
 
     One ``all_reduce`` (SUM) on an int64 tensor on ``device`` (CPU for gloo, the rank's GPU for
     NCCL), then one host read of the result.  Every rank must call this once per step with the
     same ``num_ubatches``; a mismatch raises RuntimeError on every rank.  Without an initialised
-    process group the decision is local (a group of one).
+    process group the decision is local (a group of one).  ``recover=True`` votes *recover* (this
+    rank's previous step failed): then every rank of the vote raises :class:`RecoveryVote`.
     """
     import torch.distributed as dist
 
@@ -230,6 +248,7 @@ def agree_across_dp(
         int(local.vote == "idle"),
         _REASON_CODES.index(reason),
         num_ubatches,
+        int(recover),
     ]
     votes_RW = torch.zeros(_ROWS, world, dtype=torch.int64)
     votes_RW[:, rank] = torch.tensor(col, dtype=torch.int64)
@@ -237,6 +256,9 @@ def agree_across_dp(
         votes_RW = votes_RW.to(device) if device is not None else votes_RW
         dist.all_reduce(votes_RW, op=dist.ReduceOp.SUM, group=group)
     table = votes_RW.cpu().tolist()
+    recovering = tuple(r for r in range(world) if table[_RECOVER][r])
+    if recovering:
+        raise RecoveryVote(recovering)
     if len(set(table[_NUM_UBATCHES])) != 1:
         raise RuntimeError(
             f"ranks disagree on num_ubatches ({table[_NUM_UBATCHES]}, by rank); every rank must "

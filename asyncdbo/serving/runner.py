@@ -11,6 +11,13 @@ Per step, every rank of the DP group:
    :func:`asyncdbo.run_ubatches` (or once over the whole batch on fall-back);
 3. merges the per-ubatch logits, dropping padding.
 
+A step that fails or is cancelled on any rank, at any point, leaves every rank able to run the
+next one: call ``step()`` again on every rank (:mod:`asyncdbo.dist.recovery`). The DP vote runs on
+a clone of the DP group made at construction (a collective, like building the model); a rank whose
+step failed tells the others through the rendezvous store, a rank waiting in the step gives up
+with :class:`~asyncdbo.dist.StepAborted` naming the failing rank, and the next step's vote renews
+every per-ubatch group first.
+
 The fall-back path runs the whole batch as a *single ubatch* under the same backend, so it issues
 exactly the collectives one ubatch issues (an empty batch still joins every all-to-all) and its
 comm goes through the same (possibly modeled) link: serial and overlapped steps are measured on
@@ -32,6 +39,7 @@ decode steps over a 512-token context; ``benchmarks/results/deterministic_*.md``
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import time
@@ -43,14 +51,18 @@ import torch
 from .._core import Instrument
 from ..backends import CommRecord, LinkSpec, StreamBackend, StreamPolicy, get_backend
 from ..dbo import DBOOptions, RunStats, run_ubatches_with_stats
+from ..dist.recovery import StepSync, step_sync
 from ..plan import (
     AttentionMetadata,
+    LocalStepInfo,
     PlanStats,
+    RecoveryVote,
     SplitPolicy,
     StepPlan,
     StepRecord,
     ThresholdConfig,
     UBatchSlice,
+    agree_across_dp,
     check_max_ubatches,
     merge_outputs,
     plan_step,
@@ -149,7 +161,10 @@ class DBORunner:
     """Runs steps of ``model`` (anything with ``async forward(input_ids_T, positions_T, attn)``)
     with DBO across the ranks of ``dp_group`` (None: no DP agreement, plan locally).
 
-    Every rank of the group must call :meth:`step` for every step, idle ranks with an empty batch.
+    Every rank of the group must call :meth:`step` for every step, idle ranks with an empty batch,
+    and after a failed step too (the next step recovers first). With a ``dp_group`` of more than
+    one rank, construction is a collective (it clones the group for the votes): build the runners
+    on every rank in the same order.
     A model with a ``max_ubatches`` attribute (:class:`~asyncdbo.models.MiniModel`) must allow
     ``cfg.num_ubatches``: checked here and at every plan.
     """
@@ -164,6 +179,7 @@ class DBORunner:
         self.instrument = instrument
         self.backend = cfg.make_backend()
         self.stats = PlanStats()
+        self.sync: StepSync | None = step_sync(dp_group) if dp_group is not None else None
 
     async def step(self, batch: Batch, *, enabled: bool | None = None,
                    instrument: Instrument | None = None) -> StepResult:
@@ -171,21 +187,52 @@ class DBORunner:
         ``instrument`` adds scheduler hooks for this step (e.g. a tracer)."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        plan = plan_step(
-            batch.attn.query_start_loc_cpu,
-            num_ubatches=cfg.num_ubatches,
-            policy=cfg.policy,
-            thresholds=cfg.thresholds,
-            enabled=cfg.enabled if enabled is None else enabled,
-            is_idle=batch.num_tokens == 0,
-            attn_metadata=batch.attn,
-            dp_group=self.dp_group,
-            device=self.device,
-            max_imbalance=cfg.max_imbalance,
-            min_share=cfg.min_share,
-            stats=self.stats,
-            max_ubatches=getattr(self.model, "max_ubatches", None),
-        )
+        sync = self.sync
+        if sync is not None and sync.must_recover:
+            self._recover(sync)
+        plan = self._plan(batch, cfg.enabled if enabled is None else enabled)
+        try:
+            return await self._run(batch, plan, instrument, t0)
+        except BaseException as exc:
+            if sync is not None:  # the others may wait for this rank's comm: tell them
+                sync.post_failure(exc)
+            raise
+
+    def _recover(self, sync: StepSync) -> None:
+        """This rank's last step failed: vote *recover*; every rank of the vote renews its groups."""
+        local = LocalStepInfo(num_tokens_unpadded=0, wants_ubatch=False)
+        try:
+            agree_across_dp(local, self.cfg.num_ubatches, sync.group, device=self.device, recover=True)
+        except RecoveryVote as vote:
+            sync.renew(vote.ranks)
+        else:  # pragma: no cover - a recover vote always raises
+            raise AssertionError("a recover vote returned a plan")
+
+    def _plan(self, batch: Batch, enabled: bool) -> StepPlan:
+        cfg, sync = self.cfg, self.sync
+        while True:
+            try:
+                return plan_step(
+                    batch.attn.query_start_loc_cpu,
+                    num_ubatches=cfg.num_ubatches,
+                    policy=cfg.policy,
+                    thresholds=cfg.thresholds,
+                    enabled=enabled,
+                    is_idle=batch.num_tokens == 0,
+                    attn_metadata=batch.attn,
+                    dp_group=self.dp_group if sync is None else sync.group,
+                    device=self.device,
+                    max_imbalance=cfg.max_imbalance,
+                    min_share=cfg.min_share,
+                    stats=self.stats,
+                    max_ubatches=getattr(self.model, "max_ubatches", None),
+                )
+            except RecoveryVote as vote:  # another rank failed the last step: renew, vote again
+                assert sync is not None, "a recover vote needs a StepSync"
+                sync.renew(vote.ranks)
+
+    async def _run(self, batch: Batch, plan: StepPlan, instrument: Instrument | None, t0: float) -> StepResult:
+        cfg = self.cfg
         pad = plan.num_tokens_padded - batch.num_tokens
         ids_P, pos_P = batch.input_ids_T, batch.positions_T
         if pad:
@@ -206,7 +253,7 @@ class DBORunner:
             mark_step = getattr(inst, "mark_step", None)  # a Tracer labels the run with the record
             if mark_step is not None:
                 mark_step(plan.record)
-        outputs, stats = await run_ubatches_with_stats(
+        run = run_ubatches_with_stats(
             ubatch_forward,
             args,
             backend=self.backend,
@@ -215,6 +262,24 @@ class DBORunner:
             instrument=insts,
             name=f"step{plan.record.step}",
         )
+        outputs, stats = await (run if self.sync is None else _watched(run, self.sync))
         logits_TV = merge_outputs(outputs, plan.slices, batch.num_tokens)
         assert isinstance(logits_TV, torch.Tensor), type(logits_TV)  # one tensor in, one out
         return StepResult(logits_TV=logits_TV, plan=plan, step_s=time.perf_counter() - t0, stats=stats)
+
+
+async def _watched(coro: Any, sync: StepSync) -> Any:
+    """Await ``coro`` in its own task while polling for a peer's failure notice; on one, cancel
+    the task and raise :class:`~asyncdbo.dist.StepAborted` naming that rank."""
+    run = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(sync.watch(run))
+    try:
+        return await run
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        aborted = watch.result() if watch.done() and not watch.cancelled() else None
+        if aborted is not None and (me is None or not me.cancelling()):
+            raise aborted from None
+        raise
+    finally:
+        watch.cancel()

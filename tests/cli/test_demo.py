@@ -141,11 +141,8 @@ def test_the_same_demo_runs_under_torchrun_with_env_rendezvous() -> None:
     """The README's multi-node path: torchrun starts the ranks, env:// joins them (gloo here), the
     steps really microbatch, and every rank leaves cleanly (no abort at interpreter exit, no
     process group left alive by asyncdbo's caches: a RuntimeWarning would say so)."""
-    from asyncdbo.testing import free_port
-
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+    cmd = [  # --standalone: torchrun's store binds port 0 itself (no port picked here and raced for)
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
         "-m", "asyncdbo", "demo", "--launcher", "env", *SMALL, "--tokens", "512", "--link", "ib400",
     ]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="error::RuntimeWarning")

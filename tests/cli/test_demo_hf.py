@@ -74,7 +74,7 @@ def test_a_broken_checkpoint_fails_with_the_file_and_the_tensor(capsys: pytest.C
     (broken / INDEX).write_text(json.dumps(index))
     assert main(["demo", "--model", "mixtral", "--weights", str(broken), "--ranks", "1", *QUICK]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("asyncdbo demo: error: rank(s) [0] failed during hf_demo_rank: ValueError: "
+    assert err.startswith("asyncdbo demo: error: rank 0: ValueError: "
                           f"{broken / INDEX}: no tensor 'model.layers.1.block_sparse_moe.experts.0.w2.weight' (1 of ")
 
 

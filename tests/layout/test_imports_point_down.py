@@ -22,7 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "plan": set(),
     "observe": {"_core", "backends", "dbo"},
     "moe": {"_core", "backends", "dbo", "dist"},
-    "serving": {"_core", "backends", "dbo", "plan"},
+    "serving": {"_core", "backends", "dbo", "dist", "plan"},
     "models": {"_core", "backends", "dbo", "dist", "moe", "plan", "serving"},
     "sim": {"_core", "backends", "dbo", "dist", "moe", "plan", "serving", "models", "observe"},
     "testing": {"_core", "lowlevel", "backends", "dbo"},

@@ -1,11 +1,14 @@
-"""RankPool: results by rank, errors name the rank, failures end in bounded time, close ends all."""
+"""RankPool: results by rank, errors name the rank, failures end in bounded time, close ends all,
+and nothing it starts listens beyond loopback or needs a port that a squatter could take."""
 
 from __future__ import annotations
 
 import os
 import pickle
+import socket
+import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pytest
 import torch
@@ -74,12 +77,76 @@ def pool() -> Iterator[RankPool]:
         yield p
 
 
-def test_free_port_is_bindable() -> None:
-    import socket
+def test_free_port_is_deprecated_because_its_port_can_be_taken_before_use() -> None:
+    with pytest.warns(DeprecationWarning, match=r"free_port\(\) is racy .* RankPool needs no port"):
+        port = free_port()
+    assert 0 < port < 65536
 
-    port = free_port()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+
+def _address(hex_addr: str) -> str:
+    """An address of /proc/net/tcp{,6}: hex, in 32-bit words of host (little-endian) byte order."""
+    raw = bytes.fromhex(hex_addr)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)
+
+
+def listening_sockets(pids: Iterable[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket in LISTEN state that these processes hold."""
+    owner: dict[str, int] = {}
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # closed meanwhile
+                continue
+            if target.startswith("socket:["):
+                owner[target[len("socket:["):-1]] = pid
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and inode in owner:  # 0A: TCP_LISTEN
+                    addr, port = local.split(":")
+                    found.append((owner[inode], _address(addr), int(port, 16)))
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_nothing_the_ranks_listen_on_is_reachable_beyond_loopback(pool: RankPool) -> None:
+    assert pool.run(_all_reduce_rank) == [3, 3]  # the group is up and has talked
+    sockets = listening_sockets(pool.pids)
+    assert sockets, "gloo listens for its peers: the check found no listener at all"
+    assert {addr for _, addr, _ in sockets} <= {"127.0.0.1", "::1"}, sockets
+
+
+@pytest.mark.timeout(120)
+def test_the_rendezvous_store_is_a_private_file_not_a_port(pool: RankPool) -> None:
+    mode = os.stat(pool._store_dir).st_mode
+    assert stat.S_IMODE(mode) == 0o700
+    assert os.listdir(pool._store_dir) == ["store"]
+
+
+@pytest.mark.timeout(120)
+def test_a_squatter_on_every_port_handed_out_cannot_deny_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The old pool asked free_port() for a port and bound it seconds later, twice at most: a
+    # squatter that always won that race denied service. Now it is handed every such port.
+    import asyncdbo.testing as testing
+    import asyncdbo.testing.ranks as ranks
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    monkeypatch.setattr(testing, "free_port", lambda: taken)
+    monkeypatch.setattr(ranks, "free_port", lambda: taken)
+    try:
+        with RankPool(2, timeout_s=30.0) as pool:
+            assert pool.run(_all_reduce_rank) == [3, 3]
+            assert taken not in {port for _, _, port in listening_sockets(pool.pids)}
+    finally:
+        squatter.close()
 
 
 @pytest.mark.timeout(120)
@@ -181,21 +248,3 @@ def test_workers_exit_when_the_parent_dies() -> None:
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids)
-
-
-@pytest.mark.timeout(120)
-def test_start_up_retries_once_when_its_port_was_taken(monkeypatch: pytest.MonkeyPatch) -> None:
-    import socket
-
-    import asyncdbo.testing as launch
-
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    ports = iter([taken.getsockname()[1], free_port()])
-    monkeypatch.setattr(launch, "free_port", lambda: next(ports))
-    try:
-        with RankPool(2, timeout_s=30.0) as pool:
-            assert pool.run(_all_reduce_rank) == [3, 3]
-    finally:
-        taken.close()

@@ -1,0 +1,101 @@
+"""``asyncdbo demo --launcher env``: one rank of a ``torchrun`` job.
+
+Every process joins through ``env://`` (NCCL and its own GPU when CUDA is available, else gloo),
+runs :func:`asyncdbo.cli.demo.demo_rank`, and rank 0 prints the table. What it does beyond that
+is for the job's edges:
+
+* it dies with its agent (``PR_SET_PDEATHSIG``): a killed ``torchrun`` leaves no rank running
+  with its ports open;
+* a rank that fails prints one line, ``asyncdbo demo: rank R: error: ...``, naming the ranks that
+  did not answer a roll call in the store after it failed (a stopped, hung or dead rank never
+  does), and records that line where ``torchrun`` reads a worker's error, then exits with status
+  1; it never leaves a gloo thread alive into interpreter exit (see
+  :func:`asyncdbo.dist.destroy_process_groups`), so it ends by its exit status, not SIGABRT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+__all__ = ["main_env"]
+
+#: Longest wait for the other ranks to check in after a failure.
+ROLL_CALL_S = 10.0
+
+
+def main_env(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from ..dist import destroy_process_groups
+    from ..testing.process import exit_with_parent
+    from .demo import _config_from_args, _report, check_memory, demo_rank, passed, summarize
+    from .inputs import check_output_dir
+
+    exit_with_parent()  # torchrun's agent started this process: end with it
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = _config_from_args(args, ranks=world)
+        check_memory(cfg, processes=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+        if cfg.trace and rank == 0:
+            check_output_dir("--trace", cfg.trace)
+    except ValueError as exc:
+        print(f"asyncdbo demo: error: {exc}", file=sys.stderr)
+        return 2
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if use_cuda else "gloo", init_method="env://",
+                            timeout=timedelta(seconds=cfg.timeout_s))
+    failure: str | None = None
+    try:
+        mine = demo_rank(rank, world, cfg)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        rc = _report(cfg, gathered) if rank == 0 else (0 if passed(summarize(cfg, gathered)) else 1)
+    except Exception as exc:
+        failure = _describe_failure(exc, min(ROLL_CALL_S, cfg.timeout_s))
+        traceback.clear_frames(exc.__traceback__)  # its frames hold the model and its groups
+    if failure is None:
+        destroy_process_groups()  # leave together; join every group's gloo threads now
+        return rc
+    print(f"asyncdbo demo: rank {rank}: error: {failure}", file=sys.stderr)
+    _record_for_torchrun(failure)
+    gc.collect()
+    destroy_process_groups(barrier=False)  # peers may be gone: a barrier could only time out
+    return 1
+
+
+def _describe_failure(exc: BaseException, wait_s: float) -> str:
+    from ..dist import roll_call
+    from ..testing.rank_error import exception_line
+
+    line = exception_line(exc)
+    silent = roll_call("demo-failed", wait_s)
+    if silent:
+        return f"rank(s) {silent} did not answer within {wait_s:g} s after this rank failed (stopped, hung or dead); here: {line}"
+    return line
+
+
+def _record_for_torchrun(message: str) -> None:
+    """Write the error where torchrun's summary reads it (``TORCHELASTIC_ERROR_FILE``), so its
+    "Root Cause" shows this line instead of "To enable traceback see ..."."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        try:  # raised, so that the "traceback" torchrun prints (format_exc) ends with this line
+            raise RuntimeError(message)
+        except RuntimeError as exc:
+            ErrorHandler().record_exception(exc)
+    except Exception as exc:  # the summary is a courtesy; the exit status carries the failure
+        print(f"asyncdbo demo: could not record the error for torchrun: {exc}", file=sys.stderr)

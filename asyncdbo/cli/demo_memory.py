@@ -1,0 +1,74 @@
+"""How much memory ``asyncdbo demo`` would need, estimated before any rank starts.
+
+The sizes come from the config alone; :func:`check_memory` compares them with the memory the
+machine has available and refuses a run that does not fit, naming the largest ``--tokens`` that
+would (see :mod:`asyncdbo.cli.inputs` for why, and for the measurements).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from . import inputs
+from .inputs import PROCESS_BASE_BYTES, human_bytes, largest_fitting
+
+if TYPE_CHECKING:
+    from .demo import DemoConfig
+
+__all__ = ["check_memory", "rank_bytes"]
+
+
+def rank_bytes(cfg: DemoConfig) -> float:
+    """Estimated bytes one demo rank allocates on top of the process itself (``PROCESS_BASE_BYTES``):
+    weights, the KV cache, attention and per-token activations and logits. A prefill step may be
+    one request of ``--tokens`` tokens, whose attention holds ``heads x T x T`` scores three times
+    over (scores, masked, softmax) plus the ``T x T`` mask; a decode step gathers each request's
+    context keys and values, and before it the demo fills ``--context`` tokens of every request in
+    one untimed step, whose activations dominate. Measured against peak RSS: 1.0-1.7x
+    (``benchmarks/results/memory_estimate_cpu-2c_2026-12-01.md``)."""
+    m = cfg.model_config()
+    f32 = 4
+    T, D, H, L, V, I = cfg.tokens, m.hidden_size, m.num_heads, m.num_layers, m.vocab_size, m.moe_intermediate_size
+    F = H * m.head_dim
+    experts_here = m.num_experts // cfg.ranks + m.num_shared_experts
+    weights = (2 * V * D + L * (4 * D * F + 3 * experts_here * D * I + D * m.num_experts)) * f32
+    kv_cache = m.num_kv_blocks * m.block_size * L * 2 * F * f32
+    if cfg.shape == "prefill":
+        attention = 3 * H * T * T * f32 + T * T
+        step_tokens = T
+    else:
+        ctx = cfg.context + cfg.warmup + cfg.steps
+        attention = (2 * T * ctx * F + 3 * T * H * ctx) * f32
+        step_tokens = T * cfg.context
+    activations = step_tokens * (6 * D + 2 * cfg.top_k * D + cfg.top_k * I + 2 * V) * f32
+    return float(weights + kv_cache + attention + activations)
+
+
+def check_memory(cfg: DemoConfig, *, processes: int | None = None, available: int | None = None) -> None:
+    """Refuse (ValueError) a run whose ranks on this machine (``processes``, default all
+    ``cfg.ranks``) would not fit the memory available here, naming the largest ``--tokens`` that
+    would; before any rank starts."""
+    avail = inputs.available_bytes() if available is None else available
+    if avail is None:
+        return
+    here = cfg.ranks if processes is None else processes
+
+    def total(tokens: int) -> float:
+        return here * (PROCESS_BASE_BYTES + rank_bytes(_with_tokens(cfg, tokens)))
+
+    need = total(cfg.tokens)
+    if need <= avail:
+        return
+    best = largest_fitting(total, 1, cfg.tokens, avail)
+    fix = f"use --tokens {best} or fewer" if best else "use fewer --ranks or a smaller --hidden"
+    raise ValueError(
+        f"--tokens {cfg.tokens} needs about {human_bytes(need)} for {here} rank(s) on this machine (estimated "
+        f"before starting them; the {cfg.shape} step's "
+        f"{'attention scores' if cfg.shape == 'prefill' else 'KV cache and activations'} dominate), but "
+        f"{human_bytes(avail)} is available; {fix}"
+    )
+
+
+def _with_tokens(cfg: DemoConfig, tokens: int) -> DemoConfig:
+    return replace(cfg, tokens=tokens)

@@ -1,0 +1,97 @@
+"""Checks of the CLI's inputs that must fail before any rank starts: timeouts, output directories,
+and the memory a run would need.
+
+A size flag that does not fit used to end in an allocation failure inside the ranks or in the
+OOM killer after a minute (``demo --tokens 5000000``, ``check --tokens 100000000``). The estimates
+here add up the largest tensors of one step (attention scores, the KV cache, logits, MoE rows,
+weights) plus a fixed per-process base, and the run is refused when they exceed the memory the
+machine has available (``MemAvailable``), with the largest size that would fit. They are meant to
+be right to within a small factor, and to err high (measured against peak RSS:
+``benchmarks/results/memory_estimate_cpu-2c_2026-12-01.md``), not to be a budget.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable
+
+__all__ = [
+    "MAX_TIMEOUT_S",
+    "available_bytes",
+    "check_output_dir",
+    "check_timeout",
+    "human_bytes",
+    "largest_fitting",
+]
+
+#: The longest ``--timeout`` accepted: a day. Larger values overflow the waits they bound (a
+#: ``select`` timeout in milliseconds must fit a C int: 24.8 days).
+MAX_TIMEOUT_S = 86400.0
+#: Resident memory of one rank process with torch, asyncdbo's models and a gloo group, and nothing
+#: else: 222 MiB measured (peak RSS), rounded up.
+PROCESS_BASE_BYTES = 256 * 2**20
+
+
+def check_timeout(flag: str, value: float) -> float:
+    """A positive, finite number of seconds of at most a day, or ValueError naming ``flag``."""
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"{flag} {value:g} is not a positive number of seconds; use e.g. {flag} 120")
+    if value > MAX_TIMEOUT_S:
+        raise ValueError(
+            f"{flag} {value:g} is longer than a day ({MAX_TIMEOUT_S:g} s), the longest wait asyncdbo can bound; "
+            f"use at most {flag} {MAX_TIMEOUT_S:g}"
+        )
+    return value
+
+
+def check_output_dir(flag: str, path: str) -> str:
+    """Make sure ``path`` is a directory this process can write (creating it if missing), or
+    raise ValueError naming ``flag``: before a run, not after it."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a file; give a directory (it is created if missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):  # the real test: permissions, read-only mounts, quotas
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag} {path!r} is not a writable directory ({exc.strerror or exc}); give one you can write") from None
+    return path
+
+
+def available_bytes() -> int | None:
+    """Memory the kernel says new allocations can have (``MemAvailable``); None if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def largest_fitting(estimate: Callable[[int], float], lo: int, hi: int, available: int) -> int | None:
+    """The largest ``n`` in ``[lo, hi]`` with ``estimate(n) <= available`` (estimate grows with
+    ``n``), or None if not even ``lo`` fits."""
+    if estimate(lo) > available:
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate(mid) <= available:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,137 @@
+"""Every bad input gets one clear line before anything runs: the value, and the fix.
+
+One table per command; each row is the flags and the exact message. Sizes that do not fit are
+refused from an estimate before any rank starts; the available memory is pinned to 8 GiB here so
+the messages are exact on any machine.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+import asyncdbo
+from asyncdbo.cli import inputs
+from asyncdbo.cli import main as cli_main
+
+GIB = 2**30
+
+
+@pytest.fixture(autouse=True)
+def eight_gib(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inputs, "available_bytes", lambda: 8 * GIB)
+
+
+@pytest.fixture
+def a_file(tmp_path: Path) -> Path:
+    path = tmp_path / "not_a_dir"
+    path.write_text("x")
+    return path
+
+
+DEMO = [
+    (["--timeout", "0"], "--timeout 0 is not a positive number of seconds; use e.g. --timeout 120"),
+    (["--timeout", "-1"], "--timeout -1 is not a positive number of seconds; use e.g. --timeout 120"),
+    (["--timeout", "nan"], "--timeout nan is not a positive number of seconds; use e.g. --timeout 120"),
+    (["--timeout", "inf"], "--timeout inf is longer than a day (86400 s), the longest wait asyncdbo can bound; "
+                           "use at most --timeout 86400"),
+    (["--timeout", "1e12"], "--timeout 1e+12 is longer than a day (86400 s), the longest wait asyncdbo can bound; "
+                            "use at most --timeout 86400"),
+    (["--link", "ib400", "--link-scale", "inf"], "--link-scale must be a finite number > 0 (got inf); the default is 1000"),
+    (["--tokens", "5000000"], "--tokens 5000000 needs about 2.2 PiB for 2 rank(s) on this machine (estimated before "
+                              "starting them; the prefill step's attention scores dominate), but 8.0 GiB is available; "
+                              "use --tokens 8803 or fewer"),
+    (["--tokens", "5000000", "--shape", "decode"],
+     "--tokens 5000000 needs about 8.5 TiB for 2 rank(s) on this machine (estimated before starting them; the decode "
+     "step's KV cache and activations dominate), but 8.0 GiB is available; use --tokens 4309 or fewer"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), DEMO, ids=[" ".join(f) for f, _ in DEMO])
+def test_demo_refuses_before_any_rank_starts(capsys: pytest.CaptureFixture[str], flags: list[str], message: str) -> None:
+    assert cli_main(["demo", *flags]) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", f"asyncdbo demo: error: {message}\n")
+
+
+def test_demo_trace_must_be_a_writable_directory_before_the_run(capsys: pytest.CaptureFixture[str], a_file: Path) -> None:
+    for path, why in ((a_file, "is a file; give a directory (it is created if missing)"),
+                      (a_file / "sub", "is not a writable directory (Not a directory); give one you can write")):
+        assert cli_main(["demo", "--trace", str(path)]) == 2
+        captured = capsys.readouterr()
+        assert (captured.out, captured.err) == ("", f"asyncdbo demo: error: --trace {str(path)!r} {why}\n")
+
+
+CHECK = [
+    (["--ubatches", "0"], "--ubatches 0: a step needs at least 1 ubatch (DBO uses 2); use --ubatches 2"),
+    (["--tokens", "100000000"], "--tokens 100000000 needs about 240.7 TiB for the decode step (the sim runs the model "
+                                "on this CPU; estimated before running it), but 8.0 GiB is available; use --tokens up to 2935"),
+    (["--tokens", "100000000", "--shape", "prefill"],
+     "--tokens 100000000 needs about 1714.2 PiB for the prefill step (the sim runs the model on this CPU; estimated "
+     "before running it), but 8.0 GiB is available; use --tokens up to 5353"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), CHECK, ids=[" ".join(f) for f, _ in CHECK])
+def test_check_refuses_before_the_first_row(capsys: pytest.CaptureFixture[str], flags: list[str], message: str) -> None:
+    assert cli_main(["check", *flags]) == 2
+    assert capsys.readouterr().out == f"asyncdbo check: {message}\n"
+
+
+def test_check_trace_must_be_a_writable_directory(capsys: pytest.CaptureFixture[str], a_file: Path) -> None:
+    assert cli_main(["check", "--trace", str(a_file / "sub")]) == 2
+    assert capsys.readouterr().out == (
+        f"asyncdbo check: --trace {str(a_file / 'sub')!r} is not a writable directory (Not a directory); give one you can write\n"
+    )
+
+
+def _trace_cases(tmp: Path) -> list[tuple[str, str]]:
+    def write(name: str, data: object) -> str:
+        (tmp / name).write_text(json.dumps(data))
+        return str(tmp / name)
+
+    step = {"step": 0, "wall_s": 1.0, "compute_s": 1.0, "comm_s": 0.5, "comm_hidden_s": 0.1,
+            "comm_hidden_share": 0.2, "parked_s": 0.0, "switches": 3, "yields_per_ubatch": [1]}
+    return [
+        ("/dev/zero", "it goes on past 256 MiB (a device or a pipe, not a trace file)"),
+        (write("other.json", {"name": "not a trace", "traceEvents": 3}),
+         "it is JSON but not a Chrome trace: no 'traceEvents' list at the top level"),
+        (write("foreign.json", {"traceEvents": [], "otherData": {"asyncdbo": {"ranks": [{"rank": 0, "steps": [{"wall_s": 1}]}]}}}),
+         "otherData.asyncdbo.ranks[0].steps[0] lacks ['compute_s', 'comm_s', 'comm_hidden_s', 'comm_hidden_share', "
+         "'parked_s', 'switches', 'step', 'yields_per_ubatch'] (not written by asyncdbo's Tracer?)"),
+        (write("strings.json", {"traceEvents": [], "otherData": {"asyncdbo": {"ranks": [{"rank": 0, "steps": [dict(step, wall_s="1")]}]}}}),
+         "otherData.asyncdbo.ranks[0].steps[0] has non-numbers in ['wall_s']"),
+        (write("odd_span.json", {"traceEvents": [{"ph": "X", "args": {"ub": 0, "kind": "compute"}, "ts": "0", "dur": 1, "pid": 0}]}),
+         "traceEvents[0] (an asyncdbo span) lacks ['ts'] or has non-numbers there"),
+        (write("scalar.json", 5), "it is JSON but not a Chrome trace: no 'traceEvents' list at the top level"),
+    ]
+
+
+def test_trace_reads_a_bounded_amount_and_names_what_is_missing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    for path, why in _trace_cases(tmp_path):
+        assert cli_main(["trace", path]) == 2, path
+        captured = capsys.readouterr()
+        assert (captured.out, captured.err) == ("", f"asyncdbo trace: cannot read {path!r}: {why}\n")
+
+
+@pytest.mark.parametrize("instrument", [5, "tracer", [object()]], ids=["int", "str", "list of non-instruments"])
+def test_a_wrong_instrument_is_a_type_error_before_any_coroutine_exists(instrument: object) -> None:
+    async def forward(x: int) -> int:
+        return x
+
+    async def main() -> None:
+        await asyncdbo.run_ubatches(forward, [(1,), (2,)], instrument=instrument)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a coroutine that was never awaited warns at collection
+        with pytest.raises(TypeError) as info:
+            asyncdbo.run(main)
+        gc.collect()
+    assert str(info.value) == (
+        f"instrument must be an asyncdbo.lowlevel.Instrument, a list of them, or None (got {instrument!r}); "
+        "subclass Instrument and override the hooks you need"
+    )
