@@ -1,12 +1,15 @@
-"""``asyncdbo check``: predict what DBO gains for the reference MoE model on a modeled device and
-link, over a sweep of tokens per rank, without a GPU.
+"""``asyncdbo check``: check a model's DBO schedule for ordering bugs and predict what DBO gains on
+a modeled deployment, without a GPU.
 
 Each row runs the model serially (one ubatch) and as DBO ubatches on the sim backend (see
-:mod:`asyncdbo.sim.predict`) and prints the predicted step times, the gain and the share of comm
-time hidden under compute. ``--stream-policy both`` prints the role-stream schedule (vLLM) and the
-per-ubatch-stream pipeline with explicit events (CANN) side by side; ``--check-races`` also runs
-the happens-before checker; ``--trace DIR`` writes one Chrome trace per run (open in Perfetto or
-render with ``asyncdbo trace``).
+:mod:`asyncdbo.sim.predict`): the library's MoE layer with a real architecture's sizes and routing
+(``--model``, default DeepSeek-V3 at EP 32). It prints the per-layer step times, the gain and the
+share of comm hidden, then the sim's error band (:mod:`asyncdbo.sim.calibration`). The race checker
+runs on every run: a race or a dead wait exits 1 with every finding (``--no-check-races`` skips
+it); lost overlap is reported, and exits 1 with ``--fail-on lost-overlap``. ``--stream-policy
+both`` prints the role-stream schedule (vLLM) and the per-ubatch-stream pipeline (CANN) side by
+side; ``--trace DIR`` writes one Chrome trace per run. ``--workload FILE|synthetic`` replays per-step
+batch compositions across DP ranks through the planner instead (:mod:`asyncdbo.sim.workload`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import os
 from typing import Any
 
 from ..sim.devices import DEVICES
-from ..sim.races import SimCheckError
 
 __all__ = ["add_arguments", "main"]
 
@@ -34,87 +36,155 @@ def _tokens(text: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..backends.links import LINKS
-    from ..sim.predict import ModelShape
+    from ..sim.comm import COMMS
+    from ..sim.host import HOSTS
+    from ..sim.models import REAL_CONFIGS
 
-    d = ModelShape()
+    p.add_argument("--model", choices=sorted(REAL_CONFIGS), default="deepseek-v3",
+                   help="architecture, sized and routed by its published config (default deepseek-v3)")
     p.add_argument("--device", choices=sorted(DEVICES), default="h200", help="modeled accelerator (default h200)")
     p.add_argument("--link", choices=sorted(LINKS), default="ib400", help="modeled EP interconnect (default ib400)")
+    p.add_argument("--comm", choices=sorted(COMMS), default="deepep",
+                   help="comm kernels: deepep (fitted to DeepEP's tables) or a2a (plain collectives)")
+    p.add_argument("--host", choices=sorted(HOSTS), default=None,
+                   help="CPU side: graph (replay) or eager launches; default graph for decode, eager for prefill")
     p.add_argument("--tokens", type=_tokens, default=[16, 32, 64, 128, 256], help="tokens per rank to sweep, e.g. 32,256")
     p.add_argument("--shape", choices=("decode", "prefill"), default="decode")
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--hidden", type=int, default=d.hidden)
-    p.add_argument("--intermediate", type=int, default=d.intermediate, help="expert intermediate size")
-    p.add_argument("--experts", type=int, default=d.experts)
-    p.add_argument("--top-k", type=int, default=d.top_k)
-    p.add_argument("--shared-experts", type=int, default=d.shared_experts)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--head-dim", type=int, default=d.head_dim)
-    p.add_argument("--context", type=int, default=d.context, help="decode: cached tokens per request")
-    p.add_argument("--ep", type=int, default=d.ep, help="expert-parallel ranks (modeled)")
-    p.add_argument("--ubatches", type=int, default=2)
-    p.add_argument("--schedule", choices=("ht", "ll"), default=d.schedule)
+    p.add_argument("--context", type=int, default=None,
+                   help="decode: cached tokens per request (default 2000); prefill: prompt length (default 4096)")
+    p.add_argument("--ep", type=int, default=32, help="expert-parallel ranks (modeled; default 32)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks that share a node's NVLink/HCCS (default 8)")
+    p.add_argument("--ubatches", type=int, default=2, help="DBO ubatches, 2 to 4 (default 2)")
+    p.add_argument("--schedule", choices=("ht", "ll"), default=None,
+                   help="MoE schedule; default ll for decode, ht for prefill (as deployments run them)")
     p.add_argument("--stream-policy", choices=("role", "ubatch", "both"), default="role")
-    p.add_argument("--check-races", action="store_true", help="also run the happens-before race checker")
+    p.add_argument("--imbalance", type=float, default=1.0,
+                   help="the busiest EP rank's expert work over this rank's (default 1.0: balanced)")
+    p.add_argument("--layers", type=int, default=None, help="MoE layers simulated (default 3; the middle one is timed)")
+    for name, help_ in (("hidden", "hidden size"), ("intermediate", "expert intermediate size"), ("experts", "routed experts"),
+                        ("top-k", "experts per token"), ("shared-experts", "shared experts"), ("heads", "attention heads")):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"override the model's {help_}")
+    p.add_argument("--weights", choices=("bf16", "fp8", "int8"), default=None, help="override the weight format")
+    p.add_argument("--check-races", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the happens-before race checker (default on; --no-check-races to skip)")
+    p.add_argument("--fail-on", choices=("lost-overlap",), action="append", default=[],
+                   help="also fail (exit 1) on lost overlap")
+    p.add_argument("--workload", metavar="FILE|synthetic",
+                   help="replay per-step batch compositions across DP ranks (JSON lines; see docs/sim.md)")
+    p.add_argument("--split-policy", choices=("token", "request", "balanced"), default="token",
+                   help="the planner's split policy for --workload (default token)")
     p.add_argument("--trace", metavar="DIR", help="write a Chrome trace per run into DIR")
 
 
-def main(args: argparse.Namespace) -> int:
-    import asyncdbo
+def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
+    from ..sim.predict import Deployment, ModelShape
 
-    from ..backends.links import link_spec
-    from ..sim.devices import device_spec
-    from ..sim.predict import ModelShape, Prediction, predict, sim_trace
+    if not 2 <= args.ubatches <= 4:
+        raise ValueError(f"--ubatches must be 2, 3 or 4 (got {args.ubatches}); 1 is the serial run every row has anyway")
+    model = ModelShape.of(args.model).with_overrides(
+        layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, experts=args.experts, top_k=args.top_k,
+        shared_experts=args.shared_experts, heads=args.heads, weights=args.weights)
+    if model.experts % args.ep:
+        raise ValueError(f"{model.name}: experts ({model.experts}) must be divisible by ep ({args.ep}); "
+                         "change --ep or --experts")
+    dep = Deployment(device=args.device, link=args.link, comm=args.comm, host=args.host, ep=args.ep,
+                     gpus_per_node=args.gpus_per_node, schedule=args.schedule, imbalance=args.imbalance)
+    return model, dep
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..sim.calibration import band
+    from ..sim.races import SimCheckError
 
     try:
-        model = ModelShape(
-            layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, experts=args.experts,
-            top_k=args.top_k, shared_experts=args.shared_experts, heads=args.heads, head_dim=args.head_dim,
-            context=args.context, ep=args.ep, schedule=args.schedule,
-        )
+        model, dep = _setup(args)
+        code = _workload(args, model, dep) if args.workload else _sweep(args, model, dep)
+    except SimCheckError as exc:
+        print(f"\n{exc}")
+        return 1
     except ValueError as exc:
         print(f"asyncdbo check: {exc}")
         return 2
+    print(band())
+    return code
+
+
+def _header(args: argparse.Namespace, model: Any, dep: Any, shape: str | None) -> None:
+    d = dep.resolved(shape or "decode")
+    if shape is None and (dep.host is None or dep.schedule is None):
+        per_step = "per step (decode steps: ll, graph; others: ht, eager)"
+        run = f"host {d.host.name if dep.host else per_step}, schedule {d.schedule if dep.schedule else per_step}"
+    else:
+        run = f"{d.host.name} host, schedule {d.schedule}"
+    print(f"asyncdbo check: {model.describe()}")
+    print(f"deployment: {d.device.name} + {d.link.name} ({d.link.latency_s * 1e6:g} us, {d.link.bandwidth_Bps / 1e9:g} GB/s), "
+          f"EP {d.ep} ({d.gpus_per_node} per node), {d.comm.name} comm, {run}, "
+          f"{args.ubatches} ubatches{', imbalance %g' % d.imbalance if d.imbalance != 1 else ''}")
+    print(f"checks: {'races, dead waits and lost overlap' if args.check_races else 'none (--no-check-races)'}"
+          f"{'; lost overlap fails' if args.fail_on else ''}")
+
+
+def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
+    import asyncdbo
+
+    from ..sim.predict import Prediction, predict, sim_trace
+
     policies = ["role", "ubatch"] if args.stream_policy == "both" else [args.stream_policy]
-    dev, link = device_spec(args.device), link_spec(args.link)
-    print(
-        f"asyncdbo check: {dev.name} ({dev.peak_flops / 1e12:g} TFLOP/s, {dev.hbm_Bps / 1e12:g} TB/s) + {link.name} "
-        f"({link.latency_s * 1e6:g} us, {link.bandwidth_Bps / 1e9:g} GB/s), {args.shape}, {args.ubatches} ubatches, "
-        f"schedule {model.schedule}"
-    )
-    print(
-        f"model: {model.layers} layers, hidden {model.hidden}, {model.experts} experts of {model.intermediate} "
-        f"(top-{model.top_k}, {model.shared_experts} shared), {model.heads}x{model.head_dim} attention, EP {model.ep}"
-    )
+    _header(args, model, dep, args.shape)
     head = f"{'tokens/rank':>11} {'serial us':>10}"
     for pol in policies:
         head += f" | {pol + ' DBO us':>14} {'gain':>7} {'comm hidden':>11}"
+    print(f"{args.shape}, per MoE layer in steady state:")
     print(head)
     print("-" * len(head))
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
+    lost: dict[str, int] = {}
     for tokens in args.tokens:
         row = f"{tokens:>11}"
         for i, pol in enumerate(policies):
-            try:
-                pred: Prediction = asyncdbo.run(
-                    _call(predict, tokens, model=model, shape=args.shape, device=dev, link=link,
-                          ubatches=args.ubatches, stream_policy=pol, check_races=args.check_races),
-                    loop="asyncio",
-                )
-            except SimCheckError as exc:
-                print(f"\n{exc}")
-                return 1
-            except ValueError as exc:
-                print(f"asyncdbo check: {exc}")
-                return 2
+            pred: Prediction = asyncdbo.run(
+                _call(predict, tokens, model=model, shape=args.shape, context=args.context, deployment=dep,
+                      ubatches=args.ubatches, stream_policy=pol, check_races=args.check_races, fail_on=args.fail_on),
+                loop="asyncio",
+            )
+            for lo in pred.dbo.lost_overlaps:
+                lost.setdefault(str(lo), 0)
+                lost[str(lo)] += 1
             if i == 0:
-                row += f" {pred.serial_s * 1e6:>10.1f}"
-            row += f" | {pred.dbo_s * 1e6:>14.1f} {pred.gain * 100:>+6.1f}% {pred.hidden_comm_share * 100:>10.0f}%"
+                row += f" {pred.serial_layer_s * 1e6:>10.1f}"
+            row += f" | {pred.dbo_layer_s * 1e6:>14.1f} {pred.gain * 100:>+6.1f}% {pred.hidden_comm_share * 100:>10.0f}%"
             if args.trace:
                 _write(args.trace, f"sim_{args.shape}_{tokens}_serial.json", sim_trace(pred.serial, label="serial"))
                 _write(args.trace, f"sim_{args.shape}_{tokens}_dbo_{pol}.json", sim_trace(pred.dbo, label=f"DBO {pol} streams"))
         print(row)
-    print("gain: serial step time / DBO step time - 1 (positive: DBO is faster). See docs/sim.md for the model.")
+    print("gain: serial time / DBO time - 1 per MoE layer (positive: DBO is faster). See docs/sim.md for the model.")
+    for text, n in lost.items():
+        print(f"\nwarning ({n} run(s)): {text}")
+    return 0
+
+
+def _workload(args: argparse.Namespace, model: Any, dep: Any) -> int:
+    from ..sim.workload import load_workload, replay, synthetic_workload
+
+    steps = synthetic_workload() if args.workload == "synthetic" else load_workload(args.workload)
+    ranks = len(steps[0])
+    _header(args, model, dep, None)
+    print(f"workload: {'synthetic (seed 0)' if args.workload == 'synthetic' else args.workload}, {len(steps)} steps "
+          f"x {ranks} DP ranks, split policy {args.split_policy}")
+    res = replay(steps, model=model, deployment=dep, ubatches=args.ubatches, policy=args.split_policy,
+                 stream_policy="role" if args.stream_policy == "both" else args.stream_policy, check_races=args.check_races)
+    print(f"throughput, real tokens of all ranks per second of MoE-layer time: {res.tokens / res.serial_s / 1e6:.2f} M "
+          f"without DBO, {res.tokens / res.dbo_s / 1e6:.2f} M with: gain {res.gain * 100:+.1f}%")
+    print(f"steps microbatched: {sum(s.microbatched for s in res.steps)} of {len(res.steps)} ({res.microbatched_share:.0%})")
+    for reason, n in sorted(res.reasons().items(), key=lambda kv: -kv[1]):
+        print(f"  fell out: {reason.value} in {n} step(s)")
+    for reason, n in sorted(res.rank_reasons().items(), key=lambda kv: -kv[1]):
+        print(f"    a rank voted no: {reason.value} ({n} rank-step(s))")
+    example = next((s for s in res.steps if not s.microbatched), None)
+    if example is not None:
+        print(f"  e.g. tokens by rank {list(example.tokens)}: {example.detail}")
+    print(f"({res.simulations} distinct simulations)")
     return 0
 
 
