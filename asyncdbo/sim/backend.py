@@ -274,6 +274,8 @@ class SimBackend(Transfers, StreamBackend):
             return
         before = stream.t
         stream.t = max(stream.t, event.t)
+        if isinstance(event.by, Site):
+            self._clocks.last_wait[stream.id] = event.by
         if event.covers_foreign is not None and self._clocks.knows(stream.id, event.stream_id) < event.clock.get(
                 event.stream_id, 0):
             foreign, own_end = event.covers_foreign

@@ -123,10 +123,14 @@ class Race:
     kind: str  # "read-after-write" | "write-after-read" | "write-after-write"
     now: Site
     before: Site
+    cross_wait: Site | None = None  # the racing stream's last wait, when another ubatch recorded its event
 
     def __str__(self) -> str:
         first, second = _VERBS[self.kind][1], _VERBS[self.kind][0]
         b, n = self.before, self.now
+        note = [] if self.cross_wait is None else [
+            f"    note: stream {n.stream} last waited on an event ubatch {self.cross_wait.ubatch} recorded ("
+            f"{self.cross_wait.place}): a wait on another ubatch's event does not order this one's own work"]
         return "\n".join([
             f"{self.kind} race: {n.op} on stream {n.stream} {second}s a buffer {b.op} on stream {b.stream} "
             f"{'wrote' if first == 'write' else 'read'}, with no event between them",
@@ -134,6 +138,7 @@ class Race:
             *n.lines(f"2. {second} by "),
             f"    missing: no wait on stream {b.stream} between {b.op} ({b.place}) and {n.op} ({n.place}): record "
             f"an event on {b.stream} after the {first} and make stream {n.stream} wait on it before the {second}",
+            *note,
         ])
 
 
@@ -232,6 +237,8 @@ class RaceChecker:
     access histories over storages (see the module docstring)."""
 
     def __init__(self) -> None:
+        #: stream -> the record of the event its last wait was on (set by the backend)
+        self.last_wait: dict[int, Site] = {}
         self.clocks: dict[int, dict[int, int]] = {}
         self.seq: dict[int, int] = {}
         self.history: dict[int, _History] = {}
@@ -287,23 +294,25 @@ class RaceChecker:
         for key in reads - writes:
             h = self.history.setdefault(key, _History())
             if h.write is not None and not self._ordered(h.write, sid):
-                self._report("read-after-write", site, h.write.site)
+                self._report("read-after-write", site, h.write.site, sid)
             h.reads.append(acc)
         for key in writes:
             h = self.history.setdefault(key, _History())
             for r in h.reads:
                 if not self._ordered(r, sid):
-                    self._report("write-after-read", site, r.site)
+                    self._report("write-after-read", site, r.site, sid)
                     break
             else:
                 if h.write is not None and not self._ordered(h.write, sid):
-                    self._report("write-after-write", site, h.write.site)
+                    self._report("write-after-write", site, h.write.site, sid)
             h.write = acc
             h.reads = [acc] if key in reads else []
 
-    def _report(self, kind: str, now: Site, before: Site) -> None:
+    def _report(self, kind: str, now: Site, before: Site, sid: int) -> None:
         key = (kind, now.place + now.op, before.place + before.op)
         if key in self._seen:  # one report per pair of places, not one per layer
             return
         self._seen.add(key)
-        self.races.append(Race(kind, now, before))
+        waited = self.last_wait.get(sid)
+        cross = waited if waited is not None and waited.ubatch not in (None, now.ubatch) else None
+        self.races.append(Race(kind, now, before, cross))

@@ -135,6 +135,8 @@ def test_the_checker_flags_each_mutant(schedule: str, policy: str, name: str, mo
     assert "asyncdbo/moe/layer.py:" in text or "asyncdbo/dist/ep.py:" in text or "tests/sim/test_sim_mutants.py:" in text, text
     if type(flagged).__name__ == "Race":
         assert "\n    missing: no wait on stream " in text
+    if name == "cross-ubatch wait":
+        assert any("last waited on an event ubatch " in str(f) for f in found), [str(f) for f in found]
 
 
 def test_every_mutant_kind_runs_under_both_schedules_and_policies() -> None:
