@@ -112,8 +112,8 @@ def main(args: argparse.Namespace) -> int:
 def _header(args: argparse.Namespace, model: Any, dep: Any, shape: str | None) -> None:
     d = dep.resolved(shape or "decode")
     if shape is None and (dep.host is None or dep.schedule is None):
-        per_step = "per step (decode steps: ll, graph; others: ht, eager)"
-        run = f"host {d.host.name if dep.host else per_step}, schedule {d.schedule if dep.schedule else per_step}"
+        run = (f"schedule {dep.schedule or 'll for decode steps, ht for others'}, "
+               f"host {dep.host or 'graph for decode steps, eager for others'}")
     else:
         run = f"{d.host.name} host, schedule {d.schedule}"
     print(f"asyncdbo check: {model.describe()}")
@@ -176,7 +176,9 @@ def _workload(args: argparse.Namespace, model: Any, dep: Any) -> int:
                  stream_policy="role" if args.stream_policy == "both" else args.stream_policy, check_races=args.check_races)
     print(f"throughput, real tokens of all ranks per second of MoE-layer time: {res.tokens / res.serial_s / 1e6:.2f} M "
           f"without DBO, {res.tokens / res.dbo_s / 1e6:.2f} M with: gain {res.gain * 100:+.1f}%")
-    print(f"steps microbatched: {sum(s.microbatched for s in res.steps)} of {len(res.steps)} ({res.microbatched_share:.0%})")
+    split = [s for s in res.steps if s.microbatched]
+    on_split = f"; on those steps alone DBO gains {sum(s.serial_s for s in split) / sum(s.dbo_s for s in split) * 100 - 100:+.1f}%" if split else ""
+    print(f"steps microbatched: {len(split)} of {len(res.steps)} ({res.microbatched_share:.0%}){on_split}")
     for reason, n in sorted(res.reasons().items(), key=lambda kv: -kv[1]):
         print(f"  fell out: {reason.value} in {n} step(s)")
     for reason, n in sorted(res.rank_reasons().items(), key=lambda kv: -kv[1]):

@@ -119,6 +119,6 @@ def band(rows: Sequence[Row] = TABLE) -> str:
         return "no calibration table"
     cal = max((abs(r.error_pts) for r in rows if r.use == "calibrate"), default=0.0)
     held = [r for r in rows if r.use == "held-out"]
-    errs = ", ".join(f"{r.label} {r.error_pts:+.0f}" for r in held)
+    errs = ", ".join(f"{r.label} {r.error_pts:+.1f}" for r in held)
     return (f"error band: calibrated on SGLang's H100+IB decode curve (residual <= {cal:.1f} points); held-out "
             f"errors, points of gain: {errs} (docs/sim.md)")
