@@ -2,8 +2,8 @@
 checker.
 
 Every torch op a ubatch issues during the run is seen by a ``TorchDispatchMode``
-(:mod:`asyncdbo.sim.mode`: executed for real, or on shapes only for meta tensors) and placed on the ubatch's current
-*virtual* stream with the duration the cost model gives it on the modeled device
+(:mod:`asyncdbo.sim.mode`: executed for real; meta tensors as shapes only) and placed on the
+ubatch's current *virtual* stream with the duration the cost model gives it on the modeled device
 (:mod:`asyncdbo.sim.cost`), no earlier than the modeled CPU launched it
 (:mod:`asyncdbo.sim.host`). Events record and wait with device semantics on the virtual clock, so
 the makespan is the step time the schedule would have on that device.
