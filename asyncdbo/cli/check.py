@@ -177,7 +177,10 @@ def _workload(args: argparse.Namespace, model: Any, dep: Any) -> int:
     print(f"throughput, real tokens of all ranks per second of MoE-layer time: {res.tokens / res.serial_s / 1e6:.2f} M "
           f"without DBO, {res.tokens / res.dbo_s / 1e6:.2f} M with: gain {res.gain * 100:+.1f}%")
     split = [s for s in res.steps if s.microbatched]
-    on_split = f"; on those steps alone DBO gains {sum(s.serial_s for s in split) / sum(s.dbo_s for s in split) * 100 - 100:+.1f}%" if split else ""
+    on_split = ""
+    if split:
+        split_gain = sum(s.serial_s for s in split) / sum(s.dbo_s for s in split) - 1
+        on_split = f"; on those steps alone DBO gains {split_gain * 100:+.1f}%"
     print(f"steps microbatched: {len(split)} of {len(res.steps)} ({res.microbatched_share:.0%}){on_split}")
     for reason, n in sorted(res.reasons().items(), key=lambda kv: -kv[1]):
         print(f"  fell out: {reason.value} in {n} step(s)")

@@ -280,7 +280,8 @@ class SimBackend(Transfers, StreamBackend):
                 event.stream_id, 0):
             foreign, own_end = event.covers_foreign
             site = self._site(ub, stream, "wait event")
-            self._lost.append(LostOverlap("record-after-yield", site, event.by, foreign, max(0.0, event.t - max(before, own_end))))
+            lost_s = max(0.0, event.t - max(before, own_end))
+            self._lost.append(LostOverlap("record-after-yield", site, event.by, foreign, lost_s))
         self._clocks.wait(stream.id, event.clock)
 
     # ------------------------------------------------------------------ ops

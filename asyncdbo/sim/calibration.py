@@ -72,8 +72,8 @@ def predict_point(p: EndToEnd, **device_overrides: Any) -> float:
     model = ModelShape.of(p.model, weights=p.weights, experts=p.experts)
     dep = Deployment(device=device_spec(p.device, **device_overrides), link=p.link, comm=p.comm, host=p.host, ep=p.ep,
                      gpus_per_node=p.gpus_per_node, schedule=p.schedule)
-    run = functools.partial(predict, p.tokens, model=model, shape=p.shape, context=p.context, deployment=dep,  # type: ignore[arg-type]
-                            check_races=False)
+    run = functools.partial(predict, p.tokens, model=model, shape=p.shape,  # type: ignore[arg-type]
+                            context=p.context, deployment=dep, check_races=False)
     logging.getLogger("asyncdbo").setLevel(logging.ERROR)
     return float(asyncdbo.run(run, loop="asyncio").gain)
 
@@ -87,7 +87,8 @@ def compare(points: Iterable[EndToEnd] = END_TO_END, **device_overrides: Any) ->
     return rows
 
 
-def fit(overheads_us: Sequence[float], mem_efficiencies: Sequence[float]) -> tuple[tuple[float, float], list[tuple[float, float, float]]]:
+def fit(overheads_us: Sequence[float],
+        mem_efficiencies: Sequence[float]) -> tuple[tuple[float, float], list[tuple[float, float, float]]]:
     """Grid search: the ``(kernel_overhead_s, mem_efficiency)`` with the least sum of squared
     errors over the ``calibrate`` points, and every grid point's ``(overhead_us, mem_eff, loss)``."""
     cal = [p for p in END_TO_END if p.use == "calibrate"]

@@ -200,7 +200,8 @@ def replay(
         votes, local = [], []
         for r, qsl in enumerate(qsls):
             idle = qsl[-1] == 0
-            rec = plan_step(qsl, num_ubatches=ubatches, policy=policy, thresholds=thresholds, is_idle=idle).record  # type: ignore[arg-type]
+            rec = plan_step(qsl, num_ubatches=ubatches, policy=policy,  # type: ignore[arg-type]
+                            thresholds=thresholds, is_idle=idle).record
             vote = "idle" if idle else ("yes" if rec.microbatched else "no")
             votes.append(RankVote(r, vote, rec.reason, qsl[-1], qsl[-1]))
             if not idle:
@@ -214,7 +215,8 @@ def replay(
             serial.append(alone)
             if decision.should_ubatch:
                 padded = decision.num_tokens_padded
-                parts = [s.num_tokens_padded for s in plan_slices(qsl, ubatches, policy, num_tokens_padded=padded)]  # type: ignore[arg-type]
+                slices = plan_slices(qsl, ubatches, policy, num_tokens_padded=padded)  # type: ignore[arg-type]
+                parts = [s.num_tokens_padded for s in slices]
                 full = list(reqs) + [(1, 0)] * (padded - real)  # padding tokens cost compute, attend to nothing
                 dbo.append(timed(full, [parts], shape)[0])
             else:
