@@ -1,13 +1,14 @@
-"""Predicted DBO gain on H200-class specs across tokens per rank and links, beside peers' numbers.
+"""Predicted DBO gain on H200 specs across tokens per rank and links, beside peers' numbers.
 
-Each point is :func:`asyncdbo.sim.predict.predict`: the reference MoE model (DeepSeek-V3 routing at
-a CPU-sized width, see ``ModelShape``) on one rank of an EP group, run serially and as 2 DBO
-ubatches on the simulated device; the gain is ``serial / dbo - 1``. The peer numbers are published
-end-to-end measurements (not simulations) of other systems' two-batch overlap; they sit on the plot
-to show whether the prediction has the right shape (a loss at small decode batches, a gain that
-grows with tokens per GPU), not to claim agreement.
+Each point is :func:`asyncdbo.sim.predict.predict`: DeepSeek-V3 (its published config, the
+library's MoE layer) on one rank of an EP group, run serially and as 2 DBO ubatches on the
+simulated device with the deployment defaults (decode: the ``ll`` schedule and CUDA-graph replay;
+prefill: ``ht``, eager; DeepEP kernels; EP 32 over InfiniBand and Ethernet, EP 8 inside one NVLink
+node); the gain is the per-layer ``serial / dbo - 1``. The peer numbers are published end-to-end
+measurements of SGLang's two-batch overlap on H100 (the sim's calibration and held-out points, see
+docs/sim.md), on the plot beside the H200 predictions.
 
-    python benchmarks/sim_sweep.py            # full sweep, ~5-10 min on 2 cores; writes .md + .png to benchmarks/results
+    python benchmarks/sim_sweep.py            # full sweep, a few minutes on 2 cores; writes .md + .png to benchmarks/results
     python benchmarks/sim_sweep.py --quick    # one tiny point, prints only
 """
 
@@ -32,14 +33,15 @@ class PeerPoint:
     source: str
 
 
-# Published, end-to-end, DeepSeek-V3 on 96 H100 (12 nodes x 8) over InfiniBand, SGLang two-batch
-# overlap vs off, LMSYS blog 2025-05-05 (numbers as collected in the project's research notes).
+# Published, end-to-end, DeepSeek-V3 on H100 over InfiniBand, SGLang two-batch overlap vs off,
+# LMSYS blog 2025-05-05 (decode: 9 nodes, EP 72; the threshold lies "between 64 and 128 tokens").
 PEERS = [
-    PeerPoint(system="SGLang TBO, 96xH100 IB", shape="decode", tokens_per_gpu=32, gain=-0.27, source="LMSYS blog 2025-05-05"),
-    PeerPoint(system="SGLang TBO, 96xH100 IB", shape="decode", tokens_per_gpu=256, gain=0.255, source="LMSYS blog 2025-05-05"),
+    PeerPoint(system="SGLang TBO, 72xH100 IB", shape="decode", tokens_per_gpu=32, gain=-0.27, source="LMSYS blog 2025-05-05"),
+    PeerPoint(system="SGLang TBO, 72xH100 IB", shape="decode", tokens_per_gpu=256, gain=0.255, source="LMSYS blog 2025-05-05"),
 ]
 PEER_NOTES = [
-    "SGLang TBO prefill, 96xH100 IB: +27-35% at equal tokens/device (LMSYS blog 2025-05-05; tokens/device not stated there).",
+    "SGLang TBO decode, 72xH100 IB: gains only past a threshold between 64 and 128 tokens/device (LMSYS blog 2025-05-05).",
+    "SGLang TBO prefill, 32xH100 IB: +27-35% at equal tokens/device (LMSYS blog 2025-05-05; tokens/device not stated there).",
     "SGLang TBO prefill, AMD MI355X, DeepSeek-V4: +8.5% throughput (SGLang PR #29362).",
     "vLLM DBO: no isolated number published; maintainers expect no speed-up within one node (vLLM #23693).",
 ]
@@ -47,29 +49,31 @@ PEER_NOTES = [
 FULL = {
     "decode_tokens": (32, 64, 128, 256, 512, 1024),
     "decode_links": ("nvlink", "ib400", "eth100"),
-    "prefill_tokens": (256, 1024, 2048),
+    "prefill_tokens": (1024, 4096, 8192),
     "prefill_links": ("ib400",),
-    "layers": 1,
 }
+EP = {"nvlink": 8, "ib400": 32, "eth100": 32}  # NVLink: the EP group inside one node
 
 
 def sweep(quick: bool) -> list[dict[str, object]]:
     import asyncdbo
-    from asyncdbo.sim.predict import ModelShape, predict
+    from asyncdbo.sim.predict import Deployment, ModelShape, predict
 
     if quick:
-        model = ModelShape(layers=1, hidden=128, intermediate=64, experts=8, top_k=2, heads=2, head_dim=32, context=32, ep=4)
+        model = ModelShape(name="tiny", hidden=128, intermediate=64, experts=8, top_k=2, heads=2, kv_heads=1, head_dim=32,
+                           v_head_dim=32, layers=3)
         points = [("decode", 16, "ib400")]
     else:
-        model = ModelShape(layers=FULL["layers"])
+        model = ModelShape.of("deepseek-v3")
         points = [("decode", t, link) for link in FULL["decode_links"] for t in FULL["decode_tokens"]]
         points += [("prefill", t, link) for link in FULL["prefill_links"] for t in FULL["prefill_tokens"]]
     rows = []
     for shape, tokens, link in points:
         t0 = time.perf_counter()
-        p = asyncdbo.run(lambda: predict(tokens, model=model, shape=shape, device="h200", link=link))  # noqa: B023
+        dep = Deployment(device="h200", link=link, ep=4 if quick else EP[link])
+        p = asyncdbo.run(lambda: predict(tokens, model=model, shape=shape, deployment=dep))  # noqa: B023
         rows.append({
-            "shape": shape, "tokens": tokens, "link": link, "serial_us": p.serial_s * 1e6, "dbo_us": p.dbo_s * 1e6,
+            "shape": shape, "tokens": tokens, "link": link, "serial_us": p.serial_layer_s * 1e6, "dbo_us": p.dbo_layer_s * 1e6,
             "gain": p.gain, "hidden": p.hidden_comm_share, "cpu_s": time.perf_counter() - t0,
         })
         print(f"{shape} {tokens} {link}: gain {p.gain:+.1%}", file=sys.stderr)
@@ -94,7 +98,7 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per rank (GPU)")
     ax.set_ylabel("DBO gain over serial (%)")
-    ax.set_title("Predicted DBO gain (simulated H200, 2 ubatches) vs published peer numbers", fontsize=10)
+    ax.set_title("Predicted DBO gain (simulated H200, DeepSeek-V3, 2 ubatches) vs SGLang on H100", fontsize=10)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -117,11 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = sweep(args.quick)
     lines.append(
-        "Model: `asyncdbo.sim.predict.ModelShape` defaults (DeepSeek-V3 routing: 64 experts, top-8, 1 shared, "
-        "EP 32; hidden 2048, expert intermediate 1024, attention context 1024) with 1 layer (every layer is the "
-        "same, so the gain per layer is the step's), HT schedule, 2 ubatches, role streams.\n"
+        "Model: DeepSeek-V3 (`ModelShape.of(\"deepseek-v3\")`: hidden 7168, 256 experts of 2048, top-8, 1 shared, "
+        "MLA, FP8 weights), `Deployment` defaults on H200 (decode: ll schedule, graph replay, 2000 cached tokens per "
+        "request; prefill: ht schedule, eager, 4096-token prompts; DeepEP kernels), EP 32 (EP 8 on NVLink), 2 ubatches, "
+        "role streams. Times are per MoE layer in steady state (the middle of 3 simulated layers).\n"
     )
-    lines += ["| shape | tokens/rank | link | serial us | DBO us | gain | comm hidden (DBO) |", "|---|---:|---|---:|---:|---:|---:|"]
+    lines += ["| shape | tokens/rank | link | serial us/layer | DBO us/layer | gain | comm hidden (DBO) |",
+              "|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['tokens']} | {r['link']} | {r['serial_us']:.1f} | {r['dbo_us']:.1f} | "

@@ -7,7 +7,16 @@ C++; since all ubatches share one thread, the scheduler re-installs the resuming
 
 Comm completion is a stream dependency, never a CPU wait: NCCL/HCCL works complete their CPU
 future at enqueue time, and ``work.wait()`` makes the *current* stream wait for the collective's
-internal stream. The done-events the primitives record then carry that order to the other role.
+internal stream. Where that wait goes is the schedule's choice:
+
+* a collective issued from a comm stream (the ``ht`` schedule) is waited for there at once, and
+  the done-events the primitives record carry that order to compute;
+* a collective issued from the compute role (the ``ll`` schedule: send now, receive later) is not
+  waited for at issue, which would stall the shared compute stream until the rows arrive and
+  leave nothing to overlap; the handle's ``stream_wait()`` (run from a recv hook by the next
+  ubatch, after it queued its own compute) or ``await handle`` makes the then-current stream wait.
+
+Under the ubatch policy each ubatch has its own compute stream and its own comm stream.
 """
 
 from __future__ import annotations
@@ -18,9 +27,38 @@ from typing import TYPE_CHECKING, Any
 from .base import DoneWork, RunStreams, StreamBackend, UBatchStreams
 
 if TYPE_CHECKING:
+    from collections.abc import Generator
+
     from .._core import DBORun, Signal
 
-__all__ = ["AcceleratorBackend", "cuda_backend", "npu_backend", "xpu_backend"]
+__all__ = ["AcceleratorBackend", "DeviceWork", "cuda_backend", "npu_backend", "xpu_backend"]
+
+
+class DeviceWork:
+    """A collective issued from the compute role: nothing waits for it until ``stream_wait()``
+    or ``await`` makes the current stream wait (``work.wait()``); the CPU never blocks."""
+
+    __slots__ = ("what", "nbytes", "work", "_waited")
+
+    def __init__(self, what: str, nbytes: int, work: Any) -> None:
+        self.what, self.nbytes, self.work, self._waited = what, nbytes, work, False
+
+    def done(self) -> bool:
+        return self._waited
+
+    def stream_wait(self) -> None:
+        self.work.wait()  # the current stream waits for the collective's stream
+        self._waited = True
+
+    wait = stream_wait
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        self.stream_wait()
+        return
+        yield
+
+    def __repr__(self) -> str:
+        return f"<DeviceWork {self.what} {'waited' if self._waited else 'in flight'}>"
 
 
 def _resolve_device_type(device_type: str | None) -> str:
@@ -72,7 +110,7 @@ class AcceleratorBackend(StreamBackend):
                 lane.streams = {"compute": main, "comm": comm}
             else:
                 own = main if lane.ub.id == 0 else torch.Stream(device=self.device)
-                lane.streams = {"compute": own, "comm": own}
+                lane.streams = {"compute": own, "comm": torch.Stream(device=self.device)}
             lane.events = {"compute": torch.Event(device=self.device), "comm": torch.Event(device=self.device)}
             lane.stream = lane.ub.resume_with = lane.streams["compute"]
 
@@ -92,8 +130,10 @@ class AcceleratorBackend(StreamBackend):
         return None
 
     def submit(self, work: Any, lane: UBatchStreams | None, *, nbytes: int = 0, what: str = "comm",
-               **options: Any) -> DoneWork:
-        work.wait()  # current stream waits for the collective; the CPU does not
+               **options: Any) -> DoneWork | DeviceWork:
+        if lane is not None and lane.role == "compute":
+            return DeviceWork(what, nbytes, work)  # waited where the schedule says (module docstring)
+        work.wait()  # the current (comm) stream waits for the collective; the CPU does not
         return DoneWork(what, nbytes, work)
 
 

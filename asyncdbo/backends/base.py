@@ -31,8 +31,9 @@ __all__ = [
 
 StreamPolicy = Literal["role", "ubatch"]
 """``role`` (vLLM): one compute and one comm stream shared by all ubatches; a role switch moves a
-ubatch between them. ``ubatch`` (CANN prefill case): each ubatch owns one stream for both roles
-(ubatch 0 the current stream, the others side streams); cross-ubatch order is explicit events."""
+ubatch between them. ``ubatch`` (CANN prefill case): each ubatch owns a compute stream (ubatch 0
+the current stream, the others side streams) and a comm stream of its own, as NCCL and HCCL give
+each communicator; explicit events order them, across roles and across ubatches."""
 
 Role = Literal["compute", "comm"]
 ROLES: tuple[Role, Role] = ("compute", "comm")
@@ -40,12 +41,16 @@ ROLES: tuple[Role, Role] = ("compute", "comm")
 
 class CommHandle(Protocol):
     """What :meth:`StreamBackend.submit` returns: ``await handle`` waits for the work the way the
-    backend needs (the host parks the ubatch; a device orders its stream), ``wait()`` blocks
-    outside a run, ``done()`` says whether anything is left to wait for."""
+    backend needs (the host parks the ubatch; a device orders its current stream), ``wait()``
+    blocks outside a run, ``done()`` says whether anything is left to wait for, and
+    ``stream_wait()`` orders the *current* stream after the work without blocking the CPU (what a
+    recv hook does on a device; nothing on the host, where only a park can wait)."""
 
     def done(self) -> bool: ...
 
     def wait(self) -> None: ...
+
+    def stream_wait(self) -> None: ...
 
     def __await__(self) -> Generator[Any, Any, None]: ...
 
@@ -63,6 +68,9 @@ class DoneWork:
         return True
 
     def wait(self) -> None:
+        return None
+
+    def stream_wait(self) -> None:
         return None
 
     def __await__(self) -> Generator[Any, Any, None]:

@@ -92,6 +92,9 @@ class HostWork:
     def __await__(self) -> Any:
         return self.signal.__await__()
 
+    def stream_wait(self) -> None:
+        """Nothing: a CPU has no queue to order; the ubatch that needs the data awaits the work."""
+
     def wait(self) -> None:
         """Block this thread until the work (and the modeled link) completes."""
         self.work.wait()
@@ -127,14 +130,15 @@ class HostBackend(StreamBackend):
         return f"host (modeled link {self.link.name}: {self.link.latency_s * 1e6:g} us + {self.link.bandwidth_Bps / 1e9:g} GB/s)"
 
     def attach(self, run: DBORun, state: RunStreams) -> None:
+        # The CPU is one compute stream for every ubatch; under the ubatch policy each ubatch gets
+        # a comm stream of its own (its own FIFO of works), as a device backend gives it one.
         cpu = HostStream("compute", inline=True)
         shared_comm = HostStream("comm", inline=False)
         for lane in state.lanes:
-            comm = shared_comm if state.policy == "role" else HostStream(f"ub{lane.ub.id}", inline=False)
-            compute = cpu if state.policy == "role" else comm
-            lane.streams = {"compute": compute, "comm": comm}
+            comm = shared_comm if state.policy == "role" else HostStream(f"ub{lane.ub.id}:comm", inline=False)
+            lane.streams = {"compute": cpu, "comm": comm}
             lane.events = {"compute": HostEvent(), "comm": HostEvent()}
-            lane.stream = lane.ub.resume_with = compute
+            lane.stream = lane.ub.resume_with = cpu
 
     def new_event(self) -> HostEvent:
         return HostEvent()

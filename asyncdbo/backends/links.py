@@ -10,6 +10,8 @@ per GPU/NIC, from public vendor specs:
   (DeepEP reports 77-194 us dispatch for 128 tokens at EP8-256 with 43-58 GB/s RDMA achieved).
 * ``eth100``: 100 Gb/s Ethernet (RoCE) = 12.5 GB/s; ~25 us.
 * ``hccs``: Huawei HCCS between Ascend 910B chips, 56 GB/s per direction (vendor material); ~5 us.
+* ``roce200``: 200 Gb/s RoCE between Ascend servers (Atlas 800T A2: one 200GE port per NPU) = 25
+  GB/s; ~10 us.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ LINKS: dict[str, LinkSpec] = {
     "ib400": LinkSpec(name="ib400", latency_s=10e-6, bandwidth_Bps=50e9),
     "eth100": LinkSpec(name="eth100", latency_s=25e-6, bandwidth_Bps=12.5e9),
     "hccs": LinkSpec(name="hccs", latency_s=5e-6, bandwidth_Bps=56e9),
+    "roce200": LinkSpec(name="roce200", latency_s=10e-6, bandwidth_Bps=25e9),
 }
 
 
@@ -70,5 +73,5 @@ def preset(table: dict[str, T], name_or_spec: str | T, kind: str, **overrides: A
 
 
 def link_spec(name_or_spec: str | LinkSpec, **overrides: float) -> LinkSpec:
-    """A preset by name (``nvlink``, ``ib400``, ``eth100``, ``hccs``), with fields overridden."""
+    """A preset by name (``nvlink``, ``ib400``, ``eth100``, ``hccs``, ``roce200``), with fields overridden."""
     return preset(LINKS, name_or_spec, "link", **overrides)

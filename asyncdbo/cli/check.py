@@ -1,12 +1,15 @@
-"""``asyncdbo check``: predict what DBO gains for the reference MoE model on a modeled device and
-link, over a sweep of tokens per rank, without a GPU.
+"""``asyncdbo check``: check a model's DBO schedule for ordering bugs and predict what DBO gains on
+a modeled deployment, without a GPU.
 
 Each row runs the model serially (one ubatch) and as DBO ubatches on the sim backend (see
-:mod:`asyncdbo.sim.predict`) and prints the predicted step times, the gain and the share of comm
-time hidden under compute. ``--stream-policy both`` prints the role-stream schedule (vLLM) and the
-per-ubatch-stream pipeline with explicit events (CANN) side by side; ``--check-races`` also runs
-the happens-before checker; ``--trace DIR`` writes one Chrome trace per run (open in Perfetto or
-render with ``asyncdbo trace``).
+:mod:`asyncdbo.sim.predict`): the library's MoE layer with a real architecture's sizes and routing
+(``--model``, default DeepSeek-V3 at EP 32). It prints the per-layer step times, the gain and the
+share of comm hidden, then the sim's error band (:mod:`asyncdbo.sim.calibration`). The race checker
+runs on every run: a race or a dead wait exits 1 with every finding (``--no-check-races`` skips
+it); lost overlap is reported, and exits 1 with ``--fail-on lost-overlap``. ``--stream-policy
+both`` prints the role-stream schedule (vLLM) and the per-ubatch-stream pipeline (CANN) side by
+side; ``--trace DIR`` writes one Chrome trace per run. ``--workload FILE|synthetic`` replays per-step
+batch compositions across DP ranks through the planner instead (:mod:`asyncdbo.sim.workload`).
 """
 
 from __future__ import annotations
@@ -17,32 +20,26 @@ import os
 from typing import Any
 
 from ..sim.devices import DEVICES
-from ..sim.races import SimCheckError
 from . import inputs
 from .inputs import PROCESS_BASE_BYTES, check_output_dir, human_bytes, largest_fitting
 
 __all__ = ["add_arguments", "check_bytes", "main"]
 
+#: Bytes per token per routed expert that a ``check`` row holds at its peak: the router's float32
+#: scores and what routing derives from them (weights and activations are meta tensors). Measured
+#: for DeepSeek-V3 (256 experts): peak RSS grows 4.8-4.9 KiB per token, decode and prefill, from
+#: 1024 to 32768 tokens (``/usr/bin/time -f %M asyncdbo check --tokens T``); 5 x 4 B x 256 = 5 KiB.
+ROUTED_BYTES = 5 * 4
+#: What the simulator holds beyond the process base at any size (measured: 315 MiB peak RSS at
+#: 1024 tokens, against 256 MiB of base).
+SIM_BASE_BYTES = 64 * 2**20
 
-def check_bytes(model: Any, shape: str, tokens: int) -> float:
-    """Estimated peak bytes of one ``check`` row: the sim runs the model for real on this CPU, the
-    serial pass over all ``tokens`` at once. Weights (this rank's experts and the shared ones),
-    prefill attention (``heads x T x T`` scores three times over, the mask) or decode attention
-    (every token's cached keys and values over ``--context``, per layer, and its scores), and
-    per-token activations; plus the process and 256 MiB the simulator holds beyond these terms
-    (measured: peak RSS over tokens has a 745 MiB intercept where the terms give 489 MiB). Against
-    the measured peak RSS: 1.1-1.6x (``benchmarks/results/memory_estimate_cpu-2c_2026-12-01.md``)."""
-    f32 = 4
-    T, D, L, I, k = tokens, model.hidden, model.layers, model.intermediate, model.top_k
-    H, C, F = model.heads, model.context, model.heads * model.head_dim
-    experts_here = model.experts // model.ep + model.shared_experts
-    weights = L * (4 * D * F + 3 * experts_here * D * I + D * model.experts) * f32
-    if shape == "prefill":
-        attention = 3 * H * T * T * f32 + T * T
-    else:
-        attention = (L * 2 * T * C * model.head_dim + 2 * T * H * C) * f32
-    activations = T * (8 * D + 3 * F + 4 * k * D + 2 * k * I) * f32
-    return float(PROCESS_BASE_BYTES + 256 * 2**20 + weights + attention + activations)
+
+def check_bytes(model: Any, tokens: int) -> float:
+    """Estimated peak bytes of one ``check`` row of ``tokens`` tokens per rank: the process, the
+    simulator, and per token the router's scores over every expert (the only tensors that are
+    real; the model runs on meta tensors). Errs high by a few percent (see :data:`ROUTED_BYTES`)."""
+    return float(PROCESS_BASE_BYTES + SIM_BASE_BYTES + tokens * model.experts * ROUTED_BYTES)
 
 
 def _tokens(text: str) -> list[int]:
@@ -57,106 +54,178 @@ def _tokens(text: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..backends.links import LINKS
-    from ..sim.predict import ModelShape
+    from ..sim.comm import COMMS
+    from ..sim.host import HOSTS
+    from ..sim.models import REAL_CONFIGS
 
-    d = ModelShape()
+    p.add_argument("--model", choices=sorted(REAL_CONFIGS), default="deepseek-v3",
+                   help="architecture, sized and routed by its published config (default deepseek-v3)")
     p.add_argument("--device", choices=sorted(DEVICES), default="h200", help="modeled accelerator (default h200)")
     p.add_argument("--link", choices=sorted(LINKS), default="ib400", help="modeled EP interconnect (default ib400)")
+    p.add_argument("--comm", choices=sorted(COMMS), default="deepep",
+                   help="comm kernels: deepep (fitted to DeepEP's tables) or a2a (plain collectives)")
+    p.add_argument("--host", choices=sorted(HOSTS), default=None,
+                   help="CPU side: graph (replay) or eager launches; default graph for decode, eager for prefill")
     p.add_argument("--tokens", type=_tokens, default=[16, 32, 64, 128, 256], help="tokens per rank to sweep, e.g. 32,256")
     p.add_argument("--shape", choices=("decode", "prefill"), default="decode")
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--hidden", type=int, default=d.hidden)
-    p.add_argument("--intermediate", type=int, default=d.intermediate, help="expert intermediate size")
-    p.add_argument("--experts", type=int, default=d.experts)
-    p.add_argument("--top-k", type=int, default=d.top_k)
-    p.add_argument("--shared-experts", type=int, default=d.shared_experts)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--head-dim", type=int, default=d.head_dim)
-    p.add_argument("--context", type=int, default=d.context, help="decode: cached tokens per request")
-    p.add_argument("--ep", type=int, default=d.ep, help="expert-parallel ranks (modeled)")
-    p.add_argument("--ubatches", type=int, default=2)
-    p.add_argument("--schedule", choices=("ht", "ll"), default=d.schedule)
+    p.add_argument("--context", type=int, default=None,
+                   help="decode: cached tokens per request (default 2000); prefill: prompt length (default 4096)")
+    p.add_argument("--ep", type=int, default=32, help="expert-parallel ranks (modeled; default 32)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks that share a node's NVLink/HCCS (default 8)")
+    p.add_argument("--ubatches", type=int, default=2, help="DBO ubatches, 2 to 4 (default 2)")
+    p.add_argument("--schedule", choices=("ht", "ll"), default=None,
+                   help="MoE schedule; default ll for decode, ht for prefill (as deployments run them)")
     p.add_argument("--stream-policy", choices=("role", "ubatch", "both"), default="role")
-    p.add_argument("--check-races", action="store_true", help="also run the happens-before race checker")
+    p.add_argument("--imbalance", type=float, default=1.0,
+                   help="the busiest EP rank's expert work over this rank's (default 1.0: balanced)")
+    p.add_argument("--layers", type=int, default=None, help="MoE layers simulated (default 3; the middle one is timed)")
+    for name, help_ in (("hidden", "hidden size"), ("intermediate", "expert intermediate size"), ("experts", "routed experts"),
+                        ("top-k", "experts per token"), ("shared-experts", "shared experts"), ("heads", "attention heads")):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"override the model's {help_}")
+    p.add_argument("--weights", choices=("bf16", "fp8", "int8"), default=None, help="override the weight format")
+    p.add_argument("--check-races", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the happens-before race checker (default on; --no-check-races to skip)")
+    p.add_argument("--fail-on", choices=("lost-overlap",), action="append", default=[],
+                   help="also fail (exit 1) on lost overlap")
+    p.add_argument("--workload", metavar="FILE|synthetic",
+                   help="replay per-step batch compositions across DP ranks (JSON lines; see docs/sim.md)")
+    p.add_argument("--split-policy", choices=("token", "request", "balanced"), default="token",
+                   help="the planner's split policy for --workload (default token)")
     p.add_argument("--trace", metavar="DIR", help="write a Chrome trace per run into DIR")
 
 
-def main(args: argparse.Namespace) -> int:
-    import asyncdbo
+def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
+    from ..sim.predict import Deployment, ModelShape
 
-    from ..backends.links import link_spec
-    from ..sim.devices import device_spec
-    from ..sim.predict import ModelShape, Prediction, predict, sim_trace
+    if not 2 <= args.ubatches <= 4:
+        raise ValueError(f"--ubatches must be 2, 3 or 4 (got {args.ubatches}); 1 is the serial run every row has anyway")
+    model = ModelShape.of(args.model).with_overrides(
+        layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, experts=args.experts, top_k=args.top_k,
+        shared_experts=args.shared_experts, heads=args.heads, weights=args.weights)
+    if model.experts % args.ep:
+        raise ValueError(f"{model.name}: experts ({model.experts}) must be divisible by ep ({args.ep}); "
+                         "change --ep or --experts")
+    dep = Deployment(device=args.device, link=args.link, comm=args.comm, host=args.host, ep=args.ep,
+                     gpus_per_node=args.gpus_per_node, schedule=args.schedule, imbalance=args.imbalance)
+    if args.trace:
+        check_output_dir("--trace", args.trace)
+    _check_memory(model, max(args.tokens))
+    return model, dep
+
+
+def _check_memory(model: Any, tokens: int) -> None:
+    """Refuse a size whose row would take more than the machine's available memory, up front
+    (it used to end in an allocation failure or the OOM killer after the earlier rows)."""
+    avail = inputs.available_bytes()
+    if avail is None or check_bytes(model, tokens) <= avail:
+        return
+    best = largest_fitting(lambda t: check_bytes(model, t), 2, tokens, avail)
+    fix = f"use --tokens up to {best}" if best else "use a model with fewer experts (--experts)"
+    raise ValueError(
+        f"--tokens {tokens} needs about {human_bytes(check_bytes(model, tokens))} (the sim routes every token on "
+        f"this CPU; estimated before running it), but {human_bytes(avail)} is available; {fix}"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..sim.calibration import band
+    from ..sim.races import SimCheckError
 
     try:
-        model = ModelShape(
-            layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, experts=args.experts,
-            top_k=args.top_k, shared_experts=args.shared_experts, heads=args.heads, head_dim=args.head_dim,
-            context=args.context, ep=args.ep, schedule=args.schedule,
-        )
-        _check_inputs(args, model)
+        model, dep = _setup(args)
+        code = _workload(args, model, dep) if args.workload else _sweep(args, model, dep)
+    except SimCheckError as exc:
+        print(f"\n{exc}")
+        return 1
     except ValueError as exc:
         print(f"asyncdbo check: {exc}")
         return 2
+    print(band())
+    return code
+
+
+def _header(args: argparse.Namespace, model: Any, dep: Any, shape: str | None) -> None:
+    d = dep.resolved(shape or "decode")
+    if shape is None and (dep.host is None or dep.schedule is None):
+        run = (f"schedule {dep.schedule or 'll for decode steps, ht for others'}, "
+               f"host {dep.host or 'graph for decode steps, eager for others'}")
+    else:
+        run = f"{d.host.name} host, schedule {d.schedule}"
+    print(f"asyncdbo check: {model.describe()}")
+    print(f"deployment: {d.device.name} + {d.link.name} ({d.link.latency_s * 1e6:g} us, {d.link.bandwidth_Bps / 1e9:g} GB/s), "
+          f"EP {d.ep} ({d.gpus_per_node} per node), {d.comm.name} comm, {run}, "
+          f"{args.ubatches} ubatches{', imbalance %g' % d.imbalance if d.imbalance != 1 else ''}")
+    print(f"checks: {'races, dead waits and lost overlap' if args.check_races else 'none (--no-check-races)'}"
+          f"{'; lost overlap fails' if args.fail_on else ''}")
+
+
+def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
+    import asyncdbo
+
+    from ..sim.predict import Prediction, predict, sim_trace
+
     policies = ["role", "ubatch"] if args.stream_policy == "both" else [args.stream_policy]
-    dev, link = device_spec(args.device), link_spec(args.link)
-    print(
-        f"asyncdbo check: {dev.name} ({dev.peak_flops / 1e12:g} TFLOP/s, {dev.hbm_Bps / 1e12:g} TB/s) + {link.name} "
-        f"({link.latency_s * 1e6:g} us, {link.bandwidth_Bps / 1e9:g} GB/s), {args.shape}, {args.ubatches} ubatches, "
-        f"schedule {model.schedule}"
-    )
-    print(
-        f"model: {model.layers} layers, hidden {model.hidden}, {model.experts} experts of {model.intermediate} "
-        f"(top-{model.top_k}, {model.shared_experts} shared), {model.heads}x{model.head_dim} attention, EP {model.ep}"
-    )
+    _header(args, model, dep, args.shape)
     head = f"{'tokens/rank':>11} {'serial us':>10}"
     for pol in policies:
         head += f" | {pol + ' DBO us':>14} {'gain':>7} {'comm hidden':>11}"
+    print(f"{args.shape}, per MoE layer in steady state:")
     print(head)
     print("-" * len(head))
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+    lost: dict[str, int] = {}
     for tokens in args.tokens:
         row = f"{tokens:>11}"
         for i, pol in enumerate(policies):
-            try:
-                pred: Prediction = asyncdbo.run(
-                    _call(predict, tokens, model=model, shape=args.shape, device=dev, link=link,
-                          ubatches=args.ubatches, stream_policy=pol, check_races=args.check_races),
-                    loop="asyncio",
-                )
-            except SimCheckError as exc:
-                print(f"\n{exc}")
-                return 1
-            except ValueError as exc:
-                print(f"asyncdbo check: {exc}")
-                return 2
+            pred: Prediction = asyncdbo.run(
+                _call(predict, tokens, model=model, shape=args.shape, context=args.context, deployment=dep,
+                      ubatches=args.ubatches, stream_policy=pol, check_races=args.check_races, fail_on=args.fail_on),
+                loop="asyncio",
+            )
+            for lo in pred.dbo.lost_overlaps:
+                lost.setdefault(str(lo), 0)
+                lost[str(lo)] += 1
             if i == 0:
-                row += f" {pred.serial_s * 1e6:>10.1f}"
-            row += f" | {pred.dbo_s * 1e6:>14.1f} {pred.gain * 100:>+6.1f}% {pred.hidden_comm_share * 100:>10.0f}%"
+                row += f" {pred.serial_layer_s * 1e6:>10.1f}"
+            row += f" | {pred.dbo_layer_s * 1e6:>14.1f} {pred.gain * 100:>+6.1f}% {pred.hidden_comm_share * 100:>10.0f}%"
             if args.trace:
                 _write(args.trace, f"sim_{args.shape}_{tokens}_serial.json", sim_trace(pred.serial, label="serial"))
                 _write(args.trace, f"sim_{args.shape}_{tokens}_dbo_{pol}.json", sim_trace(pred.dbo, label=f"DBO {pol} streams"))
         print(row)
-    print("gain: serial step time / DBO step time - 1 (positive: DBO is faster). See docs/sim.md for the model.")
+    print("gain: serial time / DBO time - 1 per MoE layer (positive: DBO is faster). See docs/sim.md for the model.")
+    for text, n in lost.items():
+        print(f"\nwarning ({n} run(s)): {text}")
     return 0
 
 
-def _check_inputs(args: argparse.Namespace, model: Any) -> None:
-    """Flags that would fail only after rows of output (or take the machine's memory): refuse them
-    up front with the value and the fix."""
-    if args.ubatches < 1:
-        raise ValueError(f"--ubatches {args.ubatches}: a step needs at least 1 ubatch (DBO uses 2); use --ubatches 2")
-    if args.trace:
-        check_output_dir("--trace", args.trace)
-    avail = inputs.available_bytes()
-    tokens = max(args.tokens)
-    if avail is not None and check_bytes(model, args.shape, tokens) > avail:
-        best = largest_fitting(lambda t: check_bytes(model, args.shape, t), 2, tokens, avail)
-        fix = f"use --tokens up to {best}" if best else "use a smaller model (--hidden, --layers, --context)"
-        raise ValueError(
-            f"--tokens {tokens} needs about {human_bytes(check_bytes(model, args.shape, tokens))} for the {args.shape} "
-            f"step (the sim runs the model on this CPU; estimated before running it), but "
-            f"{human_bytes(avail)} is available; {fix}"
-        )
+def _workload(args: argparse.Namespace, model: Any, dep: Any) -> int:
+    from ..sim.workload import load_workload, replay, synthetic_workload
+
+    steps = synthetic_workload() if args.workload == "synthetic" else load_workload(args.workload)
+    ranks = len(steps[0])
+    _header(args, model, dep, None)
+    print(f"workload: {'synthetic (seed 0)' if args.workload == 'synthetic' else args.workload}, {len(steps)} steps "
+          f"x {ranks} DP ranks, split policy {args.split_policy}")
+    res = replay(steps, model=model, deployment=dep, ubatches=args.ubatches, policy=args.split_policy,
+                 stream_policy="role" if args.stream_policy == "both" else args.stream_policy, check_races=args.check_races)
+    print(f"throughput, real tokens of all ranks per second of MoE-layer time: {res.tokens / res.serial_s / 1e6:.2f} M "
+          f"without DBO, {res.tokens / res.dbo_s / 1e6:.2f} M with: gain {res.gain * 100:+.1f}%")
+    split = [s for s in res.steps if s.microbatched]
+    on_split = ""
+    if split:
+        split_gain = sum(s.serial_s for s in split) / sum(s.dbo_s for s in split) - 1
+        on_split = f"; on those steps alone DBO gains {split_gain * 100:+.1f}%"
+    print(f"steps microbatched: {len(split)} of {len(res.steps)} ({res.microbatched_share:.0%}){on_split}")
+    for reason, n in sorted(res.reasons().items(), key=lambda kv: -kv[1]):
+        print(f"  fell out: {reason.value} in {n} step(s)")
+    for reason, n in sorted(res.rank_reasons().items(), key=lambda kv: -kv[1]):
+        print(f"    a rank voted no: {reason.value} ({n} rank-step(s))")
+    example = next((s for s in res.steps if not s.microbatched), None)
+    if example is not None:
+        print(f"  e.g. tokens by rank {list(example.tokens)}: {example.detail}")
+    print(f"({res.simulations} distinct simulations)")
+    return 0
 
 
 def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:

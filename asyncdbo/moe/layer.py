@@ -9,11 +9,11 @@ One ``forward`` serves three situations with the same numbers:
 * a plain call (outside DBO): every primitive is a no-op and every collective is synchronous;
 * a DBO run with **role streams** (vLLM): the layer switches between the compute and the comm
   stream with the ``dbo_yield_and_switch_*`` primitives;
-* a DBO run with **ubatch streams** (the CANN prefill case): each ubatch owns one stream, so the
-  layer orders its stages (routed -> dispatched -> experts -> combined) with explicit
-  ``dbo_record_event``/``dbo_wait_event`` pairs keyed by (layer, call, ubatch, stage) and yields
-  with plain ``dbo_yield`` at the same points. The layer tells the policies apart by asking the
-  ubatch whether its compute and comm streams are the same object; no option is needed.
+* a DBO run with **ubatch streams** (the CANN prefill case): each ubatch owns a compute and a
+  comm stream, so the layer orders its stages (routed -> dispatched -> experts -> combined) with
+  explicit ``dbo_record_event``/``dbo_wait_event`` pairs keyed by (layer, call, ubatch, stage)
+  around plain role switches, and yields with ``dbo_yield`` at the same points. The layer asks
+  ``dbo_stream_policy()`` which one it runs under; no option is needed.
 
 Schedules (``MoEConfig.schedule``), per ubatch and layer:
 
@@ -21,13 +21,13 @@ Schedules (``MoEConfig.schedule``), per ubatch and layer:
   the other ubatch's compute must already be queued), dispatch on comm, sync back to compute,
   experts, yield "combine", combine on comm, shared expert on compute while it is in flight, yield
   "combine_done" (host: parks until the combine arrived), weighted sum. Three yields.
-* ``ll``: no comm stream. Each half issues its sends, registers the receive as a recv hook and
-  yields; the *next* ubatch launches that receive (``dbo_maybe_run_recv_hook`` at the start of its
-  own prepare/finalize), then the owner awaits the hook and the comm handles. Two yields. On the
-  host a receive cannot be launched without blocking, so the hook only marks it launched; the
-  owner issues the row exchange itself as soon as it resumes (on its own process group, so the
-  order stays the same on every rank), then parks on the hook and the exchange before it touches
-  the received rows.
+* ``ll``: no comm stream. Each half issues its sends *before* it yields (the dispatch: counts,
+  then the rows; the combine: the rows) and registers the receive as a recv hook; the *next*
+  ubatch launches that receive after queuing its own compute (``dbo_maybe_run_recv_hook`` at the
+  start of its own prepare/finalize). On a device the hook makes the shared compute stream wait
+  for the transfer there (DeepEP's receive, vLLM's hook), and the owner awaits the hook and its
+  handle before it touches the received rows (the handle orders its own stream under the ubatch
+  policy; on the host, where a hook cannot receive, the owner parks on the transfer). Two yields.
 
 Every ubatch takes part in every collective even with T = 0: the other ranks' same ubatch waits
 for it. So under EP every rank must run the same number of ubatches through the same layers in
@@ -97,14 +97,34 @@ def _noop() -> None:
     return None
 
 
+def _receive(handle: Any) -> Any:
+    """The recv hook of a low-latency transfer: under role streams, the stream wait that the next
+    ubatch issues on the shared compute stream after queuing its own compute; under per-ubatch
+    streams nothing (the owner's own stream waits when it awaits the handle)."""
+    return handle.stream_wait if dbo_stream_policy() == "role" else _noop
+
+
 async def _to_comm(st: Any, tag: str, *, after: str) -> None:
-    """Yield and continue on the comm side: a role switch under role streams; under per-ubatch
-    streams an explicit record of stage ``after`` and a wait on it (the CANN pattern)."""
+    """Yield and continue on the comm stream: a sync role switch under role streams; under
+    per-ubatch streams an explicit record of stage ``after`` on compute, the yield, a plain switch
+    and a wait on the record (the CANN pattern)."""
     if st is None:
         await dbo_yield_and_switch_from_compute_to_comm(tag)
     else:
         st.record(after)
         await dbo_yield(tag)
+        await dbo_switch_to_comm()
+        await st.wait(after)
+
+
+async def _to_compute(st: Any, *, after: str) -> None:
+    """Continue on the compute stream after this ubatch's comm so far (no yield): a sync switch,
+    or under per-ubatch streams a record of stage ``after`` on comm, a switch and a wait."""
+    if st is None:
+        await dbo_switch_to_compute_sync()  # host: parks until the comm arrived
+    else:
+        st.record(after)
+        await dbo_switch_to_compute()
         await st.wait(after)
 
 
@@ -319,11 +339,7 @@ class MoELayer(nn.Module):
         await _to_comm(st, "dispatch", after="routed")
         await plan.start_counts()  # host: parks until every peer's counts arrived
         recv_x_RD, dispatched = plan.start_tokens(x_TD)
-        if st is None:
-            await dbo_switch_to_compute_sync()  # host: parks until the dispatch arrived
-        else:
-            st.record("dispatched")
-            await st.wait("dispatched")
+        await _to_compute(st, after="dispatched")
         await dispatched
         y_RD = self._experts(plan, recv_x_RD)
         await _to_comm(st, "combine", after="experts")
@@ -335,6 +351,7 @@ class MoELayer(nn.Module):
             await dbo_yield_and_switch_from_comm_to_compute("combine_done")
         else:
             st.record("combined")
+            await dbo_switch_to_compute()  # no wait yet: the shared expert overlaps the combine
             shared_TD = self._shared(x_TD)
             await dbo_yield("combine_done")
             await st.wait("combined")
@@ -342,30 +359,20 @@ class MoELayer(nn.Module):
         return self._finalize(plan, back_ND, topk_w_TK, shared_TD, x_TD)
 
     async def _forward_ll(self, x_TD: torch.Tensor) -> torch.Tensor:
-        st = self._stages()
         dbo_maybe_run_recv_hook()  # launch the previous ubatch's pending receive
         topk_w_TK, plan = self._prepare(x_TD)
-        counts = plan.start_counts()  # the send half, on the compute stream
-        if st is not None:
-            st.record("dispatch_sent")
-        received = dbo_register_recv_hook(_noop)
+        await plan.start_counts()  # the rows' sizes (device: a stream wait, then a host read)
+        recv_x_RD, dispatched = plan.start_tokens(x_TD)  # the send half, issued before the yield
+        received = dbo_register_recv_hook(_receive(dispatched))
         await dbo_yield("dispatch_send")
-        if st is not None:
-            await st.wait("dispatch_sent")
-        await counts
-        recv_x_RD, dispatched = plan.start_tokens(x_TD)  # issued at once: overlaps the peer's experts
         await received  # the next ubatch launched our receive
         await dispatched
         y_RD = self._experts(plan, recv_x_RD)
         dbo_maybe_run_recv_hook()
-        back_ND, combined = plan.start_combine(y_RD)
-        if st is not None:
-            st.record("combine_sent")
+        back_ND, combined = plan.start_combine(y_RD)  # the send half of the combine
         shared_TD = self._shared(x_TD)  # overlaps the combine in flight
-        received = dbo_register_recv_hook(_noop)
+        received = dbo_register_recv_hook(_receive(combined))
         await dbo_yield("combine_send")
         await received
-        if st is not None:
-            await st.wait("combine_sent")
         await combined
         return self._finalize(plan, back_ND, topk_w_TK, shared_TD, x_TD)

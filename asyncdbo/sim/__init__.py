@@ -1,12 +1,19 @@
-"""The simulated device: predict what a DBO schedule gains on a GPU cluster, and check its event
-order, on a laptop.
+"""The simulated device: check a DBO schedule's event order and predict what DBO gains on a GPU or
+NPU cluster, on a laptop.
 
-* :mod:`~asyncdbo.sim.devices`: device specs (H200, H100, Ascend 910B) with their sources;
-* :mod:`~asyncdbo.sim.cost`: op durations from torch's FLOP formulas and bytes moved;
-* :mod:`~asyncdbo.sim.clock`: virtual streams, events, engines and the timeline;
-* :mod:`~asyncdbo.sim.races`: vector-clock happens-before checking, dead waits, lost overlap;
-* :mod:`~asyncdbo.sim.predict`: serial vs DBO step time for the reference MoE model;
-* the backend itself is :class:`asyncdbo.sim.backend.SimBackend` (``backend="sim"``).
+* :mod:`~asyncdbo.sim.backend`: :class:`SimBackend` (``backend="sim"``): virtual streams, the
+  race checker, the host timeline; :mod:`~asyncdbo.sim.transfers`: where comm runs and who waits;
+* :mod:`~asyncdbo.sim.races`: happens-before checking and the findings (races, dead waits, lost
+  overlap);
+* :mod:`~asyncdbo.sim.cost`, :mod:`~asyncdbo.sim.kernels`, :mod:`~asyncdbo.sim.devices`,
+  :mod:`~asyncdbo.sim.comm`, :mod:`~asyncdbo.sim.host`: what an op, a kernel, a transfer and a
+  launch cost, with the presets and their sources;
+* :mod:`~asyncdbo.sim.predict` (with :mod:`~asyncdbo.sim.shapes`, :mod:`~asyncdbo.sim.model`,
+  :mod:`~asyncdbo.sim.models`): serial vs DBO for real architectures through the library's MoE
+  layer;
+* :mod:`~asyncdbo.sim.published`, :mod:`~asyncdbo.sim.calibration`: the published numbers, the
+  calibration and the error band;
+* :mod:`~asyncdbo.sim.workload`: replaying per-step batch compositions through the planner.
 """
 
 from __future__ import annotations

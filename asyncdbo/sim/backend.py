@@ -1,110 +1,108 @@
-"""Simulated device: virtual streams on a virtual clock, a cost model, and a race checker.
+"""Simulated device: virtual streams on a virtual clock, a cost model, a host timeline and a race
+checker.
 
-Every torch op a ubatch issues during the run executes on the CPU for real (the numbers are the
-real model's) and is also placed on the ubatch's current *virtual* stream with the duration the
-cost model gives it on the modeled device (see :mod:`asyncdbo.sim.cost`). Comm handed to
-:meth:`SimBackend.submit` takes ``latency + bytes / bandwidth`` of the modeled link. Events record
-and wait with device semantics on the virtual clock, so the makespan of the run is the step time
-the schedule would have on that device, and the timeline shows what overlapped.
+Every torch op a ubatch issues during the run is seen by a ``TorchDispatchMode``
+(:mod:`asyncdbo.sim.mode`: executed for real; meta tensors as shapes only) and placed on the
+ubatch's current *virtual* stream with the duration the cost model gives it on the modeled device
+(:mod:`asyncdbo.sim.cost`), no earlier than the modeled CPU launched it
+(:mod:`asyncdbo.sim.host`). Events record and wait with device semantics on the virtual clock, so
+the makespan is the step time the schedule would have on that device.
 
-With ``check_races`` every storage read and write is also checked for happens-before across
-streams (:mod:`asyncdbo.sim.races`). At the end of the run the backend raises
-:class:`~asyncdbo.sim.races.SimCheckError` for races and dead waits (``on_problem="raise"``) or
-only records them (``"record"``); lost overlap (an event recorded after a yield) is correct but
-serial, so it is reported, never raised. The last run's :class:`SimReport` is ``backend.report``.
+**Streams, as the accelerator backend makes them.** Role policy: one compute and one comm stream
+shared by all ubatches. Ubatch policy: each ubatch owns a compute stream and a comm stream, and
+explicit events order them. **Comm, as NCCL/HCCL run it** (:meth:`SimBackend.submit`): a
+collective runs on a stream of its own that first waits for the work queued on the issuing
+stream. Issued from a comm stream (the ``ht`` schedule), the issuing stream waits for it at once
+(``work.wait()`` in the accelerator backend) and events carry that to compute. Issued from the
+compute role (the ``ll`` schedule: send now, receive later), nothing waits until the handle is
+awaited or its ``stream_wait`` runs (in a recv hook), so reading the received rows before that is
+an early read. Costs come from the link and the comm library preset (:mod:`asyncdbo.sim.comm`).
 
-The interception is a ``TorchDispatchMode`` entered from ``attach`` to ``detach``. Ops issued
-while it is active by code that is not a ubatch of this run pass through untouched.
+**Checks** (:mod:`asyncdbo.sim.races`), on by default: early reads and buffers reused in flight
+(happens-before over vector clocks), dead waits, and lost overlap (structural: an event recorded,
+or a transfer sent, after a yield covers work the other ubatch queued meanwhile; a ubatch yields
+while holding another's recv hook). At the end of the run the backend raises
+:class:`~asyncdbo.sim.races.SimCheckError` for races and dead waits, and for lost overlap when
+``fail_on`` contains ``"lost-overlap"`` (``on_problem="raise"``), or only records them
+(``"record"``). The last run's :class:`SimReport` is ``backend.report``.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._core import Instrument, get_ubatch
+from .._core import SWITCH, Instrument, get_ubatch
+from .._core.stacks import await_chain
 from ..backends import LinkSpec, RunStreams, StreamBackend, UBatchStreams, link_spec
 from .clock import Engine, Span, Timeline, VEvent, VStream
+from .comm import CommSpec, comm_spec
 from .cost import CostModel
 from .devices import DeviceSpec, device_spec
+from .host import HostSpec, HostTimeline, host_spec
+from .mode import SimMode
 from .ops import FACTORY, is_view, storage_key, tensor_items
-from .races import DeadWait, LostOverlap, RaceChecker, SimCheckError, Site, user_place
+from .races import _SKIP, FRAMES, DeadWait, LostOverlap, RaceChecker, SimCheckError, Site, user_frames
 from .report import SimReport
+from .transfers import SimHandle, Transfers
 
 if TYPE_CHECKING:
-    from .._core import DBORun
+    from .._core import DBORun, UBatch
 
-__all__ = ["SimBackend", "SimHandle", "SimReport"]
+__all__ = ["FAIL_ON", "SimBackend", "SimHandle", "SimReport"]
 
 log = logging.getLogger("asyncdbo")
 
-
-class SimHandle:
-    """A submitted comm op; ``t_done`` is its modeled completion time. Awaiting it never parks.
-
-    A transfer issued on a comm stream is ordered by that stream, and awaiting its handle does
-    nothing more. A transfer issued from the compute role (the low-latency schedule: send now,
-    receive later) runs in the background; awaiting its handle (or ``wait()``) makes the awaiting
-    ubatch's current stream wait for its completion, like waiting on the receive's event."""
-
-    __slots__ = ("backend", "event", "nbytes", "t_done", "t_start", "what")
-
-    def __init__(self, what: str, nbytes: int, t_start: float, t_done: float, *, backend: SimBackend | None = None,
-                 event: VEvent | None = None) -> None:
-        self.what, self.nbytes, self.t_start, self.t_done = what, nbytes, t_start, t_done
-        self.backend, self.event = backend, event
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        if self.event is not None and self.backend is not None:
-            ub = get_ubatch()
-            if ub is not None and ub.run is self.backend._run:
-                self.backend.wait(ub.ext.stream, self.event)
-
-    def __await__(self) -> Any:
-        self.wait()
-        return iter(())
-
-    def __repr__(self) -> str:
-        return f"<SimHandle {self.what} {self.nbytes}B {self.t_start * 1e6:.1f}-{self.t_done * 1e6:.1f}us>"
+#: What ``fail_on`` accepts besides races and dead waits (which always fail).
+FAIL_ON = ("lost-overlap",)
 
 
-class _Finisher(Instrument):
+def _suspended_frames(ub: UBatch) -> tuple[str, ...]:
+    """The user's innermost frames of a suspended ubatch (its await chain)."""
+    import os
+
+    frames = [f for f in reversed(await_chain(ub.coro)) if not f.filename.startswith(_SKIP)]
+    return tuple(f"{os.path.relpath(f.filename)}:{f.lineno} in {f.name.split('.')[-1]}" for f in frames[:FRAMES]) or ("?",)
+
+
+class _Hooks(Instrument):
+    """The sim's scheduler hooks: a switch costs host time; a switch while holding another
+    ubatch's recv hook is lost overlap; the end of the run closes the report."""
+
     def __init__(self, backend: SimBackend) -> None:
         self.backend = backend
+
+    def stepped(self, ub: UBatch, request: object) -> None:
+        be = self.backend
+        be._host.switch()
+        be._segment[ub.id] = be._segment.get(ub.id, 0) + 1
+        hook = getattr(ub.ext, "recv_hook", None)
+        if request is SWITCH and hook is not None:
+            owner = getattr(getattr(hook, "__self__", None), "owner", -1)
+            site = Site(ub.id, ub.tag, ub.ext.stream.name, _suspended_frames(ub), f"yield {ub.tag!r}")
+            be._lost.append(LostOverlap("skipped-recv-hook", site, None, owner, 0.0))
 
     def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
         self.backend._finish(run, exc)
 
 
-class _Mode(TorchDispatchMode):
-    def __init__(self, backend: SimBackend) -> None:
-        super().__init__()
-        self.backend = backend
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        ub = get_ubatch()
-        if ub is not None and ub.run is self.backend._run:
-            self.backend._on_op(ub, func, args, kwargs, out)
-        return out
-
-
-class SimBackend(StreamBackend):
+class SimBackend(Transfers, StreamBackend):
     """Simulated device streams (see the module docstring).
 
-    device: a :class:`DeviceSpec` or preset name (``h200``, ``h100``, ``ascend910b``). link: a
-    :class:`LinkSpec` or preset name (``nvlink``, ``ib400``, ``eth100``, ``hccs``). check_races: run
-    the happens-before checker (slower: it walks the stack once per op). on_problem: ``raise`` or
-    ``record`` races and dead waits. comm_scale: multiplies every submitted byte count (e.g. the
-    share of an all-to-all that leaves the rank, see :mod:`asyncdbo.sim.predict`).
+    ``device``/``link``/``comm``/``host``: a spec or preset name (:func:`device_spec`,
+    :func:`~asyncdbo.backends.link_spec`, :func:`~asyncdbo.sim.comm.comm_spec`,
+    :func:`~asyncdbo.sim.host.host_spec`). ``check_races``: track every access (on by default; it
+    walks the stack once per op). ``fail_on``: findings besides races and dead waits that fail the
+    run (``"lost-overlap"``). ``on_problem``: ``raise`` or ``record``. ``comm_scale``: multiplies
+    every byte count (the share of an all-to-all that crosses the link). ``weights``/``weight_bytes``: tensors priced as weights,
+    at that many bytes per element. ``compute_share``: the SM share compute kernels get.
+    ``contention``: transfers also take HBM time on the compute engine. ``imbalance``: the busiest
+    EP rank's expert work over this rank's; a combine completes that much later (the straggler).
+    ``node_dedup``: bytes a comm library that sends a token once per node puts on the link, over
+    the bytes of one copy per (token, expert) (applied where the comm spec says so).
     """
 
     name = "sim"
@@ -115,23 +113,44 @@ class SimBackend(StreamBackend):
         *,
         device: str | DeviceSpec = "h200",
         link: str | LinkSpec = "ib400",
+        comm: str | CommSpec = "a2a",
+        host: str | HostSpec = "none",
         check_races: bool = True,
+        fail_on: Iterable[str] = (),
         on_problem: str = "raise",
         comm_scale: float = 1.0,
+        weights: Iterable[torch.Tensor] = (),
+        weight_bytes: int | None = None,
+        compute_share: float = 1.0,
+        contention: bool = False,
+        imbalance: float = 1.0,
+        node_dedup: float = 1.0,
     ) -> None:
         if on_problem not in ("raise", "record"):
             raise ValueError(f"on_problem must be 'raise' or 'record' (got {on_problem!r})")
         if not comm_scale >= 0:
             raise ValueError(f"comm_scale must be >= 0 (got {comm_scale!r})")
+        self.fail_on = tuple(fail_on)
+        bad = [f for f in self.fail_on if f not in FAIL_ON]
+        if bad:
+            raise ValueError(f"fail_on takes {list(FAIL_ON)} (got {bad}); races and dead waits always fail")
+        if not imbalance >= 1:
+            raise ValueError(f"imbalance is the busiest rank's expert work over this rank's, >= 1 (got {imbalance!r})")
         self.device = device_spec(device)
         self.link = link_spec(link)
-        self.cost = CostModel(self.device)
+        self.comm = comm_spec(comm)
+        self.host = host_spec(host)
+        keys = frozenset(k for t in weights if (k := storage_key(t)) is not None)
+        self.cost = CostModel(self.device, weight_keys=keys, weight_bytes=weight_bytes, compute_share=compute_share)
         self.check_races = check_races
         self.on_problem = on_problem
         self.comm_scale = comm_scale
+        self.contention = contention
+        self.imbalance = imbalance
+        self.node_dedup = node_dedup
         self.report: SimReport | None = None
         self._run: DBORun | None = None
-        self._mode: _Mode | None = None
+        self._mode: SimMode | None = None
 
     def describe(self) -> str:
         return f"sim ({self.device.name}, {self.link.name})"
@@ -139,8 +158,6 @@ class SimBackend(StreamBackend):
     # ------------------------------------------------------------------ run lifecycle
     def attach(self, run: DBORun, state: RunStreams) -> None:
         from .._core import Fanout
-
-        policy = state.policy
 
         if SimBackend._active is not None:
             # The dispatch mode is a per-thread stack: two interleaved sim runs would pop each
@@ -154,31 +171,40 @@ class SimBackend(StreamBackend):
             )
         SimBackend._active = run
         self._run = run
-        self._policy = policy
+        self._policy = state.policy
         self._compute = Engine("compute")
         self._link = Engine(f"link {self.link.name}")
         self._comm_sms = Engine("comm SMs")
         self._comm_bytes = 0
         self._timeline = Timeline()
-        self._checker = RaceChecker() if self.check_races else None
+        self._host = HostTimeline(self.host)
+        self._clocks = RaceChecker()  # vector clocks always; accesses only with check_races
         self._lost: list[LostOverlap] = []
         self._waits_unrecorded: list[tuple[VEvent, Site]] = []
         self._pending_c10d: tuple[Any, VStream, set[int], set[int], Site, int] | None = None
         self._ub_end: dict[tuple[int, int], float] = {}  # (stream id, ubatch) -> end of its last op
+        self._ub_seq: dict[tuple[int, int], int] = {}  # (stream id, ubatch) -> seq of its last op
+        # Segments (a ubatch's work between two suspensions): where the data of each storage could
+        # first have been issued, and each ubatch's last op per stream and segment.
+        self._segment: dict[int, int] = {lane.ub.id: 0 for lane in state.lanes}
+        self._seg_of: dict[int, int] = {}
+        self._seg_seq: dict[tuple[int, int, int], int] = {}
         self._last_ub: dict[int, int] = {}  # stream id -> ubatch of its last op
-        self.report = SimReport(self.device.name, self.link.name, policy, len(run.ubatches))
+        self._device_counts: set[int] = set()  # storages holding counts that never reach the host
+        self._dispatch_done: dict[int, float] = {}  # ubatch -> end of its last dispatch
+        self.report = SimReport(self.device.name, self.link.name, state.policy, len(run.ubatches))
         shared = {"compute": VStream("compute"), "comm": VStream("comm")}
         for lane in state.lanes:
-            if policy == "role":
+            if state.policy == "role":
                 lane.streams = dict(shared)
             else:
-                own = VStream(f"ub{lane.ub.id}")
-                lane.streams = {"compute": own, "comm": own}
+                i = lane.ub.id
+                lane.streams = {"compute": VStream(f"ub{i}"), "comm": VStream(f"ub{i}:comm")}
             lane.events = {"compute": VEvent(), "comm": VEvent()}
             lane.stream = lane.ub.resume_with = lane.streams["compute"]
-        fin = _Finisher(self)
-        run.instrument = fin if run.instrument is None else Fanout(run.instrument, fin)
-        self._mode = _Mode(self)
+        hooks = _Hooks(self)
+        run.instrument = hooks if run.instrument is None else Fanout(run.instrument, hooks)
+        self._mode = SimMode(self)
         self._mode.__enter__()
 
     def detach(self, run: DBORun, state: RunStreams) -> None:
@@ -194,23 +220,25 @@ class SimBackend(StreamBackend):
         rep = self.report
         assert rep is not None
         rep.spans = self._timeline.spans
-        rep.makespan_s = self._timeline.end
+        rep.makespan_s = max(self._timeline.end, self._host.t if self._timeline.spans else 0.0)
         rep.compute_busy_s = self._compute.busy_s
         rep.comm_busy_s = sum(sp.end - sp.start for sp in rep.spans if sp.kind == "comm")
+        rep.host_blocked_s, rep.host_syncs = self._host.blocked_s, self._host.syncs
         rep.lost_overlaps = self._lost
-        rep.races = list(self._checker.races) if self._checker is not None else []
+        rep.races = list(self._clocks.races)
         rep.dead_waits = [DeadWait(site) for ev, site in self._waits_unrecorded if not ev.recorded]
         rep.dead_waits += [DeadWait(site, ev.by) for ev, site in self._waits_unrecorded if ev.recorded]
+        rep.fail_on = self.fail_on
         rep.switches, rep.parks = run.num_switches, run.num_parks
         rep.comm_bytes = self._comm_bytes
-        for lo in rep.lost_overlaps:
-            log.warning("asyncdbo sim: %s", lo)
         if exc is None and rep.problems and self.on_problem == "raise":
             raise SimCheckError(rep.problems)
+        for lo in rep.lost_overlaps:
+            log.warning("asyncdbo sim: %s", lo)
 
     # ------------------------------------------------------------------ places
     def _site(self, ub: Any, stream: VStream, op: str) -> Site:
-        return Site(None if ub is None else ub.id, None if ub is None else ub.tag, stream.name, user_place(), op)
+        return Site(None if ub is None else ub.id, None if ub is None else ub.tag, stream.name, user_frames(), op)
 
     # ------------------------------------------------------------------ streams and events
     def new_event(self) -> VEvent:
@@ -222,14 +250,20 @@ class SimBackend(StreamBackend):
         event.recorded = True
         event.t = stream.t
         event.by = self._site(ub, stream, "record event")
-        event.covers_foreign = None
-        if self._checker is not None:
-            event.clock = self._checker.record(stream.id)
-        if ub is not None:
-            last = self._last_ub.get(stream.id)
-            own_end = self._ub_end.get((stream.id, ub.id))
-            if last is not None and last != ub.id and own_end is not None and stream.t > own_end:
-                event.covers_foreign = (last, own_end)
+        event.clock = self._clocks.record(stream.id)
+        event.stream_id = stream.id
+        event.covers_foreign = self._covers_foreign(ub, stream)
+
+    def _covers_foreign(self, ub: Any, stream: VStream) -> tuple[int, float] | None:
+        """(other ubatch, end of this ubatch's own work) when the stream's last op is another
+        ubatch's and this one queued work there before: a record (or send) now covers it."""
+        if ub is None:
+            return None
+        last = self._last_ub.get(stream.id)
+        own_end = self._ub_end.get((stream.id, ub.id))
+        if last is None or last == ub.id or own_end is None:
+            return None
+        return last, own_end
 
     def wait(self, stream: VStream, event: VEvent) -> None:
         self._flush_c10d()
@@ -240,24 +274,33 @@ class SimBackend(StreamBackend):
             return
         before = stream.t
         stream.t = max(stream.t, event.t)
-        if self._checker is not None:
-            self._checker.wait(stream.id, event.clock)
-        if event.covers_foreign is not None:
+        if isinstance(event.by, Site):
+            self._clocks.last_wait[stream.id] = event.by
+        if event.covers_foreign is not None and self._clocks.knows(stream.id, event.stream_id) < event.clock.get(
+                event.stream_id, 0):
             foreign, own_end = event.covers_foreign
-            lost = event.t - max(before, own_end)
-            if lost > 0:
-                self._lost.append(LostOverlap(self._site(ub, stream, "wait event"), event.by, foreign, lost))
-        return
+            site = self._site(ub, stream, "wait event")
+            lost_s = max(0.0, event.t - max(before, own_end))
+            self._lost.append(LostOverlap("record-after-yield", site, event.by, foreign, lost_s))
+        self._clocks.wait(stream.id, event.clock)
 
     # ------------------------------------------------------------------ ops
-    def _place(self, ub: Any, stream: VStream, kind: str, name: str, dur: float, engine: Engine, extra: float = 0.0) -> tuple[float, float]:
-        start = engine.reserve(stream.t, dur)
+    def _place(self, ub: Any, stream: VStream, kind: str, name: str, dur: float, engine: Engine, extra: float = 0.0,
+               ready: float = 0.0) -> tuple[float, float]:
+        start = engine.reserve(max(stream.t, ready), dur)
         end = start + dur + extra
         stream.t = end
         self._timeline.add(Span(stream.name, kind, name, start, end, ub.id, ub.tag))
         self._ub_end[(stream.id, ub.id)] = end
         self._last_ub[stream.id] = ub.id
         return start, end
+
+    def _tick(self, ub: Any, stream: VStream) -> None:
+        self._own(ub, stream, self._clocks.tick(stream.id))
+
+    def _own(self, ub: Any, stream: VStream, seq: int) -> None:
+        self._ub_seq[(stream.id, ub.id)] = seq
+        self._seg_seq[(stream.id, ub.id, self._segment[ub.id])] = seq
 
     def _on_op(self, ub: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         stream = ub.ext.stream
@@ -268,22 +311,37 @@ class SimBackend(StreamBackend):
             return
         self._flush_c10d()
         if func is torch.ops.aten._local_scalar_dense.default:
-            if self._checker is not None:
-                self._checker.sync_all_to(stream.id)  # .item(): the host waits for this stream
+            if storage_key(args[0]) in self._device_counts:
+                return  # counts the comm library keeps on the device: no host read
+            self._host.sync(stream.t)  # .item(): the CPU waits for this stream
+            self._clocks.sync_all_to(stream.id)
             return
         cost = self.cost.op_cost(func, args, kwargs, out)
         if cost.seconds > 0:
             # Ops a ubatch issues in its comm role (packing rows for a dispatch, say) run on the SMs
             # the comm kernels own (DeepEP fuses them into its kernels): they take stream time but
             # not the compute engine, so they never queue behind the other ubatch's compute.
-            engine = self._comm_sms if ub.ext.role == "comm" and self._policy == "role" else self._compute
-            self._place(ub, stream, "compute", ub.tag or "compute", cost.seconds, engine)
-        if self._checker is not None and not is_view(func):
+            engine = self._comm_sms if ub.ext.role == "comm" else self._compute
+            self._place(ub, stream, "compute", ub.tag or "compute", cost.seconds, engine, ready=self._host.launch())
+        if is_view(func):
+            return
+        if self.check_races or self._device_counts:
             # Allocations (empty, new_empty) cost nothing but still start a fresh history: the CPU
             # allocator reuses addresses, while a device's caching allocator keeps each block on
             # the stream that allocated it, so an old access to the address is no dependency.
             reads, writes = self._accesses(func, args, kwargs, out)
-            self._checker.access(stream.id, reads, writes, self._site(ub, stream, str(func.name())))
+            if self._device_counts and reads & self._device_counts:
+                self._device_counts |= writes
+            if self.check_races:
+                self._clocks.access(stream.id, reads, writes, self._site(ub, stream, str(func.name())))
+                self._own(ub, stream, self._clocks.seq[stream.id])
+                # Produced as early as its inputs allow (inputs from outside the run: now).
+                known = [self._seg_of[k] for k in reads if k in self._seg_of]
+                seg = max(known) if known else self._segment[ub.id]
+                for k in writes:
+                    self._seg_of[k] = seg
+                return
+        self._tick(ub, stream)
 
     def _accesses(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> tuple[set[int], set[int]]:
         schema = func._schema
@@ -306,63 +364,10 @@ class SimBackend(StreamBackend):
                 for t in tensor_items(o):
                     k = storage_key(t)
                     if k is not None:
-                        assert self._checker is not None
-                        self._checker.fresh(k)
+                        self._clocks.fresh(k)
+                        self._device_counts.discard(k)
                         writes.add(k)
         return reads, writes
-
-    # ------------------------------------------------------------------ comm
-    def _c10d_op(self, ub: Any, stream: VStream, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A c10d collective: its first argument is its output (c10d schemas don't say so)."""
-        name = func._schema.name.split("::")[-1]
-        outs = {k for t in tensor_items(args[0] if args else ()) if (k := storage_key(t)) is not None}
-        ins = {k for a in args[1:] for t in tensor_items(a) if (k := storage_key(t)) is not None}
-        if name.startswith(("allreduce", "broadcast", "reduce_")):
-            ins |= outs  # in place
-        sent = [t for a in args[1:] for t in tensor_items(a)] or tensor_items(args[0] if args else ())
-        nbytes = sum(self.cost.nbytes(t) for t in sent)  # what this rank sends, at the device's dtype
-        self._pending_c10d = (ub, stream, ins, outs, self._site(ub, stream, f"c10d::{name}"), nbytes)
-
-    def _flush_c10d(self, nbytes: int | None = None, what: str | None = None) -> SimHandle | None:
-        pending, self._pending_c10d = self._pending_c10d, None
-        if pending is None:
-            return None
-        ub, stream, reads, writes, site, seen_bytes = pending
-        return self._comm(ub, stream, reads, writes, site, seen_bytes if nbytes is None else nbytes, what or site.op)
-
-    def _comm(self, ub: Any, stream: VStream, reads: set[int], writes: set[int], site: Site, nbytes: int, what: str) -> SimHandle:
-        """A transfer of ``nbytes`` on ``stream``: it occupies the link for bytes / bandwidth and
-        completes a latency later; its outputs count as written by ``stream`` at completion."""
-        wire = nbytes * self.comm_scale
-        self._comm_bytes += int(wire)
-        if self._policy == "role" and ub.ext.role == "compute":
-            return self._background_comm(ub, stream, reads, writes, site, wire, what)
-        start, end = self._place(ub, stream, "comm", what, wire / self.link.bandwidth_Bps, self._link, self.link.latency_s)
-        if self._checker is not None:
-            self._checker.access(stream.id, reads, writes, site)
-        return SimHandle(what, int(wire), start, end)
-
-    def _background_comm(self, ub: Any, stream: VStream, reads: set[int], writes: set[int], site: Site, wire: float,
-                         what: str) -> SimHandle:
-        """A transfer issued from the compute role under role streams (the low-latency schedule,
-        DeepEP's send + recv hook): it leaves once the issuing stream's work so far is done, but
-        does not hold that shared stream, which keeps computing (both ubatches' kernels) while the
-        bytes move. Its writes belong to a stream of its own, so reading the received buffer
-        before awaiting the handle is an early read."""
-        bg = VStream(f"{stream.name}:{what}")
-        send = VEvent()
-        self.record(send, stream)
-        send.covers_foreign = None  # the send waits for what was queued; overlap is not lost here
-        self.wait(bg, send)
-        start = self._link.reserve(bg.t, wire / self.link.bandwidth_Bps)
-        end = start + wire / self.link.bandwidth_Bps + self.link.latency_s
-        bg.t = end
-        self._timeline.add(Span(bg.name, "comm", what, start, end, ub.id, ub.tag))
-        if self._checker is not None:
-            self._checker.access(bg.id, reads, writes, replace(site, stream=bg.name))
-        done = VEvent()
-        self.record(done, bg)
-        return SimHandle(what, int(wire), start, end, backend=self, event=done)
 
     def submit(  # type: ignore[override]
         self,
@@ -374,7 +379,7 @@ class SimBackend(StreamBackend):
         outputs: tuple[torch.Tensor, ...] | list[torch.Tensor] = (),
         inputs: tuple[torch.Tensor, ...] | list[torch.Tensor] = (),
     ) -> SimHandle:
-        """Model one comm op on the running ubatch's current stream.
+        """Model one comm op issued on the running ubatch's current stream.
 
         ``work``: the ``torch.distributed`` work the caller issued (waited for now: its data is
         real; only its timing is modeled), or None for a modeled-only transfer whose ``outputs``

@@ -44,6 +44,7 @@ class VEvent:
     t: float = 0.0
     clock: dict[int, int] = field(default_factory=dict)
     by: Any = None  # the place that recorded it (a races.Site), for reports
+    stream_id: int = 0  # the stream it was recorded on
     # (other ubatch, end of this ubatch's own work) when the record covers the other's later work
     covers_foreign: tuple[int, float] | None = None
 

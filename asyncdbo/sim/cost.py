@@ -12,8 +12,13 @@ element. GEMM rows and columns are rounded up to the device's ``min_tile``: a 16
 full one at small batches, the effect behind DBO's loss at small decode batches.
 
 Bytes are every tensor read plus every tensor written, counted with the device's element size for
-floating tensors (the CPU run may use float32; the modeled model is BF16). Views and other
-metadata-only ops cost nothing: they launch no kernel.
+floating tensors (the CPU run may use float32; the modeled model is BF16). Tensors registered as
+weights (``weight_keys``, by storage) count ``weight_bytes`` per element instead, and a GEMM that
+reads a weight stored in one byte (FP8, INT8) runs at the device's 8-bit peak. ``compute_share``
+is the share of the SMs compute kernels get (DeepEP's normal kernels hold the rest while they
+overlap compute: a static split, as DeepSeek and SGLang configure it); it scales the FLOP rate.
+Views and other metadata-only ops cost nothing: they launch no kernel. The fused kernels of
+:mod:`asyncdbo.sim.kernels` have their own formulas.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from .devices import DeviceSpec
+from .kernels import KERNEL_COSTS
+from .ops import storage_key
 
 __all__ = ["CostModel", "OpCost"]
 
@@ -73,14 +80,51 @@ def is_metadata_only(func: Any) -> bool:
 
 
 class CostModel:
-    """Modeled durations of torch ops on one :class:`DeviceSpec`."""
+    """Modeled durations of torch ops on one :class:`DeviceSpec` (see the module docstring)."""
 
-    def __init__(self, device: DeviceSpec) -> None:
+    def __init__(self, device: DeviceSpec, *, weight_keys: frozenset[int] = frozenset(), weight_bytes: int | None = None,
+                 compute_share: float = 1.0) -> None:
+        if not 0 < compute_share <= 1:
+            raise ValueError(f"compute_share must be in (0, 1] (got {compute_share!r})")
         self.device = device
+        self.weight_keys = weight_keys
+        self.weight_bytes = device.dtype_bytes if weight_bytes is None else weight_bytes
+        self.compute_share = compute_share
+
+    def is_weight(self, t: torch.Tensor) -> bool:
+        return bool(self.weight_keys) and storage_key(t) in self.weight_keys
 
     def nbytes(self, t: torch.Tensor) -> int:
+        if self.is_weight(t):
+            return t.numel() * self.weight_bytes
         size = self.device.dtype_bytes if t.is_floating_point() else t.element_size()
         return t.numel() * size
+
+    def bytes_per_weight(self, ts: list[torch.Tensor]) -> int:
+        return self.weight_bytes if any(self.is_weight(t) for t in ts) else self.device.dtype_bytes
+
+    def distinct_bytes(self, ts: list[torch.Tensor]) -> int:
+        """Bytes of ``ts`` with tensors that share a storage (views of one buffer) counted once."""
+        by_key: dict[int | None, int] = {}
+        for t in ts:
+            k = storage_key(t)
+            b = self.nbytes(t)
+            if k is None:
+                by_key[id(t)] = b
+            else:
+                by_key[k] = max(by_key.get(k, 0), b)
+        return sum(by_key.values())
+
+    def priced(self, flops: float, nbytes: float, *, kernels: int = 1, weights: tuple[torch.Tensor, ...] = ()) -> OpCost:
+        """An :class:`OpCost` for a kernel of ``flops`` and ``nbytes`` (``kernels`` fixed costs);
+        8-bit weights among ``weights`` select the 8-bit FLOP rate."""
+        peak = self._peak(list(weights))
+        return OpCost(flops, int(nbytes), self._time(flops, nbytes, kernels * self.device.kernel_overhead_s, peak))
+
+    def _peak(self, ts: list[torch.Tensor]) -> float:
+        d = self.device
+        eight_bit = self.weight_bytes == 1 and any(self.is_weight(t) for t in ts)
+        return (d.peak_8bit_flops if eight_bit else d.peak_flops) * self.compute_share
 
     def gemm_time(self, m: int, k: int, n: int, batch: int = 1) -> float:
         """Seconds for a ``[m, k] @ [k, n]`` GEMM (``batch`` of them), tile-rounded, BF16 operands."""
@@ -90,16 +134,20 @@ class CostModel:
         nbytes = batch * (m * k + k * n + m * n) * d.dtype_bytes
         return self._time(flops, nbytes)
 
-    def _time(self, flops: float, nbytes: float, overhead: float | None = None) -> float:
+    def _time(self, flops: float, nbytes: float, overhead: float | None = None, peak: float | None = None) -> float:
         d = self.device
+        rate = (d.peak_flops * self.compute_share if peak is None else peak) * d.gemm_efficiency
         return (d.kernel_overhead_s if overhead is None else overhead) + max(
-            flops / (d.peak_flops * d.gemm_efficiency), nbytes / (d.hbm_Bps * d.mem_efficiency)
+            flops / rate, nbytes / (d.hbm_Bps * d.mem_efficiency)
         )
 
     def op_cost(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> OpCost:
         """The cost of ``func(*args, **kwargs)`` that returned ``out``."""
         if is_metadata_only(func):
             return OpCost(0.0, 0, 0.0)
+        kernel = KERNEL_COSTS.get(func)
+        if kernel is not None:
+            return kernel(self, args, out)
         ins = _tensors(args) + _tensors(kwargs)
         outs = _tensors(out)
         # An output that is one of the inputs (in-place, out=) was counted once already: copy_
@@ -115,7 +163,7 @@ class CostModel:
         else:
             flops = float(sum(t.numel() for t in outs))
             return OpCost(flops, nbytes, self._time(flops, nbytes, self.device.small_kernel_overhead_s))
-        return OpCost(flops, nbytes, self._time(flops, nbytes))
+        return OpCost(flops, nbytes, self._time(flops, nbytes, peak=self._peak(ins)))
 
     def _tile_waste(self, out_MN: torch.Tensor) -> float:
         """Factor by which tile rounding inflates a GEMM whose output is ``[..., M, N]``."""

@@ -3,19 +3,26 @@
 Preset numbers are dense (no sparsity) peak rates from public vendor material; the efficiency
 factors turn peaks into what large, well-shaped kernels reach in practice. Sources:
 
-* ``h200``: NVIDIA H200 SXM datasheet: 989 TFLOP/s BF16 dense (1,979 with 2:4 sparsity), 4.8 TB/s
-  HBM3e, 141 GB.
-* ``h100``: NVIDIA H100 SXM datasheet: 989 TFLOP/s BF16 dense, 3.35 TB/s HBM3, 80 GB.
-* ``ascend910b``: Huawei Ascend 910B (910B3 class) public material: ~313 TFLOP/s FP16/BF16,
-  ~1.6 TB/s HBM2e, 64 GB. Less well documented than the NVIDIA parts; treat as approximate.
+* ``h200``: NVIDIA H200 SXM datasheet: 989 TFLOP/s BF16 dense (1,979 with 2:4 sparsity), 1,979
+  TFLOP/s FP8 dense, 4.8 TB/s HBM3e, 141 GB.
+* ``h100``: NVIDIA H100 SXM datasheet: 989 TFLOP/s BF16 dense, 1,979 TFLOP/s FP8 dense, 3.35 TB/s
+  HBM3, 80 GB.
+* ``ascend910b``: Huawei Ascend 910B (910B3 class) public material: ~313 TFLOP/s FP16/BF16, ~640
+  TOPS INT8, ~1.6 TB/s HBM2e, 64 GB. Less well documented than the NVIDIA parts; treat as
+  approximate.
 
-Efficiency and overhead defaults are modeling choices, not vendor numbers: large BF16 GEMMs reach
-~70% of peak on Hopper (cuBLAS/CUTLASS benchmarks), streaming kernels ~80% of HBM bandwidth, and a
-GEMM or attention kernel costs ~2 us of fixed time (launch gap plus ramp-up/tail) even inside a
-CUDA graph, and any other op ~0.5 us (production stacks fuse routing and elementwise work into few
-kernels, while the reference layer here issues them one by one). ``min_tile`` is the GEMM tile edge (Hopper WGMMA tiles are 64 rows; Ascend's cube unit works
-on 16x16 fractals inside larger blocks): a GEMM with fewer rows than a tile still pays for a whole
-tile, which is why two half-size GEMMs are slower than one full one at small batches.
+Two efficiencies turn peaks into what kernels reach. ``gemm_efficiency`` 0.7 is a modeling choice
+that DeepGEMM's published H800 numbers bear out for prefill-sized FP8 GEMMs (1,025-1,358 TFLOP/s of
+1,979 at M = 4096: 0.52-0.69). ``mem_efficiency`` 0.45 and ``kernel_overhead_s`` 2 us are
+*calibrated* (:mod:`asyncdbo.sim.calibration`, ``benchmarks/sim_calibrate.py``): they are the pair
+that best reproduces SGLang's published decode curve on H100; 0.45 sits at the low end of the
+bandwidth DeepGEMM reports for decode-sized GEMMs on H800 (1.5-2.7 TB/s of 3.35: 0.45-0.80), an
+independent check. Ops without a FLOP formula (elementwise, routing) pay a quarter of the kernel
+overhead: production stacks fuse them. The same values serve every preset (no published curve
+calibrates the 910B; its held-out point says how well they carry over). ``min_tile`` is the GEMM
+tile edge (Hopper WGMMA tiles are 64 rows; Ascend's cube unit works on 16x16 fractals inside larger
+blocks): a GEMM with fewer rows than a tile still pays for a whole tile, which is why two half-size
+GEMMs are slower than one full one at small batches.
 """
 
 from __future__ import annotations
@@ -35,8 +42,9 @@ class DeviceSpec:
     name: str
     peak_flops: float
     hbm_Bps: float
+    peak_8bit_flops: float = 0.0  # FP8/INT8 dense; 0: same as peak_flops
     gemm_efficiency: float = 0.7
-    mem_efficiency: float = 0.8
+    mem_efficiency: float = 0.45
     kernel_overhead_s: float = 2e-6
     small_kernel_overhead_s: float = 0.5e-6
     min_tile: int = 64
@@ -55,12 +63,15 @@ class DeviceSpec:
                 raise ValueError(f"DeviceSpec {self.name!r}: {f} must be >= 0 (got {getattr(self, f)!r})")
         if self.min_tile < 1 or self.dtype_bytes < 1:
             raise ValueError(f"DeviceSpec {self.name!r}: min_tile and dtype_bytes must be >= 1")
+        if self.peak_8bit_flops <= 0:
+            object.__setattr__(self, "peak_8bit_flops", self.peak_flops)
 
 
 DEVICES: dict[str, DeviceSpec] = {
-    "h200": DeviceSpec(name="h200", peak_flops=989e12, hbm_Bps=4.8e12),
-    "h100": DeviceSpec(name="h100", peak_flops=989e12, hbm_Bps=3.35e12),
-    "ascend910b": DeviceSpec(name="ascend910b", peak_flops=313e12, hbm_Bps=1.6e12, min_tile=16 * 8),
+    "h200": DeviceSpec(name="h200", peak_flops=989e12, peak_8bit_flops=1979e12, hbm_Bps=4.8e12),
+    "h100": DeviceSpec(name="h100", peak_flops=989e12, peak_8bit_flops=1979e12, hbm_Bps=3.35e12),
+    "ascend910b": DeviceSpec(name="ascend910b", peak_flops=313e12, peak_8bit_flops=640e12, hbm_Bps=1.6e12,
+                             min_tile=16 * 8),
 }
 
 

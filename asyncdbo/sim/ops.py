@@ -28,6 +28,10 @@ def is_view(func: Any) -> bool:
 
 
 def storage_key(t: torch.Tensor) -> int | None:
-    if t.numel() == 0 or t.device.type == "meta":
+    """What an access is tracked under: the storage's data pointer, or for a meta tensor (no
+    data) the address of its storage object; views share their base's key."""
+    if t.numel() == 0:
         return None
+    if t.device.type == "meta":
+        return int(t.untyped_storage()._cdata)
     return t.untyped_storage().data_ptr()

@@ -1,87 +1,81 @@
-"""Predict a DBO schedule's step time on a modeled device: serial vs DBO, share of comm hidden.
+"""Predict a DBO schedule's step time on a modeled deployment: serial vs DBO, share of comm hidden.
 
-Legend (shape suffixes): T tokens on this rank, D hidden, H heads, C attention context (decode:
-cached tokens per request), Q head dim, F = H*Q.
+Legend (shape suffixes): T tokens of a ubatch, D hidden, E experts, K top-k, H heads, G KV heads,
+Q q_lora_rank, L kv_lora_rank, P rope dims, N nope dims, V value head dim, F projection width,
+B requests of an attention call, S key positions.
 
-**The model.** ``layers`` x [RMSNorm -> attention -> residual -> reference :class:`MoELayer`
-(routed experts over EP, shared experts, ``ht`` or ``ll`` schedule) -> residual]. Attention is
-written with explicit matmuls so torch's FLOP formulas see it: decode attends each token's heads
-to its own ``context`` cached keys/values with one shared KV head (MQA; DeepSeek's MLA also reads
-one latent per cached token), prefill is causal over the rank's
-tokens as one sequence. Every op runs for real on the CPU; its duration comes from the cost model.
+**The model** is the library's: each layer is attention, then the library's
+:class:`~asyncdbo.moe.MoELayer` with its ``ht`` or ``ll`` schedule, sized and routed by a real
+architecture's config through :mod:`asyncdbo.models.hf` (:mod:`asyncdbo.sim.models`). Two pieces
+run in their production form instead of the reference code's (see :mod:`asyncdbo.sim.kernels`):
+attention is one fused kernel per request group (MLA decode absorbed into the latent, MLA
+prefill expanded per head, GQA as is), and the local experts are one grouped GEMM. Dense layers
+and the LM head are not modeled: the gain is the MoE layers'.
 
-**All EP ranks in one process.** The prediction models one rank of an ``ep``-rank EP group on
-torch's fake process group (``backend="fake"``): collectives return at once and copy their input
-into their output (an all-to-all with equal splits hands each rank back its own rows), so nothing
-leaves the process. That is the "every rank routes like this one" assumption: with symmetric
-routing a rank receives as many rows as it sends, so its expert GEMMs get ``T*K`` rows over its
-``E/ep`` local experts (the real per-expert batch) and its all-to-alls carry the real byte
-counts. The comm time counts the ``(ep-1)/ep`` share of those bytes that leaves the rank, at the
-device's element size. What the fake group loses is the *values* of the MoE output (rows are
-processed by this rank's experts, not their owners'), so a prediction's outputs are not the real
-model's numbers; its FLOPs, bytes and schedule are. Correctness is what the host backend's
-multi-rank tests are for.
+**Shapes, not numbers.** Weights and activations are meta tensors (:mod:`asyncdbo.sim.mode`):
+nothing of DeepSeek-V3's width is allocated. What steers the schedule runs for real on the CPU:
+routing (the library's :func:`~asyncdbo.moe.router.route` on random logits, one table per layer
+and token, so the serial and the DBO run route every token the same way: uniform routing, what a
+well-balanced EP deployment approaches; ``imbalance`` models the busiest rank), the dispatch plan,
+counts and split sizes.
+
+**All EP ranks in one process.** One rank of an ``ep``-rank EP group on torch's fake process group:
+collectives return at once and copy input into output, so the counts exchange hands the rank its
+own counts back ("every rank routes like this one"): it receives as many rows as it sends, over its
+``E/ep`` local experts, the real per-expert batch of a symmetric deployment. The share of the bytes
+that crosses the modeled link is :func:`~asyncdbo.sim.comm.wire_share`.
+
+**Steady state.** A real model has tens of layers, so the ramp-up and drain of a DBO run (the
+first attention and the last combine have nothing to overlap with) matter little. The prediction
+runs ``layers`` MoE layers (default 3) and takes the period of one layer in the middle: from the
+end of ubatch 0's layer ``L-2`` to the end of its layer ``L-1``, both followed by more work (every
+layer is the same, so this is the per-layer time a deep model repeats). ``gain`` compares those
+per-layer times; the makespans stay in the reports.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 
 from ..backends import LinkSpec
 from ..dbo import run_ubatches
 from .backend import SimBackend, SimReport
-from .devices import DeviceSpec
+from .comm import CommSpec, wire_share
+from .model import (
+    ModelLayer,
+    attention_groups,
+    chunks,
+    default_requests,
+    fake_ep_group,
+    forward,
+    meta,
+    node_dedup,
+    order,
+)
+from .shapes import WEIGHT_BYTES, Deployment, ModelShape, Request, Shape
 
-__all__ = ["ModelShape", "Prediction", "predict", "sim_trace"]
+__all__ = ["Deployment", "ModelShape", "Prediction", "Request", "default_requests", "fake_ep_group", "predict",
+           "sim_trace", "simulate"]
 
-Shape = Literal["decode", "prefill"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelShape:
-    """The modeled model and parallel layout. Defaults are DeepSeek-V3's routing (top-8, one
-    shared expert, EP wide enough for 2 experts per rank) at a width a CPU runs in seconds
-    (hidden 2048 instead of 7168, expert intermediate 1024 instead of 2048, 64 experts)."""
-
-    layers: int = 2
-    hidden: int = 2048
-    intermediate: int = 1024
-    experts: int = 64
-    top_k: int = 8
-    shared_experts: int = 1
-    heads: int = 16
-    head_dim: int = 128
-    context: int = 1024
-    ep: int = 32
-    schedule: Literal["ht", "ll"] = "ht"
-
-    def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "intermediate", "experts", "top_k", "heads", "head_dim", "context", "ep"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"ModelShape.{name} must be an integer >= 1 (got {v!r})")
-        if self.experts % self.ep:
-            raise ValueError(f"ModelShape: experts ({self.experts}) must be divisible by ep ({self.ep})")
-        if self.schedule not in ("ht", "ll"):
-            raise ValueError(f"ModelShape.schedule must be 'ht' or 'll' (got {self.schedule!r})")
+_SCALE_OUT = ("ib400", "eth100", "roce200")
 
 
 @dataclass(frozen=True)
 class Prediction:
     """Serial vs DBO on one modeled rank. ``gain`` > 0: DBO is faster (0.25 = 25% more
-    throughput); ``serial``/``dbo`` hold the full reports (timelines, races)."""
+    throughput), per layer in steady state; ``serial``/``dbo`` hold the full reports."""
 
     tokens: int
     shape: Shape
     serial: SimReport
     dbo: SimReport
+    serial_layer_s: float
+    dbo_layer_s: float
 
     @property
     def serial_s(self) -> float:
@@ -93,205 +87,116 @@ class Prediction:
 
     @property
     def gain(self) -> float:
-        return self.serial_s / self.dbo_s - 1.0
+        return self.serial_layer_s / self.dbo_layer_s - 1.0
 
     @property
     def hidden_comm_share(self) -> float:
         return self.dbo.hidden_comm_share
 
 
-# ------------------------------------------------------------------------ the fake EP world
-_WORLD = 1 << 16
-_groups: dict[int, Any] = {}
+def _cuts(tokens: int, ubatches: int, ubatch_tokens: Sequence[int] | None) -> list[int]:
+    if ubatch_tokens is None:
+        step = math.ceil(tokens / ubatches)
+        return [min(step, max(0, tokens - i * step)) for i in range(ubatches)]
+    cuts = list(ubatch_tokens)
+    if len(cuts) != ubatches or min(cuts) < 0 or sum(cuts) != tokens:
+        raise ValueError(f"ubatch_tokens {cuts} must split {tokens} tokens into {ubatches} parts")
+    return cuts
 
 
-@contextlib.contextmanager
-def fake_ep_group(ep: int) -> Iterator[Any]:
-    """An ``ep``-rank fake process group (this process is rank 0), torn down afterwards if this
-    call created the fake world. None for ``ep == 1``. Refuses a process that already runs a real
-    torch.distributed world: the prediction must not join its collectives."""
-    if ep == 1:
-        yield None
-        return
-    created = False
-    if not dist.is_initialized():
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=_WORLD)
-        created = True
-    elif dist.get_backend() != "fake":
-        raise ValueError(
-            f"predict() needs its own fake torch.distributed world, but this process already runs a "
-            f"{dist.get_backend()!r} one; run the prediction in a separate process (e.g. `asyncdbo check`)"
-        )
-    try:
-        group = _groups.get(ep)
-        if group is None:
-            group = _groups[ep] = dist.new_group(list(range(ep)), backend="fake")
-        yield group
-    finally:
-        if created:
-            _forget(list(_groups.values()))
-            _groups.clear()
-            dist.destroy_process_group()
-
-
-def _forget(groups: list[Any]) -> None:
-    """Drop asyncdbo's caches of ``groups`` (EP comm state, per-ubatch clones): they die with the
-    fake world, and a later world reuses their ids and names."""
-    from ..dist.ep import forget_ep_comm
-
-    for g in groups:
-        forget_ep_comm(g)
-
-
-# ------------------------------------------------------------------------ the modeled model
-class _Block:
-    """One transformer layer: attention (explicit matmuls) + the reference MoE layer."""
-
-    def __init__(self, m: ModelShape, layer: int, group: Any, gen: torch.Generator) -> None:
-        from ..moe import MoEConfig, MoELayer
-
-        D, F = m.hidden, m.heads * m.head_dim
-        self.m = m
-        self.qkv_DF3 = torch.randn(D, 3 * F, generator=gen) * D**-0.5
-        self.o_FD = torch.randn(F, D, generator=gen) * F**-0.5
-        cfg = MoEConfig(
-            hidden_size=D, intermediate_size=m.intermediate, num_experts=m.experts, top_k=m.top_k,
-            num_shared_experts=m.shared_experts, schedule=m.schedule,
-            deterministic=False,  # the modeled device is an accelerator, where the mode is off by default
-        )
-        self.moe = MoELayer(cfg, ep_group=group, seed=layer, max_ubatches=2)
-
-    def attention(self, h_TD: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        m = self.m
-        T = h_TD.shape[0]
-        q_TF, k_TF, v_TF = (h_TD @ self.qkv_DF3).split(m.heads * m.head_dim, dim=1)
-        if kv is None:  # prefill: causal over this ubatch's tokens
-            q_HTQ = q_TF.view(T, m.heads, m.head_dim).transpose(0, 1)
-            k_HTQ = k_TF.view(T, m.heads, m.head_dim).transpose(0, 1)
-            v_HTQ = v_TF.view(T, m.heads, m.head_dim).transpose(0, 1)
-            s_HTT = torch.bmm(q_HTQ, k_HTQ.transpose(1, 2)) * m.head_dim**-0.5
-            mask_TT = torch.ones(T, T, dtype=torch.bool).triu(1)
-            a_HTQ = torch.bmm(torch.softmax(s_HTT.masked_fill(mask_TT, float("-inf")), dim=-1), v_HTQ)
-            o_TF = a_HTQ.transpose(0, 1).reshape(T, -1)
-        else:  # decode: each token's heads attend to its request's cached context (one KV head)
-            k_TCQ, v_TCQ = kv
-            q_THQ = q_TF.view(T, m.heads, m.head_dim)
-            s_THC = torch.bmm(q_THQ, k_TCQ.transpose(1, 2)) * m.head_dim**-0.5
-            o_TF = torch.bmm(torch.softmax(s_THC, dim=-1), v_TCQ).reshape(T, -1)
-        return o_TF @ self.o_FD
-
-
-def _rms(x_TD: torch.Tensor) -> torch.Tensor:
-    return x_TD * torch.rsqrt(x_TD.pow(2).mean(-1, keepdim=True) + 1e-6)
-
-
-async def _forward(blocks: list[_Block], x_TD: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
-    for i, b in enumerate(blocks):
-        x_TD = x_TD + b.attention(_rms(x_TD), None if kv is None else kv[i])
-        x_TD = x_TD + await b.moe.forward(_rms(x_TD))
-    return x_TD
-
-
-def _split(n: int, parts: int) -> list[tuple[int, int]]:
-    step = math.ceil(n / parts)
-    return [(i, min(n, i + step)) for i in range(0, n, step)]
+async def simulate(
+    requests: Sequence[Request],
+    splits: Sequence[Sequence[int]],
+    *,
+    model: ModelShape,
+    shape: Shape,
+    deployment: Deployment,
+    stream_policy: Literal["role", "ubatch"] = "role",
+    check_races: bool = True,
+    fail_on: Sequence[str] = (),
+    seed: int = 0,
+) -> list[tuple[SimReport, float]]:
+    """Run ``model`` on one rank's ``requests`` once per split (ubatch token counts; ``[T]`` is the
+    serial run) with the same weights and routing; return each run's report and per-layer time."""
+    m, d = model, deployment.resolved(shape)
+    if m.experts % d.ep:
+        raise ValueError(f"{m.name}: experts ({m.experts}) must be divisible by ep ({d.ep})")
+    reqs = order(requests)
+    tokens = sum(q for q, _ in reqs)
+    for parts in splits:
+        if sum(parts) != tokens or min(parts) < 0:
+            raise ValueError(f"split {list(parts)} must divide the {tokens} tokens of the requests")
+    assert isinstance(d.link, LinkSpec) and isinstance(d.comm, CommSpec)
+    gen = torch.Generator().manual_seed(seed)
+    scale_out = d.link.name in _SCALE_OUT
+    scale = wire_share(d.ep, d.gpus_per_node, scale_out=scale_out)
+    most = max(len(parts) for parts in splits)
+    out = []
+    with torch.no_grad(), fake_ep_group(d.ep) as group:
+        layers = [ModelLayer(m, i, str(d.schedule), group, most, tokens, gen) for i in range(m.layers)]
+        dedup = node_dedup(layers[0].table[1], m.experts // d.ep, d.ep, d.gpus_per_node, scale) if scale_out else 1.0
+        weights = [t for layer in layers for t in layer.weights()]
+        x_TD = meta(tokens, m.hidden)
+        for parts in splits:
+            share = 1.0 - d.comm.sm_share if len(parts) > 1 and d.schedule == "ht" else 1.0
+            assert d.host is not None
+            be = SimBackend(device=d.device, link=d.link, comm=d.comm, host=d.host, check_races=check_races,
+                            fail_on=fail_on, comm_scale=scale, weights=weights, weight_bytes=WEIGHT_BYTES[m.weights],
+                            compute_share=share, contention=d.contention, imbalance=d.imbalance, node_dedup=dedup)
+            args: list[tuple[Any, ...]] = []
+            lo, marks = 0, dict[int, list[float]]()
+            for n in parts:
+                args.append((layers, x_TD[lo:lo + n], attention_groups(chunks(reqs, lo, lo + n)), lo, lo + n, marks))
+                lo += n
+            await run_ubatches(forward, args, backend=be, stream_policy=stream_policy)
+            assert be.report is not None
+            ends = marks[0]
+            per_layer = ends[-2] - ends[-3] if m.layers > 2 else (ends[-1] - ends[0] if m.layers == 2 else be.report.makespan_s)
+            out.append((be.report, per_layer))
+    return out
 
 
 async def predict(
     tokens: int,
     *,
-    model: ModelShape = ModelShape(),
+    model: ModelShape | str = "deepseek-v3",
     shape: Shape = "decode",
-    device: str | DeviceSpec = "h200",
-    link: str | LinkSpec = "ib400",
+    context: int | None = None,
+    deployment: Deployment = Deployment(),
     ubatches: int = 2,
     stream_policy: Literal["role", "ubatch"] = "role",
-    check_races: bool = False,
+    check_races: bool = True,
+    fail_on: Sequence[str] = (),
+    requests: Sequence[Request] | None = None,
+    ubatch_tokens: Sequence[int] | None = None,
     seed: int = 0,
 ) -> Prediction:
-    """Run the modeled model on ``tokens`` tokens of one rank, serially (one ubatch) and as
-    ``ubatches`` DBO ubatches, on the sim backend; return both reports."""
-    if tokens < ubatches:
-        raise ValueError(f"tokens ({tokens}) must be >= ubatches ({ubatches}) so that every ubatch gets a token")
+    """Run ``model`` on ``tokens`` tokens of one rank, serially (one ubatch) and as ``ubatches``
+    DBO ubatches, on the sim backend; return both reports. ``requests`` (default: from ``shape``
+    and ``context``) lays the tokens out; ``ubatch_tokens`` sets the DBO split (default: equal)."""
+    m = ModelShape.of(model) if isinstance(model, str) else model
     if shape not in ("decode", "prefill"):
         raise ValueError(f"shape must be 'decode' or 'prefill' (got {shape!r})")
-    gen = torch.Generator().manual_seed(seed)
-    scale = (model.ep - 1) / model.ep
-    with torch.no_grad(), fake_ep_group(model.ep) as group:
-        blocks = [_Block(model, i, group, gen) for i in range(model.layers)]
-        x_TD = torch.randn(tokens, model.hidden, generator=gen)
-        kv = None
-        if shape == "decode":
-            kv = [
-                (torch.randn(tokens, model.context, model.head_dim, generator=gen), torch.randn(tokens, model.context, model.head_dim, generator=gen))
-                for _ in blocks
-            ]
-
-        async def run(parts: int) -> SimReport:
-            be = SimBackend(device=device, link=link, check_races=check_races, comm_scale=scale)
-            args = []
-            for lo, hi in _split(tokens, parts):
-                ub_kv = None if kv is None else [(k[lo:hi], v[lo:hi]) for k, v in kv]
-                args.append((blocks, x_TD[lo:hi], ub_kv))
-            await run_ubatches(_forward, args, backend=be, stream_policy=stream_policy)
-            assert be.report is not None
-            return be.report
-
-        serial = await run(1)  # the serial baseline: one ubatch, same schedule
-        dbo = await run(ubatches)
-    return Prediction(tokens, shape, serial, dbo)
+    if not 1 <= ubatches <= 8:
+        raise ValueError(f"ubatches must be between 1 and 8 (got {ubatches})")
+    if tokens < ubatches:
+        raise ValueError(f"tokens ({tokens}) must be >= ubatches ({ubatches}) so that every ubatch gets a token")
+    reqs = list(requests) if requests is not None else default_requests(
+        tokens, shape, context or (2000 if shape == "decode" else 4096))
+    if sum(q for q, _ in reqs) != tokens:
+        raise ValueError(f"requests hold {sum(q for q, _ in reqs)} tokens, not {tokens}")
+    (serial, serial_layer), (dbo, dbo_layer) = await simulate(
+        reqs, [[tokens], _cuts(tokens, ubatches, ubatch_tokens)], model=m, shape=shape, deployment=deployment,
+        stream_policy=stream_policy, check_races=check_races, fail_on=fail_on, seed=seed)
+    return Prediction(tokens, shape, serial, dbo, serial_layer, dbo_layer)
 
 
 def sim_trace(report: SimReport, *, rank: int = 0, label: str = "") -> dict[str, Any]:
     """A Chrome trace (Perfetto, ``asyncdbo trace`` PNGs) of one sim run, in the layout of
-    :meth:`asyncdbo.observe.Tracer.to_chrome` for device spans: pid = rank, one thread per (ubatch,
+    :meth:`asyncdbo.trace.Tracer.to_chrome` for device spans: pid = rank, one thread per (ubatch,
     stream role) with tid ``ub * 100 + 50`` (compute) or ``+ 60`` (comm) plus a lane when spans of
     one thread overlap; ``ts``/``dur`` in microseconds of the virtual clock; the run's numbers
     under ``otherData.asyncdbo.ranks[0].steps`` with the Tracer's field names."""
-    name = f"rank {rank} (sim {report.device} + {report.link}{', ' + label if label else ''})"
-    events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": name}},
-        {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
-    ]
-    lanes: dict[tuple[int, str], list[float]] = {}
-    named: set[int] = set()
-    for s in sorted(report.spans, key=lambda s: s.start):
-        ub = s.ubatch or 0
-        ends = lanes.setdefault((ub, s.kind), [])
-        lane = next((k for k, e in enumerate(ends) if s.start >= e - 1e-12), len(ends))
-        if lane == len(ends):
-            ends.append(s.end)
-        else:
-            ends[lane] = s.end
-        tid = ub * 100 + (50 if s.kind == "compute" else 60) + lane
-        if tid not in named:
-            named.add(tid)
-            label_t = f"ub{ub} {s.kind} stream" + (f" {lane}" if lane else "")
-            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": label_t}})
-            events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
-        args = {"ub": ub, "kind": s.kind, "role": s.kind, "device": True, "stream": s.stream, "tag": s.tag, "step": 0}
-        events.append({"ph": "X", "name": s.name, "cat": s.kind, "pid": rank, "tid": tid, "ts": s.start * 1e6,
-                       "dur": (s.end - s.start) * 1e6, "args": args})
-    comm_s = report.comm_s
-    step = {
-        "step": 0, "rank": rank, "name": label or "sim", "backend": f"sim ({report.device}, {report.link})",
-        "num_ubatches": report.num_ubatches, "wall_s": report.makespan_s, "switches": report.switches,
-        "parks": report.parks, "yields_per_ubatch": [], "parked_s": 0.0,
-        "idle_s": max(0.0, report.makespan_s - report.compute_busy_s), "compute_s": report.compute_busy_s,
-        "comm_s": comm_s, "comm_hidden_s": comm_s - report.exposed_comm_s,
-        "comm_hidden_share": report.hidden_comm_share, "num_comm_works": sum(1 for s in report.spans if s.kind == "comm"),
-        "comm_bytes": report.comm_bytes, "microbatched": report.num_ubatches > 1,
-        "reason": None if report.num_ubatches > 1 else "serial baseline",
-    }
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {"asyncdbo": {"ranks": [{"rank": rank, "steps": [step]}], "clock": "sim"}},
-    }
+    from .report import chrome_trace
 
-
-def with_overrides(m: ModelShape, **kw: Any) -> ModelShape:
-    """``m`` with the fields in ``kw`` that are not None replaced."""
-    return replace(m, **{k: v for k, v in kw.items() if v is not None})
+    return chrome_trace(report, rank=rank, label=label)

@@ -1,4 +1,5 @@
-"""Happens-before race checking for simulated streams (the idea of PyTorch's CUDA sanitizer).
+"""Happens-before race checking for simulated streams (the idea of PyTorch's CUDA sanitizer), and
+the findings the sim reports.
 
 Every stream has a vector clock: ``clock[s][r]`` is the highest op sequence number of stream ``r``
 known to be complete before stream ``s``'s next op. An op on ``s`` bumps ``clock[s][s]``; recording
@@ -8,12 +9,14 @@ ordered before the current op on ``s`` iff ``a.stream == s`` or ``a.seq <= clock
 Per tensor *storage* (so views alias their base) the checker keeps the last write and the reads
 since it. A read unordered with the last write is an early read (read-after-write); a write
 unordered with a read or write since is a write-after-read/-write (a buffer reused too soon).
-Comm ops count their outputs as written by the stream they are issued on (c10d schemas do not mark
+Comm ops count their outputs as written by the stream they run on (c10d schemas do not mark
 them written). A fresh output (no alias in the schema) starts a new history, because the CPU
 allocator reuses addresses. Tensors created outside the run have no history and are never racy.
 
-Each access carries its :class:`Site` (ubatch, yield tag, stream, file:line, op), so a report names
-both places.
+Findings name places in the user's code: the first three frames outside asyncdbo's machinery
+(kernel, DBO layer, backends, sim, the EP all-to-all), torch and the standard library. A race
+names both accesses and the wait that is missing between them; lost overlap names the record or
+send that came after a yield, or the recv hook held across one.
 """
 
 from __future__ import annotations
@@ -25,73 +28,163 @@ from types import FrameType
 
 from .._core.errors import AsyncDBOError
 
-__all__ = ["DeadWait", "LostOverlap", "Race", "RaceChecker", "SimCheckError", "Site", "user_place"]
+__all__ = [
+    "DeadWait",
+    "LostOverlap",
+    "Race",
+    "RaceChecker",
+    "SimCheckError",
+    "Site",
+    "user_frames",
+    "user_place",
+]
 
-# Frames of asyncdbo's machinery (kernel, DBO layer, backends, sim, the EP all-to-all), torch and
-# the standard library: a finding names the first frame outside them, the user's.
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIP: tuple[str, ...] = tuple(
     os.path.join(_PKG, d) for d in ("_core", "dbo", "backends", "sim", "dist")
 ) + (os.path.dirname(os.path.abspath(str(__import__("torch").__file__))), os.path.dirname(str(os.__file__)))
 
+#: How many of the user's frames a finding shows.
+FRAMES = 3
+
+
+def _where(f: FrameType) -> str:
+    fn = f.f_code.co_filename
+    return f"{os.path.relpath(fn) if not fn.startswith('..') else fn}:{f.f_lineno} in {f.f_code.co_name}"
+
+
+def _installed(filename: str) -> bool:
+    return "site-packages" in filename or "dist-packages" in filename
+
+
+def user_frames(limit: int = FRAMES) -> tuple[str, ...]:
+    """``file:line in function`` of the innermost ``limit`` frames outside asyncdbo's machinery
+    and torch, innermost first. An installed package's frame after the first user frame ends the
+    list: beyond it lies the caller's framework (a test runner, an event loop), not their code."""
+    out: list[str] = []
+    f: FrameType | None = sys._getframe(1)
+    while f is not None and len(out) < limit:
+        fn = f.f_code.co_filename
+        if out and _installed(fn):
+            break
+        if not fn.startswith(_SKIP) and not fn.startswith("<"):
+            out.append(_where(f))
+        f = f.f_back
+    return tuple(out) or ("?",)
+
 
 def user_place() -> str:
-    """``file:line in function`` of the innermost frame outside asyncdbo's machinery and torch."""
-    f: FrameType | None = sys._getframe(1)
-    while f is not None:
-        fn = f.f_code.co_filename
-        if not fn.startswith(_SKIP) and not fn.startswith("<"):
-            return f"{os.path.relpath(fn) if not fn.startswith('..') else fn}:{f.f_lineno} in {f.f_code.co_name}"
-        f = f.f_back
-    return "?"
+    """The innermost user frame (see :func:`user_frames`)."""
+    return user_frames(1)[0]
 
 
 @dataclass(frozen=True)
 class Site:
-    """Where an access or sync happened."""
+    """Where an access, record, wait or send happened: the ubatch and the yield it last passed,
+    the stream, the user's frames (innermost first) and the op."""
 
     ubatch: int | None
     tag: str | None
     stream: str
-    place: str
+    frames: tuple[str, ...]
     op: str
 
+    @property
+    def place(self) -> str:
+        return self.frames[0]
+
+    @property
+    def who(self) -> str:
+        if self.ubatch is None:
+            return "outside ubatches"
+        if self.tag is None:
+            return f"ubatch {self.ubatch} before its first yield"
+        return f"ubatch {self.ubatch} after its yield {self.tag!r}"
+
+    def lines(self, label: str = "") -> list[str]:
+        """A block for a multi-line report: ``label``, the op, who and which stream, then the frames."""
+        out = [f"    {label}{self.op}: {self.who}, stream {self.stream}"]
+        out += [f"        {'at' if i == 0 else '  '} {fr}" for i, fr in enumerate(self.frames)]
+        return out
+
     def __str__(self) -> str:
-        who = "outside ubatches" if self.ubatch is None else f"ubatch {self.ubatch}"
-        return f"{who} at yield point {self.tag!r}, stream {self.stream}, {self.place}: {self.op}"
+        return f"{self.who}, stream {self.stream}, {self.place}: {self.op}"
+
+
+_VERBS = {"read-after-write": ("read", "write"), "write-after-read": ("write", "read"),
+          "write-after-write": ("write", "write")}
 
 
 @dataclass(frozen=True)
 class Race:
-    """Two unordered accesses to one storage across streams."""
+    """Two unordered accesses to one storage from different streams: ``before`` happened first
+    in program order, ``now`` after it with no event ordering ``now``'s stream after it."""
 
     kind: str  # "read-after-write" | "write-after-read" | "write-after-write"
     now: Site
     before: Site
+    cross_wait: Site | None = None  # the racing stream's last wait, when another ubatch recorded its event
 
     def __str__(self) -> str:
-        verb = {"read-after-write": "reads", "write-after-read": "writes", "write-after-write": "writes"}[self.kind]
-        prev = {"read-after-write": "written", "write-after-read": "read", "write-after-write": "written"}[self.kind]
-        return (
-            f"{self.kind} race: {self.now}\n    {verb} a buffer {prev} with no event ordering it by: {self.before}"
-        )
+        first, second = _VERBS[self.kind][1], _VERBS[self.kind][0]
+        b, n = self.before, self.now
+        note = [] if self.cross_wait is None else [
+            f"    note: stream {n.stream} last waited on an event ubatch {self.cross_wait.ubatch} recorded ("
+            f"{self.cross_wait.place}): a wait on another ubatch's event does not order this one's own work"]
+        return "\n".join([
+            f"{self.kind} race: {n.op} on stream {n.stream} {second}s a buffer {b.op} on stream {b.stream} "
+            f"{'wrote' if first == 'write' else 'read'}, with no event between them",
+            *b.lines(f"1. {first} by "),
+            *n.lines(f"2. {second} by "),
+            f"    missing: no wait on stream {b.stream} between {b.op} ({b.place}) and {n.op} ({n.place}): record "
+            f"an event on {b.stream} after the {first} and make stream {n.stream} wait on it before the {second}",
+            *note,
+        ])
 
 
 @dataclass(frozen=True)
 class LostOverlap:
-    """A wait on an event whose record covered another ubatch's later work: correct, but serial."""
+    """Correct but serial: the schedule waits for another ubatch's work it does not need.
 
-    waiter: Site
-    recorder: Site
+    ``kind``: ``record-after-yield`` (an event recorded after a yield covers work the other
+    ubatch queued meanwhile, and a wait on it waits for that work too: vLLM #38451),
+    ``send-after-yield`` (a transfer issued after a yield leaves only once the other ubatch's
+    queued work is done), ``skipped-recv-hook`` (a ubatch yielded while holding another's recv
+    hook: it never called ``dbo_maybe_run_recv_hook()``, so the receive is launched late).
+    ``lost_s`` is the virtual time it cost at this model's size (it may be 0 at a tiny width:
+    the finding is structural, not a timing)."""
+
+    kind: str
+    site: Site
+    other: Site | None
     foreign_ubatch: int
     lost_s: float
 
     def __str__(self) -> str:
-        return (
-            f"lost overlap ({self.lost_s * 1e6:.1f} us): {self.waiter}\n    waits on an event recorded by: "
-            f"{self.recorder}\n    which also covers work ubatch {self.foreign_ubatch} queued after it; the "
-            "event was recorded after a yield, so the ubatches serialize (record before yielding)"
-        )
+        head = f"lost overlap ({self.kind}, {self.lost_s * 1e6:.1f} us here)"
+        if self.kind == "record-after-yield":
+            assert self.other is not None
+            return "\n".join([
+                f"{head}: a wait on stream {self.site.stream} also waits for ubatch {self.foreign_ubatch}'s work",
+                *self.site.lines(),
+                *self.other.lines("after a yield: "),
+                f"    the event covers work ubatch {self.foreign_ubatch} queued on stream {self.other.stream} after "
+                f"ubatch {self.other.ubatch}'s own, so the ubatches serialize: record it before yielding",
+            ])
+        if self.kind == "send-after-yield":
+            return "\n".join([
+                f"{head}: a transfer on stream {self.site.stream} waits for ubatch {self.foreign_ubatch}'s work",
+                *self.site.lines("send "),
+                f"    it was issued after a yield, so it leaves only once the work ubatch {self.foreign_ubatch} "
+                "queued meanwhile is done: issue the send before yielding",
+            ])
+        return "\n".join([
+            f"{head}: ubatch {self.site.ubatch} yielded holding the recv hook of ubatch {self.foreign_ubatch}",
+            *self.site.lines(),
+            f"    no dbo_maybe_run_recv_hook() ran before this yield, so ubatch {self.foreign_ubatch}'s receive is "
+            "launched late (when the holder parks, exits or next calls it): call it after queuing this ubatch's "
+            "compute, before yielding",
+        ])
 
 
 @dataclass(frozen=True)
@@ -103,15 +196,21 @@ class DeadWait:
 
     def __str__(self) -> str:
         if self.recorded_later_by is None:
-            return f"dead wait: {self.waiter}\n    waits on an event that no one recorded before the run ended"
-        return (
-            f"wait before record: {self.waiter}\n    waits on an event first recorded later by: "
-            f"{self.recorded_later_by} (CUDA ignores such a wait: early read; NPU stalls)"
-        )
+            return "\n".join([
+                f"dead wait: stream {self.waiter.stream} waits on an event that no one recorded before the run ended",
+                *self.waiter.lines(),
+            ])
+        return "\n".join([
+            f"wait before record: stream {self.waiter.stream} waits on an event first recorded later (CUDA ignores "
+            "such a wait: early read; NPU stalls)",
+            *self.waiter.lines(),
+            *self.recorded_later_by.lines(),
+        ])
 
 
 class SimCheckError(AsyncDBOError):
-    """The sim found races or dead waits. ``findings`` holds each one."""
+    """The sim found ordering problems (races, dead waits, and lost overlap when asked to fail on
+    it). ``findings`` holds each one."""
 
     def __init__(self, findings: list[object]) -> None:
         self.findings = findings
@@ -134,9 +233,12 @@ class _History:
 
 
 class RaceChecker:
-    """Vector clocks over streams and access histories over storages (see the module docstring)."""
+    """Vector clocks over streams (always kept: lost overlap uses them too) and, when asked,
+    access histories over storages (see the module docstring)."""
 
     def __init__(self) -> None:
+        #: stream -> the record of the event its last wait was on (set by the backend)
+        self.last_wait: dict[int, Site] = {}
         self.clocks: dict[int, dict[int, int]] = {}
         self.seq: dict[int, int] = {}
         self.history: dict[int, _History] = {}
@@ -150,11 +252,22 @@ class RaceChecker:
             self.seq[sid] = 0
         return c
 
+    def tick(self, sid: int) -> int:
+        """One op on ``sid``; returns its sequence number."""
+        self._clock(sid)
+        self.seq[sid] += 1
+        return self.seq[sid]
+
     def record(self, sid: int) -> dict[int, int]:
         """The clock an event recorded on ``sid`` now carries."""
         c = dict(self._clock(sid))
         c[sid] = self.seq[sid]
         return c
+
+    def knows(self, sid: int, other: int) -> int:
+        """The last op of ``other`` that ``sid`` is ordered after (its own last op for itself)."""
+        c = self._clock(sid)
+        return self.seq[sid] if sid == other else c.get(other, 0)
 
     def wait(self, sid: int, clock: dict[int, int]) -> None:
         c = self._clock(sid)
@@ -177,29 +290,29 @@ class RaceChecker:
 
     def access(self, sid: int, reads: set[int], writes: set[int], site: Site) -> None:
         """One op on stream ``sid`` reading and writing these storages."""
-        self._clock(sid)
-        self.seq[sid] += 1
-        acc = _Access(sid, self.seq[sid], site)
+        acc = _Access(sid, self.tick(sid), site)
         for key in reads - writes:
             h = self.history.setdefault(key, _History())
             if h.write is not None and not self._ordered(h.write, sid):
-                self._report("read-after-write", site, h.write.site)
+                self._report("read-after-write", site, h.write.site, sid)
             h.reads.append(acc)
         for key in writes:
             h = self.history.setdefault(key, _History())
             for r in h.reads:
                 if not self._ordered(r, sid):
-                    self._report("write-after-read", site, r.site)
+                    self._report("write-after-read", site, r.site, sid)
                     break
             else:
                 if h.write is not None and not self._ordered(h.write, sid):
-                    self._report("write-after-write", site, h.write.site)
+                    self._report("write-after-write", site, h.write.site, sid)
             h.write = acc
             h.reads = [acc] if key in reads else []
 
-    def _report(self, kind: str, now: Site, before: Site) -> None:
+    def _report(self, kind: str, now: Site, before: Site, sid: int) -> None:
         key = (kind, now.place + now.op, before.place + before.op)
         if key in self._seen:  # one report per pair of places, not one per layer
             return
         self._seen.add(key)
-        self.races.append(Race(kind, now, before))
+        waited = self.last_wait.get(sid)
+        cross = waited if waited is not None and waited.ubatch not in (None, now.ubatch) else None
+        self.races.append(Race(kind, now, before, cross))

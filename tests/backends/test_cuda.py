@@ -124,3 +124,42 @@ def test_whole_interleaved_forward_captures_in_one_cuda_graph_and_replays_equal(
     ref = [(torch.relu(x @ w) * 2) @ w + 1 for x in x_in]
     for got, want in zip(outs, ref):
         torch.testing.assert_close(got, want)
+
+
+def test_compute_role_comm_is_waited_only_where_the_schedule_says() -> None:
+    """The ``ll`` contract on a device: a collective issued from the compute role is not waited for
+    at issue (that would stall the shared compute stream until the rows arrive); its
+    ``stream_wait()`` (what a recv hook runs) or ``await`` orders the then-current stream. One
+    issued from the comm stream is waited for at once. A one-rank NCCL group keeps it on one GPU."""
+    import torch.distributed as dist
+
+    from asyncdbo.backends import DoneWork
+    from asyncdbo.backends.accelerator import DeviceWork
+    from asyncdbo.dbo import dbo_submit, dbo_switch_to_comm, dbo_switch_to_compute
+    from asyncdbo.testing.ranks import free_port
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        seen: list[tuple[str, bool]] = []
+
+        async def forward(i: int) -> torch.Tensor:
+            x = torch.full((4,), float(i), device="cuda")
+            out = torch.empty_like(x)
+            handle = dbo_submit(dist.all_to_all_single(out, x, async_op=True), what="send")  # compute role
+            seen.append((type(handle).__name__, handle.done()))
+            await dbo_yield("send")
+            handle.stream_wait()  # what the next ubatch's recv hook does
+            seen.append((type(handle).__name__, handle.done()))
+            await dbo_switch_to_comm()
+            held = dbo_submit(dist.all_to_all_single(torch.empty_like(x), x, async_op=True), what="comm")
+            seen.append((type(held).__name__, held.done()))
+            await dbo_switch_to_compute()
+            return out.clone()
+
+        outs = asyncdbo.run(lambda: run_ubatches(forward, [(0,), (1,)], backend="cuda"))
+        torch.cuda.synchronize()
+        assert [o.tolist() for o in outs] == [[0.0] * 4, [1.0] * 4]
+        assert seen[:2] == [(DeviceWork.__name__, False), (DeviceWork.__name__, False)]
+        assert seen[2:4] == [(DeviceWork.__name__, True), (DoneWork.__name__, True)]
+    finally:
+        dist.destroy_process_group()

@@ -67,12 +67,13 @@ def test_demo_trace_must_be_a_writable_directory_before_the_run(capsys: pytest.C
 
 
 CHECK = [
-    (["--ubatches", "0"], "--ubatches 0: a step needs at least 1 ubatch (DBO uses 2); use --ubatches 2"),
-    (["--tokens", "100000000"], "--tokens 100000000 needs about 240.7 TiB for the decode step (the sim runs the model "
-                                "on this CPU; estimated before running it), but 8.0 GiB is available; use --tokens up to 2935"),
+    (["--ubatches", "0"], "--ubatches must be 2, 3 or 4 (got 0); 1 is the serial run every row has anyway"),
+    (["--ubatches", "5"], "--ubatches must be 2, 3 or 4 (got 5); 1 is the serial run every row has anyway"),
+    (["--tokens", "100000000"], "--tokens 100000000 needs about 477.1 GiB (the sim routes every token on this CPU; "
+                                "estimated before running it), but 8.0 GiB is available; use --tokens up to 1612185"),
     (["--tokens", "100000000", "--shape", "prefill"],
-     "--tokens 100000000 needs about 1714.2 PiB for the prefill step (the sim runs the model on this CPU; estimated "
-     "before running it), but 8.0 GiB is available; use --tokens up to 5353"),
+     "--tokens 100000000 needs about 477.1 GiB (the sim routes every token on this CPU; "
+     "estimated before running it), but 8.0 GiB is available; use --tokens up to 1612185"),
 ]
 
 

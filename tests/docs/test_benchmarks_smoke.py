@@ -123,6 +123,16 @@ def test_sim_sweep_quick_writes_table_and_plot(tmp_path: Path) -> None:
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".md", ".png"]
 
 
+@pytest.mark.timeout(120)
+def test_sim_calibrate_quick_scores_one_grid_point() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "sim_calibrate.py"), "--quick"], capture_output=True, text=True, timeout=110, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| kernel overhead us | HBM eff 0.6 |" in proc.stdout
+    assert "Best: kernel_overhead_s = 6 us (small kernels a quarter of it), mem_efficiency = 0.6." in proc.stdout
+
+
 def test_gpu_check_script_is_valid_and_refuses_without_cuda() -> None:
     """The GPU script cannot run here (no GPU); check its shell syntax, that its embedded Python
     compiles, and that without CUDA it stops at once with a clear message and status 2."""

@@ -86,10 +86,12 @@ def test_ht_overlaps_ubatch1_with_ubatch0_dispatch(pool: RankPool) -> None:
 
 @pytest.mark.timeout(60)
 def test_ll_overlaps_ubatch1_with_ubatch0_dispatch(pool: RankPool) -> None:
-    # the same with the low-latency schedule: two yields per ubatch
+    # The low-latency schedule: two yields per ubatch, and the rows go out before the yield, so
+    # ubatch 0's dispatch is still in flight when it resumes after ubatch 1's turn (then it parks
+    # on the rows): the transfer spans its yield instead of starting after it.
     expected = {
         "works": [["counts", "dispatch", "combine"], ["counts", "dispatch", "combine"]],
-        "resumed_during_dispatch0": [1],
+        "resumed_during_dispatch0": [0, 1],
         "yields": [2, 2],
         "parked": True,
     }
@@ -99,10 +101,11 @@ def test_ll_overlaps_ubatch1_with_ubatch0_dispatch(pool: RankPool) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("schedule", "stages"),
-    [("ht", ["combined", "dispatched", "experts", "routed"]), ("ll", ["combine_sent", "dispatch_sent"])],
+    [("ht", ["combined", "dispatched", "experts", "routed"]), ("ll", [])],
 )
 def test_ubatch_streams_order_stages_with_explicit_events(pool: RankPool, schedule: str, stages: list[str]) -> None:
-    # one key per (layer, call, ubatch, stage); the layer runs twice per ubatch
+    # one key per (layer, call, ubatch, stage); the layer runs twice per ubatch. The ll schedule
+    # has no comm stream to order: its receives are ordered by the handles (and hooks), no keys.
     expected = sorted(("L0", call, ub, stage) for call in (0, 1) for ub in (0, 1) for stage in stages)
     assert pool.run(moe_stage_events, schedule) == [expected, expected]
 

@@ -7,7 +7,6 @@ exactly when each op starts and ends on the virtual clock.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import pytest
@@ -178,15 +177,17 @@ async def test_a_wait_on_a_never_recorded_event_is_a_dead_wait_with_the_waiting_
     x = torch.randn(64, 256)
     line = _line("# DEAD WAIT")
     with pytest.raises(SimCheckError) as info:
-        await asyncdbo.run_ubatches(waits_on_an_unrecorded_done_event, [(x[:32],), (x[32:],)], backend=SimBackend())
+        await asyncdbo.run_ubatches(waits_on_an_unrecorded_done_event, [(x[:32],), (x[32:],)], backend=SimBackend())  # RUN DEAD WAITS
     msg = str(info.value)
     assert msg.splitlines()[0] == "asyncdbo sim: 2 ordering problem(s):"
+    here = "test_a_wait_on_a_never_recorded_event_is_a_dead_wait_with_the_waiting_place"
     for ub in (0, 1):
-        assert re.search(
-            rf"dead wait: ubatch {ub} at yield point 'dispatch', stream comm, tests/sim/test_sim_clock.py:{line} in "
-            r"waits_on_an_unrecorded_done_event: wait event\n\s+waits on an event that no one recorded before the run ended",
-            msg,
-        ), msg
+        assert (
+            f"dead wait: stream comm waits on an event that no one recorded before the run ended\n"
+            f"    wait event: ubatch {ub} after its yield 'dispatch', stream comm\n"
+            f"        at tests/sim/test_sim_clock.py:{line} in waits_on_an_unrecorded_done_event\n"
+            f"           tests/sim/test_sim_clock.py:{_line('# RUN DEAD WAITS')} in {here}"
+        ) in msg, msg
     assert [d.waiter.ubatch for d in info.value.findings] == [0, 1]
 
 
@@ -224,13 +225,18 @@ async def waits_before_ubatch_1_records(x_MK: torch.Tensor) -> torch.Tensor:
 async def test_a_wait_issued_before_the_record_is_reported_with_both_places() -> None:
     x = torch.randn(64, 256)
     be = SimBackend(on_problem="record")
-    await asyncdbo.run_ubatches(waits_before_ubatch_1_records, [(x[:32],), (x[32:],)], backend=be, stream_policy="ubatch")
+    await asyncdbo.run_ubatches(waits_before_ubatch_1_records, [(x[:32],), (x[32:],)], backend=be, stream_policy="ubatch")  # RUN EARLY WAIT
     (dead,) = be.report.dead_waits
+    here = "tests/sim/test_sim_clock.py"
     assert str(dead) == (
-        f"wait before record: ubatch 0 at yield point None, stream ub0, tests/sim/test_sim_clock.py:{_line('# WAIT TOO EARLY')} in "
-        "waits_before_ubatch_1_records: wait event\n    waits on an event first recorded later by: ubatch 1 at yield point "
-        f"'stage', stream ub1, tests/sim/test_sim_clock.py:{_line('# RECORDED LATER')} in waits_before_ubatch_1_records: record event "
-        "(CUDA ignores such a wait: early read; NPU stalls)"
+        "wait before record: stream ub0 waits on an event first recorded later (CUDA ignores such a wait: early "
+        "read; NPU stalls)\n"
+        "    wait event: ubatch 0 before its first yield, stream ub0\n"
+        f"        at {here}:{_line('# WAIT TOO EARLY')} in waits_before_ubatch_1_records\n"
+        f"           {here}:{_line('# RUN EARLY WAIT')} in test_a_wait_issued_before_the_record_is_reported_with_both_places\n"
+        "    record event: ubatch 1 after its yield 'stage', stream ub1\n"
+        f"        at {here}:{_line('# RECORDED LATER')} in waits_before_ubatch_1_records\n"
+        f"           {here}:{_line('# RUN EARLY WAIT')} in test_a_wait_issued_before_the_record_is_reported_with_both_places"
     )
 
 

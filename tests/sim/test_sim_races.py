@@ -22,6 +22,7 @@ import asyncdbo
 from asyncdbo.dbo import (
     dbo_record_event,
     dbo_submit,
+    dbo_switch_to_comm,
     dbo_switch_to_compute,
     dbo_wait_event,
     dbo_yield,
@@ -31,7 +32,7 @@ from asyncdbo.dbo import (
 from asyncdbo.lowlevel import get_ubatch
 from asyncdbo.sim import SimCheckError
 from asyncdbo.sim.backend import SimBackend
-from asyncdbo.sim.predict import ModelShape, fake_ep_group, predict
+from asyncdbo.sim.predict import Deployment, ModelShape, fake_ep_group, predict
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -75,7 +76,7 @@ async def early_read(x_MK: torch.Tensor) -> torch.Tensor:
     h_MN = x_MK @ W_KN
     recv_MN = torch.empty_like(h_MN)
     await dbo_yield_and_switch_from_compute_to_comm("dispatch")
-    a2a(recv_MN, h_MN)
+    a2a(recv_MN, h_MN)  # DISPATCH
     dbo_switch_to_compute()  # the bug: no wait for the dispatch
     return torch.relu(recv_MN)  # EARLY READ
 
@@ -100,31 +101,38 @@ async def record_after_yield(x_MK: torch.Tensor) -> torch.Tensor:
 SHARED_MN = torch.empty(32, 128)
 
 
-async def shared_recv_buffer(x_MK: torch.Tensor) -> torch.Tensor:
-    """Per-ubatch streams (CANN), but both ubatches receive into one buffer: ubatch 1's dispatch
-    overwrites it while ubatch 0's may still be landing, and ubatch 0 then reads ubatch 1's rows."""
+async def cann_dispatch(x_MK: torch.Tensor, recv_MN: torch.Tensor | None) -> torch.Tensor:
+    """Per-ubatch streams (CANN): compute and comm streams of this ubatch ordered by explicit
+    events. ``recv_MN`` None receives into a fresh buffer; a shared one is the bug."""
+    ub = get_ubatch().id
     h_MN = x_MK @ W_KN
-    dbo_record_event(("h", get_ubatch().id))
+    recv_MN = torch.empty_like(h_MN) if recv_MN is None else recv_MN
+    dbo_record_event(("h", ub))
     await dbo_yield("dispatch")
-    await dbo_wait_event(("h", get_ubatch().id))
-    a2a(SHARED_MN, h_MN)
+    await dbo_switch_to_comm()
+    await dbo_wait_event(("h", ub))
+    a2a(recv_MN, h_MN)
+    dbo_record_event(("recv", ub))
     await dbo_yield("expert")
-    return torch.relu(SHARED_MN)  # READS THE REUSED BUFFER
+    await dbo_switch_to_compute()
+    await dbo_wait_event(("recv", ub))
+    return torch.relu(recv_MN)  # READS THE RECEIVED ROWS
+
+
+async def shared_recv_buffer(x_MK: torch.Tensor) -> torch.Tensor:
+    """Both ubatches receive into one buffer: ubatch 1's dispatch overwrites it while ubatch 0's
+    may still be landing, and ubatch 0 then reads ubatch 1's rows."""
+    return await cann_dispatch(x_MK, SHARED_MN)
 
 
 async def own_recv_buffer(x_MK: torch.Tensor) -> torch.Tensor:
-    h_MN = x_MK @ W_KN
-    recv_MN = torch.empty_like(h_MN)
-    await dbo_yield("dispatch")
-    a2a(recv_MN, h_MN)
-    await dbo_yield("expert")
-    return torch.relu(recv_MN)
+    return await cann_dispatch(x_MK, None)
 
 
 async def run(fn: Any, policy: str = "role") -> tuple[list[torch.Tensor], SimBackend]:
     x = torch.randn(64, 64)
     be = SimBackend(device="h100", link="ib400", on_problem="record")
-    out = await asyncdbo.run_ubatches(fn, [(x[:32],), (x[32:],)], backend=be, stream_policy=policy)
+    out = await asyncdbo.run_ubatches(fn, [(x[:32],), (x[32:],)], backend=be, stream_policy=policy)  # RUN
     return [torch.cat(out), torch.relu(x @ W_KN)], be
 
 
@@ -140,17 +148,28 @@ async def test_a_correct_schedule_is_clean_and_equals_the_serial_run(policy: str
 
 
 @pytest.mark.asyncio
-async def test_a_missing_wait_after_dispatch_is_an_early_read_with_both_places() -> None:
-    _, be = await run(early_read)
+async def test_a_missing_wait_after_dispatch_is_an_early_read_naming_both_accesses_and_the_missing_wait() -> None:
+    _, be = await run(early_read)  # RUN EARLY READ
     (race,) = be.report.races
     assert race.kind == "read-after-write"
-    assert re.fullmatch(
-        rf"read-after-write race: ubatch 0 at yield point 'dispatch', stream compute, {place('early_read', '# EARLY READ')}: "
-        rf"aten::relu\n    reads a buffer written with no event ordering it by: ubatch 0 at yield point 'dispatch', "
-        rf"stream comm, {place('a2a', '# ALL-TO-ALL')}: c10d::alltoall_base_",
-        str(race),
-    ), str(race)
-    with pytest.raises(SimCheckError, match=r"asyncdbo sim: 1 ordering problem\(s\):\n  1\. read-after-write race: ubatch 0"):
+    here = "tests/sim/test_sim_races.py"
+    assert str(race) == (
+        "read-after-write race: aten::relu on stream compute reads a buffer c10d::alltoall_base_ on stream comm "
+        "wrote, with no event between them\n"
+        "    1. write by c10d::alltoall_base_: ubatch 0 after its yield 'dispatch', stream comm\n"
+        f"        at {here}:{line('# ALL-TO-ALL')} in a2a\n"
+        f"           {here}:{line('# DISPATCH')} in early_read\n"
+        f"           {here}:{line('# RUN')} in run\n"
+        "    2. read by aten::relu: ubatch 0 after its yield 'dispatch', stream compute\n"
+        f"        at {here}:{line('# EARLY READ')} in early_read\n"
+        f"           {here}:{line('# RUN')} in run\n"
+        f"           {here}:{line('# RUN EARLY READ')} in "
+        "test_a_missing_wait_after_dispatch_is_an_early_read_naming_both_accesses_and_the_missing_wait\n"
+        f"    missing: no wait on stream comm between c10d::alltoall_base_ ({here}:{line('# ALL-TO-ALL')} in a2a) and "
+        f"aten::relu ({here}:{line('# EARLY READ')} in early_read): record an event on comm after the write and make "
+        "stream compute wait on it before the read"
+    )
+    with pytest.raises(SimCheckError, match=r"asyncdbo sim: 1 ordering problem\(s\):\n  1\. read-after-write race: aten::relu"):
         x = torch.randn(64, 64)
         await asyncdbo.run_ubatches(early_read, [(x[:32],), (x[32:],)], backend=SimBackend())
 
@@ -162,18 +181,29 @@ async def test_an_event_recorded_after_the_yield_is_lost_overlap_not_a_race() ->
     rep = be.report
     assert rep.races == [] and rep.dead_waits == []
     (lost,) = rep.lost_overlaps
-    assert (lost.waiter.ubatch, lost.recorder.ubatch, lost.foreign_ubatch) == (0, 0, 1)
+    assert (lost.kind, lost.site.ubatch, lost.other.ubatch, lost.foreign_ubatch) == ("record-after-yield", 0, 0, 1)
     assert lost.lost_s > 0
+    here = "tests/sim/test_sim_races.py"
     assert re.fullmatch(
-        rf"lost overlap \([\d.]+ us\): ubatch 0 at yield point 'dispatch', stream comm, "
-        rf"{place('record_after_yield', '# WAIT ON LATE EVENT')}: wait event\n    waits on an event recorded by: "
-        rf"ubatch 0 at yield point 'dispatch', stream compute, {place('record_after_yield', '# LATE RECORD')}: "
-        r"record event\n    which also covers work ubatch 1 queued after it; the event was recorded after a yield, "
-        r"so the ubatches serialize \(record before yielding\)",
+        r"lost overlap \(record-after-yield, [\d.]+ us here\): a wait on stream comm also waits for ubatch 1's work\n"
+        r"    wait event: ubatch 0 after its yield 'dispatch', stream comm\n"
+        rf"        at {here}:{line('# WAIT ON LATE EVENT')} in record_after_yield\n"
+        rf"           {here}:{line('# RUN')} in run\n"
+        rf"           {here}:\d+ in test_an_event_recorded_after_the_yield_is_lost_overlap_not_a_race\n"
+        r"    after a yield: record event: ubatch 0 after its yield 'dispatch', stream compute\n"
+        rf"        at {here}:{line('# LATE RECORD')} in record_after_yield\n"
+        rf"           {here}:{line('# RUN')} in run\n"
+        rf"           {here}:\d+ in test_an_event_recorded_after_the_yield_is_lost_overlap_not_a_race\n"
+        r"    the event covers work ubatch 1 queued on stream compute after ubatch 0's own, so the ubatches serialize: "
+        r"record it before yielding",
         str(lost),
     ), str(lost)
     _, good = await run(correct)
     assert good.report.makespan_s < rep.makespan_s
+    # asked to fail on lost overlap, the same run fails with it
+    x = torch.randn(64, 64)
+    with pytest.raises(SimCheckError, match=r"1 ordering problem\(s\):\n  1\. lost overlap \(record-after-yield"):
+        await asyncdbo.run_ubatches(record_after_yield, [(x[:32],), (x[32:],)], backend=SimBackend(fail_on=["lost-overlap"]))
 
 
 @pytest.mark.asyncio
@@ -182,25 +212,25 @@ async def test_a_buffer_reused_by_the_next_ubatch_before_the_comm_finished_is_a_
     assert not torch.equal(got, want)  # ubatch 0 computed on ubatch 1's rows
     kinds = [(r.kind, r.now.ubatch, r.before.ubatch) for r in be.report.races]
     assert kinds == [("write-after-write", 1, 0), ("read-after-write", 0, 1)]
-    waw = str(be.report.races[0])
-    a2a_place = place("a2a", "# ALL-TO-ALL")
-    assert re.fullmatch(
-        rf"write-after-write race: ubatch 1 at yield point 'dispatch', stream ub1, {a2a_place}: "
-        r"c10d::alltoall_base_\n    writes a buffer written with no event ordering it by: ubatch 0 at yield point "
-        rf"'dispatch', stream ub0, {a2a_place}: c10d::alltoall_base_",
-        waw,
-    ), waw
-    assert f"{line('# READS THE REUSED BUFFER')} in shared_recv_buffer: aten::relu" in str(be.report.races[1])
+    waw, raw = (str(r).splitlines() for r in be.report.races)
+    assert waw[0] == ("write-after-write race: c10d::alltoall_base_ on stream ub1:comm writes a buffer "
+                      "c10d::alltoall_base_ on stream ub0:comm wrote, with no event between them")
+    assert waw[-1].startswith("    missing: no wait on stream ub0:comm between c10d::alltoall_base_")
+    assert raw[0] == ("read-after-write race: aten::relu on stream ub0 reads a buffer c10d::alltoall_base_ on stream "
+                      "ub1:comm wrote, with no event between them")
+    assert f"tests/sim/test_sim_races.py:{line('# READS THE RECEIVED ROWS')} in cann_dispatch" in raw[-1]
 
 
 @pytest.mark.parametrize("schedule", ["ht", "ll"])
 @pytest.mark.parametrize("policy", ["role", "ubatch"])
 def test_the_librarys_moe_schedules_are_race_free(schedule: str, policy: str) -> None:
     # One event loop is enough here: the sim never parks a ubatch on the loop.
-    tiny = ModelShape(layers=2, hidden=32, intermediate=32, experts=4, top_k=2, heads=2, head_dim=16, context=8, ep=2, schedule=schedule)
+    tiny = ModelShape(name="tiny", hidden=32, intermediate=32, experts=4, top_k=2, shared_experts=1, heads=2, kv_heads=1,
+                      head_dim=16, v_head_dim=16, layers=2)
     for shape in ("decode", "prefill"):
         p = asyncdbo.run(
-            functools.partial(predict, 8, model=tiny, shape=shape, device="h100", link="ib400", stream_policy=policy, check_races=True),
+            functools.partial(predict, 8, model=tiny, shape=shape, context=8, stream_policy=policy,
+                              deployment=Deployment(device="h100", link="ib400", ep=2, schedule=schedule)),
             loop="asyncio",
         )
         for rep in (p.serial, p.dbo):
@@ -239,9 +269,35 @@ async def test_a_background_transfer_is_ordered_by_awaiting_its_handle(early: bo
         assert rep.races == []
         return
     (race,) = rep.races
-    assert str(race) == (
-        f"read-after-write race: ubatch 0 at yield point 'dispatch_send', stream compute, "
-        f"tests/sim/test_sim_races.py:{line('# LL EARLY READ')} in ll_style: aten::relu\n    reads a buffer written with no "
-        f"event ordering it by: ubatch 0 at yield point None, stream compute:dispatch, tests/sim/test_sim_races.py:"
-        f"{line('# ALL-TO-ALL')} in a2a: c10d::alltoall_base_"
-    )
+    lines = str(race).splitlines()
+    assert lines[0] == ("read-after-write race: aten::relu on stream compute reads a buffer c10d::alltoall_base_ on "
+                        "stream compute:dispatch wrote, with no event between them")
+    assert lines[1] == "    1. write by c10d::alltoall_base_: ubatch 0 before its first yield, stream compute:dispatch"
+    assert lines[-1].startswith("    missing: no wait on stream compute:dispatch between c10d::alltoall_base_ ")
+    assert f"test_sim_races.py:{line('# LL EARLY READ')} in ll_style" in lines[-1]
+
+
+async def ll_sends_after_its_yield(x_MK: torch.Tensor) -> torch.Tensor:
+    """The send of a low-latency transfer issued after the yield: it leaves only once the other
+    ubatch's compute queued meanwhile on the shared stream is done (asyncdbo 0.1's ll on the host)."""
+    h_MN = x_MK @ W_KN
+    recv_MN = torch.empty_like(h_MN)
+    await dbo_yield("dispatch_send")
+    received = a2a(recv_MN, h_MN)  # SEND AFTER YIELD
+    await received
+    return torch.relu(recv_MN)
+
+
+@pytest.mark.asyncio
+async def test_a_send_issued_after_the_yield_is_lost_overlap() -> None:
+    (got, want), be = await run(ll_sends_after_its_yield)
+    assert torch.equal(got, want)
+    rep = be.report
+    assert rep.races == []
+    # each ubatch's send follows work the other queued on the shared stream after its own
+    assert [(lo.kind, lo.site.ubatch, lo.foreign_ubatch) for lo in rep.lost_overlaps] == [
+        ("send-after-yield", 0, 1), ("send-after-yield", 1, 0)]
+    assert str(rep.lost_overlaps[0]).splitlines()[1:3] == [
+        "    send c10d::alltoall_base_: ubatch 0 after its yield 'dispatch_send', stream compute",
+        f"        at tests/sim/test_sim_races.py:{line('# ALL-TO-ALL')} in a2a",
+    ]

@@ -1,0 +1,219 @@
+"""Transfers on the simulated device: where a comm op runs, what it costs, who waits for it.
+
+A collective runs on a stream of its own that first waits for the work queued on the issuing stream
+(NCCL/HCCL run each communicator on its own stream). Issued from a comm stream (the ``ht``
+schedule), the issuing stream waits for it at once: it holds that stream until it completes, as
+``work.wait()`` in the accelerator backend makes it. Issued from the compute role (the ``ll``
+schedule: send now, receive later), nothing waits until its :class:`SimHandle` is awaited or its
+``stream_wait`` runs (in a recv hook). Its cost: the link's latency and bandwidth, the comm
+library's efficiency, fixed cost, payload format and node dedup (:mod:`asyncdbo.sim.comm`), the
+straggler delay of an imbalanced combine, and the HBM time its bytes take (``contention``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from .._core import get_ubatch
+from .clock import Engine, Span, Timeline, VEvent, VStream
+from .comm import CommSpec, payload_scale
+from .ops import storage_key, tensor_items
+from .races import LostOverlap, RaceChecker, Site
+
+if TYPE_CHECKING:
+    from ..backends import LinkSpec
+    from .cost import CostModel
+    from .devices import DeviceSpec
+    from .host import HostTimeline
+
+__all__ = ["NOT_YET", "SimHandle", "Transfers"]
+
+NOT_YET = 1 << 30  # the segment of received data nobody waited for yet
+
+
+class SimHandle:
+    """A submitted comm op. ``await handle`` (or :meth:`stream_wait`) makes the current stream of
+    the ubatch running it wait for the transfer's completion; a transfer that already holds the
+    issuing comm stream until it completes needs nothing more. Never parks."""
+
+    __slots__ = ("backend", "event", "nbytes", "t_done", "t_start", "what", "writes")
+
+    def __init__(self, what: str, nbytes: int, t_start: float, t_done: float, *, backend: Transfers | None = None,
+                 event: VEvent | None = None, writes: frozenset[int] = frozenset()) -> None:
+        self.what, self.nbytes, self.t_start, self.t_done = what, nbytes, t_start, t_done
+        self.backend, self.event, self.writes = backend, event, writes
+
+    def done(self) -> bool:
+        return True
+
+    def stream_wait(self) -> None:
+        """Order the running ubatch's current stream after this transfer (a device stream wait)."""
+        if self.event is not None and self.backend is not None:
+            ub = get_ubatch()
+            if ub is not None and ub.run is self.backend._run:
+                self.backend.wait(ub.ext.stream, self.event)
+                for k in self.writes:  # the rows are usable from here on
+                    self.backend._seg_of[k] = min(self.backend._seg_of.get(k, NOT_YET), self.backend._segment[ub.id])
+
+    wait = stream_wait
+
+    def __await__(self) -> Any:
+        self.stream_wait()
+        return iter(())
+
+    def __repr__(self) -> str:
+        return f"<SimHandle {self.what} {self.nbytes}B {self.t_start * 1e6:.1f}-{self.t_done * 1e6:.1f}us>"
+
+
+
+class Transfers:
+    """The comm half of :class:`~asyncdbo.sim.backend.SimBackend` (a mixin; see the module docstring)."""
+
+    device: DeviceSpec
+    link: LinkSpec
+    comm: CommSpec
+    cost: CostModel
+    check_races: bool
+    comm_scale: float
+    contention: bool
+    imbalance: float
+    node_dedup: float
+    _run: Any
+    _link: Engine
+    _compute: Engine
+    _timeline: Timeline
+    _host: HostTimeline
+    _clocks: RaceChecker
+    _lost: list[LostOverlap]
+    _pending_c10d: tuple[Any, VStream, set[int], set[int], Site, int] | None
+    _comm_bytes: int
+    _device_counts: set[int]
+    _dispatch_done: dict[int, float]
+    _segment: dict[int, int]
+    _seg_of: dict[int, int]
+    _seg_seq: dict[tuple[int, int, int], int]
+    _ub_seq: dict[tuple[int, int], int]
+    _ub_end: dict[tuple[int, int], float]
+
+    def wait(self, stream: VStream, event: VEvent) -> None:
+        raise NotImplementedError
+
+    def _site(self, ub: Any, stream: VStream, op: str) -> Site:
+        raise NotImplementedError
+
+    def _place(self, ub: Any, stream: VStream, kind: str, name: str, dur: float, engine: Engine, extra: float = 0.0,
+               ready: float = 0.0) -> tuple[float, float]:
+        raise NotImplementedError
+
+    def _tick(self, ub: Any, stream: VStream) -> None:
+        raise NotImplementedError
+
+    def _covers_foreign(self, ub: Any, stream: VStream) -> tuple[int, float] | None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ comm
+    def _c10d_op(self, ub: Any, stream: VStream, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A c10d collective: its first argument is its output (c10d schemas don't say so)."""
+        name = func._schema.name.split("::")[-1]
+        outs = {k for t in tensor_items(args[0] if args else ()) if (k := storage_key(t)) is not None}
+        ins = {k for a in args[1:] for t in tensor_items(a) if (k := storage_key(t)) is not None}
+        if name.startswith(("allreduce", "broadcast", "reduce_")):
+            ins |= outs  # in place
+        sent = [t for a in args[1:] for t in tensor_items(a)] or tensor_items(args[0] if args else ())
+        nbytes = sum(self.cost.nbytes(t) for t in sent)  # what this rank sends, at the device's dtype
+        self._pending_c10d = (ub, stream, ins, outs, self._site(ub, stream, f"c10d::{name}"), nbytes)
+
+    def _flush_c10d(self, nbytes: int | None = None, what: str | None = None) -> SimHandle | None:
+        pending, self._pending_c10d = self._pending_c10d, None
+        if pending is None:
+            return None
+        ub, stream, reads, writes, site, seen_bytes = pending
+        return self._comm(ub, stream, reads, writes, site, seen_bytes if nbytes is None else nbytes, what or site.op)
+
+    def _comm(self, ub: Any, stream: VStream, reads: set[int], writes: set[int], site: Site, nbytes: int, what: str) -> SimHandle:
+        """A transfer of ``nbytes`` issued on ``stream`` (module docstring: where it runs and who
+        waits for it); its outputs count as written by the stream it runs on."""
+        lane = ub.ext
+        low_latency = not (lane.role == "comm" and lane.streams["comm"] is not lane.streams["compute"])
+        spec = self.comm
+        scale = self.comm_scale
+        if what == "dispatch" and spec.fp8_dispatch:
+            scale *= payload_scale(True)
+        if what in ("dispatch", "combine") and spec.node_dedup and not low_latency:
+            scale *= self.node_dedup
+        on_device = what == "counts" and low_latency and spec.counts_on_device
+        if on_device:  # the counts ride with the data and stay on the device (DeepEP low latency)
+            self._device_counts |= writes
+        wire = 0.0 if on_device else nbytes * scale
+        self._comm_bytes += int(wire)
+        dur = wire / (self.link.bandwidth_Bps * spec.link_efficiency(self.link.name, low_latency))
+        latency = 0.0 if on_device else self.link.latency_s + (spec.ll_fixed_s if low_latency else spec.fixed_s)
+        ready = self._host.launch_comm()
+        if what == "combine" and self.imbalance > 1:  # the busiest rank's experts finish later
+            latency += (self.imbalance - 1) * max(0.0, stream.t - self._dispatch_done.get(ub.id, stream.t))
+        if low_latency:
+            handle = self._background(ub, stream, reads, writes, site, wire, dur, latency, ready, what)
+        else:
+            start, end = self._place(ub, stream, "comm", what, dur, self._link, latency, ready=ready)
+            self._contend(start, wire)
+            if self.check_races:
+                self._clocks.access(stream.id, reads, writes, site)
+            else:
+                self._tick(ub, stream)
+            handle = SimHandle(what, int(wire), start, end)
+        if what == "dispatch":
+            self._dispatch_done[ub.id] = handle.t_done
+        return handle
+
+    def _late_send(self, ub: Any, stream: VStream, reads: set[int]) -> tuple[int, float] | None:
+        """(other ubatch, end of own work) when this send's data was ready in an earlier segment of
+        this ubatch (before a yield) and another ubatch queued work on the stream since: issued
+        before the yield, the send would not have waited for that work. Without access tracking,
+        the stream's last op being another ubatch's is the sign."""
+        if not self.check_races:
+            return self._covers_foreign(ub, stream)
+        known = [self._seg_of[k] for k in reads if k in self._seg_of]
+        seg = max(known) if known else self._segment[ub.id]
+        if seg >= self._segment[ub.id]:
+            return None
+        mine = self._seg_seq.get((stream.id, ub.id, seg))
+        if mine is None:
+            return None
+        for (sid, other), seq in self._ub_seq.items():
+            if sid == stream.id and other != ub.id and seq > mine:
+                return other, self._ub_end.get((stream.id, ub.id), 0.0)
+        return None
+
+    def _contend(self, start: float, wire: float) -> None:
+        """HBM contention: the bytes are read at the sender and written at the receiver."""
+        if self.contention and wire > 0:
+            self._compute.reserve(start, 2 * wire / (self.device.hbm_Bps * self.device.mem_efficiency))
+
+    def _background(self, ub: Any, stream: VStream, reads: set[int], writes: set[int], site: Site, wire: float,
+                    dur: float, latency: float, ready: float, what: str) -> SimHandle:
+        """A transfer issued from the compute role: it leaves once the issuing stream's work so
+        far is done, on a stream of its own, and holds no stream; its writes belong to that
+        stream, so a read of the received buffer before a wait on the handle is an early read."""
+        bg = VStream(f"{stream.name}:{what}")
+        foreign = self._late_send(ub, stream, reads)
+        if foreign is not None:
+            other, own_end = foreign
+            self._lost.append(LostOverlap("send-after-yield", replace(site, stream=stream.name), None, other,
+                                          max(0.0, stream.t - max(own_end, ready))))
+        for k in writes:
+            self._seg_of[k] = NOT_YET  # usable once a wait on the handle orders a stream after it
+        bg.t = max(stream.t, ready)
+        self._clocks.wait(bg.id, self._clocks.record(stream.id))
+        start = self._link.reserve(bg.t, dur)
+        end = start + dur + latency
+        bg.t = end
+        self._contend(start, wire)
+        self._timeline.add(Span(bg.name, "comm", what, start, end, ub.id, ub.tag))
+        if self.check_races:
+            self._clocks.access(bg.id, reads, writes, replace(site, stream=bg.name))
+        else:
+            self._clocks.tick(bg.id)
+        done = VEvent(recorded=True, t=end, clock=self._clocks.record(bg.id), by=replace(site, stream=bg.name))
+        done.stream_id = bg.id
+        return SimHandle(what, int(wire), start, end, backend=self, event=done, writes=frozenset(writes))

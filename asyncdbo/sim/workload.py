@@ -1,0 +1,236 @@
+"""Workload replay: does DBO pay on *this* traffic? Per-step batch compositions across DP ranks go
+through the real planner (:mod:`asyncdbo.plan`) and the sim, with and without DBO.
+
+**The file format** (JSON lines, one step per line)::
+
+    {"ranks": [[[1, 2048], [1, 1500]], [[512, 0], [1, 900]], []]}
+
+``ranks`` holds one list per DP rank (every line the same number of ranks): that rank's requests
+this step as ``[new_tokens, cached_tokens]`` pairs (a decode request is ``[1, context]``, a
+prefill chunk ``[chunk_len, prefix_len]``); an empty list is an idle rank. Other keys (``"step"``,
+comments under ``"note"``) are ignored. Blank lines and lines starting with ``#`` are skipped.
+
+**Per step**: every rank's local vote (:func:`asyncdbo.plan.plan_step` without a group: threshold,
+split policy), the group's decision (:func:`asyncdbo.plan.decide_from_votes`: all ranks split or
+none, idle ranks follow with padding), then each rank's slices (:func:`asyncdbo.plan.plan_slices`
+padded to the group's count). Each rank's step is simulated (:func:`asyncdbo.sim.predict.simulate`,
+per MoE layer in steady state) serially and, when the step microbatched, as the planned ubatches
+(padding tokens included: they cost compute). EP all-to-alls hold every rank to the slowest, so
+a step takes its slowest rank's time. Throughput is real tokens over time; the gain is DBO's
+throughput over the same steps run unsplit. Steps whose ranks all decode run with the decode
+defaults (``ll``, graph replay), others with the prefill ones (``ht``, eager), unless the
+deployment fixes them.
+
+The planner sees the exact requests; the sim sees each rank's decode requests summarized (their
+count, and their mean context rounded to ``context_bucket``: decode attention reads every cached
+token once, so its cost follows the sum) beside its prefill chunks as they are, and caches
+simulations by that composition. Races are checked on the first simulation of each split
+(serial, microbatched); the others only time.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..plan import PlanReason, RankVote, ThresholdConfig, decide_from_votes, plan_slices, plan_step
+from .predict import Deployment, ModelShape, Request, simulate
+
+__all__ = ["ReplayResult", "StepOutcome", "load_workload", "replay", "synthetic_workload"]
+
+Step = list[list[Request]]  # per DP rank, its requests
+
+
+def load_workload(path: str | Path) -> list[Step]:
+    """Read a JSON-lines workload (module docstring); a ValueError names the line and the fix."""
+    steps: list[Step] = []
+    width = None
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc.msg}); each line is one step like "
+                             '{"ranks": [[[1, 2048]], [[512, 0]], []]}') from None
+        ranks = obj.get("ranks") if isinstance(obj, dict) else None
+        if not isinstance(ranks, list) or not ranks:
+            raise ValueError(f'{where}: a step needs "ranks": a non-empty list with one request list per DP rank')
+        if width is None:
+            width = len(ranks)
+        elif len(ranks) != width:
+            raise ValueError(f"{where}: {len(ranks)} ranks, but the first step has {width}; every step lists every DP rank")
+        step: Step = []
+        for r, reqs in enumerate(ranks):
+            if not isinstance(reqs, list):
+                raise ValueError(f"{where}: rank {r} must be a list of [new_tokens, cached_tokens] pairs (got {reqs!r})")
+            for req in reqs:
+                ok = (isinstance(req, list) and len(req) == 2 and all(isinstance(v, int) for v in req)
+                      and req[0] >= 1 and req[1] >= 0)
+                if not ok:
+                    raise ValueError(f"{where}: rank {r} has request {req!r}; a request is [new_tokens >= 1, "
+                                     "cached_tokens >= 0]")
+            step.append([(q, c) for q, c in reqs])
+        steps.append(step)
+    if not steps:
+        raise ValueError(f"{path}: no steps (one JSON object per line)")
+    return steps
+
+
+def synthetic_workload(*, ranks: int = 4, steps: int = 16, seed: int = 0) -> list[Step]:
+    """A mixed serving trace: mostly decode steps whose batch sizes differ per rank (some below
+    the decode threshold), some steps where a prefill chunk joins a rank's decodes, and now and
+    then an idle rank. Deterministic in ``seed``."""
+    rng = random.Random(seed)
+    out: list[Step] = []
+    for _ in range(steps):
+        step: Step = []
+        for _ in range(ranks):
+            kind = rng.random()
+            if kind < 0.1:
+                step.append([])  # idle rank
+                continue
+            batch = rng.choice((8, 16, 24, 48, 64, 96, 128, 160, 192, 256))
+            reqs = [(1, rng.randrange(256, 4096)) for _ in range(batch)]
+            if kind > 0.8:  # a prefill chunk joins this rank's decodes
+                reqs.append((rng.choice((256, 512, 1024, 2048)), rng.choice((0, 0, 1024, 4096))))
+            step.append(reqs)
+        out.append(step)
+    return out
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """One replayed step: the group's decision, each rank's tokens, and the step's time (per MoE
+    layer) without and with DBO."""
+
+    microbatched: bool
+    reason: PlanReason
+    detail: str
+    tokens: tuple[int, ...]
+    serial_s: float
+    dbo_s: float
+    local: tuple[PlanReason, ...]  # each busy rank's own reason (MICROBATCHED when it voted yes)
+
+
+@dataclass
+class ReplayResult:
+    steps: list[StepOutcome] = field(default_factory=list)
+    simulations: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(sum(s.tokens) for s in self.steps)
+
+    @property
+    def serial_s(self) -> float:
+        return sum(s.serial_s for s in self.steps)
+
+    @property
+    def dbo_s(self) -> float:
+        return sum(s.dbo_s for s in self.steps)
+
+    @property
+    def gain(self) -> float:
+        """DBO's throughput over the unsplit run's, minus 1."""
+        return self.serial_s / self.dbo_s - 1.0
+
+    @property
+    def microbatched_share(self) -> float:
+        return sum(s.microbatched for s in self.steps) / len(self.steps)
+
+    def reasons(self) -> Counter[PlanReason]:
+        return Counter(s.reason for s in self.steps if not s.microbatched)
+
+    def rank_reasons(self) -> Counter[PlanReason]:
+        """Why ranks voted no, over the steps that fell out."""
+        return Counter(r for s in self.steps if not s.microbatched for r in s.local if r is not PlanReason.MICROBATCHED)
+
+
+def _summary(reqs: Sequence[Request], bucket: int) -> list[Request]:
+    """Decode requests at their mean context (rounded to ``bucket``), prefill chunks as they are."""
+    ctx = [c for q, c in reqs if q == 1]
+    mean = 0 if not ctx else max(1, round(sum(ctx) / len(ctx) / bucket)) * bucket
+    return [(1, mean)] * len(ctx) + [(q, c) for q, c in reqs if q > 1]
+
+
+def replay(
+    steps: Sequence[Step],
+    *,
+    model: ModelShape,
+    deployment: Deployment = Deployment(),
+    ubatches: int = 2,
+    policy: str = "token",
+    thresholds: ThresholdConfig = ThresholdConfig(),
+    stream_policy: str = "role",
+    context_bucket: int = 512,
+    check_races: bool = True,
+) -> ReplayResult:
+    """Replay ``steps`` (module docstring). Runs its own event loops: call it outside one."""
+    import asyncdbo
+
+    cache: dict[Any, list[float]] = {}
+    checked: set[int] = set()  # ubatch counts whose schedule the race checker has seen
+    result = ReplayResult()
+
+    def timed(reqs: list[Request], splits: list[list[int]], shape: str) -> list[float]:
+        """Per-layer times of ``reqs`` under each split, simulated once per composition."""
+        summary = _summary(reqs, context_bucket)
+        key = (tuple(summary), tuple(map(tuple, splits)), shape)
+        if key not in cache:
+            check = check_races and len(splits[0]) not in checked
+            checked.add(len(splits[0]))
+
+            async def run() -> Any:
+                return await simulate(summary, splits, model=model, shape=shape, deployment=deployment,  # type: ignore[arg-type]
+                                      stream_policy=stream_policy, check_races=check)  # type: ignore[arg-type]
+
+            cache[key] = [per_layer for _, per_layer in asyncdbo.run(run, loop="asyncio")]
+            result.simulations += 1
+        return cache[key]
+
+    for step in steps:
+        qsls = [[0, *_cumsum(q for q, _ in reqs)] for reqs in step]
+        votes, local = [], []
+        for r, qsl in enumerate(qsls):
+            idle = qsl[-1] == 0
+            rec = plan_step(qsl, num_ubatches=ubatches, policy=policy,  # type: ignore[arg-type]
+                            thresholds=thresholds, is_idle=idle).record
+            vote = "idle" if idle else ("yes" if rec.microbatched else "no")
+            votes.append(RankVote(r, vote, rec.reason, qsl[-1], qsl[-1]))
+            if not idle:
+                local.append(rec.reason)
+        decision = decide_from_votes(votes)
+        shape = "decode" if all(q == 1 for reqs in step for q, _ in reqs) else "prefill"
+        serial, dbo = [], []
+        for reqs, qsl in zip(step, qsls):
+            real = qsl[-1]
+            alone = timed(list(reqs), [[real]], shape)[0] if real else 0.0  # an idle rank is never the slowest
+            serial.append(alone)
+            if decision.should_ubatch:
+                padded = decision.num_tokens_padded
+                slices = plan_slices(qsl, ubatches, policy, num_tokens_padded=padded)  # type: ignore[arg-type]
+                parts = [s.num_tokens_padded for s in slices]
+                full = list(reqs) + [(1, 0)] * (padded - real)  # padding tokens cost compute, attend to nothing
+                dbo.append(timed(full, [parts], shape)[0])
+            else:
+                dbo.append(alone)
+        result.steps.append(StepOutcome(decision.should_ubatch, decision.reason, decision.detail,
+                                        tuple(q[-1] for q in qsls), max(serial, default=0.0), max(dbo, default=0.0),
+                                        tuple(local)))
+    return result
+
+
+def _cumsum(xs: Any) -> list[int]:
+    out, t = [], 0
+    for x in xs:
+        t += x
+        out.append(t)
+    return out
+
