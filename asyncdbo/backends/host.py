@@ -170,8 +170,8 @@ class HostBackend(StreamBackend):
                **options: Any) -> HostWork:
         """Track ``work`` (a torch.distributed Work with ``get_future()``).
 
-        Inside a DBO run (``lane`` given) it joins that ubatch's current stream; outside, it is
-        waited for at once (serial semantics). ``options`` (the sim's race-checker hints) are
+        Inside a DBO run (``lane`` given) it joins that ubatch's comm stream (the one it is on, or
+        its comm stream if it is on compute); outside, it is waited for at once (serial semantics). ``options`` (the sim's race-checker hints) are
         ignored."""
         run = None if lane is None else lane.ub.run
         clock = _MONOTONIC if run is None else run.clock
@@ -191,6 +191,14 @@ class HostBackend(StreamBackend):
             hw.wait()
             return hw
         stream = lane.stream
+        if stream.inline:
+            # Issued from compute: the work runs on the ubatch's comm stream, as NCCL/HCCL run a
+            # collective on their own stream, and compute is ordered after it only by a wait
+            # (``await``, a sync switch, a recv hook). Queued on the CPU stream, every event
+            # recorded there later covered it: with the ll schedule (counts and rows issued from
+            # compute), another ubatch's KV-cache event then waited for this comm, whose peer
+            # could be waiting for that ubatch, and two ranks deadlocked (4 ubatches).
+            stream = lane.streams["comm"]
         assert isinstance(stream, HostStream), stream
         stream.pending.append(hw)
         lane.ub.run.ext.comm.append(hw)  # every work of the run, for the numbers tools report
