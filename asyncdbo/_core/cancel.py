@@ -10,13 +10,18 @@ sees what it would see at any other resume. Rules:
   on it as a note (:func:`cancel_all` returns the notes), never replacing it;
 * every live ubatch is cancelled, even after another one's cleanup raised;
 * a ubatch that swallows its cancellation gets :data:`MAX_THROWS` throws, then ``close()``; one
-  that ignores even ``GeneratorExit`` is named in a note and abandoned (kept referenced in
-  :data:`ABANDONED`, since collecting it would only ask it to close again), never spun on.
+  that ignores even ``GeneratorExit`` is named in a note and abandoned, never spun on. An abandoned
+  coroutine is kept alive for the life of the process (:data:`ABANDONED`, plus a reference the
+  interpreter never drops): finalizing it, at garbage collection or at interpreter exit, would
+  close it again, and one that swallows ``GeneratorExit`` around a primitive (a no-op outside a
+  run) then loops without ever suspending. That is how the test suite's own stubborn ubatch once
+  kept pytest spinning at exit, allocating until the OOM killer ended it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import inspect
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
@@ -31,8 +36,15 @@ __all__ = ["ABANDONED", "MAX_THROWS", "cancel_all", "cancel_now", "throw_at_next
 #: CancelledError throws a ubatch gets before it is closed instead
 MAX_THROWS = 3
 
-#: coroutines that ignored GeneratorExit: kept so that the garbage collector does not try again
+#: coroutines that ignored GeneratorExit: kept so that nothing tries to close them again
 ABANDONED: list[Coroutine[Any, Any, Any]] = []
+
+
+def _keep_forever(coro: Coroutine[Any, Any, Any]) -> None:
+    """Keep ``coro`` alive past interpreter shutdown: module teardown clears :data:`ABANDONED`,
+    and a reference only C holds is never released, so the coroutine is never finalized."""
+    ABANDONED.append(coro)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(coro))
 
 
 def throw_at_next_resume(ub: UBatch, exc: BaseException) -> None:
@@ -73,7 +85,7 @@ def cancel_now(run: DBORun, ub: UBatch, why: str) -> str | None:
     except RuntimeError as exc:
         if "ignored GeneratorExit" not in str(exc):
             return f"asyncdbo: while cancelling ubatch {ub.id}, its cleanup raised RuntimeError: {exc}"
-        ABANDONED.append(coro)
+        _keep_forever(coro)
         return (
             f"asyncdbo: ubatch {ub.id} ignored cancellation {MAX_THROWS} times and then GeneratorExit, at yield "
             f"point {ub.tag!r}; it was abandoned (its cleanup did not finish). Let CancelledError and "
