@@ -144,11 +144,16 @@ class HostBackend(StreamBackend):
         return HostEvent()
 
     def record(self, event: HostEvent, stream: HostStream) -> None:
+        event.recorded = True
+        if not stream.pending:  # the common case on the compute stream: nothing queued, no allocation
+            event.works = ()
+            return
         stream.pending = [w for w in stream.pending if not w.succeeded()]  # a failure stays to be reported
         event.works = tuple(stream.pending)
-        event.recorded = True
 
     def wait(self, stream: HostStream, event: HostEvent) -> Signal | None:
+        if not event.works:
+            return None
         pending = [w for w in event.works if not w.succeeded()]
         if not pending:
             return None
