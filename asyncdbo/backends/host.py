@@ -168,8 +168,9 @@ class HostBackend(StreamBackend):
                **options: Any) -> HostWork:
         """Track ``work`` (a torch.distributed Work with ``get_future()``).
 
-        Inside a DBO run (``lane`` given) it joins that ubatch's current stream; outside, it is
-        waited for at once (serial semantics). ``options`` (the sim's race-checker hints) are
+        Inside a DBO run (``lane`` given) it joins that ubatch's current comm stream (from the
+        compute role it joins no stream: the schedule awaits the handle); outside, it is waited
+        for at once (serial semantics). ``options`` (the sim's race-checker hints) are
         ignored."""
         run = None if lane is None else lane.ub.run
         clock = _MONOTONIC if run is None else run.clock
@@ -190,7 +191,11 @@ class HostBackend(StreamBackend):
             return hw
         stream = lane.stream
         assert isinstance(stream, HostStream), stream
-        stream.pending.append(hw)
+        if not stream.inline:
+            # Comm issued from the compute role (the CPU) is waited for where the schedule awaits
+            # it, as on a device (see AcceleratorBackend): the shared CPU stream's events must not
+            # make one ubatch wait for another ubatch's sends.
+            stream.pending.append(hw)
         lane.ub.run.ext.comm.append(hw)  # every work of the run, for the numbers tools report
         return hw
 

@@ -17,8 +17,8 @@ One ``forward`` serves three situations with the same numbers:
 
 Schedules (``MoEConfig.schedule``), per ubatch and layer:
 
-* ``ht``: yield "dispatch" before the counts exchange (it blocks the CPU until peers answer, so
-  the other ubatch's compute must already be queued), dispatch on comm, sync back to compute,
+* ``ht``: issue the counts exchange, yield "dispatch", read the counts (the CPU waits for the
+  peers here, after the other ubatch's compute was queued), dispatch on comm, sync back to compute,
   experts, yield "combine", combine on comm, shared expert on compute while it is in flight, yield
   "combine_done" (host: parks until the combine arrived), weighted sum. Three yields.
 * ``ll``: no comm stream. Each half issues its sends *before* it yields (the dispatch: counts,
@@ -335,9 +335,11 @@ class MoELayer(nn.Module):
     async def _forward_ht(self, x_TD: torch.Tensor) -> torch.Tensor:
         st = self._stages()
         topk_w_TK, plan = self._prepare(x_TD)
-        # dispatch: yield first, so the other ubatch's compute is queued before we block on counts
+        # The counts go out before the yield, so they travel while the other ubatch computes; the
+        # read of the peers' counts (the CPU wait) comes after it.
+        counts = plan.start_counts()
         await _to_comm(st, "dispatch", after="routed")
-        await plan.start_counts()  # host: parks until every peer's counts arrived
+        await counts  # host: parks until every peer's counts arrived
         recv_x_RD, dispatched = plan.start_tokens(x_TD)
         await _to_compute(st, after="dispatched")
         await dispatched
