@@ -171,6 +171,37 @@ class DispatchPlan:
         )
         return recv_x_RD, handle
 
+    def start_fused(self, x_TD: torch.Tensor, capacity: int) -> tuple[torch.Tensor, Any]:
+        """Issue counts and rows as one message (:mod:`asyncdbo.dist.fused`): a ``[P, 1 + C, D]``
+        buffer per rank, each destination's block a header row of counts then its rows, padded to
+        ``capacity`` rows. Returns (the receive buffer, handle); :meth:`finish_fused` unpacks it."""
+        P, L = self.send_PL.shape
+        D = x_TD.shape[1]
+        send_x_ND = x_TD[self.order_N // self.top_k]
+        rows_P = self.send_PL.sum(dim=1)
+        if int(rows_P.max()) > capacity:
+            raise ValueError(
+                f"fused dispatch: {int(rows_P.max())} rows for one rank exceed the capacity {capacity}; the "
+                "dispatch_options max_tokens is below this call's tokens"
+            )
+        send_PCD = x_TD.new_zeros((P, 1 + capacity, D))
+        send_PCD[:, 0].view(torch.uint8)[:, : L * 8].copy_(self.send_PL.view(torch.uint8).view(P, L * 8))
+        start = 0
+        for p, n in enumerate(rows_P.tolist()):
+            send_PCD[p, 1 : 1 + n] = send_x_ND[start : start + n]
+            start += n
+        recv_PCD = torch.empty_like(send_PCD)
+        self.counts_done = _all_to_all(recv_PCD, send_PCD, None, None, group=self.group, what="dispatch+counts")
+        return recv_PCD, self.counts_done
+
+    def finish_fused(self, recv_PCD: torch.Tensor) -> torch.Tensor:
+        """The received rows of a fused dispatch (arrived), in the split path's order; sets
+        ``recv_PL`` from the headers."""
+        P, L = self.recv_PL.shape
+        header = recv_PCD[:, 0].view(torch.uint8)[:, : L * 8].contiguous()
+        self.recv_PL = header.view(torch.int64).view(P, L).clone()
+        return torch.cat([recv_PCD[p, 1 : 1 + n] for p, n in enumerate(self.recv_PL.sum(dim=1).tolist())])
+
     def local_expert_ids(self) -> torch.Tensor:
         """Local expert index of every received row (rows arrive as [source rank][local expert])."""
         L = self.experts_per_rank

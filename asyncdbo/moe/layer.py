@@ -29,6 +29,10 @@ Schedules (``MoEConfig.schedule``), per ubatch and layer:
   handle before it touches the received rows (the handle orders its own stream under the ubatch
   policy; on the host, where a hook cannot receive, the owner parks on the transfer). Two yields.
 
+Inside :func:`asyncdbo.dist.dispatch_options` either schedule may send the counts and the rows as
+one message (a header row in a fixed-capacity buffer) where the run's link model says it pays
+(:mod:`asyncdbo.dist.fused`); the numbers are the same bit for bit.
+
 Every ubatch takes part in every collective even with T = 0: the other ranks' same ubatch waits
 for it. So under EP every rank must run the same number of ubatches through the same layers in
 a DBO run (pad with empty ubatches); a rank that runs fewer leaves its peers waiting until the
@@ -60,6 +64,7 @@ from ..dbo import (
     dbo_yield_and_switch_from_compute_to_comm,
 )
 from ..dist.ep import DispatchPlan, EPComm, ep_comm, plan_dispatch
+from ..dist.fused import fused_rows
 from .batch_invariant import ROW_TILE, is_deterministic, swiglu
 from .config import MoEConfig
 from .experts import expert_init, router_init, run_experts, shared_init
@@ -315,6 +320,11 @@ class MoELayer(nn.Module):
             out_TD = await self._forward_ll(x_TD)
         return out_TD.reshape(*lead, D)
 
+    def _fused_capacity(self, x_TD: torch.Tensor) -> int:
+        """Rows per destination of a fused dispatch for this call, or 0 to split."""
+        return fused_rows(self.name, x_TD.shape[0], top_k=self.cfg.top_k, experts_per_rank=self.experts_per_rank,
+                          ranks=self.comm.size, hidden=self.cfg.hidden_size, itemsize=x_TD.element_size())
+
     def _prepare(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, DispatchPlan]:
         topk_w_TK, topk_ids_TK = self._route(x_TD, self.router_ED, self.cfg, bias_E=self.bias_E,
                                              deterministic=is_deterministic(self.cfg.deterministic, x_TD))
@@ -335,14 +345,22 @@ class MoELayer(nn.Module):
     async def _forward_ht(self, x_TD: torch.Tensor) -> torch.Tensor:
         st = self._stages()
         topk_w_TK, plan = self._prepare(x_TD)
-        # The counts go out before the yield, so they travel while the other ubatch computes; the
-        # read of the peers' counts (the CPU wait) comes after it.
-        counts = plan.start_counts()
-        await _to_comm(st, "dispatch", after="routed")
-        await counts  # host: parks until every peer's counts arrived
-        recv_x_RD, dispatched = plan.start_tokens(x_TD)
-        await _to_compute(st, after="dispatched")
-        await dispatched
+        capacity = self._fused_capacity(x_TD)
+        if capacity:  # counts and rows in one message, sent before the yield
+            packed_PCD, dispatched = plan.start_fused(x_TD, capacity)
+            await _to_comm(st, "dispatch", after="routed")
+            await _to_compute(st, after="dispatched")
+            await dispatched
+            recv_x_RD = plan.finish_fused(packed_PCD)
+        else:
+            # The counts go out before the yield, so they travel while the other ubatch computes;
+            # the read of the peers' counts (the CPU wait) comes after it.
+            counts = plan.start_counts()
+            await _to_comm(st, "dispatch", after="routed")
+            await counts  # host: parks until every peer's counts arrived
+            recv_x_RD, dispatched = plan.start_tokens(x_TD)
+            await _to_compute(st, after="dispatched")
+            await dispatched
         y_RD = self._experts(plan, recv_x_RD)
         await _to_comm(st, "combine", after="experts")
         back_ND, combined = plan.start_combine(y_RD)
@@ -363,12 +381,18 @@ class MoELayer(nn.Module):
     async def _forward_ll(self, x_TD: torch.Tensor) -> torch.Tensor:
         dbo_maybe_run_recv_hook()  # launch the previous ubatch's pending receive
         topk_w_TK, plan = self._prepare(x_TD)
-        await plan.start_counts()  # the rows' sizes (device: a stream wait, then a host read)
-        recv_x_RD, dispatched = plan.start_tokens(x_TD)  # the send half, issued before the yield
+        capacity = self._fused_capacity(x_TD)
+        if capacity:  # counts and rows in one message
+            packed_PCD, dispatched = plan.start_fused(x_TD, capacity)
+        else:
+            await plan.start_counts()  # the rows' sizes (device: a stream wait, then a host read)
+            recv_x_RD, dispatched = plan.start_tokens(x_TD)  # the send half, issued before the yield
         received = dbo_register_recv_hook(_receive(dispatched))
         await dbo_yield("dispatch_send")
         await received  # the next ubatch launched our receive
         await dispatched
+        if capacity:
+            recv_x_RD = plan.finish_fused(packed_PCD)
         y_RD = self._experts(plan, recv_x_RD)
         dbo_maybe_run_recv_hook()
         back_ND, combined = plan.start_combine(y_RD)  # the send half of the combine
