@@ -55,6 +55,7 @@ slowest rank ends):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -329,13 +330,13 @@ def _set_schedule(model: Any, schedule: str) -> None:
 
 
 def _design(name: str) -> tuple[str, str, str]:
-    """(driver, schedule, wait policy) of a design name."""
+    """(driver, schedule, wait policy or dispatch mode) of a design name."""
     if name == "serial":
         return "serial", "ht", ""
-    driver, schedule = name.split()[:2]
+    driver, schedule, *rest = name.split()
     if driver == "threads":
         return "threads", "ht", {"vLLM": "hold", "GPU-like": "counts", "handoff": "handoff"}[schedule]
-    return "asyncdbo", schedule, ""
+    return "asyncdbo", schedule, rest[0] if rest else ""
 
 
 async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int) -> dict[str, Any]:
@@ -344,6 +345,7 @@ async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int
     import asyncdbo
     from asyncdbo.backends.host import HostBackend
     from asyncdbo.cli.demo import DemoConfig, _decode_chunks, _prefill_chunks
+    from asyncdbo.dist import choose_dispatch, dispatch_options
     from asyncdbo.models import MiniModel
     from asyncdbo.plan import merge_outputs, plan_step
     from asyncdbo.serving import BatchBuilder
@@ -378,6 +380,10 @@ async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int
         assert plan.num_tokens_padded == batch.num_tokens, "benchmark batches are equal on every rank: no padding"
         args = [(batch.input_ids_T[s.padded_token_slice], batch.positions_T[s.padded_token_slice], m)
                 for s, m in zip(plan.slices, plan.attn_metadata)]
+        ubatch_tokens = max(s.num_tokens_padded for s in plan.slices)
+        out["choice"] = choose_dispatch(link, max_tokens=ubatch_tokens, top_k=mcfg.top_k,
+                                        experts_per_rank=mcfg.num_experts // world, ranks=world,
+                                        hidden=mcfg.hidden_size, itemsize=4)
         logits: dict[str, torch.Tensor] = {}
         for design in case.designs:
             driver, schedule, wait = _design(design)
@@ -393,8 +399,10 @@ async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int
             else:
                 rec = _Spans()
                 whole = [(batch.input_ids_T, batch.positions_T, batch.attn)]
+                # "fused": every rank's ubatches have these many tokens (equal batches, same split)
+                options = dispatch_options(ubatch_tokens, "fused") if wait == "fused" else contextlib.nullcontext()
                 t0 = time.perf_counter()
-                with torch.inference_mode():
+                with torch.inference_mode(), options:
                     outs = await asyncdbo.run_ubatches(
                         model.forward, whole if driver == "serial" else args, backend=backend(), instrument=rec.instrument
                     )
@@ -428,7 +436,7 @@ def _med(rows: list[dict[str, float]], key: str) -> float:
 
 def summarize(case: Case, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """Per design: medians over steps per rank, then the slowest rank (max)."""
-    s: dict[str, Any] = {"diff": max(r["max_abs_diff"] for r in per_rank)}
+    s: dict[str, Any] = {"diff": max(r["max_abs_diff"] for r in per_rank), "choice": per_rank[0]["choice"]}
     for d in case.designs:
         s[d] = {k: max(_med(r[d], k) for r in per_rank) for k in KEYS}
         s[d]["min_step_s"] = max(min(x["step_s"] for x in r[d]) for r in per_rank)
@@ -476,15 +484,42 @@ def goals(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
     return rows
 
 
+def fused_table(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
+    """Split vs fused dispatch per case and schedule, beside the link model's choice."""
+    rows = [
+        "| case | N | schedule | split ms | fused ms | fused / split | msgs split / fused | link model: saved by fusing / "
+        "padding cost (us, scaled link) | choice | right? |",
+        "|---|---:|---|---:|---:|---:|---|---|---|---|",
+    ]
+    for case, s in results:
+        c = s["choice"]
+        for sched in ("ht", "ll"):
+            split, fused = s.get(f"asyncdbo {sched}"), s.get(f"asyncdbo {sched} fused")
+            if split is None or fused is None:
+                continue
+            ratio = fused["step_s"] / split["step_s"]
+            right = "yes" if (ratio < 1.0) == c.fused else "no"
+            rows.append(
+                f"| {case.name} | {case.ubatches} | {sched} | {split['step_s'] * 1e3:.1f} | {fused['step_s'] * 1e3:.1f} | "
+                f"{ratio:.2f} | {split['messages']:.0f} / {fused['messages']:.0f} | {c.saved_s * 1e6:,.0f} / "
+                f"{c.padding_s * 1e6:,.0f} | {'fused' if c.fused else 'split'} | {right} |"
+            )
+    return rows
+
+
 THREADS = ("threads vLLM", "threads GPU-like", "threads handoff")
-ALL = ("serial", "asyncdbo ht", "asyncdbo ll", *THREADS)
-NSWEEP = ("serial", "asyncdbo ht", "asyncdbo ll")
+LOOPBACK = ("serial", "asyncdbo ht", "asyncdbo ll", *THREADS)
+FUSED = ("asyncdbo ht fused", "asyncdbo ll fused")
+ALL = ("serial", "asyncdbo ht", "asyncdbo ll", *FUSED, *THREADS)
+NSWEEP = ("serial", "asyncdbo ht", "asyncdbo ll", *FUSED)
 FULL_CASES = [
-    Case(name="decode 64 tok/rank, 2 layers, loopback", shape="decode", tokens=64, layers=2, link=None, designs=ALL),
+    Case(name="decode 64 tok/rank, 2 layers, loopback", shape="decode", tokens=64, layers=2, link=None, designs=LOOPBACK),
     Case(name="decode 64 tok/rank, 2 layers, ib400 x1000", shape="decode", tokens=64, layers=2, link="ib400", designs=ALL),
     Case(name="decode 64 tok/rank, 8 layers, ib400 x1000", shape="decode", tokens=64, layers=8, link="ib400", designs=ALL),
-    Case(name="prefill 1024 tok/rank, 2 layers, loopback", shape="prefill", tokens=1024, layers=2, link=None, designs=ALL),
-    Case(name="prefill 1024 tok/rank, 2 layers, ib400 x1000", shape="prefill", tokens=1024, layers=2, link="ib400", designs=ALL),
+    Case(name="prefill 1024 tok/rank, 2 layers, loopback", shape="prefill", tokens=1024, layers=2, link=None,
+         designs=LOOPBACK),
+    Case(name="prefill 1024 tok/rank, 2 layers, ib400 x1000", shape="prefill", tokens=1024, layers=2, link="ib400",
+         designs=ALL),
     *(Case(name="decode 64 tok/rank, 2 layers, ib400 x1000", shape="decode", tokens=64, layers=2, link="ib400",
            ubatches=n, designs=NSWEEP) for n in (4, 8)),
     *(Case(name="prefill 1024 tok/rank, 2 layers, ib400 x1000", shape="prefill", tokens=1024, layers=2, link="ib400",
@@ -530,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines += table(results)
     lines += ["", "The schedule bound (issue 17): step / max(compute, comm, longest per-ubatch chain) of each run's own spans:", ""] + goals(results)
+    lines += ["", "One message per dispatch (issue 17): the asyncdbo designs with the counts in the token message "
+              "(`dispatch_options(ubatch tokens, 'fused')`) against the split dispatch, and what `mode='auto'` "
+              "would choose from the link model (`asyncdbo.dist.choose_dispatch`):", ""] + fused_table(results)
     lines.append(f"\nTotal benchmark time {time.perf_counter() - t_start:.0f} s.")
     text = "\n".join(lines) + "\n"
     publish_results(text, args.out if args.out is not None else (None if args.quick else RESULTS), "moe_step", info)
