@@ -12,9 +12,10 @@ interleaved in every round:
 * ``no DBO``: the same coroutines awaited one after the other outside a run (every primitive is
   then a no-op returning a done awaitable): the cost of the code itself;
 * ``asyncdbo``: ``run_ubatches`` on the host backend (run set-up and tear-down included);
-* ``threads``: the ubatches driven by ``benchmarks/moe_step.py``'s thread-baton driver (vLLM's
+* ``threads`` / ``threads pinned``: the ubatches driven by ``benchmarks/moe_step.py``'s thread-baton driver (vLLM's
   ``UBatchWrapper`` control flow: one OS thread per ubatch, a ring of ``threading.Event``
-  batons), the same primitives, streams and events.
+  batons), the same primitives, streams and events; ``pinned`` runs every thread on one CPU
+  (``os.sched_setaffinity``), where a baton pass needs no cross-CPU wake-up.
 
 host ns per yield = (design step time - no-DBO step time) / (layers x 3 x N). Both wall time and
 the process's CPU time are reported (the machine may be shared: CPU time is steadier; for the
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
@@ -95,6 +97,17 @@ def designs(pkgs: dict[str, ModuleType], layers: int, N: int, runner: asyncio.Ru
 
         out[name] = step
     out["threads"] = lambda: run_threads(fwd, args, HostBackend())
+    cpus = sorted(os.sched_getaffinity(0))
+
+    def pinned() -> None:
+        # Threads inherit the creating thread's CPU set: every baton pass stays on one CPU.
+        os.sched_setaffinity(0, {cpus[0]})
+        try:
+            run_threads(fwd, args, HostBackend())
+        finally:
+            os.sched_setaffinity(0, cpus)
+
+    out["threads pinned"] = pinned
     return out
 
 
@@ -104,7 +117,7 @@ def measure(pkgs: dict[str, ModuleType], layers: int, N: int, rounds: int, runne
     # Repeat each step so that one sample lasts ~10 ms of asyncdbo time; threads get fewer.
     yields = layers * YIELDS_PER_LAYER * N
     reps = {name: max(1, 20_000 // yields) for name in ds}
-    reps["threads"] = max(1, reps["threads"] // 10)
+    reps["threads"] = reps["threads pinned"] = max(1, reps["threads"] // 10)
     for name, fn in ds.items():  # warm-up
         fn()
     samples: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in ds}
@@ -152,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
             pkgs = {f"asyncdbo {rev}": export_base(rev, Path(tmp)), **pkgs}
         lines, info = results_preamble("Host overhead per yield: an eager ht step of primitives, no comm, no parking", command)
-        names = [*pkgs, "threads"]
+        names = [*pkgs, "threads", "threads pinned"]
         lines.append(
             f"ns of host time per yield over the same code without DBO, medians of {rounds} interleaved rounds "
             "[min..max] (each round's design minus the same round's no-DBO time); wall time, then the process's CPU "
