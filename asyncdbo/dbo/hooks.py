@@ -49,8 +49,8 @@ def dbo_register_recv_hook(hook: Callable[[], object]) -> RecvHookHandle:
 
     Parked ubatches are passed over (one may be waiting for this very ubatch, and could not
     launch the hook before it wakes), and so are ubatches that already hold another's hook while
-    a later one holds none; when no other ubatch can take it (outside a run, a run of
-    one, the others finished or parked) the hook runs at once. ``await`` the returned handle to
+    a later one holds none (one that holds several runs them in order); when no other ubatch can
+    take it (outside a run, a run of one, the others finished or parked) the hook runs at once. ``await`` the returned handle to
     wait until the hook has run."""
     if not callable(hook):
         raise TypeError(f"dbo_register_recv_hook expects a callable, got {hook!r}")
@@ -69,18 +69,40 @@ def dbo_register_recv_hook(hook: Callable[[], object]) -> RecvHookHandle:
         handle._run()
         return handle
     # With 3+ ubatches a parked one is passed over, so two ubatches may pick the same next one:
-    # the later one goes on to the first ready ubatch that holds no hook yet.
+    # the later one goes on to the first ready ubatch that holds no hook yet; if every ready one
+    # holds one (many ubatches parked), the first runs both, in the order they were registered.
     target = next((c for c in ready if c.ext.recv_hook is None), ready[0])
     handle = RecvHookHandle(hook, ub.id, target.id)
     lane = target.ext
-    if lane.recv_hook is not None:
+    held = lane.recv_hook
+    if held is not None and ub.id in _owners(held):
         raise RuntimeError(
             f"ubatch {ub.id} registered a recv hook on ubatch {target.id}, which still holds an unrun hook "
-            f"({lane.recv_hook!r}); the earlier receive would be lost. Call dbo_maybe_run_recv_hook() in "
-            "every ubatch before it registers its next hook."
+            f"of ubatch {ub.id} ({held!r}); two receives of one ubatch with no yield between them. Call "
+            "dbo_maybe_run_recv_hook() in every ubatch before it registers its next hook."
         )
-    lane.recv_hook = handle._run
+    lane.recv_hook = handle._run if held is None else _InOrder(held, handle._run, {*_owners(held), ub.id})
     return handle
+
+
+def _owners(hook: Callable[[], object]) -> set[int]:
+    if isinstance(hook, _InOrder):
+        return hook.owners
+    owner = getattr(getattr(hook, "__self__", None), "owner", None)
+    return set() if owner is None else {owner}
+
+
+class _InOrder:
+    """Hooks of several ubatches left with one: run in the order they were registered."""
+
+    __slots__ = ("first", "then", "owners")
+
+    def __init__(self, first: Callable[[], object], then: Callable[[], object], owners: set[int]) -> None:
+        self.first, self.then, self.owners = first, then, owners
+
+    def __call__(self) -> None:
+        self.first()
+        self.then()
 
 
 def dbo_maybe_run_recv_hook() -> None:
