@@ -443,23 +443,30 @@ def summarize(case: Case, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         s[d]["max_step_s"] = max(max(x["step_s"] for x in r[d]) for r in per_rank)
         # step / bound per step and rank, then as the step times: median per rank, slowest rank
         s[d]["step_per_bound"] = max(statistics.median(x["step_s"] / x["bound_s"] for x in r[d]) for r in per_rank)
+    # Paired ratios: design / reference of the same step (the designs of one step run back to back,
+    # so a burst of load on the shared machine hits both), the step time being the slower rank's;
+    # then the median over steps. Steadier than a ratio of medians when the machine is shared.
+    steps = len(per_rank[0][case.designs[0]])
+    step_time = {d: [max(r[d][i]["step_s"] for r in per_rank) for i in range(steps)] for d in case.designs}
+    s["paired"] = {(d, ref): statistics.median(a / b for a, b in zip(step_time[d], step_time[ref]))
+                   for d in case.designs for ref in case.designs}
     return s
 
 
 def table(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
     rows = [
-        "| case | N | design | step ms [min..max] | / serial | / threads vLLM | compute ms | comm ms | comm hidden | "
+        "| case | N | design | step ms [min..max] | / serial (paired) | / threads vLLM (paired) | compute ms | comm ms | comm hidden | "
         "overhead ms | msgs | bound ms (compute / comm / chain) | step / bound | peak MiB |",
         "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for case, s in results:
         for d in case.designs:
             x = s[d]
-            vs_threads = f"{x['step_s'] / s['threads vLLM']['step_s']:.2f}" if "threads vLLM" in s else "-"
+            vs_threads = f"{s['paired'][(d, 'threads vLLM')]:.2f}" if "threads vLLM" in s else "-"
             rows.append(
                 f"| {case.name} | {case.ubatches if d != 'serial' else 1} | {d} | {x['step_s'] * 1e3:.1f} "
                 f"[{x['min_step_s'] * 1e3:.1f}..{x['max_step_s'] * 1e3:.1f}] | "
-                f"{x['step_s'] / s['serial']['step_s']:.2f} | {vs_threads} | "
+                f"{s['paired'][(d, 'serial')]:.2f} | {vs_threads} | "
                 f"{x['compute_s'] * 1e3:.1f} | {x['comm_s'] * 1e3:.1f} | {x['hidden_share']:.0%} | "
                 f"{x['overhead_s'] * 1e3:.2f} | {x['messages']:.0f} | {x['bound_s'] * 1e3:.1f} ({x['compute_s'] * 1e3:.1f} / "
                 f"{x['comm_bound_s'] * 1e3:.1f} / {x['chain_s'] * 1e3:.1f}) | {x['step_per_bound']:.2f} | "
@@ -487,7 +494,7 @@ def goals(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
 def fused_table(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
     """Split vs fused dispatch per case and schedule, beside the link model's choice."""
     rows = [
-        "| case | N | schedule | split ms | fused ms | fused / split | msgs split / fused | link model: saved by fusing / "
+        "| case | N | schedule | split ms | fused ms | fused / split (paired) | msgs split / fused | link model: saved by fusing / "
         "padding cost (us, scaled link) | choice | right? |",
         "|---|---:|---|---:|---:|---:|---|---|---|---|",
     ]
@@ -497,7 +504,7 @@ def fused_table(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
             split, fused = s.get(f"asyncdbo {sched}"), s.get(f"asyncdbo {sched} fused")
             if split is None or fused is None:
                 continue
-            ratio = fused["step_s"] / split["step_s"]
+            ratio = s["paired"][(f"asyncdbo {sched} fused", f"asyncdbo {sched}")]
             right = "yes" if (ratio < 1.0) == c.fused else "no"
             rows.append(
                 f"| {case.name} | {case.ubatches} | {sched} | {split['step_s'] * 1e3:.1f} | {fused['step_s'] * 1e3:.1f} | "
@@ -561,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         "Model: asyncdbo.models.MiniModel (hidden 256, 8 experts, top-2, 1 shared expert), "
         "EP over both ranks, N ubatches (token split); the thread designs run the `ht` schedule. `ib400 x1000`: the ib400 link with latency x1000 and "
         "bandwidth /1000 (10 ms + 50 MB/s), because the CPU computes ~1000x slower than the GPUs such a link "
-        "serves. Times: medians over steps of the slower rank. See the module docstring for each column.\n"
+        "serves. Times: medians over steps of the slower rank; ratios marked paired: the median over steps of "
+        "the two designs' times in the same step (slower rank). See the module docstring for each column.\n"
     )
     lines += table(results)
     lines += ["", "The schedule bound (issue 17): step / max(compute, comm, longest per-ubatch chain) of each run's own spans:", ""] + goals(results)
