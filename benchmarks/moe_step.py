@@ -39,8 +39,11 @@ slowest rank ends):
   where each message is priced at the link model's ``latency + bytes / bandwidth`` from its issue
   (its queueing behind other messages is the schedule's doing, not a floor), comm is the union of
   those intervals or the link's busy time (all bytes / bandwidth) if longer, and a ubatch's chain
-  is the union of its own CPU steps and its own messages: no schedule of these ubatches sending these
-  messages can end before any of the three. On loopback the messages are priced as they ran. ``step / bound`` is
+  is the union of its own CPU steps and its own messages, and, since the CPU is one, the ubatch
+  that takes its first step last starts its chain only after every other ubatch's first step
+  (the chain term is the larger of the longest chain and the least over ubatches of its chain plus
+  the others' first steps): no schedule of these ubatches sending these messages can end before
+  any of the three. On loopback the messages are priced as they ran. ``step / bound`` is
   the median over steps of each step's ratio (slower rank);
 * peak memory: the process's peak RSS during the step minus its RSS before it (``VmHWM`` after
   resetting it through ``/proc/self/clear_refs``), with glibc's mmap threshold fixed so that
@@ -305,8 +308,13 @@ def _numbers(wall: float, spans: list[tuple[int, float, float]], run: Any, link:
     compute_s = union_seconds(cpu)
     busy_s = union_seconds([*cpu, *comm])
     comm_bound = max(union_seconds([(a, b) for _, a, b in ideal]), link_busy)
-    ubs = {u for u, _, _ in spans}
-    chain_s = max(union_seconds([(a, b) for u2, a, b in [*spans, *ideal] if u2 == u]) for u in ubs)
+    ubs = sorted({u for u, _, _ in spans})
+    chains = {u: union_seconds([(a, b) for u2, a, b in [*spans, *ideal] if u2 == u]) for u in ubs}
+    # One CPU: the ubatch that takes its first step last starts its chain after every other
+    # ubatch's first step (attention and routing, before any message), whichever it is.
+    first = {u: next(b - a for u2, a, b in spans if u2 == u) for u in ubs}
+    fill_s = min(chains[u] + sum(first[v] for v in ubs if v != u) for u in ubs)
+    chain_s = max(max(chains.values()), fill_s)
     return {
         "step_s": wall,
         "compute_s": compute_s,
