@@ -116,8 +116,11 @@ def _yield_and_switch(ub: UBatch, lane: Lane, tag: str, src: Role, dst: Role) ->
     ub.tag = tag
     yield SWITCH  # trap(SWITCH) inlined: one generator frame less on every resume
     lane.role = dst
-    lane.set_stream(lane.streams[dst])
-    signal = backend.wait(lane.stream, event)  # after the resume
+    lane.stream = ub.resume_with = stream = lane.streams[dst]  # lane.set_stream, inlined
+    run = ub.run
+    if run.installs:
+        run.install(stream)
+    signal = backend.wait(stream, event)  # after the resume
     if signal is not None:
         yield from signal.__await__()
 
@@ -165,17 +168,28 @@ def dbo_yield_and_switch_from_comm_to_compute(tag: str = "comm->compute") -> Awa
     return _yield_and_switch(ub, lane, tag, "comm", "compute")
 
 
+def _plain_switch(role: Role) -> Awaitable[None]:
+    ub = _get_ubatch(None)
+    if ub is None:
+        return COMPLETED
+    if ub.unawaited is not None:
+        check_unawaited(ub)
+    lane: Lane = ub.ext
+    lane.role = role
+    lane.stream = ub.resume_with = stream = lane.streams[role]  # lane.set_stream, inlined
+    run = ub.run
+    if run.installs:
+        run.install(stream)
+    return COMPLETED
+
+
 def _switch(role: Role, sync: bool, name: str) -> Awaitable[None]:
+    if not sync:
+        return _plain_switch(role)
     ub = _get_ubatch(None)
     if ub is None:
         return COMPLETED
     lane: Lane = ub.ext
-    if not sync:
-        if ub.unawaited is not None:
-            check_unawaited(ub)
-        lane.role = role
-        lane.set_stream(lane.streams[role])
-        return COMPLETED
     if ub.unawaited is not None or ub.debug is not None:
         mark_unawaited(ub, name, None, hazard=True)
     else:
@@ -190,12 +204,12 @@ def _switch(role: Role, sync: bool, name: str) -> Awaitable[None]:
 
 def dbo_switch_to_comm() -> Awaitable[None]:
     """Continue on the comm stream, with no dependency on earlier compute."""
-    return _switch("comm", False, "dbo_switch_to_comm")
+    return _plain_switch("comm")
 
 
 def dbo_switch_to_compute() -> Awaitable[None]:
     """Continue on the compute stream, with no dependency on earlier comm."""
-    return _switch("compute", False, "dbo_switch_to_compute")
+    return _plain_switch("compute")
 
 
 def dbo_switch_to_comm_sync() -> Awaitable[None]:
