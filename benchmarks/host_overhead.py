@@ -192,17 +192,15 @@ def main(argv: list[str] | None = None) -> int:
             lines += [
                 "",
                 "Marginal host time per yield, without the per-run set-up: (overhead at 61 layers - overhead at 15 "
-                "layers) / (46 x 3 x N), from the medians above. Set-up: the overhead at 15 layers minus 15 layers' "
-                "worth of the marginal cost, per run.",
+                "layers) / (46 x 3 x N), from the medians above.",
                 "",
-                "| N | design | marginal ns/yield wall | marginal ns/yield CPU | set-up us/run CPU |",
-                "|---:|---|---:|---:|---:|",
+                "| N | design | marginal ns/yield wall | marginal ns/yield CPU |",
+                "|---:|---|---:|---:|",
             ]
             for lo, hi, N in slopes:
                 for n in names:
                     marg = {k: (extra[(hi, N, n, k)] - extra[(lo, N, n, k)]) / ((hi - lo) * YIELDS_PER_LAYER * N) for k in ("wall", "cpu")}
-                    setup = extra[(lo, N, n, "cpu")] - marg["cpu"] * lo * YIELDS_PER_LAYER * N
-                    lines.append(f"| {N} | {n} | {marg['wall'] * 1e9:,.0f} | {marg['cpu'] * 1e9:,.0f} | {setup * 1e6:,.0f} |")
+                    lines.append(f"| {N} | {n} | {marg['wall'] * 1e9:,.0f} | {marg['cpu'] * 1e9:,.0f} |")
         lines.append(
             "\nCPU time is the process's (every thread's), sampled with `time.process_time`, whose resolution on Linux "
             "is fine enough for these ~10 ms samples."
