@@ -12,10 +12,11 @@ interleaved in every round:
 * ``no DBO``: the same coroutines awaited one after the other outside a run (every primitive is
   then a no-op returning a done awaitable): the cost of the code itself;
 * ``asyncdbo``: ``run_ubatches`` on the host backend (run set-up and tear-down included);
-* ``threads`` / ``threads pinned``: the ubatches driven by ``benchmarks/moe_step.py``'s thread-baton driver (vLLM's
-  ``UBatchWrapper`` control flow: one OS thread per ubatch, a ring of ``threading.Event``
-  batons), the same primitives, streams and events; ``pinned`` runs every thread on one CPU
-  (``os.sched_setaffinity``), where a baton pass needs no cross-CPU wake-up.
+* ``threads`` / ``threads pinned``: the ubatches driven by ``benchmarks/_thread_baton.py``,
+  ``moe_step.py``'s driver (vLLM's ``UBatchWrapper`` control flow: one OS thread per ubatch, a
+  ``threading.Event`` baton each), the same primitives, streams and events; ``pinned`` runs
+  every thread on one CPU (``os.sched_setaffinity``), where a baton pass needs no cross-CPU
+  wake-up.
 
 host ns per yield = (design step time - no-DBO step time) / (layers x 3 x N). Both wall time and
 the process's CPU time are reported (the machine may be shared: CPU time is steadier; for the
@@ -52,7 +53,8 @@ def make_forward(pkg: ModuleType, layers: int) -> Callable[[int], Any]:
     """The ``ht`` layer's host-side primitive sequence, ``layers`` times (see the module doc)."""
     to_comm = pkg.dbo_yield_and_switch_from_compute_to_comm
     to_compute = pkg.dbo_yield_and_switch_from_comm_to_compute
-    sync_compute, switch_compute, switch_comm = pkg.dbo_switch_to_compute_sync, pkg.dbo_switch_to_compute, pkg.dbo_switch_to_comm
+    sync_compute = pkg.dbo_switch_to_compute_sync
+    switch_compute, switch_comm = pkg.dbo_switch_to_compute, pkg.dbo_switch_to_comm
 
     async def forward(i: int) -> int:
         for _ in range(layers):
@@ -79,7 +81,7 @@ def designs(pkgs: dict[str, ModuleType], layers: int, N: int, runner: asyncio.Ru
     """One step of each design, as a plain call."""
     import asyncdbo
     from asyncdbo.backends.host import HostBackend
-    from moe_step import run_threads
+    from _thread_baton import run_threads
 
     fwd = make_forward(asyncdbo, layers)
     args = [(i,) for i in range(N)]
@@ -111,7 +113,10 @@ def designs(pkgs: dict[str, ModuleType], layers: int, N: int, runner: asyncio.Ru
     return out
 
 
-def measure(pkgs: dict[str, ModuleType], layers: int, N: int, rounds: int, runner: asyncio.Runner) -> dict[str, dict[str, list[float]]]:
+Samples = dict[str, dict[str, list[float]]]
+
+
+def measure(pkgs: dict[str, ModuleType], layers: int, N: int, rounds: int, runner: asyncio.Runner) -> Samples:
     """Per design: ``wall``/``cpu`` seconds per step, one sample per round (designs interleaved)."""
     ds = designs(pkgs, layers, N, runner)
     # Repeat each step so that one sample lasts ~10 ms of asyncdbo time; threads get fewer.
@@ -120,7 +125,7 @@ def measure(pkgs: dict[str, ModuleType], layers: int, N: int, rounds: int, runne
     reps["threads"] = reps["threads pinned"] = max(1, reps["threads"] // 10)
     for name, fn in ds.items():  # warm-up
         fn()
-    samples: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in ds}
+    samples: Samples = {name: {"wall": [], "cpu": []} for name in ds}
     for _ in range(rounds):
         for name, fn in ds.items():
             wall, cpu = _times(fn, reps[name])
@@ -129,7 +134,7 @@ def measure(pkgs: dict[str, ModuleType], layers: int, N: int, rounds: int, runne
     return samples
 
 
-def per_yield(samples: dict[str, dict[str, list[float]]], design: str, key: str, yields: int) -> tuple[float, float, float]:
+def per_yield(samples: Samples, design: str, key: str, yields: int) -> tuple[float, float, float]:
     """(median, min, max) ns per yield of ``design`` over the no-DBO baseline, by round."""
     vals = [(d - b) / yields * 1e9 for d, b in zip(samples[design][key], samples["no DBO"][key])]
     return statistics.median(vals), min(vals), max(vals)
@@ -155,16 +160,20 @@ def main(argv: list[str] | None = None) -> int:
 
     cells = [(2, 2)] if args.quick else [(61, 2), (61, 4), (61, 8), (15, 2), (15, 8)]
     rounds = 1 if args.quick else args.rounds
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "asyncdbo"], cwd=ROOT, capture_output=True, text=True).stdout)
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    head, dirty = git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain", "asyncdbo"))
     now_name = f"asyncdbo {head}{'+changes' if dirty else ''}" if args.base else "asyncdbo"
     pkgs: dict[str, ModuleType] = {now_name: asyncdbo}
-    command = "python benchmarks/host_overhead.py" + (" --quick" if args.quick else "") + (f" --base {args.base}" if args.base else "")
+    command = "python benchmarks/host_overhead.py" + (" --quick" if args.quick else "")
+    command += f" --base {args.base}" if args.base else ""
     with tempfile.TemporaryDirectory() as tmp, asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         if args.base:
-            rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+            rev = git("rev-parse", "--short", args.base)
             pkgs = {f"asyncdbo {rev}": export_base(rev, Path(tmp)), **pkgs}
-        lines, info = results_preamble("Host overhead per yield: an eager ht step of primitives, no comm, no parking", command)
+        title = "Host overhead per yield: an eager ht step of primitives, no comm, no parking"
+        lines, info = results_preamble(title, command)
         names = [*pkgs, "threads", "threads pinned"]
         lines.append(
             f"ns of host time per yield over the same code without DBO, medians of {rounds} interleaved rounds "
@@ -172,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             f"time. `ht` primitive sequence, {YIELDS_PER_LAYER} yields per layer and ubatch, uvloop; a step is "
             "`run_ubatches` with its set-up.\n"
         )
-        head_row = "| layers | N | no DBO us/step | " + " | ".join(f"{n} ns/yield wall" for n in names) + " | " + " | ".join(f"{n} ns/yield CPU" for n in names) + " |"
+        head_row = ("| layers | N | no DBO us/step | " + " | ".join(f"{n} ns/yield wall" for n in names) + " | "
+                    + " | ".join(f"{n} ns/yield CPU" for n in names) + " |")
         lines += [head_row, "|---:|---:|---:|" + "---:|" * (2 * len(names))]
         extra: dict[tuple[int, int, str, str], float] = {}  # (layers, N, design, key) -> median s/step over no DBO
         for layers, N in cells:
@@ -199,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             ]
             for lo, hi, N in slopes:
                 for n in names:
-                    marg = {k: (extra[(hi, N, n, k)] - extra[(lo, N, n, k)]) / ((hi - lo) * YIELDS_PER_LAYER * N) for k in ("wall", "cpu")}
+                    marg = {k: (extra[(hi, N, n, k)] - extra[(lo, N, n, k)]) / ((hi - lo) * YIELDS_PER_LAYER * N)
+                            for k in ("wall", "cpu")}
                     lines.append(f"| {N} | {n} | {marg['wall'] * 1e9:,.0f} | {marg['cpu'] * 1e9:,.0f} |")
         lines.append(
             "\nCPU time is the process's (every thread's), sampled with `time.process_time`, whose resolution on Linux "

@@ -139,6 +139,17 @@ class DispatchPlan:
     send_PL: torch.Tensor
     recv_PL: torch.Tensor
     counts_done: Any = COMPLETED
+    capacity: int = 0  # > 0: counts and rows go as one message (:meth:`fuse`)
+    fused_x_TD: torch.Tensor | None = None
+    packed_PCD: torch.Tensor | None = None
+    fused_done: Any = COMPLETED
+
+    def fuse(self, x_TD: torch.Tensor, capacity: int) -> None:
+        """Send counts and rows as one message of ``capacity`` rows per rank: :meth:`start_counts`
+        then issues it (rows included), :meth:`start_tokens` returns its buffer and handle, and
+        :meth:`received` unpacks the rows once it arrived (:mod:`asyncdbo.dist.fused`)."""
+        self.capacity = capacity
+        self.fused_x_TD = x_TD
 
     @property
     def send_splits(self) -> list[int]:
@@ -153,6 +164,10 @@ class DispatchPlan:
         if self.comm.size == 1:
             self.recv_PL = self.send_PL
             self.counts_done = COMPLETED
+        elif self.capacity:  # the counts ride in the rows' message: nothing to wait for here
+            assert self.fused_x_TD is not None
+            self.packed_PCD, self.fused_done = self.start_fused(self.fused_x_TD, self.capacity)
+            self.counts_done = COMPLETED
         else:
             self.counts_done = _all_to_all(
                 self.recv_PL.view(-1), self.send_PL.view(-1), None, None, group=self.group, what="counts"
@@ -162,6 +177,8 @@ class DispatchPlan:
     def start_tokens(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Issue the routed rows (counts must have arrived). Returns (recv_x_RD, handle)."""
         assert self.counts_done.done(), "start_tokens before the counts exchange completed"
+        if self.packed_PCD is not None:  # fused: already on its way since start_counts()
+            return self.packed_PCD, self.fused_done
         send_x_ND = x_TD[self.order_N // self.top_k]
         if self.comm.size == 1:
             return send_x_ND, COMPLETED
@@ -191,8 +208,13 @@ class DispatchPlan:
             send_PCD[p, 1 : 1 + n] = send_x_ND[start : start + n]
             start += n
         recv_PCD = torch.empty_like(send_PCD)
-        self.counts_done = _all_to_all(recv_PCD, send_PCD, None, None, group=self.group, what="dispatch+counts")
-        return recv_PCD, self.counts_done
+        return recv_PCD, _all_to_all(recv_PCD, send_PCD, None, None, group=self.group, what="dispatch+counts")
+
+    def received(self, recv_x_RD: torch.Tensor) -> torch.Tensor:
+        """The received rows: as they came (split), or out of the fused buffer once it arrived."""
+        if self.packed_PCD is not None and recv_x_RD is self.packed_PCD:
+            return self.finish_fused(recv_x_RD)
+        return recv_x_RD
 
     def finish_fused(self, recv_PCD: torch.Tensor) -> torch.Tensor:
         """The received rows of a fused dispatch (arrived), in the split path's order; sets

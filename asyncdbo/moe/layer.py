@@ -288,6 +288,7 @@ class MoELayer(nn.Module):
         return self._mlp(x_TD, self.shared_gate_SD, self.shared_up_SD, self.shared_down_DS, tile)
 
     def _experts(self, plan: DispatchPlan, recv_x_RD: torch.Tensor) -> torch.Tensor:
+        recv_x_RD = plan.received(recv_x_RD)  # a fused dispatch's buffer: the rows out of it
         tile = ROW_TILE if is_deterministic(self.cfg.deterministic, recv_x_RD) else None
         return run_experts(recv_x_RD, plan.local_expert_ids(), self.gate_LFD, self.up_LFD, self.down_LDF, tile,
                            mlp=self._mlp)
@@ -332,6 +333,9 @@ class MoELayer(nn.Module):
         plan = plan_dispatch(
             topk_ids_TK, num_experts=self.cfg.num_experts, comm=self.comm, ub_id=None if ub is None else ub.id
         )
+        capacity = self._fused_capacity(x_TD)
+        if capacity:  # one message: start_counts() sends the rows too, start_tokens() hands it over
+            plan.fuse(x_TD, capacity)
         return topk_w_TK, plan
 
     def _finalize(
@@ -345,22 +349,14 @@ class MoELayer(nn.Module):
     async def _forward_ht(self, x_TD: torch.Tensor) -> torch.Tensor:
         st = self._stages()
         topk_w_TK, plan = self._prepare(x_TD)
-        capacity = self._fused_capacity(x_TD)
-        if capacity:  # counts and rows in one message, sent before the yield
-            packed_PCD, dispatched = plan.start_fused(x_TD, capacity)
-            await _to_comm(st, "dispatch", after="routed")
-            await _to_compute(st, after="dispatched")
-            await dispatched
-            recv_x_RD = plan.finish_fused(packed_PCD)
-        else:
-            # The counts go out before the yield, so they travel while the other ubatch computes;
-            # the read of the peers' counts (the CPU wait) comes after it.
-            counts = plan.start_counts()
-            await _to_comm(st, "dispatch", after="routed")
-            await counts  # host: parks until every peer's counts arrived
-            recv_x_RD, dispatched = plan.start_tokens(x_TD)
-            await _to_compute(st, after="dispatched")
-            await dispatched
+        # The counts go out before the yield, so they travel while the other ubatch computes; the
+        # read of the peers' counts (the CPU wait) comes after it. (Fused: the rows go with them.)
+        counts = plan.start_counts()
+        await _to_comm(st, "dispatch", after="routed")
+        await counts  # host: parks until every peer's counts arrived
+        recv_x_RD, dispatched = plan.start_tokens(x_TD)
+        await _to_compute(st, after="dispatched")
+        await dispatched
         y_RD = self._experts(plan, recv_x_RD)
         await _to_comm(st, "combine", after="experts")
         back_ND, combined = plan.start_combine(y_RD)
@@ -381,18 +377,12 @@ class MoELayer(nn.Module):
     async def _forward_ll(self, x_TD: torch.Tensor) -> torch.Tensor:
         dbo_maybe_run_recv_hook()  # launch the previous ubatch's pending receive
         topk_w_TK, plan = self._prepare(x_TD)
-        capacity = self._fused_capacity(x_TD)
-        if capacity:  # counts and rows in one message
-            packed_PCD, dispatched = plan.start_fused(x_TD, capacity)
-        else:
-            await plan.start_counts()  # the rows' sizes (device: a stream wait, then a host read)
-            recv_x_RD, dispatched = plan.start_tokens(x_TD)  # the send half, issued before the yield
+        await plan.start_counts()  # the rows' sizes (device: a stream wait, then a host read)
+        recv_x_RD, dispatched = plan.start_tokens(x_TD)  # the send half, issued before the yield
         received = dbo_register_recv_hook(_receive(dispatched))
         await dbo_yield("dispatch_send")
         await received  # the next ubatch launched our receive
         await dispatched
-        if capacity:
-            recv_x_RD = plan.finish_fused(packed_PCD)
         y_RD = self._experts(plan, recv_x_RD)
         dbo_maybe_run_recv_hook()
         back_ND, combined = plan.start_combine(y_RD)  # the send half of the combine
