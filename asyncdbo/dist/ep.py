@@ -2,13 +2,15 @@
 
 Legend (shape suffixes): T tokens of this ubatch on this rank, D hidden, K top-k, N = T*K routed
 (token, expert) pairs, P ranks in the EP group, L experts per rank (local experts), R rows this
-rank receives (sum over senders), E experts in all.
+rank receives (sum over senders), E experts in all, C rows of a fused dispatch's capacity per rank.
 
 Dispatch is two collectives: the per-(rank, local expert) counts (``P*L`` int64, needed on the
 CPU to size the second), then the routed rows with uneven splits. Rows are sent sorted by global
 expert id, so what a rank receives from each sender is already grouped by local expert, and the
 counts say where each group starts: expert ids never travel. Routing weights stay home and are
-applied after the combine (the reverse all-to-all), in the original token order.
+applied after the combine (the reverse all-to-all), in the original token order. Inside
+:func:`asyncdbo.dist.dispatch_options` counts and rows can go as one message
+(:meth:`DispatchPlan.fuse`, :mod:`asyncdbo.dist.fused`).
 
 **Why one process group per ubatch.** Gloo matches collectives on a group by issue order, so
 every rank must issue them in the same order. A DBO run is round-robin, but a ubatch that parks
