@@ -130,6 +130,7 @@ class DBORun:
         self.time_asleep_s = 0.0
         self.ext: Any = None  # the layer above's per-run state; the kernel never reads it
         self._install = install
+        self.installs = install is not None  # whether install() has anything to do (a host: no)
         self._before_park = before_park
         self._at_exit = at_exit
         self._installed: object = None
@@ -252,7 +253,7 @@ class DBORun:
             # are checked only while some ubatch is parked (a wake can only target a parked one).
             # Bound methods are cached on the UBatch; the switch count is a local until the loop exits.
             watch = self._num_parked > 0 or bool(timers)
-            installs = self._install is not None  # a host has no device stream to install
+            installs = self.installs
             n = 0
             switch, pop, push = SWITCH, ready.popleft, ready.append
             self._enter_view()

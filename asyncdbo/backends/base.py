@@ -122,8 +122,11 @@ class UBatchStreams:
     def set_stream(self, stream: Any) -> None:
         """Make ``stream`` this ubatch's current stream, now and on every later resume."""
         self.stream = stream
-        self.ub.resume_with = stream
-        self.ub.run.install(stream)
+        ub = self.ub
+        ub.resume_with = stream
+        run = ub.run
+        if run.installs:  # a host has no device stream to make current
+            run.install(stream)
 
 
 @dataclass(eq=False)

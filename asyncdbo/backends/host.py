@@ -130,32 +130,30 @@ class HostBackend(StreamBackend):
         return f"host (modeled link {self.link.name}: {self.link.latency_s * 1e6:g} us + {self.link.bandwidth_Bps / 1e9:g} GB/s)"
 
     def attach(self, run: DBORun, state: RunStreams) -> None:
-        # Under the ubatch policy each ubatch gets a compute and a comm stream of its own, as a
-        # device backend gives it: the CPU runs every ubatch's compute inline either way, but a
-        # stream is also the FIFO of comm works an event recorded on it covers. One compute stream
-        # shared by all ubatches made a ubatch's event cover the others' comm issued from compute
-        # (the ll schedule's counts), and two ranks could then wait on each other (4 ubatches).
+        # The CPU is one compute stream for every ubatch; under the ubatch policy each ubatch gets
+        # a comm stream of its own (its own FIFO of works), as a device backend gives it one.
         cpu = HostStream("compute", inline=True)
         shared_comm = HostStream("comm", inline=False)
         for lane in state.lanes:
-            if state.policy == "role":
-                compute, comm = cpu, shared_comm
-            else:
-                ub = lane.ub.id
-                compute, comm = HostStream(f"ub{ub}:compute", inline=True), HostStream(f"ub{ub}:comm", inline=False)
-            lane.streams = {"compute": compute, "comm": comm}
+            comm = shared_comm if state.policy == "role" else HostStream(f"ub{lane.ub.id}:comm", inline=False)
+            lane.streams = {"compute": cpu, "comm": comm}
             lane.events = {"compute": HostEvent(), "comm": HostEvent()}
-            lane.stream = lane.ub.resume_with = compute
+            lane.stream = lane.ub.resume_with = cpu
 
     def new_event(self) -> HostEvent:
         return HostEvent()
 
     def record(self, event: HostEvent, stream: HostStream) -> None:
+        event.recorded = True
+        if not stream.pending:  # the common case on the compute stream: nothing queued, no allocation
+            event.works = ()
+            return
         stream.pending = [w for w in stream.pending if not w.succeeded()]  # a failure stays to be reported
         event.works = tuple(stream.pending)
-        event.recorded = True
 
     def wait(self, stream: HostStream, event: HostEvent) -> Signal | None:
+        if not event.works:
+            return None
         pending = [w for w in event.works if not w.succeeded()]
         if not pending:
             return None
@@ -170,8 +168,9 @@ class HostBackend(StreamBackend):
                **options: Any) -> HostWork:
         """Track ``work`` (a torch.distributed Work with ``get_future()``).
 
-        Inside a DBO run (``lane`` given) it joins that ubatch's comm stream (the one it is on, or
-        its comm stream if it is on compute); outside, it is waited for at once (serial semantics). ``options`` (the sim's race-checker hints) are
+        Inside a DBO run (``lane`` given) it joins that ubatch's current comm stream (from the
+        compute role it joins no stream: the schedule awaits the handle); outside, it is waited
+        for at once (serial semantics). ``options`` (the sim's race-checker hints) are
         ignored."""
         run = None if lane is None else lane.ub.run
         clock = _MONOTONIC if run is None else run.clock
@@ -191,16 +190,12 @@ class HostBackend(StreamBackend):
             hw.wait()
             return hw
         stream = lane.stream
-        if stream.inline:
-            # Issued from compute: the work runs on the ubatch's comm stream, as NCCL/HCCL run a
-            # collective on their own stream, and compute is ordered after it only by a wait
-            # (``await``, a sync switch, a recv hook). Queued on the CPU stream, every event
-            # recorded there later covered it: with the ll schedule (counts and rows issued from
-            # compute), another ubatch's KV-cache event then waited for this comm, whose peer
-            # could be waiting for that ubatch, and two ranks deadlocked (4 ubatches).
-            stream = lane.streams["comm"]
         assert isinstance(stream, HostStream), stream
-        stream.pending.append(hw)
+        if not stream.inline:
+            # Comm issued from the compute role (the CPU) is waited for where the schedule awaits
+            # it, as on a device (see AcceleratorBackend): the shared CPU stream's events must not
+            # make one ubatch wait for another ubatch's sends.
+            stream.pending.append(hw)
         lane.ub.run.ext.comm.append(hw)  # every work of the run, for the numbers tools report
         return hw
 

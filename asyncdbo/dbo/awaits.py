@@ -26,7 +26,7 @@ from types import FrameType
 
 from .._core import UBatch
 
-__all__ = ["Unawaited", "check_unawaited", "mark_unawaited"]
+__all__ = ["Unawaited", "check_unawaited", "mark_record", "mark_unawaited"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +79,30 @@ def check_unawaited(ub: UBatch) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
+# Outside debug mode a mark has no call site, so one record per (primitive, tag, hazard) serves
+# every call: the hot path is a dict lookup instead of building a frozen dataclass per primitive
+# call (benchmarks/host_overhead.py). Bounded, for code that makes a fresh tag per call.
+_MARKS: dict[tuple[str, str | None, bool], Unawaited] = {}
+_MAX_MARKS = 4096
+
+
+def mark_record(primitive: str, tag: str | None, hazard: bool) -> Unawaited:
+    """The shared (site-less) mark of a primitive call outside debug mode."""
+    key = (primitive, tag, hazard)
+    record = _MARKS.get(key)
+    if record is None:
+        record = Unawaited(primitive, tag, hazard)
+        if len(_MARKS) < _MAX_MARKS:
+            _MARKS[key] = record
+    return record
+
+
 def mark_unawaited(ub: UBatch, primitive: str, tag: str | None, *, hazard: bool) -> None:
     """Called by an awaitable primitive (from its caller's frame + 1): report a previous one left
     unawaited, then mark this one (with its call site in debug mode)."""
     if ub.unawaited is not None:
         check_unawaited(ub)
-    site = _site(3) if ub.debug is not None else None
-    ub.unawaited = Unawaited(primitive, tag, hazard, site)
+    if ub.debug is None:
+        ub.unawaited = mark_record(primitive, tag, hazard)
+    else:
+        ub.unawaited = Unawaited(primitive, tag, hazard, _site(3))

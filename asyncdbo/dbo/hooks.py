@@ -48,8 +48,9 @@ def dbo_register_recv_hook(hook: Callable[[], object]) -> RecvHookHandle:
     :func:`dbo_maybe_run_recv_hook` (after queuing its own compute), or when it parks or exits.
 
     Parked ubatches are passed over (one may be waiting for this very ubatch, and could not
-    launch the hook before it wakes); when no other ubatch can take it (outside a run, a run of
-    one, the others finished or parked) the hook runs at once. ``await`` the returned handle to
+    launch the hook before it wakes), and so are ubatches that already hold another's hook while
+    a later one holds none (one that holds several runs them in order); when no other ubatch can
+    take it (outside a run, a run of one, the others finished or parked) the hook runs at once. ``await`` the returned handle to
     wait until the hook has run."""
     if not callable(hook):
         raise TypeError(f"dbo_register_recv_hook expects a callable, got {hook!r}")
@@ -62,11 +63,15 @@ def dbo_register_recv_hook(hook: Callable[[], object]) -> RecvHookHandle:
         check_unawaited(ub)
     ring = ub.run.ubatches
     n = len(ring)
-    target = next((c for c in (ring[(ub.id + k) % n] for k in range(1, n)) if c.state is UBatchState.READY), None)
-    if target is None:
+    ready = [c for c in (ring[(ub.id + k) % n] for k in range(1, n)) if c.state is UBatchState.READY]
+    if not ready:
         handle = RecvHookHandle(hook, ub.id, ub.id)
         handle._run()
         return handle
+    # With 3+ ubatches a parked one is passed over, so two ubatches may pick the same next one:
+    # the later one goes on to the first ready ubatch that holds no hook yet; if every ready one
+    # holds one (many ubatches parked), the first runs both, in the order they were registered.
+    target = next((c for c in ready if c.ext.recv_hook is None), ready[0])
     handle = RecvHookHandle(hook, ub.id, target.id)
     lane = target.ext
     held = lane.recv_hook

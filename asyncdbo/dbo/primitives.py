@@ -17,9 +17,9 @@ import types
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
-from .._core import SWITCH, Signal, UBatch, current_ubatch, switch, trap
+from .._core import SWITCH, Signal, UBatch, current_ubatch, switch
 from ..backends import COMPLETED, CommHandle, DoneWork, Role, StreamPolicy
-from .awaits import Unawaited, _site, check_unawaited, mark_unawaited
+from .awaits import _MARKS, Unawaited, _site, check_unawaited, mark_record, mark_unawaited
 from .state import Lane
 
 __all__ = [
@@ -114,10 +114,13 @@ def _yield_and_switch(ub: UBatch, lane: Lane, tag: str, src: Role, dst: Role) ->
     event = lane.events[src]
     backend.record(event, lane.streams[src])  # before the yield: covers only this ubatch's work
     ub.tag = tag
-    yield from trap(SWITCH)
+    yield SWITCH  # trap(SWITCH) inlined: one generator frame less on every resume
     lane.role = dst
-    lane.set_stream(lane.streams[dst])
-    signal = backend.wait(lane.stream, event)  # after the resume
+    lane.stream = ub.resume_with = stream = lane.streams[dst]  # lane.set_stream, inlined
+    run = ub.run
+    if run.installs:
+        run.install(stream)
+    signal = backend.wait(stream, event)  # after the resume
     if signal is not None:
         yield from signal.__await__()
 
@@ -134,9 +137,15 @@ def dbo_yield_and_switch_from_compute_to_comm(tag: str = "compute->comm") -> Awa
     ub = _get_ubatch(None)
     if ub is None:
         return COMPLETED
-    mark_unawaited(ub, "dbo_yield_and_switch_from_compute_to_comm", tag, hazard=True)
+    if ub.unawaited is not None or ub.debug is not None:
+        mark_unawaited(ub, "dbo_yield_and_switch_from_compute_to_comm", tag, hazard=True)
+    else:
+        ub.unawaited = _MARKS.get(("dbo_yield_and_switch_from_compute_to_comm", tag, True)) or mark_record(
+            "dbo_yield_and_switch_from_compute_to_comm", tag, True
+        )
     lane = ub.ext
-    _check_role(ub, lane, "compute", "dbo_yield_and_switch_from_compute_to_comm")
+    if lane.role != "compute":
+        _check_role(ub, lane, "compute", "dbo_yield_and_switch_from_compute_to_comm")
     return _yield_and_switch(ub, lane, tag, "compute", "comm")
 
 
@@ -147,24 +156,44 @@ def dbo_yield_and_switch_from_comm_to_compute(tag: str = "comm->compute") -> Awa
     ub = _get_ubatch(None)
     if ub is None:
         return COMPLETED
-    mark_unawaited(ub, "dbo_yield_and_switch_from_comm_to_compute", tag, hazard=True)
+    if ub.unawaited is not None or ub.debug is not None:
+        mark_unawaited(ub, "dbo_yield_and_switch_from_comm_to_compute", tag, hazard=True)
+    else:
+        ub.unawaited = _MARKS.get(("dbo_yield_and_switch_from_comm_to_compute", tag, True)) or mark_record(
+            "dbo_yield_and_switch_from_comm_to_compute", tag, True
+        )
     lane = ub.ext
-    _check_role(ub, lane, "comm", "dbo_yield_and_switch_from_comm_to_compute")
+    if lane.role != "comm":
+        _check_role(ub, lane, "comm", "dbo_yield_and_switch_from_comm_to_compute")
     return _yield_and_switch(ub, lane, tag, "comm", "compute")
 
 
+def _plain_switch(role: Role) -> Awaitable[None]:
+    ub = _get_ubatch(None)
+    if ub is None:
+        return COMPLETED
+    if ub.unawaited is not None:
+        check_unawaited(ub)
+    lane: Lane = ub.ext
+    lane.role = role
+    lane.stream = ub.resume_with = stream = lane.streams[role]  # lane.set_stream, inlined
+    run = ub.run
+    if run.installs:
+        run.install(stream)
+    return COMPLETED
+
+
 def _switch(role: Role, sync: bool, name: str) -> Awaitable[None]:
+    if not sync:
+        return _plain_switch(role)
     ub = _get_ubatch(None)
     if ub is None:
         return COMPLETED
     lane: Lane = ub.ext
-    if not sync:
-        if ub.unawaited is not None:
-            check_unawaited(ub)
-        lane.role = role
-        lane.set_stream(lane.streams[role])
-        return COMPLETED
-    mark_unawaited(ub, name, None, hazard=True)
+    if ub.unawaited is not None or ub.debug is not None:
+        mark_unawaited(ub, name, None, hazard=True)
+    else:
+        ub.unawaited = _MARKS.get((name, None, True)) or mark_record(name, None, True)
     backend = ub.run.ext.backend
     event = lane.events[lane.role]
     backend.record(event, lane.stream)
@@ -175,12 +204,12 @@ def _switch(role: Role, sync: bool, name: str) -> Awaitable[None]:
 
 def dbo_switch_to_comm() -> Awaitable[None]:
     """Continue on the comm stream, with no dependency on earlier compute."""
-    return _switch("comm", False, "dbo_switch_to_comm")
+    return _plain_switch("comm")
 
 
 def dbo_switch_to_compute() -> Awaitable[None]:
     """Continue on the compute stream, with no dependency on earlier comm."""
-    return _switch("compute", False, "dbo_switch_to_compute")
+    return _plain_switch("compute")
 
 
 def dbo_switch_to_comm_sync() -> Awaitable[None]:

@@ -5,7 +5,8 @@ all-to-all.
 ubatches then never need a global order); :mod:`asyncdbo.dist.recovery` lets the ranks run the
 next step after one failed or was cancelled (:class:`StepSync`, :class:`StepAborted`);
 :func:`destroy_process_groups` leaves torch.distributed so that no gloo thread outlives the
-interpreter; :mod:`asyncdbo.dist.ep` issues the MoE dispatch and combine through the run's stream
+interpreter; :func:`dispatch_options` lets the MoE dispatch send its counts and rows as one
+message where the link model says it pays (:mod:`asyncdbo.dist.fused`); :mod:`asyncdbo.dist.ep` issues the MoE dispatch and combine through the run's stream
 backend (imported on first use: it imports torch).
 """
 
@@ -21,6 +22,7 @@ from .groups import (
     ubatch_group,
     ubatch_groups,
 )
+from .fused import DispatchChoice, DispatchOptions, choose_dispatch, current_dispatch_options, dispatch_options
 from .recovery import StepAborted, StepSync, roll_call, step_sync
 
 if TYPE_CHECKING:
@@ -38,13 +40,18 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "DispatchChoice",
+    "DispatchOptions",
     "DispatchPlan",
     "EPComm",
     "StepAborted",
     "StepSync",
+    "choose_dispatch",
     "clone_group",
     "current_clones",
+    "current_dispatch_options",
     "destroy_process_groups",
+    "dispatch_options",
     "ep_comm",
     "forget_ep_comm",
     "forget_group",

@@ -2,13 +2,15 @@
 
 Legend (shape suffixes): T tokens of this ubatch on this rank, D hidden, K top-k, N = T*K routed
 (token, expert) pairs, P ranks in the EP group, L experts per rank (local experts), R rows this
-rank receives (sum over senders), E experts in all.
+rank receives (sum over senders), E experts in all, C rows of a fused dispatch's capacity per rank.
 
 Dispatch is two collectives: the per-(rank, local expert) counts (``P*L`` int64, needed on the
 CPU to size the second), then the routed rows with uneven splits. Rows are sent sorted by global
 expert id, so what a rank receives from each sender is already grouped by local expert, and the
 counts say where each group starts: expert ids never travel. Routing weights stay home and are
-applied after the combine (the reverse all-to-all), in the original token order.
+applied after the combine (the reverse all-to-all), in the original token order. Inside
+:func:`asyncdbo.dist.dispatch_options` counts and rows can go as one message
+(:meth:`DispatchPlan.fuse`, :mod:`asyncdbo.dist.fused`).
 
 **Why one process group per ubatch.** Gloo matches collectives on a group by issue order, so
 every rank must issue them in the same order. A DBO run is round-robin, but a ubatch that parks
@@ -139,6 +141,17 @@ class DispatchPlan:
     send_PL: torch.Tensor
     recv_PL: torch.Tensor
     counts_done: Any = COMPLETED
+    capacity: int = 0  # > 0: counts and rows go as one message (:meth:`fuse`)
+    fused_x_TD: torch.Tensor | None = None
+    packed_PCD: torch.Tensor | None = None
+    fused_done: Any = COMPLETED
+
+    def fuse(self, x_TD: torch.Tensor, capacity: int) -> None:
+        """Send counts and rows as one message of ``capacity`` rows per rank: :meth:`start_counts`
+        then issues it (rows included), :meth:`start_tokens` returns its buffer and handle, and
+        :meth:`received` unpacks the rows once it arrived (:mod:`asyncdbo.dist.fused`)."""
+        self.capacity = capacity
+        self.fused_x_TD = x_TD
 
     @property
     def send_splits(self) -> list[int]:
@@ -153,6 +166,10 @@ class DispatchPlan:
         if self.comm.size == 1:
             self.recv_PL = self.send_PL
             self.counts_done = COMPLETED
+        elif self.capacity:  # the counts ride in the rows' message: nothing to wait for here
+            assert self.fused_x_TD is not None
+            self.packed_PCD, self.fused_done = self.start_fused(self.fused_x_TD, self.capacity)
+            self.counts_done = COMPLETED
         else:
             self.counts_done = _all_to_all(
                 self.recv_PL.view(-1), self.send_PL.view(-1), None, None, group=self.group, what="counts"
@@ -162,6 +179,8 @@ class DispatchPlan:
     def start_tokens(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Issue the routed rows (counts must have arrived). Returns (recv_x_RD, handle)."""
         assert self.counts_done.done(), "start_tokens before the counts exchange completed"
+        if self.packed_PCD is not None:  # fused: already on its way since start_counts()
+            return self.packed_PCD, self.fused_done
         send_x_ND = x_TD[self.order_N // self.top_k]
         if self.comm.size == 1:
             return send_x_ND, COMPLETED
@@ -170,6 +189,42 @@ class DispatchPlan:
             recv_x_RD, send_x_ND, self.recv_splits, self.send_splits, group=self.group, what="dispatch"
         )
         return recv_x_RD, handle
+
+    def start_fused(self, x_TD: torch.Tensor, capacity: int) -> tuple[torch.Tensor, Any]:
+        """Issue counts and rows as one message (:mod:`asyncdbo.dist.fused`): a ``[P, 1 + C, D]``
+        buffer per rank, each destination's block a header row of counts then its rows, padded to
+        ``capacity`` rows. Returns (the receive buffer, handle); :meth:`finish_fused` unpacks it."""
+        P, L = self.send_PL.shape
+        D = x_TD.shape[1]
+        send_x_ND = x_TD[self.order_N // self.top_k]
+        rows_P = self.send_PL.sum(dim=1)
+        if int(rows_P.max()) > capacity:
+            raise ValueError(
+                f"fused dispatch: {int(rows_P.max())} rows for one rank exceed the capacity {capacity}; the "
+                "dispatch_options max_tokens is below this call's tokens"
+            )
+        send_PCD = x_TD.new_zeros((P, 1 + capacity, D))
+        send_PCD[:, 0].view(torch.uint8)[:, : L * 8].copy_(self.send_PL.view(torch.uint8).view(P, L * 8))
+        start = 0
+        for p, n in enumerate(rows_P.tolist()):
+            send_PCD[p, 1 : 1 + n] = send_x_ND[start : start + n]
+            start += n
+        recv_PCD = torch.empty_like(send_PCD)
+        return recv_PCD, _all_to_all(recv_PCD, send_PCD, None, None, group=self.group, what="dispatch+counts")
+
+    def received(self, recv_x_RD: torch.Tensor) -> torch.Tensor:
+        """The received rows: as they came (split), or out of the fused buffer once it arrived."""
+        if self.packed_PCD is not None and recv_x_RD is self.packed_PCD:
+            return self.finish_fused(recv_x_RD)
+        return recv_x_RD
+
+    def finish_fused(self, recv_PCD: torch.Tensor) -> torch.Tensor:
+        """The received rows of a fused dispatch (arrived), in the split path's order; sets
+        ``recv_PL`` from the headers."""
+        P, L = self.recv_PL.shape
+        header = recv_PCD[:, 0].view(torch.uint8)[:, : L * 8].contiguous()
+        self.recv_PL = header.view(torch.int64).view(P, L).clone()
+        return torch.cat([recv_PCD[p, 1 : 1 + n] for p, n in enumerate(self.recv_PL.sum(dim=1).tolist())])
 
     def local_expert_ids(self) -> torch.Tensor:
         """Local expert index of every received row (rows arrive as [source rank][local expert])."""

@@ -17,8 +17,8 @@ One ``forward`` serves three situations with the same numbers:
 
 Schedules (``MoEConfig.schedule``), per ubatch and layer:
 
-* ``ht``: yield "dispatch" before the counts exchange (it blocks the CPU until peers answer, so
-  the other ubatch's compute must already be queued), dispatch on comm, sync back to compute,
+* ``ht``: issue the counts exchange, yield "dispatch", read the counts (the CPU waits for the
+  peers here, after the other ubatch's compute was queued), dispatch on comm, sync back to compute,
   experts, yield "combine", combine on comm, shared expert on compute while it is in flight, yield
   "combine_done" (host: parks until the combine arrived), weighted sum. Three yields.
 * ``ll``: no comm stream. Each half issues its sends *before* it yields (the dispatch: counts,
@@ -28,6 +28,10 @@ Schedules (``MoEConfig.schedule``), per ubatch and layer:
   for the transfer there (DeepEP's receive, vLLM's hook), and the owner awaits the hook and its
   handle before it touches the received rows (the handle orders its own stream under the ubatch
   policy; on the host, where a hook cannot receive, the owner parks on the transfer). Two yields.
+
+Inside :func:`asyncdbo.dist.dispatch_options` either schedule may send the counts and the rows as
+one message (a header row in a fixed-capacity buffer) where the run's link model says it pays
+(:mod:`asyncdbo.dist.fused`); the numbers are the same bit for bit.
 
 Every ubatch takes part in every collective even with T = 0: the other ranks' same ubatch waits
 for it. So under EP every rank must run the same number of ubatches through the same layers in
@@ -60,6 +64,7 @@ from ..dbo import (
     dbo_yield_and_switch_from_compute_to_comm,
 )
 from ..dist.ep import DispatchPlan, EPComm, ep_comm, plan_dispatch
+from ..dist.fused import fused_rows
 from .batch_invariant import ROW_TILE, is_deterministic, swiglu
 from .config import MoEConfig
 from .experts import expert_init, router_init, run_experts, shared_init
@@ -283,6 +288,7 @@ class MoELayer(nn.Module):
         return self._mlp(x_TD, self.shared_gate_SD, self.shared_up_SD, self.shared_down_DS, tile)
 
     def _experts(self, plan: DispatchPlan, recv_x_RD: torch.Tensor) -> torch.Tensor:
+        recv_x_RD = plan.received(recv_x_RD)  # a fused dispatch's buffer: the rows out of it
         tile = ROW_TILE if is_deterministic(self.cfg.deterministic, recv_x_RD) else None
         return run_experts(recv_x_RD, plan.local_expert_ids(), self.gate_LFD, self.up_LFD, self.down_LDF, tile,
                            mlp=self._mlp)
@@ -315,6 +321,11 @@ class MoELayer(nn.Module):
             out_TD = await self._forward_ll(x_TD)
         return out_TD.reshape(*lead, D)
 
+    def _fused_capacity(self, x_TD: torch.Tensor) -> int:
+        """Rows per destination of a fused dispatch for this call, or 0 to split."""
+        return fused_rows(self.name, x_TD.shape[0], top_k=self.cfg.top_k, experts_per_rank=self.experts_per_rank,
+                          ranks=self.comm.size, hidden=self.cfg.hidden_size, itemsize=x_TD.element_size())
+
     def _prepare(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, DispatchPlan]:
         topk_w_TK, topk_ids_TK = self._route(x_TD, self.router_ED, self.cfg, bias_E=self.bias_E,
                                              deterministic=is_deterministic(self.cfg.deterministic, x_TD))
@@ -322,6 +333,9 @@ class MoELayer(nn.Module):
         plan = plan_dispatch(
             topk_ids_TK, num_experts=self.cfg.num_experts, comm=self.comm, ub_id=None if ub is None else ub.id
         )
+        capacity = self._fused_capacity(x_TD)
+        if capacity:  # one message: start_counts() sends the rows too, start_tokens() hands it over
+            plan.fuse(x_TD, capacity)
         return topk_w_TK, plan
 
     def _finalize(
@@ -335,9 +349,11 @@ class MoELayer(nn.Module):
     async def _forward_ht(self, x_TD: torch.Tensor) -> torch.Tensor:
         st = self._stages()
         topk_w_TK, plan = self._prepare(x_TD)
-        # dispatch: yield first, so the other ubatch's compute is queued before we block on counts
+        # The counts go out before the yield, so they travel while the other ubatch computes; the
+        # read of the peers' counts (the CPU wait) comes after it. (Fused: the rows go with them.)
+        counts = plan.start_counts()
         await _to_comm(st, "dispatch", after="routed")
-        await plan.start_counts()  # host: parks until every peer's counts arrived
+        await counts  # host: parks until every peer's counts arrived
         recv_x_RD, dispatched = plan.start_tokens(x_TD)
         await _to_compute(st, after="dispatched")
         await dispatched

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from _recording_backend import RecordingBackend
 
@@ -185,6 +187,39 @@ async def test_recv_hook_is_run_by_the_next_ubatch_after_it_queued_its_own_compu
         "ub0: experts",
         "ub1: experts",
     ]
+
+
+async def test_with_three_ubatches_a_hook_passes_over_a_ubatch_that_already_holds_one() -> None:
+    """ub1 is parked when ub0 registers, so ub0's hook goes to ub2; ub1 wakes and registers before
+    ub2 ran it: ub1's hook goes on to ub0 instead of replacing ub0's (which would lose a receive)."""
+    from asyncdbo.lowlevel import Signal
+
+    trace: list[str] = []
+    woken = Signal("ub1 may go on")
+
+    def hook(i: int) -> Callable[[], None]:
+        return lambda: trace.append(f"recv of ub{i} (launched by ub{dbo_current_ubatch_id()})")
+
+    async def fwd(i: int) -> None:
+        if i == 1:
+            await woken  # parked while ub0 registers
+        else:
+            await dbo_yield("attn")
+        if i != 2:
+            handle = dbo_register_recv_hook(hook(i))
+            if i == 0:
+                woken.set()
+            await dbo_yield("dispatch_send")
+            dbo_maybe_run_recv_hook()
+            await handle
+        else:
+            await dbo_yield("compute")
+            dbo_maybe_run_recv_hook()
+        trace.append(f"ub{i} done")
+
+    await run_ubatches(fwd, [(0,), (1,), (2,)])
+    assert sorted(trace) == sorted(["recv of ub0 (launched by ub2)", "recv of ub1 (launched by ub0)",
+                                    "ub0 done", "ub1 done", "ub2 done"])
 
 
 async def test_a_ubatch_exit_runs_its_pending_recv_hook_before_handing_over() -> None:

@@ -289,3 +289,48 @@ def ubatch_group_without_clones(rank: int, world_size: int) -> str:
     except RuntimeError as exc:
         return str(exc).split("\n")[0]
     return "no error"
+
+
+def moe_fused_vs_split(
+    rank: int,
+    world_size: int,
+    cfg_kwargs: dict[str, Any],
+    sizes_per_rank: list[list[int]],
+    policy: str,
+    mode: str,
+    link: Any = None,
+) -> dict[str, Any]:
+    """This rank's ubatches through one layer under DBO, split (no dispatch options) and inside
+    ``dispatch_options(max_tokens, mode)``, and its whole batch serially: whether the outputs are
+    bitwise equal, and the names of the second run's comm messages in issue order."""
+    from asyncdbo.dist import dispatch_options
+
+    cfg = MoEConfig(**cfg_kwargs)
+    layer = MoELayer(cfg, seed=7)
+    x_TD = rank_input(rank, sum(sizes_per_rank[rank]), cfg.hidden_size)
+    ref_TD = asyncdbo.run(layer, x_TD)
+    max_tokens = max(max(s) for s in sizes_per_rank)
+    sent: list[str] = []
+
+    class Sent(Instrument):
+        def run_finished(self, run: Any, exc: BaseException | None) -> None:
+            sent.extend(w.what for w in run.ext.comm_records())
+
+    async def dbo(options: bool) -> torch.Tensor:
+        backend = HostBackend(link=link)
+        args = cut(x_TD, sizes_per_rank[rank])
+        if not options:
+            outs = await asyncdbo.run_ubatches(layer, args, backend=backend, stream_policy=policy)
+        else:
+            with dispatch_options(max_tokens, mode):  # type: ignore[arg-type]
+                outs = await asyncdbo.run_ubatches(layer, args, backend=backend, stream_policy=policy,
+                                                   instrument=Sent())
+        return torch.cat(outs)
+
+    split_TD = asyncdbo.run(dbo, False)
+    fused_TD = asyncdbo.run(dbo, True)
+    return {
+        "split_equals_serial": torch.equal(split_TD, ref_TD),
+        "options_equal_split": torch.equal(fused_TD, split_TD),
+        "sent": sent,
+    }

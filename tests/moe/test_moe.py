@@ -17,6 +17,7 @@ from _moe_ranks import (
     DEEPSEEK_LIKE,
     MIXTRAL_LIKE,
     moe_dbo_vs_serial,
+    moe_fused_vs_split,
     moe_layer_error,
     moe_overlap_trace,
     moe_raise_mid_forward,
@@ -25,6 +26,9 @@ from _moe_ranks import (
 )
 
 import asyncdbo
+from asyncdbo.backends import LinkSpec, link_spec
+from asyncdbo.dist import choose_dispatch, dispatch_options
+from asyncdbo.dist.fused import fused_rows
 from asyncdbo.moe import MoEConfig, MoELayer
 from asyncdbo.testing import RankError, RankPool, run_ranks
 
@@ -240,3 +244,58 @@ def test_load_global_weights_names_the_bad_shape() -> None:
 def test_wrong_hidden_size_is_refused() -> None:
     with pytest.raises(ValueError, match=r"^MoELayer expects inputs of hidden size 32, got shape \(4, 16\)$"):
         asyncdbo.run(_local_layer("ll"), torch.zeros(4, 16))
+
+
+# ---------------------------------------------------------------- one message per dispatch
+FUSED_SIZES = [[5, 3], [0, 7]]  # uneven ubatches, an empty one: the capacity is the largest call (7)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["ht", "ll"])
+@pytest.mark.parametrize("policy", ["role", "ubatch"])
+def test_fused_dispatch_gives_the_split_numbers_bit_for_bit(pool: RankPool, schedule: str, policy: str) -> None:
+    cfg = dict(DEEPSEEK_LIKE, schedule=schedule)
+    for r in pool.run(moe_fused_vs_split, cfg, FUSED_SIZES, policy, "fused"):
+        assert r["split_equals_serial"] and r["options_equal_split"]
+        # per ubatch and layer: one dispatch message (counts inside) and the combine
+        assert sorted(r["sent"]) == ["combine"] * 2 + ["dispatch+counts"] * 2
+
+
+@pytest.mark.timeout(120)
+def test_auto_fuses_where_the_link_model_says_one_latency_outweighs_the_padding(pool: RankPool) -> None:
+    cfg = dict(MIXTRAL_LIKE, schedule="ll")
+    # ib400: 10 us of latency against a few hundred padded bytes at 50 GB/s: fused
+    for r in pool.run(moe_fused_vs_split, cfg, FUSED_SIZES, "role", "auto", link_spec("ib400")):
+        assert r["options_equal_split"] and sorted(r["sent"]) == ["combine"] * 2 + ["dispatch+counts"] * 2
+    # no latency, 1 MB/s: the padding costs more than the counts message: split
+    slow = LinkSpec(name="slow", latency_s=0.0, bandwidth_Bps=1e6)
+    for r in pool.run(moe_fused_vs_split, cfg, FUSED_SIZES, "role", "auto", slow):
+        assert r["options_equal_split"] and sorted(r["sent"]) == ["combine"] * 2 + ["counts"] * 2 + ["dispatch"] * 2
+
+
+def test_choose_dispatch_compares_one_latency_with_the_padding() -> None:
+    # decode-like: 32 tokens, top-2, 4 experts per rank, 2 ranks, hidden 256 float32, ib400 x1000
+    link = LinkSpec(name="ib400 x1000", latency_s=10e-3, bandwidth_Bps=50e6)
+    c = choose_dispatch(link, max_tokens=32, top_k=2, experts_per_rank=4, ranks=2, hidden=256, itemsize=4)
+    padded_rows = 2 * (1 + 64) - 64
+    assert c.fused and c.padding_s == pytest.approx(padded_rows * 1024 / 50e6)
+    assert c.saved_s == pytest.approx(10e-3 + 2 * 4 * 8 / 50e6)
+    # prefill-like: 512 tokens per ubatch: 512 padded rows (10.5 ms) outweigh one latency (10 ms)
+    c = choose_dispatch(link, max_tokens=512, top_k=2, experts_per_rank=4, ranks=2, hidden=256, itemsize=4)
+    assert not c.fused and c.padding_s > c.saved_s
+    assert not choose_dispatch(None, max_tokens=32, top_k=2, experts_per_rank=4, ranks=2, hidden=256, itemsize=4).fused
+
+
+def test_dispatch_options_refuse_bad_values_and_calls_above_the_bound() -> None:
+    with pytest.raises(ValueError, match=r"^dispatch_options: max_tokens must be an integer >= 1 \(got 0\)$"):
+        with dispatch_options(0):
+            pass
+    with pytest.raises(ValueError, match=r"^dispatch_options: unknown mode 'both'; use 'auto', 'fused' or 'split'$"):
+        with dispatch_options(8, "both"):  # type: ignore[arg-type]
+            pass
+    with dispatch_options(8, "fused"):
+        with pytest.raises(ValueError, match=r"^MoE layer moe9: a call of 9 tokens inside dispatch_options\(max_tokens=8\); "
+                                             r"raise max_tokens to the most tokens any rank's call carries$"):
+            fused_rows("moe9", 9, top_k=2, experts_per_rank=4, ranks=2, hidden=32, itemsize=4)
+        assert fused_rows("moe9", 8, top_k=2, experts_per_rank=4, ranks=2, hidden=32, itemsize=4) == 16
+    assert fused_rows("moe9", 9, top_k=2, experts_per_rank=4, ranks=2, hidden=32, itemsize=4) == 0  # outside: split

@@ -1,0 +1,146 @@
+"""One message per dispatch where the link model says it pays: the counts ride in a header row of
+a fixed-capacity token buffer (DeepEP's low-latency layout).
+
+Legend (shape suffixes): P ranks in the EP group, L experts per rank, C rows of capacity per
+destination rank, D hidden, T tokens of the call, K top-k.
+
+The split dispatch (:mod:`asyncdbo.dist.ep`) is two messages: the per-(rank, expert) counts, then
+the rows sized by them. On a latency-bound link each message costs a full latency, and a ubatch
+sends as many messages per layer as the serial step does, so the counts message lengthens every
+ubatch's own chain. The fused dispatch sends one buffer ``[P, 1 + C, D]`` per rank: row 0 of each
+destination's block holds the counts (int64, bit-copied into the row's bytes), rows 1.. the
+routed rows, padded to ``C`` rows. The receiver reads its counts from the headers and keeps only
+the valid rows, in the same order as the split path, so every later number is the same, bit for
+bit.
+
+``C`` must be the same on every rank, so it comes from a bound every rank knows, not from the
+call's own tokens: :func:`dispatch_options` declares that every rank's calls carry at most
+``max_tokens`` tokens, and ``C = max_tokens * min(K, L)`` (a token's K distinct experts put at
+most ``min(K, L)`` rows on one rank). Without that declaration the layer always splits.
+
+The choice (``mode="auto"``) is made per call from the run's link model, from quantities every
+rank shares, so all ranks choose alike: fused saves one message's latency (and the counts' bytes)
+and costs the padding, ``(P * (1 + C) - max_tokens * K) * D * itemsize`` bytes over the bandwidth;
+it is chosen only where the saving is larger. With no link model (real comm, a device backend)
+``auto`` splits; ``mode="fused"`` or ``"split"`` forces one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from .._core import get_ubatch
+from ..backends.links import LinkSpec
+
+__all__ = ["DispatchChoice", "DispatchOptions", "choose_dispatch", "current_dispatch_options", "dispatch_options",
+           "fused_capacity", "fused_rows"]
+
+DispatchMode = Literal["auto", "fused", "split"]
+_COUNT_BYTES = 8  # int64 counts
+
+
+@dataclass(frozen=True)
+class DispatchOptions:
+    """What the caller declares for the MoE dispatches made inside :func:`dispatch_options`."""
+
+    max_tokens: int  # every rank's calls carry at most this many tokens (the capacity's basis)
+    mode: DispatchMode = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"dispatch_options: max_tokens must be an integer >= 1 (got {self.max_tokens!r})")
+        if self.mode not in ("auto", "fused", "split"):
+            raise ValueError(f"dispatch_options: unknown mode {self.mode!r}; use 'auto', 'fused' or 'split'")
+
+
+_OPTIONS: contextvars.ContextVar[DispatchOptions | None] = contextvars.ContextVar("asyncdbo_dispatch", default=None)
+
+
+@contextlib.contextmanager
+def dispatch_options(max_tokens: int, mode: DispatchMode = "auto") -> Iterator[DispatchOptions]:
+    """Inside the block (and in the DBO runs started in it: each ubatch copies the context), MoE
+    dispatches may be fused: every rank promises that each of its calls carries at most
+    ``max_tokens`` tokens, so all ranks size the fused buffer alike. Every rank must enter it with
+    the same arguments, around the same calls."""
+    opts = DispatchOptions(max_tokens, mode)
+    token = _OPTIONS.set(opts)
+    try:
+        yield opts
+    finally:
+        _OPTIONS.reset(token)
+
+
+def current_dispatch_options() -> DispatchOptions | None:
+    """The options of the innermost :func:`dispatch_options` block, or None."""
+    return _OPTIONS.get()
+
+
+def fused_capacity(max_tokens: int, top_k: int, experts_per_rank: int) -> int:
+    """Rows of the fused buffer per destination rank: at most ``min(K, L)`` rows per token."""
+    return max_tokens * min(top_k, experts_per_rank)
+
+
+@dataclass(frozen=True)
+class DispatchChoice:
+    """The link model's verdict for one call: ``fused`` and the two prices it compared."""
+
+    fused: bool
+    saved_s: float  # one message's latency plus the counts' bytes, saved by fusing
+    padding_s: float  # the padded rows (and headers) over the bandwidth, paid by fusing
+    reason: str
+
+
+def choose_dispatch(
+    link: LinkSpec | None, *, max_tokens: int, top_k: int, experts_per_rank: int, ranks: int, hidden: int,
+    itemsize: int,
+) -> DispatchChoice:
+    """Fused or split, from the link model and shapes every rank shares (see the module doc)."""
+    if ranks == 1:
+        return DispatchChoice(False, 0.0, 0.0, "a single rank sends nothing")
+    if hidden * itemsize < experts_per_rank * _COUNT_BYTES:
+        return DispatchChoice(False, 0.0, 0.0, f"a row of {hidden * itemsize} B cannot hold {experts_per_rank} counts")
+    if link is None:
+        return DispatchChoice(False, 0.0, 0.0, "no link model to price it")
+    cap = fused_capacity(max_tokens, top_k, experts_per_rank)
+    padded_rows = ranks * (1 + cap) - max_tokens * top_k
+    padding_s = padded_rows * hidden * itemsize / link.bandwidth_Bps
+    saved_s = link.latency_s + ranks * experts_per_rank * _COUNT_BYTES / link.bandwidth_Bps
+    fused = saved_s > padding_s
+    verdict = "saves" if fused else "does not save"
+    return DispatchChoice(
+        fused, saved_s, padding_s,
+        f"fusing {verdict} time on {link.name}: one latency {saved_s * 1e6:.0f} us vs {padded_rows} padded rows "
+        f"{padding_s * 1e6:.0f} us",
+    )
+
+
+def fused_rows(layer: str, tokens: int, *, top_k: int, experts_per_rank: int, ranks: int, hidden: int,
+               itemsize: int) -> int:
+    """Rows per destination of a fused dispatch for a call of ``tokens`` tokens, or 0 to split:
+    0 outside :func:`dispatch_options` and for ``mode="split"``; under ``"auto"`` the current
+    run's link model decides (:func:`choose_dispatch`). ``layer`` names the caller in errors."""
+    opts = _OPTIONS.get()
+    if opts is None or ranks == 1 or opts.mode == "split":
+        return 0
+    if tokens > opts.max_tokens:
+        raise ValueError(
+            f"MoE layer {layer}: a call of {tokens} tokens inside dispatch_options(max_tokens={opts.max_tokens}); "
+            "raise max_tokens to the most tokens any rank's call carries"
+        )
+    if opts.mode == "auto":
+        ub = get_ubatch()
+        link = None if ub is None else getattr(ub.run.ext.backend, "link", None)
+        choice = choose_dispatch(link, max_tokens=opts.max_tokens, top_k=top_k, experts_per_rank=experts_per_rank,
+                                 ranks=ranks, hidden=hidden, itemsize=itemsize)
+        if not choice.fused:
+            return 0
+    elif hidden * itemsize < experts_per_rank * _COUNT_BYTES:
+        raise ValueError(
+            f"MoE layer {layer}: dispatch_options(mode='fused') needs a row of at least {experts_per_rank * _COUNT_BYTES} B "
+            f"for the counts header, and a row has {hidden * itemsize} B; use mode='auto' or 'split'"
+        )
+    return fused_capacity(opts.max_tokens, top_k, experts_per_rank)

@@ -1,0 +1,225 @@
+"""Host time per yield of an eager DBO step: asyncdbo against the same code without DBO, with a
+vLLM-style thread baton beside it.
+
+The step is what the host does for a 61-layer MoE model under the ``ht`` schedule with role
+streams and nothing to wait for: per layer and ubatch the primitive sequence of
+``asyncdbo.moe.layer`` (``dbo_yield_and_switch_from_compute_to_comm("dispatch")``,
+``dbo_switch_to_compute_sync()``, ``..._compute_to_comm("combine")``, ``dbo_switch_to_compute()``,
+``dbo_switch_to_comm()``, ``..._comm_to_compute("combine_done")``): three yields, three event
+records and waits, four stream switches, no comm, no parking, no tensor work. Designs, run
+interleaved in every round:
+
+* ``no DBO``: the same coroutines awaited one after the other outside a run (every primitive is
+  then a no-op returning a done awaitable): the cost of the code itself;
+* ``asyncdbo``: ``run_ubatches`` on the host backend (run set-up and tear-down included);
+* ``threads`` / ``threads pinned``: the ubatches driven by ``benchmarks/_thread_baton.py``,
+  ``moe_step.py``'s driver (vLLM's ``UBatchWrapper`` control flow: one OS thread per ubatch, a
+  ``threading.Event`` baton each), the same primitives, streams and events; ``pinned`` runs
+  every thread on one CPU (``os.sched_setaffinity``), where a baton pass needs no cross-CPU
+  wake-up.
+
+host ns per yield = (design step time - no-DBO step time) / (layers x 3 x N). Both wall time and
+the process's CPU time are reported (the machine may be shared: CPU time is steadier; for the
+thread design wall time also counts the OS's wake-up latency, which CPU time does not).
+``--base REV`` adds ``asyncdbo`` at an earlier commit as a fourth design, in the same rounds
+(exported with ``git archive`` as ``asyncdbo_base``, see ``compare_commits.py``).
+
+    python benchmarks/host_overhead.py                 # writes benchmarks/results/host_overhead_<hw>_<date>.md
+    python benchmarks/host_overhead.py --base 6e15bd5  # also the package at 6e15bd5, side by side
+    python benchmarks/host_overhead.py --quick         # seconds, prints only
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+YIELDS_PER_LAYER = 3
+
+
+def make_forward(pkg: ModuleType, layers: int) -> Callable[[int], Any]:
+    """The ``ht`` layer's host-side primitive sequence, ``layers`` times (see the module doc)."""
+    to_comm = pkg.dbo_yield_and_switch_from_compute_to_comm
+    to_compute = pkg.dbo_yield_and_switch_from_comm_to_compute
+    sync_compute = pkg.dbo_switch_to_compute_sync
+    switch_compute, switch_comm = pkg.dbo_switch_to_compute, pkg.dbo_switch_to_comm
+
+    async def forward(i: int) -> int:
+        for _ in range(layers):
+            await to_comm("dispatch")
+            await sync_compute()
+            await to_comm("combine")
+            switch_compute()
+            switch_comm()
+            await to_compute("combine_done")
+        return i
+
+    return forward
+
+
+def _times(fn: Callable[[], None], repeat: int) -> tuple[float, float]:
+    """(wall s, CPU s) of ``repeat`` calls."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def designs(pkgs: dict[str, ModuleType], layers: int, N: int, runner: asyncio.Runner) -> dict[str, Callable[[], None]]:
+    """One step of each design, as a plain call."""
+    import asyncdbo
+    from asyncdbo.backends.host import HostBackend
+    from _thread_baton import run_threads
+
+    fwd = make_forward(asyncdbo, layers)
+    args = [(i,) for i in range(N)]
+
+    async def plain() -> None:
+        for i in range(N):
+            await fwd(i)
+
+    out: dict[str, Callable[[], None]] = {"no DBO": lambda: runner.run(plain())}
+    for name, pkg in pkgs.items():
+        f = make_forward(pkg, layers)
+
+        def step(pkg: ModuleType = pkg, f: Callable[[int], Any] = f) -> None:
+            runner.run(pkg.run_ubatches(f, args, backend="host"))
+
+        out[name] = step
+    out["threads"] = lambda: run_threads(fwd, args, HostBackend())
+    cpus = sorted(os.sched_getaffinity(0))
+
+    def pinned() -> None:
+        # Threads inherit the creating thread's CPU set: every baton pass stays on one CPU.
+        os.sched_setaffinity(0, {cpus[0]})
+        try:
+            run_threads(fwd, args, HostBackend())
+        finally:
+            os.sched_setaffinity(0, cpus)
+
+    out["threads pinned"] = pinned
+    return out
+
+
+Samples = dict[str, dict[str, list[float]]]
+
+
+def measure(pkgs: dict[str, ModuleType], layers: int, N: int, rounds: int, runner: asyncio.Runner) -> Samples:
+    """Per design: ``wall``/``cpu`` seconds per step, one sample per round (designs interleaved)."""
+    ds = designs(pkgs, layers, N, runner)
+    # Repeat each step so that one sample lasts ~10 ms of asyncdbo time; threads get fewer.
+    yields = layers * YIELDS_PER_LAYER * N
+    reps = {name: max(1, 20_000 // yields) for name in ds}
+    reps["threads"] = reps["threads pinned"] = max(1, reps["threads"] // 10)
+    for name, fn in ds.items():  # warm-up
+        fn()
+    samples: Samples = {name: {"wall": [], "cpu": []} for name in ds}
+    for _ in range(rounds):
+        for name, fn in ds.items():
+            wall, cpu = _times(fn, reps[name])
+            samples[name]["wall"].append(wall / reps[name])
+            samples[name]["cpu"].append(cpu / reps[name])
+    return samples
+
+
+def per_yield(samples: Samples, design: str, key: str, yields: int) -> tuple[float, float, float]:
+    """(median, min, max) ns per yield of ``design`` over the no-DBO baseline, by round."""
+    vals = [(d - b) / yields * 1e9 for d, b in zip(samples[design][key], samples["no DBO"][key])]
+    return statistics.median(vals), min(vals), max(vals)
+
+
+def export_base(rev: str, into: Path) -> ModuleType:
+    from compare_commits import export_base as export
+
+    return export(rev, into)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 layers, N = 2, one round, print only")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--base", default=None, help="also measure asyncdbo at this git revision, same rounds")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    import uvloop
+
+    import asyncdbo
+    from _results import publish_results, results_preamble
+
+    cells = [(2, 2)] if args.quick else [(61, 2), (61, 4), (61, 8), (15, 2), (15, 8)]
+    rounds = 1 if args.quick else args.rounds
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    head, dirty = git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain", "asyncdbo"))
+    now_name = f"asyncdbo {head}{'+changes' if dirty else ''}" if args.base else "asyncdbo"
+    pkgs: dict[str, ModuleType] = {now_name: asyncdbo}
+    command = "python benchmarks/host_overhead.py" + (" --quick" if args.quick else "")
+    command += f" --base {args.base}" if args.base else ""
+    with tempfile.TemporaryDirectory() as tmp, asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        if args.base:
+            rev = git("rev-parse", "--short", args.base)
+            pkgs = {f"asyncdbo {rev}": export_base(rev, Path(tmp)), **pkgs}
+        title = "Host overhead per yield: an eager ht step of primitives, no comm, no parking"
+        lines, info = results_preamble(title, command)
+        names = [*pkgs, "threads", "threads pinned"]
+        lines.append(
+            f"ns of host time per yield over the same code without DBO, medians of {rounds} interleaved rounds "
+            "[min..max] (each round's design minus the same round's no-DBO time); wall time, then the process's CPU "
+            f"time. `ht` primitive sequence, {YIELDS_PER_LAYER} yields per layer and ubatch, uvloop; a step is "
+            "`run_ubatches` with its set-up.\n"
+        )
+        head_row = ("| layers | N | no DBO us/step | " + " | ".join(f"{n} ns/yield wall" for n in names) + " | "
+                    + " | ".join(f"{n} ns/yield CPU" for n in names) + " |")
+        lines += [head_row, "|---:|---:|---:|" + "---:|" * (2 * len(names))]
+        extra: dict[tuple[int, int, str, str], float] = {}  # (layers, N, design, key) -> median s/step over no DBO
+        for layers, N in cells:
+            samples = measure(pkgs, layers, N, rounds, runner)
+            yields = layers * YIELDS_PER_LAYER * N
+            base_us = statistics.median(samples["no DBO"]["wall"]) * 1e6
+            row = [str(layers), str(N), f"{base_us:.0f}"]
+            for key in ("wall", "cpu"):
+                for n in names:
+                    med, lo, hi = per_yield(samples, n, key, yields)
+                    extra[(layers, N, n, key)] = med * yields / 1e9
+                    row.append(f"{med:,.0f} [{lo:,.0f}..{hi:,.0f}]")
+            lines.append("| " + " | ".join(row) + " |")
+            print(f"layers={layers} N={N} done", file=sys.stderr)
+        slopes = [(lo, hi, N) for lo, hi in ((15, 61),) for N in (2, 8) if (lo, N) in cells and (hi, N) in cells]
+        if slopes:
+            lines += [
+                "",
+                "Marginal host time per yield, without the per-run set-up: (overhead at 61 layers - overhead at 15 "
+                "layers) / (46 x 3 x N), from the medians above.",
+                "",
+                "| N | design | marginal ns/yield wall | marginal ns/yield CPU |",
+                "|---:|---|---:|---:|",
+            ]
+            for lo, hi, N in slopes:
+                for n in names:
+                    marg = {k: (extra[(hi, N, n, k)] - extra[(lo, N, n, k)]) / ((hi - lo) * YIELDS_PER_LAYER * N)
+                            for k in ("wall", "cpu")}
+                    lines.append(f"| {N} | {n} | {marg['wall'] * 1e9:,.0f} | {marg['cpu'] * 1e9:,.0f} |")
+        lines.append(
+            "\nCPU time is the process's (every thread's), sampled with `time.process_time`, whose resolution on Linux "
+            "is fine enough for these ~10 ms samples."
+        )
+    publish_results("\n".join(lines) + "\n", args.out if args.out is not None else (None if args.quick else RESULTS),
+                    "host_overhead", info)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
