@@ -44,6 +44,10 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
     return factories
 
 
+#: Start-up bound of the tests' rank pools (spawn, import torch, join the group), generous for a
+#: loaded machine: 30 s ran out in a full run beside a CPU hog at load average ~15.
+START_TIMEOUT_S = 180.0
+
 class RankPools:
     """One live :class:`RankPool` per world size, started on first use and reused by every test
     of the session; a pool closed by a failure is replaced on the next request."""
@@ -54,7 +58,8 @@ class RankPools:
     def get(self, world_size: int, *, timeout_s: float = 60.0) -> RankPool:
         pool = self._pools.get(world_size)
         if pool is None or pool._closed:
-            pool = self._pools[world_size] = RankPool(world_size, timeout_s=timeout_s)
+            # start-up imports torch in every rank: on a loaded 2-core machine that took over 30 s
+            pool = self._pools[world_size] = RankPool(world_size, timeout_s=timeout_s, start_timeout_s=START_TIMEOUT_S)
         return pool
 
     def close(self) -> None:

@@ -58,7 +58,7 @@ def test_demo_decode_on_three_ranks_says_why_it_did_not_microbatch(capsys: pytes
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[RankPool]:
-    with RankPool(2, timeout_s=60.0) as p:
+    with RankPool(2, timeout_s=60.0, start_timeout_s=180.0) as p:
         yield p
 
 

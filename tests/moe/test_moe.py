@@ -153,7 +153,7 @@ def test_other_config_errors(kwargs: dict[str, Any], message: str) -> None:
 def test_a_rank_failing_mid_forward_makes_its_peer_fail_not_hang() -> None:
     # A separate pool with a 10 s collective timeout: rank 1's experts raise after the dispatch
     # (it returns its error as a value); rank 0 waits in the combine until gloo's timeout.
-    with RankPool(2, timeout_s=10.0) as small:
+    with RankPool(2, timeout_s=10.0, start_timeout_s=180.0) as small:
         with pytest.raises(RankError, match=r"rank\(s\) \[0\] failed during moe_raise_mid_forward") as info:
             small.run(moe_raise_mid_forward, timeout_s=40.0)
     assert info.value.ranks == (0,)

@@ -71,9 +71,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+#: as tests/conftest.py: start-up on a loaded machine took over 30 s
+START_TIMEOUT_S = 180.0
+
+
 @pytest.fixture(scope="module")
 def pool() -> Iterator[RankPool]:
-    with RankPool(2, timeout_s=30.0) as p:
+    with RankPool(2, timeout_s=30.0, start_timeout_s=START_TIMEOUT_S) as p:
         yield p
 
 
@@ -142,7 +146,7 @@ def test_a_squatter_on_every_port_handed_out_cannot_deny_start_up(monkeypatch: p
     monkeypatch.setattr(testing, "free_port", lambda: taken)
     monkeypatch.setattr(ranks, "free_port", lambda: taken)
     try:
-        with RankPool(2, timeout_s=30.0) as pool:
+        with RankPool(2, timeout_s=30.0, start_timeout_s=180.0) as pool:
             assert pool.run(_all_reduce_rank) == [3, 3]
             assert taken not in {port for _, _, port in listening_sockets(pool.pids)}
     finally:
@@ -181,7 +185,7 @@ def test_run_ranks_is_one_shot_and_ends_its_processes() -> None:
 
 @pytest.mark.timeout(120)
 def test_close_ends_every_process_and_the_pool_refuses_later_calls() -> None:
-    with RankPool(3, timeout_s=30.0) as pool:
+    with RankPool(3, timeout_s=30.0, start_timeout_s=180.0) as pool:
         assert pool.run(_all_reduce_rank) == [6, 6, 6]
         pids = pool.pids
         assert all(_alive(pid) for pid in pids)
@@ -192,7 +196,7 @@ def test_close_ends_every_process_and_the_pool_refuses_later_calls() -> None:
 
 @pytest.mark.timeout(120)
 def test_rank_exception_names_the_rank_and_carries_its_traceback() -> None:
-    pool = RankPool(2, timeout_s=30.0)
+    pool = RankPool(2, timeout_s=30.0, start_timeout_s=180.0)
     with pytest.raises(RankError, match=r"rank\(s\) \[1\] failed during _raise_on_rank1") as info:
         pool.run(_raise_on_rank1)
     assert info.value.ranks == (1,)
@@ -206,7 +210,7 @@ def test_rank_exception_names_the_rank_and_carries_its_traceback() -> None:
 
 @pytest.mark.timeout(120)
 def test_dead_rank_fails_fast_even_while_its_peer_is_busy() -> None:
-    pool = RankPool(2, timeout_s=30.0)
+    pool = RankPool(2, timeout_s=30.0, start_timeout_s=180.0)
     pids = pool.pids
     start = time.monotonic()
     with pytest.raises(
@@ -220,7 +224,7 @@ def test_dead_rank_fails_fast_even_while_its_peer_is_busy() -> None:
 
 @pytest.mark.timeout(120)
 def test_call_past_its_timeout_names_the_silent_rank() -> None:
-    pool = RankPool(2, timeout_s=30.0)
+    pool = RankPool(2, timeout_s=30.0, start_timeout_s=180.0)
     pool.run(_pid)  # warm up: the first call imports this module in the workers (slow under load)
     start = time.monotonic()
     with pytest.raises(RankError, match=r"rank\(s\) \[0\] timed out during _sleep_on_rank0") as info:
@@ -237,7 +241,7 @@ def test_workers_exit_when_the_parent_dies() -> None:
     script = (
         "import os, sys\n"
         "from asyncdbo.testing import RankPool\n"
-        "pool = RankPool(2, timeout_s=30.0)\n"
+        "pool = RankPool(2, timeout_s=30.0, start_timeout_s=180.0)\n"
         "print(*pool.pids, flush=True)\n"
         "os._exit(0)\n"  # no close(): the workers are orphaned
     )
