@@ -213,7 +213,7 @@ async def test_png_timeline_and_the_trace_command(tmp_path: Path, capsys: pytest
     path = tmp_path / "trace.json"
     tracer.export(path)
     cli_png = tmp_path / "cli.png"
-    assert cli_main(["trace", str(path), "--png", str(cli_png), "--width", "640", "--print-numbers"]) == 0
+    assert cli_main(["trace", str(path), "--png", str(cli_png), "--width", "640"]) == 0  # numbers printed too
     assert png_size(cli_png) == (640, 232)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"wrote {cli_png} (640x232 px)"
@@ -227,7 +227,7 @@ def test_the_trace_command_reports_unreadable_input(tmp_path: Path, capsys: pyte
     bad.write_text("{}")
     assert cli_main(["trace", str(bad)]) == 2
     assert capsys.readouterr().err == (
-        f"asyncdbo trace: cannot read {str(bad)!r}: {str(bad)!r} is not a Chrome trace JSON object with 'traceEvents'\n"
+        f"asyncdbo trace: cannot read {str(bad)!r}: it is JSON but not a Chrome trace: no 'traceEvents' list at the top level\n"
     )
     with pytest.raises(ValueError, match=r"the trace has no asyncdbo spans to draw"):
         render_png({"traceEvents": []}, tmp_path / "x.png")
