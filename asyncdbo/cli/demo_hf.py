@@ -207,7 +207,8 @@ def main_hf(args: argparse.Namespace) -> int:
 
     try:
         if importlib.util.find_spec("transformers") is None:
-            raise ValueError("--model needs transformers (configs and the reference): pip install 'asyncdbo[hf]'")
+            raise ValueError("--model needs transformers (configs and the reference), the optional 'hf' extra: in your "
+                             "asyncdbo clone, pip install -e '.[hf]' (asyncdbo is not on PyPI yet)")
         if args.launcher != "local":
             raise ValueError("--model runs with --launcher local only")
         if args.model == "mini":

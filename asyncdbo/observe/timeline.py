@@ -8,7 +8,7 @@ on the same rank (in practice: of the other ubatch) is drawn green on the comm l
 overlap DBO is for, and the same measure as ``RunNumbers.comm_hidden_s``. The title carries each
 rank's numbers.
 
-matplotlib is an optional extra (``pip install 'asyncdbo[plot]'``); it is imported only here, and
+matplotlib is the optional 'plot' extra (in a clone: ``pip install -e '.[plot]'``); it is imported only here, and
 drawn through the Agg canvas directly so that no global matplotlib backend is changed.
 """
 
@@ -31,7 +31,8 @@ def _import_matplotlib() -> tuple[Any, Any]:
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise ModuleNotFoundError(
-            "PNG timelines need matplotlib, which is the optional 'plot' extra: pip install 'asyncdbo[plot]'"
+            "PNG timelines need matplotlib, the optional 'plot' extra: in your asyncdbo clone, "
+            "pip install -e '.[plot]' (asyncdbo is not on PyPI yet), or pip install matplotlib"
         ) from exc
     return Figure, FigureCanvasAgg
 
