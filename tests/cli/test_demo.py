@@ -128,13 +128,13 @@ def test_a_failed_rank_is_reported_by_its_exception_line() -> None:
         "Traceback (most recent call last):\n"
         '  File "x.py", line 1, in f\n'
         "    await received\n"
-        "asyncdbo._core.errors.DeadlockError: asyncdbo deadlock in run 'step6': every live ubatch waits. Ubatch stacks:\n"
+        "asyncdbo.DeadlockError: asyncdbo deadlock in run 'step6': every live ubatch waits. Ubatch stacks:\n"
         "ubatch 0: parked, last yield point 'combine_send'\n"
         '  File "layer.py", line 318, in _forward_ll\n'
         "    await received\n"
     )
     assert error_line(deadlock) == (
-        "asyncdbo._core.errors.DeadlockError: asyncdbo deadlock in run 'step6': every live ubatch waits. Ubatch stacks:"
+        "asyncdbo.DeadlockError: asyncdbo deadlock in run 'step6': every live ubatch waits. Ubatch stacks:"
     )
     assert error_line("process died (exit code 3) during demo_rank") == "process died (exit code 3) during demo_rank"
 
