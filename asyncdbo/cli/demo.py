@@ -39,6 +39,7 @@ import torch
 from ..moe.config import Schedule
 from .demo_memory import check_memory, rank_bytes
 from .inputs import check_output_dir, check_timeout
+from .progress import Progress, wants_progress
 
 __all__ = ["DemoConfig", "add_arguments", "demo_rank", "error_line", "main", "passed", "rank_bytes", "summarize"]
 
@@ -82,6 +83,7 @@ class DemoConfig:
     decode_threshold: int = 32
     deterministic: str = "auto"
     timeout_s: float = 120.0  # bounds a stuck rank or collective: group timeout and runner watchdog
+    progress: bool = False  # rank 0 keeps a "[step i/N]" line on stderr (set when stderr is a terminal)
 
     def __post_init__(self) -> None:
         for name in ("ranks", "layers", "experts", "top_k", "hidden", "ubatches", "steps"):
@@ -201,6 +203,8 @@ async def _demo_rank_async(rank: int, world: int, cfg: DemoConfig, device: torch
         else:
             batch = builder.build(_decode_chunks(cfg, rank, i, mcfg.vocab_size, 1))
         last = i == cfg.warmup + cfg.steps - 1
+        if cfg.progress and rank == 0:
+            _show_step(i, cfg)
         results = {}
         for mode in ("serial", "dbo"):
             tracer = Tracer(rank=rank)
@@ -221,6 +225,14 @@ async def _demo_rank_async(rank: int, world: int, cfg: DemoConfig, device: torch
         out["max_abs_diff"] = max(out["max_abs_diff"], diff)
         out["bitwise"] &= torch.equal(results["serial"].logits_TV, results["dbo"].logits_TV)
     return out
+
+
+def _show_step(i: int, cfg: DemoConfig) -> None:
+    """Rank 0's status line, counted as the user counts (1..N; warm-up steps first, as in the
+    header), rewritten in place; the launcher erases it before printing the table."""
+    kind = "warm-up" if i < cfg.warmup else "timed"
+    sys.stderr.write(f"\r\033[K[{i + 1}/{cfg.warmup + cfg.steps}] step {i + 1} ({kind}): serial, then DBO ...")
+    sys.stderr.flush()
 
 
 def demo_rank(rank: int, world: int, cfg: DemoConfig) -> dict[str, Any]:
@@ -363,6 +375,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=("mini", "mixtral", "qwen3-moe", "deepseek-v3"), default="mini",
                    help="mini: the small reference model; or a Hugging Face architecture, checked against "
                         "transformers (see asyncdbo.cli.demo_hf; --layers/--experts/--top-k/--hidden come from its config) [%(default)s]")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress lines (they are only written to a terminal anyway)")
     p.add_argument("--weights", metavar="DIR", default=None,
                    help="--model: a local checkpoint directory (config.json + safetensors); default: a tiny random model")
 
@@ -376,11 +390,15 @@ def _config_from_args(args: argparse.Namespace, ranks: int | None = None) -> Dem
         link=None if args.link == "none" else args.link, link_scale=args.link_scale,
         trace=args.trace, seed=args.seed, prefill_threshold=args.prefill_threshold,
         decode_threshold=args.decode_threshold, deterministic=args.deterministic, timeout_s=args.timeout,
+        progress=wants_progress(getattr(args, "quiet", False)),
     )
 
 
 def _report(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> int:
     s = summarize(cfg, per_rank)
+    if cfg.progress:  # erase rank 0's status line (torchrun: this process is rank 0)
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
     print(_format(cfg, s))
     if cfg.trace:
         import json
@@ -425,12 +443,17 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"asyncdbo demo: error: {exc}", file=sys.stderr)
         return 2
+    progress = Progress(cfg.warmup + cfg.steps, f"steps (each serial, then DBO) on {cfg.ranks} ranks",
+                        enabled=cfg.progress)
+    progress.step(0, f"starting {cfg.ranks} ranks")
     try:
         # --timeout bounds every collective and every wait of a step (group timeout, watchdog),
         # not the run: a healthy run of any length finishes; a stuck rank fails its peers.
         with RankPool(cfg.ranks, timeout_s=cfg.timeout_s, start_timeout_s=max(cfg.timeout_s, START_TIMEOUT_S)) as pool:
             per_rank = pool.run(demo_rank, cfg, timeout_s=math.inf)
     except RankError as exc:
+        progress.done()
         print(f"asyncdbo demo: error: {exc.root_line()}", file=sys.stderr)
         return 1
+    progress.done()
     return _report(cfg, per_rank)
