@@ -168,6 +168,8 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
     from ..sim.predict import Prediction, predict, sim_trace
 
     policies = ["role", "ubatch"] if args.stream_policy == "both" else [args.stream_policy]
+    progress = Progress(len(args.tokens) * len(policies), "configurations (serial and DBO each)",
+                        enabled=wants_progress(getattr(args, "quiet", False)))
     _header(args, model, dep, args.shape)
     head = f"{'tokens/rank':>11} {'serial us':>10}"
     for pol in policies:
@@ -178,8 +180,6 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
     lost: dict[str, int] = {}
-    progress = Progress(len(args.tokens) * len(policies), "configurations (serial and DBO each)",
-                        enabled=wants_progress(getattr(args, "quiet", False)))
     for t_i, tokens in enumerate(args.tokens):
         row = f"{tokens:>11}"
         for i, pol in enumerate(policies):
