@@ -306,7 +306,7 @@ def summarize(case: Case, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
     rows = [
-        "| case | design | step ms [min..max] | / serial | / threads | compute ms | comm ms | comm hidden | overhead ms | peak MiB |",
+        "| case | design | step ms [min..max] | speedup vs serial | speedup vs threads | compute ms | comm ms | comm hidden | overhead ms | peak MiB |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for case, s in results:
@@ -314,7 +314,7 @@ def table(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
             x = s[d]
             rows.append(
                 f"| {case.name} | {d} | {x['step_s'] * 1e3:.1f} [{x['min_step_s'] * 1e3:.1f}..{x['max_step_s'] * 1e3:.1f}] | "
-                f"{x['step_s'] / s['serial']['step_s']:.2f} | {x['step_s'] / s['threads']['step_s']:.2f} | "
+                f"{s['serial']['step_s'] / x['step_s']:.2f}x | {s['threads']['step_s'] / x['step_s']:.2f}x | "
                 f"{x['compute_s'] * 1e3:.1f} | {x['comm_s'] * 1e3:.1f} | {x['hidden_share']:.0%} | "
                 f"{x['overhead_s'] * 1e3:.2f} | {x['peak_bytes'] / 2**20:.1f} |"
             )
