@@ -161,7 +161,11 @@ async def test_chrome_export_has_a_track_per_ubatch_and_the_numbers(tmp_path: Pa
     xs = [(e["tid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"]
     assert xs == [(0, "ub0:start"), (0, "ub0:attn"), (0, "wait: Future"), (0, "ub0:attn"), (0, "ub0:moe"),
                   (100, "ub1:start"), (100, "ub1:attn"), (100, "ub1:moe")]  # track by track, each in time order
-    assert trace["otherData"]["asyncdbo"]["ranks"] == [{"rank": 1, "steps": [_asdict(tracer.numbers())]}]
+    origin = tracer.steps[0].t0  # the step's first resume, on perf_counter
+    assert trace["otherData"]["asyncdbo"]["ranks"] == [{"rank": 1, "steps": [_asdict(tracer.numbers())], "origin_s": origin}]
+    # timestamps count from the step's start; the absolute origin is in the metadata
+    assert trace["otherData"]["asyncdbo"]["origin_s"] == origin
+    assert min(e["ts"] for e in trace["traceEvents"] if e["ph"] == "X") == 0.0
     path = tmp_path / "rank1.json"
     tracer.export(path)
     assert json.loads(path.read_text()) == json.loads(json.dumps(trace))
