@@ -221,6 +221,10 @@ async def _demo_rank_async(rank: int, world: int, cfg: DemoConfig, device: torch
                 })
             if last and mode == "dbo" and cfg.trace:
                 out["trace"] = tracer.to_chrome()
+                out["trace"]["otherData"]["asyncdbo"]["title"] = (
+                    f"asyncdbo demo: the DBO run of step {i + 1} of {cfg.warmup + cfg.steps} ({cfg.warmup} warm-up + "
+                    f"{cfg.steps} timed; every step runs serial, then DBO, and the runner counts both, so it calls this run "
+                    f"{tracer.numbers().name!r})")
         diff = (results["serial"].logits_TV - results["dbo"].logits_TV).abs().max().item() if batch.num_tokens else 0.0
         out["max_abs_diff"] = max(out["max_abs_diff"], diff)
         out["bitwise"] &= torch.equal(results["serial"].logits_TV, results["dbo"].logits_TV)
