@@ -215,8 +215,12 @@ def _workload(args: argparse.Namespace, model: Any, dep: Any) -> int:
     _header(args, model, dep, None)
     print(f"workload: {'synthetic (seed 0)' if args.workload == 'synthetic' else args.workload}, {len(steps)} steps "
           f"x {ranks} DP ranks, split policy {args.split_policy}")
+    progress = Progress(len(steps), "workload steps (each simulated serial and, if it splits, DBO)",
+                        enabled=wants_progress(getattr(args, "quiet", False)))
     res = replay(steps, model=model, deployment=dep, ubatches=args.ubatches, policy=args.split_policy,
-                 stream_policy="role" if args.stream_policy == "both" else args.stream_policy, check_races=args.check_races)
+                 stream_policy="role" if args.stream_policy == "both" else args.stream_policy, check_races=args.check_races,
+                 on_step=lambda i, n: progress.step(i, f"step {i} of {n}"))
+    progress.done()
     print(f"throughput, real tokens of all ranks per second of MoE-layer time: {res.tokens / res.serial_s / 1e6:.2f} M "
           f"without DBO, {res.tokens / res.dbo_s / 1e6:.2f} M with: speedup {1 + res.gain:.2f}x")
     split = [s for s in res.steps if s.microbatched]
