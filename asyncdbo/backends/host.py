@@ -130,15 +130,22 @@ class HostBackend(StreamBackend):
         return f"host (modeled link {self.link.name}: {self.link.latency_s * 1e6:g} us + {self.link.bandwidth_Bps / 1e9:g} GB/s)"
 
     def attach(self, run: DBORun, state: RunStreams) -> None:
-        # The CPU is one compute stream for every ubatch; under the ubatch policy each ubatch gets
-        # a comm stream of its own (its own FIFO of works), as a device backend gives it one.
+        # Under the ubatch policy each ubatch gets a compute and a comm stream of its own, as a
+        # device backend gives it: the CPU runs every ubatch's compute inline either way, but a
+        # stream is also the FIFO of comm works an event recorded on it covers. One compute stream
+        # shared by all ubatches made a ubatch's event cover the others' comm issued from compute
+        # (the ll schedule's counts), and two ranks could then wait on each other (4 ubatches).
         cpu = HostStream("compute", inline=True)
         shared_comm = HostStream("comm", inline=False)
         for lane in state.lanes:
-            comm = shared_comm if state.policy == "role" else HostStream(f"ub{lane.ub.id}:comm", inline=False)
-            lane.streams = {"compute": cpu, "comm": comm}
+            if state.policy == "role":
+                compute, comm = cpu, shared_comm
+            else:
+                ub = lane.ub.id
+                compute, comm = HostStream(f"ub{ub}:compute", inline=True), HostStream(f"ub{ub}:comm", inline=False)
+            lane.streams = {"compute": compute, "comm": comm}
             lane.events = {"compute": HostEvent(), "comm": HostEvent()}
-            lane.stream = lane.ub.resume_with = cpu
+            lane.stream = lane.ub.resume_with = compute
 
     def new_event(self) -> HostEvent:
         return HostEvent()

@@ -69,14 +69,50 @@ def dbo_register_recv_hook(hook: Callable[[], object]) -> RecvHookHandle:
         return handle
     handle = RecvHookHandle(hook, ub.id, target.id)
     lane = target.ext
-    if lane.recv_hook is not None:
+    held = lane.recv_hook
+    if held is None:
+        lane.recv_hook = handle._run
+        return handle
+    owners = _owners(held)
+    if ub.id in owners:
         raise RuntimeError(
             f"ubatch {ub.id} registered a recv hook on ubatch {target.id}, which still holds an unrun hook "
-            f"({lane.recv_hook!r}); the earlier receive would be lost. Call dbo_maybe_run_recv_hook() in "
-            "every ubatch before it registers its next hook."
+            f"of ubatch {ub.id} ({held!r}); the earlier receive would be lost. Call dbo_maybe_run_recv_hook() "
+            "in every ubatch before it registers its next hook."
         )
-    lane.recv_hook = handle._run
+    # With three or more ubatches the next live one may already hold another ubatch's hook (the
+    # ones between them parked): it launches both, in the order they were registered.
+    lane.recv_hook = _HookChain(held, handle._run, (*owners, ub.id))._run
     return handle
+
+
+class _HookChain:
+    """Hooks of several ubatches held by one: run in registration order, all of them even if one
+    raises (the first error propagates once the rest are launched)."""
+
+    __slots__ = ("first", "then", "owners", "owner")
+
+    def __init__(self, first: Callable[[], object], then: Callable[[], object], owners: tuple[int, ...]) -> None:
+        self.first, self.then, self.owners, self.owner = first, then, owners, owners[0]
+
+    def _run(self) -> None:
+        try:
+            self.first()
+        except BaseException as exc:
+            try:
+                self.then()  # its owner waits on it too; its own failure reaches it through its handle
+            except BaseException as later:
+                exc.add_note(f"asyncdbo: the recv hook launched after it failed too: {later!r}")
+            raise
+        self.then()
+
+
+def _owners(hook: Callable[[], object]) -> tuple[int, ...]:
+    held = getattr(hook, "__self__", None)
+    if isinstance(held, _HookChain):
+        return held.owners
+    assert isinstance(held, RecvHookHandle), f"a lane holds a hook that is no handle: {hook!r}"
+    return (held.owner,)
 
 
 def dbo_maybe_run_recv_hook() -> None:

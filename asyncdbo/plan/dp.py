@@ -224,7 +224,7 @@ def agree_across_dp(
 
     One ``all_reduce`` (SUM) on an int64 tensor on ``device`` (CPU for gloo, the rank's GPU for
     NCCL), then one host read of the result.  Every rank must call this once per step with the
-    same ``num_ubatches``; a mismatch raises RuntimeError on every rank.  Without an initialised
+    same ``num_ubatches``; a mismatch raises ValueError on every rank, naming each rank's count.  Without an initialised
     process group the decision is local (a group of one).  ``recover=True`` votes *recover* (this
     rank's previous step failed): then every rank of the vote raises :class:`RecoveryVote`.
     """
@@ -260,9 +260,10 @@ def agree_across_dp(
     if recovering:
         raise RecoveryVote(recovering)
     if len(set(table[_NUM_UBATCHES])) != 1:
-        raise RuntimeError(
-            f"ranks disagree on num_ubatches ({table[_NUM_UBATCHES]}, by rank); every rank must "
-            f"plan the same number of ubatches"
+        by_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(table[_NUM_UBATCHES]))
+        raise ValueError(
+            f"ranks disagree on num_ubatches ({by_rank}); every rank of the DP group must plan the "
+            f"same number of ubatches: pass one num_ubatches (RunnerConfig.num_ubatches) to all of them"
         )
     votes = [
         RankVote(

@@ -141,14 +141,19 @@ def plan_step(
 
     local = _local_vote(qsl, num_ubatches, policy, thresholds, enabled, is_idle, num_tokens_padded, min_share)
     decision: DPDecision | None = None
-    if num_ubatches == 1:
-        # Every rank passes the same num_ubatches, so every rank skips the vote alike.
-        microbatched, reason, detail, padded = False, PlanReason.SINGLE_UBATCH, "num_ubatches is 1", local.padded
-    elif dp_group is not None:
+    if dp_group is not None:
+        # The vote runs even with num_ubatches == 1: a rank cannot know that its peers plan the
+        # same number, and a 1-vs-2 mismatch skipped here would leave the others waiting in
+        # their first collective until a timeout. The vote names the mismatch on every rank.
         decision = agree_across_dp(local, num_ubatches, dp_group, device=device, max_imbalance=max_imbalance)
-        microbatched, reason = decision.should_ubatch, decision.reason
-        detail = decision.detail or local.detail
-        padded = decision.num_tokens_padded if microbatched else local.padded
+        if num_ubatches == 1:
+            microbatched, reason, detail, padded = False, PlanReason.SINGLE_UBATCH, "num_ubatches is 1", local.padded
+        else:
+            microbatched, reason = decision.should_ubatch, decision.reason
+            detail = decision.detail or local.detail
+            padded = decision.num_tokens_padded if microbatched else local.padded
+    elif num_ubatches == 1:
+        microbatched, reason, detail, padded = False, PlanReason.SINGLE_UBATCH, "num_ubatches is 1", local.padded
     else:
         vote = RankVote(0, local.vote, local.reason, local.num_tokens_unpadded, local.padded)
         d = decide_from_votes([vote])

@@ -86,7 +86,6 @@ class ModelShape:
 
         return MoEConfig(hidden_size=self.hidden, intermediate_size=self.intermediate, num_experts=self.experts,
                          top_k=self.top_k, num_shared_experts=self.shared_experts, schedule=schedule,  # type: ignore[arg-type]
-                         deterministic=False,  # the modeled device is an accelerator: the mode is off there
                          **self.routing)
 
     def describe(self) -> str:

@@ -246,6 +246,37 @@ async def test_registering_over_an_unrun_hook_is_an_error_instead_of_a_lost_rece
         await run_ubatches(fwd, [(0,), (1,)])
 
 
+async def test_with_three_ubatches_the_next_live_one_launches_two_hooks_in_registration_order() -> None:
+    """ub1 leaves its hook with ub2 and parks; ub0 then finds ub1 parked and leaves its hook with ub2
+    too: ub2 launches both, ub1's first (with 2 ubatches this cannot happen; with 4, the ll schedule
+    met it when two ubatches parked at once)."""
+    trace: list[str] = []
+
+    async def fwd(i: int) -> None:
+        if i == 0:
+            await dbo_yield("first")
+            handle = dbo_register_recv_hook(lambda: trace.append("ub0's recv"))
+            dbo_record_event("ub1 go")
+            await handle
+            trace.append("ub0 finished")
+        elif i == 1:
+            handle = dbo_register_recv_hook(lambda: trace.append("ub1's recv"))
+            await dbo_wait_event("ub1 go")
+            trace.append("ub1 woke")
+            await handle
+            trace.append("ub1 finished")
+        else:
+            await dbo_yield("before")
+            trace.append("ub2 runs its hooks")
+            dbo_maybe_run_recv_hook()
+            trace.append("ub2 finished")
+
+    await run_ubatches(fwd, [(0,), (1,), (2,)])
+    # ub0's record wakes ub1 behind ub2, which was already waiting its turn
+    assert trace == ["ub2 runs its hooks", "ub1's recv", "ub0's recv", "ub2 finished",
+                     "ub1 woke", "ub1 finished", "ub0 finished"]
+
+
 # ---------------------------------------------------------------- explicit events (CANN style)
 
 

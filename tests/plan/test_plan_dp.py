@@ -155,10 +155,10 @@ def _every_ubatch_joins_the_collectives(rank: int, world_size: int, qsl_by_rank:
     return sums
 
 
-def _mismatched_num_ubatches(rank: int, world_size: int) -> str:
+def _mismatched_num_ubatches(rank: int, world_size: int, counts: list[int]) -> str:
     try:
-        plan_step(prefill(100), dp_group=dist.group.WORLD, thresholds=LOW, num_ubatches=2 + rank)
-    except RuntimeError as e:
+        plan_step(prefill(100), dp_group=dist.group.WORLD, thresholds=LOW, num_ubatches=counts[rank])
+    except ValueError as e:
         return str(e)
     return "no error"
 
@@ -211,8 +211,13 @@ def test_imbalance_falls_out_only_when_asked(pool: RankPool) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_mismatched_num_ubatches_fails_on_every_rank(pool: RankPool) -> None:
-    msg = "ranks disagree on num_ubatches ([2, 3], by rank); every rank must plan the same number of ubatches"
-    assert pool.run(_mismatched_num_ubatches) == [msg, msg]
+    """A rank planning 1 ubatch still votes (it used to skip the vote and leave its peer waiting in
+    the first collective until a timeout): every rank gets the same error, naming every count."""
+    for counts in ([2, 3], [1, 2], [2, 1]):
+        by_rank = f"rank 0: {counts[0]}, rank 1: {counts[1]}"
+        msg = (f"ranks disagree on num_ubatches ({by_rank}); every rank of the DP group must plan the same number "
+               "of ubatches: pass one num_ubatches (RunnerConfig.num_ubatches) to all of them")
+        assert pool.run(_mismatched_num_ubatches, counts) == [msg, msg], counts
 
 
 @pytest.mark.slow
