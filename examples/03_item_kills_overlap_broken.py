@@ -10,8 +10,9 @@ a GPU the same happens with ``.item()`` on a tensor the comm stream writes: the 
 device and stops queuing the other ubatch's kernels.)
 
 The comm runs over a one-rank gloo group with a modeled link (each message takes 4 ms and no CPU),
-so this runs on any CPU. The step is sized so that comm and compute are about equal per layer,
-where DBO can pay most. Every number printed is measured: the wall times by the tracer, the
+so this runs on any CPU. The step is sized so that comm and compute are about equal per layer
+(two 4 ms messages against about 7 ms of expert compute for both halves together, measured on a
+2-core VM), where DBO can pay most. Every number printed is measured: the wall times by the tracer, the
 blocked time by debug mode's blocking detector (``debug=True``: a step between two yields that
 spends more than ``blocking_s`` off the CPU, neither computing nor waiting for a core), run on
 the serial and the DBO step alike.
@@ -21,9 +22,10 @@ without yielding): on the host backend the CPU is the compute stream, so a yield
 issue would only delay the comm behind the other ubatch's compute.
 
 What it shows: DBO slower than serial (a speedup below 1x; 0.88-0.90x in two runs on a shared
-2-core VM), and the CPU blocked for about one link latency per ubatch and layer. ``04_item_kills_overlap_fixed.py``
-is the same step with the wait made a park; ``tests/docs/test_examples_claims.py`` runs both in
-one process, alternating, and checks that 04's speedup is at least 1.15x this one's.
+2-core VM), and the CPU blocked for about one link latency per ubatch and layer.
+``04_item_kills_overlap_fixed.py`` is the same step with the wait made a park;
+``tests/docs/test_examples_claims.py`` runs both in one process, alternating, and checks that
+04's speedup is at least 1.15x this one's.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ computes.
 
 What it shows, measured the same way as 03 (tracer wall times; debug mode's blocking detector on
 the serial and the DBO step alike): a speedup above 1x (1.15-1.37x in two runs on a shared 2-core
-VM, where 03 gave 0.88-0.90x), and no step blocked. ``tests/docs/test_examples_claims.py`` runs both in one process, alternating, and
-checks that this speedup is at least 1.15x 03's.
+VM, where 03 gave 0.88-0.90x), and no step blocked. ``tests/docs/test_examples_claims.py`` runs
+both in one process, alternating, and checks that this speedup is at least 1.15x 03's.
 
 The same rule on a GPU: never read a comm result on the host (``.item()``, ``.tolist()``,
 ``.cpu()``, ``if tensor:``) before yielding; yield first, or keep the value on the device.
