@@ -202,7 +202,7 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
     rows = [
-        "| case | mode | serial ms [min..max] | DBO ms [min..max] | DBO / serial | max abs diff DBO vs serial |",
+        "| case | mode | serial ms [min..max] | DBO ms [min..max] | speedup (serial / DBO) | max abs diff DBO vs serial |",
         "|---|---|---|---|---:|---:|",
     ]
     for case, s in results:
@@ -211,7 +211,7 @@ def table(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
             rows.append(
                 f"| {case.name} | {label} | {ser['med'] * 1e3:.1f} [{ser['min'] * 1e3:.1f}..{ser['max'] * 1e3:.1f}] | "
                 f"{dbo['med'] * 1e3:.1f} [{dbo['min'] * 1e3:.1f}..{dbo['max'] * 1e3:.1f}] | "
-                f"{dbo['med'] / ser['med']:.2f} | {s['diff'][label]:.3g} |"
+                f"{ser['med'] / dbo['med']:.2f}x | {s['diff'][label]:.3g} |"
             )
     rows += ["", "| case | CPU ms serial off / on | CPU ms DBO off / on | wall: serial on / off | wall: DBO on / off "
              "| CPU: serial on / off | CPU: DBO on / off |", "|---|---|---|---:|---:|---:|---:|"]

@@ -136,7 +136,7 @@ serial(); dbo()  # warm-up
 s_med, s_lo, s_hi = device_ms(serial)
 d_med, d_lo, d_hi = device_ms(dbo)
 print(f"### 1. overlap: {LAYERS} layers, {T} tokens x {D} hidden, fp32; comm = pinned D2H+H2D copy on the comm stream")
-print(f"serial {s_med:.2f} ms [{s_lo:.2f}..{s_hi:.2f}], DBO {d_med:.2f} ms [{d_lo:.2f}..{d_hi:.2f}], DBO/serial {d_med / s_med:.2f}")
+print(f"serial {s_med:.2f} ms [{s_lo:.2f}..{s_hi:.2f}], DBO {d_med:.2f} ms [{d_lo:.2f}..{d_hi:.2f}], speedup {s_med / d_med:.2f}x (serial / DBO)")
 
 # ---------------------------------------------------------------- 2. cuda graph
 L2, T2, D2 = 8, 64, 256

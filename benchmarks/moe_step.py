@@ -306,18 +306,18 @@ def summarize(case: Case, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
     rows = [
-        "| case | N | design | step ms [min..max] | / serial (paired) | / threads vLLM (paired) | compute ms | comm ms | comm hidden | "
+        "| case | N | design | step ms [min..max] | speedup vs serial (paired) | speedup vs threads vLLM (paired) | compute ms | comm ms | comm hidden | "
         "overhead ms | msgs | bound ms (compute / comm / chain) | step / bound | peak MiB |",
         "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for case, s in results:
         for d in case.designs:
             x = s[d]
-            vs_threads = f"{s['paired'][(d, 'threads vLLM')]:.2f}" if "threads vLLM" in s else "-"
+            vs_threads = f"{1 / s['paired'][(d, 'threads vLLM')]:.2f}x" if "threads vLLM" in s else "-"
             rows.append(
                 f"| {case.name} | {case.ubatches if d != 'serial' else 1} | {d} | {x['step_s'] * 1e3:.1f} "
                 f"[{x['min_step_s'] * 1e3:.1f}..{x['max_step_s'] * 1e3:.1f}] | "
-                f"{s['paired'][(d, 'serial')]:.2f} | {vs_threads} | "
+                f"{1 / s['paired'][(d, 'serial')]:.2f}x | {vs_threads} | "
                 f"{x['compute_s'] * 1e3:.1f} | {x['comm_s'] * 1e3:.1f} | {x['hidden_share']:.0%} | "
                 f"{x['overhead_s'] * 1e3:.2f} | {x['messages']:.0f} | {x['bound_s'] * 1e3:.1f} ({x['compute_s'] * 1e3:.1f} / "
                 f"{x['comm_bound_s'] * 1e3:.1f} / {x['chain_s'] * 1e3:.1f}) | {x['step_per_bound']:.2f} | "
@@ -345,7 +345,7 @@ def goals(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
 def fused_table(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
     """Split vs fused dispatch per case and schedule, beside the link model's choice."""
     rows = [
-        "| case | N | schedule | split ms | fused ms | fused / split (paired) | msgs split / fused | link model: saved by fusing / "
+        "| case | N | schedule | split ms | fused ms | speedup of fused over split (paired) | msgs split / fused | link model: saved by fusing / "
         "padding cost (us, scaled link) | choice | right? |",
         "|---|---:|---|---:|---:|---:|---|---|---|---|",
     ]
@@ -359,7 +359,7 @@ def fused_table(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
             right = "yes" if (ratio < 1.0) == c.fused else "no"
             rows.append(
                 f"| {case.name} | {case.ubatches} | {sched} | {split['step_s'] * 1e3:.1f} | {fused['step_s'] * 1e3:.1f} | "
-                f"{ratio:.2f} | {split['messages']:.0f} / {fused['messages']:.0f} | {c.saved_s * 1e6:,.0f} / "
+                f"{1 / ratio:.2f}x | {split['messages']:.0f} / {fused['messages']:.0f} | {c.saved_s * 1e6:,.0f} / "
                 f"{c.padding_s * 1e6:,.0f} | {'fused' if c.fused else 'split'} | {right} |"
             )
     return rows

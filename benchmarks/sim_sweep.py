@@ -4,7 +4,7 @@ Each point is :func:`asyncdbo.sim.predict.predict`: DeepSeek-V3 (its published c
 library's MoE layer) on one rank of an EP group, run serially and as 2 DBO ubatches on the
 simulated device with the deployment defaults (decode: the ``ll`` schedule and CUDA-graph replay;
 prefill: ``ht``, eager; DeepEP kernels; EP 32 over InfiniBand and Ethernet, EP 8 inside one NVLink
-node); the gain is the per-layer ``serial / dbo - 1``. The peer numbers are published end-to-end
+node); the speedup is the per-layer ``serial / dbo`` (asyncdbo's one speed convention). The peer numbers are published end-to-end
 measurements of SGLang's two-batch overlap on H100 (the sim's calibration and held-out points, see
 docs/sim.md), on the plot beside the H200 predictions.
 
@@ -76,7 +76,7 @@ def sweep(quick: bool) -> list[dict[str, object]]:
             "shape": shape, "tokens": tokens, "link": link, "serial_us": p.serial_layer_s * 1e6, "dbo_us": p.dbo_layer_s * 1e6,
             "gain": p.gain, "hidden": p.hidden_comm_share, "cpu_s": time.perf_counter() - t0,
         })
-        print(f"{shape} {tokens} {link}: gain {p.gain:+.1%}", file=sys.stderr)
+        print(f"{shape} {tokens} {link}: speedup {1 + p.gain:.2f}x", file=sys.stderr)
     return rows
 
 
@@ -89,16 +89,16 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for (shape, link), marker in zip(sorted({(r["shape"], r["link"]) for r in rows}), "osd^v<>"):
         pts = sorted((r["tokens"], r["gain"]) for r in rows if r["shape"] == shape and r["link"] == link)
-        ax.plot([t for t, _ in pts], [g * 100 for _, g in pts], marker=marker, label=f"asyncdbo sim: {shape}, H200, {link}")
+        ax.plot([t for t, _ in pts], [1 + g for _, g in pts], marker=marker, label=f"asyncdbo sim: {shape}, H200, {link}")
     for p in PEERS:
-        ax.scatter([p.tokens_per_gpu], [p.gain * 100], marker="*", s=180, color="black", zorder=5)
-        ax.annotate(f"{p.system} {p.shape}\n{p.gain:+.1%} (measured)", (p.tokens_per_gpu, p.gain * 100),
+        ax.scatter([p.tokens_per_gpu], [1 + p.gain], marker="*", s=180, color="black", zorder=5)
+        ax.annotate(f"{p.system} {p.shape}\n{1 + p.gain:.2f}x (measured)", (p.tokens_per_gpu, 1 + p.gain),
                     textcoords="offset points", xytext=(8, -4), fontsize=7)
-    ax.axhline(0, color="grey", lw=0.8)
+    ax.axhline(1, color="grey", lw=0.8)  # 1x: DBO as fast as serial
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per rank (GPU)")
-    ax.set_ylabel("DBO gain over serial (%)")
-    ax.set_title("Predicted DBO gain (simulated H200, DeepSeek-V3, 2 ubatches) vs SGLang on H100", fontsize=10)
+    ax.set_ylabel("speedup, serial / DBO (above 1x: DBO is faster)")
+    ax.set_title("Predicted DBO speedup (simulated H200, DeepSeek-V3, 2 ubatches) vs SGLang on H100", fontsize=10)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -126,15 +126,16 @@ def main(argv: list[str] | None = None) -> int:
         "request; prefill: ht schedule, eager, 4096-token prompts; DeepEP kernels), EP 32 (EP 8 on NVLink), 2 ubatches, "
         "role streams. Times are per MoE layer in steady state (the middle of 3 simulated layers).\n"
     )
-    lines += ["| shape | tokens/rank | link | serial us/layer | DBO us/layer | gain | comm hidden (DBO) |",
+    lines += ["| shape | tokens/rank | link | serial us/layer | DBO us/layer | speedup | comm hidden (DBO) |",
               "|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['tokens']} | {r['link']} | {r['serial_us']:.1f} | {r['dbo_us']:.1f} | "
-            f"{r['gain']:+.1%} | {r['hidden']:.0%} |"
+            f"{1 + r['gain']:.2f}x | {r['hidden']:.0%} |"
         )
     lines += ["", "Published peer numbers (measured end to end on real clusters, other systems):", ""]
-    lines += [f"- {p.system}, {p.shape}, {p.tokens_per_gpu} tokens/GPU: {p.gain:+.1%} ({p.source})" for p in PEERS]
+    lines += [f"- {p.system}, {p.shape}, {p.tokens_per_gpu} tokens/GPU: {1 + p.gain:.2f}x ({p.gain:+.1%} as published; {p.source})"
+              for p in PEERS]
     lines += [f"- {n}" for n in PEER_NOTES]
     lines.append(f"\nTotal sweep time {time.perf_counter() - t0:.0f} s.")
     out = args.out if args.out is not None else (None if args.quick else RESULTS)

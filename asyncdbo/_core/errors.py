@@ -41,3 +41,10 @@ class YieldMismatchError(AsyncDBOError):
 
 class NoOverlapWarning(RuntimeWarning):
     """A run of two or more ubatches finished without a single yield: nothing could overlap."""
+
+
+# Tracebacks and reprs name the path users import (``asyncdbo.DeadlockError``), not this private
+# module: the class's module is what Python prints before the message.
+for _cls in (AsyncDBOError, DeadlockError, WatchdogTimeout, YieldMismatchError, NoOverlapWarning):
+    _cls.__module__ = "asyncdbo"
+del _cls

@@ -159,7 +159,10 @@ class HostBackend(StreamBackend):
             return None
         if len(pending) == 1:
             return pending[0].signal  # awaiting it raises if the work failed
-        joined = Signal(f"{len(pending)} comm works", external=True, arrivals=len(pending))
+        # named by the works ("ub0 dispatch + ub1 dispatch": under the role policy one ubatch's
+        # event covers every comm queued on the shared stream before it); waits and dumps show it
+        name = " + ".join(w.what if w.ub is None else f"ub{w.ub} {w.what}" for w in pending)
+        joined = Signal(name, external=True, arrivals=len(pending))
         for w in pending:  # the first failure completes the join with that error
             w.signal.add_waiter(_forward(w.signal, joined))
         return joined

@@ -3,8 +3,8 @@ a modeled deployment, without a GPU.
 
 Each row runs the model serially (one ubatch) and as DBO ubatches on the sim backend (see
 :mod:`asyncdbo.sim.predict`): the library's MoE layer with a real architecture's sizes and routing
-(``--model``, default DeepSeek-V3 at EP 32). It prints the per-layer step times, the gain and the
-share of comm hidden, then the sim's error band (:mod:`asyncdbo.sim.calibration`). The race checker
+(``--model``, default DeepSeek-V3 at EP 32). It prints the per-layer step times, the speedup
+(serial time / DBO time, asyncdbo's one speed convention) and the share of comm hidden, then the sim's error band (:mod:`asyncdbo.sim.calibration`). The race checker
 runs on every run: a race or a dead wait exits 1 with every finding (``--no-check-races`` skips
 it); lost overlap is reported, and exits 1 with ``--fail-on lost-overlap``. ``--stream-policy
 both`` prints the role-stream schedule (vLLM) and the per-ubatch-stream pipeline (CANN) side by
@@ -22,6 +22,7 @@ from typing import Any
 from ..sim.devices import DEVICES
 from . import inputs
 from .inputs import PROCESS_BASE_BYTES, check_output_dir, human_bytes, largest_fitting
+from .progress import Progress, wants_progress
 
 __all__ = ["add_arguments", "check_bytes", "main"]
 
@@ -92,6 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-policy", choices=("token", "request", "balanced"), default="token",
                    help="the planner's split policy for --workload (default token)")
     p.add_argument("--trace", metavar="DIR", help="write a Chrome trace per run into DIR")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress lines (they are only written to a terminal anyway)")
 
 
 def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -165,19 +168,22 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
     from ..sim.predict import Prediction, predict, sim_trace
 
     policies = ["role", "ubatch"] if args.stream_policy == "both" else [args.stream_policy]
+    progress = Progress(len(args.tokens) * len(policies), "configurations (serial and DBO each)",
+                        enabled=wants_progress(getattr(args, "quiet", False)))
     _header(args, model, dep, args.shape)
     head = f"{'tokens/rank':>11} {'serial us':>10}"
     for pol in policies:
-        head += f" | {pol + ' DBO us':>14} {'gain':>7} {'comm hidden':>11}"
+        head += f" | {pol + ' DBO us':>14} {'speedup':>7} {'comm hidden':>11}"
     print(f"{args.shape}, per MoE layer in steady state:")
     print(head)
     print("-" * len(head))
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
     lost: dict[str, int] = {}
-    for tokens in args.tokens:
+    for t_i, tokens in enumerate(args.tokens):
         row = f"{tokens:>11}"
         for i, pol in enumerate(policies):
+            progress.step(t_i * len(policies) + i + 1, f"{tokens} tokens/rank, {pol} streams")
             pred: Prediction = asyncdbo.run(
                 _call(predict, tokens, model=model, shape=args.shape, context=args.context, deployment=dep,
                       ubatches=args.ubatches, stream_policy=pol, check_races=args.check_races, fail_on=args.fail_on),
@@ -188,12 +194,14 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
                 lost[str(lo)] += 1
             if i == 0:
                 row += f" {pred.serial_layer_s * 1e6:>10.1f}"
-            row += f" | {pred.dbo_layer_s * 1e6:>14.1f} {pred.gain * 100:>+6.1f}% {pred.hidden_comm_share * 100:>10.0f}%"
+            row += f" | {pred.dbo_layer_s * 1e6:>14.1f} {1 + pred.gain:>6.2f}x {pred.hidden_comm_share * 100:>10.0f}%"
             if args.trace:
                 _write(args.trace, f"sim_{args.shape}_{tokens}_serial.json", sim_trace(pred.serial, label="serial"))
                 _write(args.trace, f"sim_{args.shape}_{tokens}_dbo_{pol}.json", sim_trace(pred.dbo, label=f"DBO {pol} streams"))
+        progress.clear()
         print(row)
-    print("gain: serial time / DBO time - 1 per MoE layer (positive: DBO is faster). See docs/sim.md for the model.")
+    progress.done()
+    print("speedup: serial time / DBO time per MoE layer (above 1x: DBO is faster). See docs/sim.md for the model.")
     for text, n in lost.items():
         print(f"\nwarning ({n} run(s)): {text}")
     return 0
@@ -207,15 +215,19 @@ def _workload(args: argparse.Namespace, model: Any, dep: Any) -> int:
     _header(args, model, dep, None)
     print(f"workload: {'synthetic (seed 0)' if args.workload == 'synthetic' else args.workload}, {len(steps)} steps "
           f"x {ranks} DP ranks, split policy {args.split_policy}")
+    progress = Progress(len(steps), "workload steps (each simulated serial and, if it splits, DBO)",
+                        enabled=wants_progress(getattr(args, "quiet", False)))
     res = replay(steps, model=model, deployment=dep, ubatches=args.ubatches, policy=args.split_policy,
-                 stream_policy="role" if args.stream_policy == "both" else args.stream_policy, check_races=args.check_races)
+                 stream_policy="role" if args.stream_policy == "both" else args.stream_policy, check_races=args.check_races,
+                 on_step=lambda i, n: progress.step(i, f"step {i} of {n}"))
+    progress.done()
     print(f"throughput, real tokens of all ranks per second of MoE-layer time: {res.tokens / res.serial_s / 1e6:.2f} M "
-          f"without DBO, {res.tokens / res.dbo_s / 1e6:.2f} M with: gain {res.gain * 100:+.1f}%")
+          f"without DBO, {res.tokens / res.dbo_s / 1e6:.2f} M with: speedup {1 + res.gain:.2f}x")
     split = [s for s in res.steps if s.microbatched]
     on_split = ""
     if split:
-        split_gain = sum(s.serial_s for s in split) / sum(s.dbo_s for s in split) - 1
-        on_split = f"; on those steps alone DBO gains {split_gain * 100:+.1f}%"
+        split_speedup = sum(s.serial_s for s in split) / sum(s.dbo_s for s in split)
+        on_split = f"; on those steps alone, speedup {split_speedup:.2f}x"
     print(f"steps microbatched: {len(split)} of {len(res.steps)} ({res.microbatched_share:.0%}){on_split}")
     for reason, n in sorted(res.reasons().items(), key=lambda kv: -kv[1]):
         print(f"  fell out: {reason.value} in {n} step(s)")

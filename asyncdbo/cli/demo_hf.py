@@ -172,17 +172,18 @@ def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], wh
          "on the modeled link)"),
         "",
     ]
-    rows = [("", "serial", "DBO", "DBO / serial")]
+    rows = [("", "serial", "DBO", "speedup")]
     for label, steps in (("prefill step", slice(0, 1)), ("decode step (median)", slice(1, None))):
         if steps == slice(1, None) and cfg.steps == 0:
             continue
         s, d = step_ms("serial", steps), step_ms("dbo", steps)
-        rows.append((label, f"{s:.2f} ms", f"{d:.2f} ms", f"{d / s:.2f}x" if s else ""))
+        rows.append((label, f"{s:.2f} ms", f"{d:.2f} ms", f"{s / d:.2f}x" if d else ""))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines += [f"  {a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {e:>{widths[3]}}" for a, b, c, e in rows]
     reasons = sorted({(rec.reason.value, rec.detail) for r in per_rank for rec in r["dbo"].records
                       if not rec.microbatched})
-    lines += ["", "DBO steps: microbatched, every step on every rank" if not reasons else
+    lines += ["", "speedup = serial step time / DBO step time (above 1x: DBO is faster)",
+              "DBO steps: microbatched, every step on every rank" if not reasons else
               "DBO steps: NOT microbatched in some steps: " + "; ".join(f"{a} ({b})" if b else a for a, b in reasons)]
     ok_dbo = diff <= MATCH_ATOL
     lines.append(f"outputs serial vs DBO: max |logits diff| = {diff:.3g} "
@@ -206,7 +207,8 @@ def main_hf(args: argparse.Namespace) -> int:
 
     try:
         if importlib.util.find_spec("transformers") is None:
-            raise ValueError("--model needs transformers (configs and the reference): pip install 'asyncdbo[hf]'")
+            raise ValueError("--model needs transformers (configs and the reference), the optional 'hf' extra: in your "
+                             "asyncdbo clone, pip install -e '.[hf]' (asyncdbo is not on PyPI yet)")
         if args.launcher != "local":
             raise ValueError("--model runs with --launcher local only")
         if args.model == "mini":

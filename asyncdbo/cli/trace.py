@@ -1,7 +1,9 @@
-"""``asyncdbo trace TRACE.json [--png out.png] [--print-numbers]``: look at a recorded trace.
+"""``asyncdbo trace TRACE.json [--png out.png]``: look at a recorded trace.
 
 The trace is the Chrome/Perfetto JSON of :class:`asyncdbo.observe.Tracer` (one rank or merged); open
-it in ui.perfetto.dev or chrome://tracing for the interactive view, or render a PNG here.
+it in ui.perfetto.dev or chrome://tracing for the interactive view, or render a PNG here. The
+per-step numbers stored in the trace are printed in every case (with ``--png`` after the "wrote"
+line), so a user who asked for a picture also sees what it measured.
 """
 
 from __future__ import annotations
@@ -35,7 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="trace JSON written by Tracer.export or merge_traces")
     parser.add_argument("--png", metavar="OUT", help="write a PNG timeline here (needs the 'plot' extra)")
     parser.add_argument("--width", type=int, default=1600, help="PNG width in pixels (default 1600)")
-    parser.add_argument("--print-numbers", action="store_true", help="print each rank's per-step numbers")
+    parser.add_argument(
+        "--print-numbers",
+        action="store_true",
+        help="print each rank's per-step numbers (always done; kept so older command lines still work)",
+    )
 
 
 def _value(rank: dict, step: dict, key: str) -> object:
@@ -136,6 +142,5 @@ def main(args: argparse.Namespace) -> int:
             print(f"asyncdbo trace: {exc}", file=sys.stderr)
             return 2
         print(f"wrote {args.png} ({w}x{h} px)")
-    if args.print_numbers or not args.png:
-        print(format_numbers(trace))
+    print(format_numbers(trace))
     return 0

@@ -75,14 +75,21 @@ class BlockingStep:
 
 
 class YieldChecker(Instrument):
-    """Raises :class:`YieldMismatchError` at the first divergence of the ubatches' yield tags."""
+    """Raises :class:`YieldMismatchError` at the first divergence of the ubatches' yield tags.
+
+    The message names both sides by the user's file:line (the innermost frame outside asyncdbo of
+    each ubatch's await chain when it yielded), so the reader goes straight to the two
+    ``await dbo_*`` lines that differ rather than to this module.
+    """
 
     def __init__(self) -> None:
         self._tags: dict[int, list[str | None]] = {}
-        self._first: list[tuple[int, str | None]] = []  # position -> (ubatch, tag) that set it
+        self._where: dict[int, list[str]] = {}
+        self._first: list[tuple[int, str | None, str]] = []  # position -> (ubatch, tag, where) that set it
 
     def run_started(self, run: DBORun) -> None:
         self._tags = {ub.id: [] for ub in run.ubatches}
+        self._where = {ub.id: [] for ub in run.ubatches}
         self._first = []
 
     def stepped(self, ub: UBatch, request: object) -> None:
@@ -90,17 +97,17 @@ class YieldChecker(Instrument):
             return
         seq = self._tags[ub.id]
         pos = len(seq)
+        where = _at(ub)
         seq.append(ub.tag)
+        self._where[ub.id].append(where)
         if pos == len(self._first):
-            self._first.append((ub.id, ub.tag))
+            self._first.append((ub.id, ub.tag, where))
             return
-        ref_ub, ref_tag = self._first[pos]
+        ref_ub, ref_tag, ref_where = self._first[pos]
         if ub.tag != ref_tag:
-            frame = user_frame(ub)
-            where = f" at {frame.filename}:{frame.lineno} in {frame.name}" if frame is not None else ""
             raise YieldMismatchError(
                 f"yield mismatch in run {ub.run.name!r}: ubatch {ub.id} yield #{pos} is {ub.tag!r}{where} but "
-                f"ubatch {ref_ub} yield #{pos} was {ref_tag!r}. Sequences so far: {self._sequences()}. "
+                f"ubatch {ref_ub} yield #{pos} was {ref_tag!r}{ref_where}. Sequences so far: {self._sequences()}. "
                 "Every ubatch should pass the same yield points in the same order; check the branches "
                 "that skip or add a yield for one ubatch."
             )
@@ -114,9 +121,11 @@ class YieldChecker(Instrument):
         longest = max(counts, key=lambda i: (counts[i], -i))
         short = min(counts, key=lambda i: (counts[i], i))
         nxt = self._tags[longest][counts[short]]
+        nxt_where = self._where[longest][counts[short]]
+        last = self._where[short][-1]
         raise YieldMismatchError(
-            f"yield mismatch in run {run.name!r}: ubatch {short} finished after {counts[short]} yields but "
-            f"ubatch {longest} made {counts[longest]} (its yield #{counts[short]} was {nxt!r}). "
+            f"yield mismatch in run {run.name!r}: ubatch {short} finished after {counts[short]} yields (the last "
+            f"one{last}) but ubatch {longest} made {counts[longest]} (its yield #{counts[short]} was {nxt!r}{nxt_where}). "
             f"Sequences: {self._sequences()}. A ubatch that stops yielding early leaves the others "
             "without a partner to overlap with."
         )
@@ -124,6 +133,11 @@ class YieldChecker(Instrument):
     def _sequences(self) -> str:
         return "; ".join(f"ubatch {i}: {seq}" for i, seq in self._tags.items())
 
+
+def _at(ub: UBatch) -> str:
+    """`` at file:line in func`` of the user's code where ``ub`` is suspended ('' if unknown)."""
+    frame = user_frame(ub)
+    return f" at {frame.filename}:{frame.lineno} in {frame.name}" if frame is not None else ""
 
 
 def _where(ub: UBatch) -> str:

@@ -172,3 +172,6 @@ def roll_call(tag: str, wait_s: float) -> list[int] | None:
     except Exception as exc:  # the store's host is gone too
         log.warning("roll call %r failed: %s", tag, exc)
         return None
+
+
+StepAborted.__module__ = "asyncdbo.dist"  # tracebacks print the public path, not this private module

@@ -17,7 +17,7 @@ block's order and dtype. ``tests/test_hf_interop.py`` checks fp32 and bf16, seri
 
 The layer takes the block's weights (copied, then sharded by EP rank), so the same block on every
 rank gives an expert-parallel layer with the block's numbers. transformers is only imported to
-recognise the classes; it is an optional extra (``pip install asyncdbo[hf]``).
+recognise the classes; it is an optional extra (``pip install -e '.[hf]'`` in a clone).
 """
 
 from __future__ import annotations

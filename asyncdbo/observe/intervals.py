@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["Interval", "hidden_seconds", "union_seconds"]
+__all__ = ["Interval", "hidden_seconds", "intersection", "union_seconds"]
 
 Interval = tuple[float, float]
 
@@ -26,19 +26,24 @@ def union_seconds(intervals: Iterable[Interval]) -> float:
     return sum((b - a for a, b in _union(intervals)), 0.0)
 
 
-def hidden_seconds(comm: Iterable[Interval], compute: Iterable[Interval]) -> float:
-    """Measure of ``union(comm) ∩ union(compute)``: comm time that ran under some compute."""
-    xs, ys = _union(comm), _union(compute)
+def intersection(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
+    """``union(a) ∩ union(b)`` as sorted disjoint intervals."""
+    xs, ys = _union(a), _union(b)
     i = j = 0
-    total = 0.0
+    out: list[Interval] = []
     while i < len(xs) and j < len(ys):
         lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
         if hi > lo:
-            total += hi - lo
+            out.append((lo, hi))
         if xs[i][1] < ys[j][1]:
             i += 1
         else:
             j += 1
-    return total
+    return out
+
+
+def hidden_seconds(comm: Iterable[Interval], compute: Iterable[Interval]) -> float:
+    """Measure of ``union(comm) ∩ union(compute)``: comm time that ran under some compute."""
+    return sum((hi - lo for lo, hi in intersection(comm, compute)), 0.0)
 
 

@@ -31,6 +31,11 @@ class RunNumbers:
     parked (summed over ubatches). idle_s: time every ubatch was parked (the CPU had nothing to do).
     compute_s: total CPU (or compute-stream) time of ubatch steps. comm_s: measure of the union of
     comm intervals. comm_hidden_s / comm_hidden_share: see :mod:`asyncdbo.observe.tracer`.
+    comm_hidden_by_other_s: the part of comm_hidden_s during which a *different* ubatch computed
+    than the one whose comm was in flight: the overlap DBO adds. The rest of comm_hidden_s ran
+    under the same ubatch's own compute between issuing a transfer and waiting for it (the MoE
+    layer's shared expert while its combine is in flight), which happens without DBO too; a
+    one-ubatch (serial) run has comm_hidden_by_other_s == 0.
     microbatched / reason: from :meth:`Tracer.mark_step` (None when the step was not marked).
     blocking_s: CPU time blocked in the steps debug mode reported (0 outside debug mode); those
     steps are not counted in compute_s.
@@ -56,12 +61,19 @@ class RunNumbers:
     microbatched: bool | None = None
     reason: str | None = None
     blocking_s: float = 0.0
+    comm_hidden_by_other_s: float = 0.0
+
+    @property
+    def comm_hidden_by_other_share(self) -> float:
+        """comm_hidden_by_other_s / comm_s (0 when there is no comm)."""
+        return self.comm_hidden_by_other_s / self.comm_s if self.comm_s > 0 else 0.0
 
     def summary(self) -> str:
         """One line for logs, the demo and the PNG title."""
         text = (
             f"wall {self.wall_s * 1e3:.2f} ms, compute {self.compute_s * 1e3:.2f} ms, "
-            f"comm {self.comm_s * 1e3:.2f} ms ({self.comm_hidden_share:.0%} hidden), "
+            f"comm {self.comm_s * 1e3:.2f} ms ({self.comm_hidden_share:.0%} hidden, "
+            f"{self.comm_hidden_by_other_share:.0%} by another ubatch), "
             f"parked {self.parked_s * 1e3:.2f} ms, {self.switches} switches, yields/ub {list(self.yields_per_ubatch)}"
         )
         if self.microbatched is not None:

@@ -1,15 +1,27 @@
-"""A PNG timeline of a DBO trace: compute and comm lanes per ubatch, hidden comm highlighted.
+"""A PNG timeline of a DBO trace that explains itself: lanes per rank and ubatch, labelled bars,
+a legend that defines every colour, hidden comm split by who hid it.
 
 Reads the Chrome trace JSON that :class:`asyncdbo.observe.Tracer` exports (one rank or merged), so
 ``asyncdbo trace TRACE.json --png out.png`` renders a trace recorded anywhere. Per rank and ubatch
-there are two lanes: *compute* (CPU steps, or compute-stream device spans; waits drawn hatched)
-and *comm* (comm works or comm-stream spans). Comm time of one ubatch that coincides with compute
-on the same rank (in practice: of the other ubatch) is drawn green on the comm lane: that is the
-overlap DBO is for, and the same measure as ``RunNumbers.comm_hidden_s``. The title carries each
-rank's numbers.
+there are two lanes: *compute* (CPU steps, or compute-stream device spans) and *comm* (comm works,
+or comm-stream spans). What a stranger needs to read it is drawn on it:
 
-matplotlib is an optional extra (``pip install 'asyncdbo[plot]'``); it is imported only here, and
-drawn through the Agg canvas directly so that no global matplotlib backend is changed.
+* every bar wide enough carries its tag: a compute step the yield point it resumed from
+  (``dispatch``, ``combine``, ...), a wait what it waits on, a comm bar what was sent;
+* the legend defines every colour, including the two kinds of hidden comm: under *another*
+  ubatch's compute (the overlap DBO adds, ``RunNumbers.comm_hidden_by_other_s``) and under the
+  same ubatch's own compute (the shared expert while its combine is in flight; no DBO needed);
+* blocking host code (debug mode's ``BlockingStep`` records) is drawn red and cross-hatched, not
+  as compute, with a note saying that without ``debug=True`` it cannot be told apart;
+* each rank is drawn from its own step start (x = 0), and a note gives each rank's offset on the
+  shared clock, so ranks that began a few ms apart are aligned and the reader is told so;
+* the title carries the trace's own title when it has one (``otherData.asyncdbo.title``: the demo
+  names the step as the user counts it) and each rank's numbers.
+
+:func:`timeline_figure` builds the matplotlib figure (tests read its text elements);
+:func:`render_png` writes it. matplotlib is the optional 'plot' extra (in a clone:
+``pip install -e '.[plot]'``); it is imported only here, and drawn through the Agg canvas directly
+so that no global matplotlib backend is changed.
 """
 
 from __future__ import annotations
@@ -19,10 +31,21 @@ import os
 from collections import defaultdict
 from typing import Any
 
-__all__ = ["load_trace", "render_png"]
+__all__ = ["STYLES", "load_trace", "render_png", "timeline_figure"]
 
-_COLORS = {"compute": "#4C72B0", "issue": "#8172B2", "blocking": "#C44E52", "wait": "#DDDDDD", "comm": "#DD8452",
-           "hidden": "#55A868"}
+#: style -> (colour, what it means): every colour the timeline draws, as its legend states it.
+STYLES: dict[str, tuple[str, str]] = {
+    "compute": ("#4C72B0", "computing: a ubatch's step between two yields (label: the yield it resumed from)"),
+    "issue": ("#8172B2", "issuing comm: a step that ends on the comm stream (label: the yield it resumed from)"),
+    "blocking": ("#C44E52", "CPU blocked in a host sync (.wait(), .item(), sleep): no ubatch could run"),
+    "wait": ("#DDDDDD", "parked: the ubatch waits for its own comm or an event (label: what); others may run"),
+    "comm": ("#DD8452", "comm in flight, exposed: no ubatch on this rank computed meanwhile (label: what was sent)"),
+    "hidden": ("#55A868", "comm in flight while another ubatch computed: the overlap DBO adds"),
+    "own": ("#B5DDA8", "comm in flight while its own ubatch computed (the shared expert under its combine): no DBO needed"),
+}
+_HATCH = {"wait": "//", "blocking": "xx"}
+_DARK_TEXT = {"wait", "own"}  # light fills get black labels
+_LANE_PX, _LABEL_PT = 34, 6.5
 
 
 def _import_matplotlib() -> tuple[Any, Any]:
@@ -31,7 +54,8 @@ def _import_matplotlib() -> tuple[Any, Any]:
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise ModuleNotFoundError(
-            "PNG timelines need matplotlib, which is the optional 'plot' extra: pip install 'asyncdbo[plot]'"
+            "PNG timelines need matplotlib, the optional 'plot' extra: in your asyncdbo clone, "
+            "pip install -e '.[plot]' (asyncdbo is not on PyPI yet), or pip install matplotlib"
         ) from exc
     return Figure, FigureCanvasAgg
 
@@ -46,25 +70,134 @@ def load_trace(trace: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any]
     return data
 
 
-def _title(trace: dict[str, Any]) -> str:
-    lines = []
-    for r in trace.get("otherData", {}).get("asyncdbo", {}).get("ranks", []):
+def _title(trace: dict[str, Any]) -> list[str]:
+    meta = trace.get("otherData", {}).get("asyncdbo", {})
+    lines = [str(meta["title"])] if meta.get("title") else []
+    for r in meta.get("ranks", []):
         steps = r.get("steps", [])
         if not steps:
             continue
         comm = sum(s["comm_s"] for s in steps)
         hidden = sum(s["comm_hidden_s"] for s in steps)
+        other = sum(s.get("comm_hidden_by_other_s", 0.0) for s in steps)
         falls = [s["reason"] for s in steps if s.get("microbatched") is False]
         line = (
             f"rank {r['rank']}: {len(steps)} step(s), wall {sum(s['wall_s'] for s in steps) * 1e3:.1f} ms, "
             f"compute {sum(s['compute_s'] for s in steps) * 1e3:.1f} ms, comm {comm * 1e3:.1f} ms "
-            f"({hidden / comm if comm else 0:.0%} hidden), parked {sum(s['parked_s'] for s in steps) * 1e3:.1f} ms, "
-            f"{sum(s['switches'] for s in steps)} switches"
+            f"({hidden / comm if comm else 0:.0%} hidden, {other / comm if comm else 0:.0%} by another ubatch), "
+            f"parked {sum(s['parked_s'] for s in steps) * 1e3:.1f} ms, {sum(s['switches'] for s in steps)} yields"
         )
+        if sum(s.get("blocking_s", 0.0) for s in steps):
+            line += f", blocked {sum(s['blocking_s'] for s in steps) * 1e3:.1f} ms"
         if falls:
             line += f", {len(falls)} not microbatched ({', '.join(sorted(set(map(str, falls))))})"
         lines.append(line)
-    return "\n".join(lines[:4]) or "asyncdbo timeline"
+    return lines[:5] or ["asyncdbo timeline"]
+
+
+def _label(e: dict[str, Any], style: str) -> str:
+    a = e["args"]
+    if style == "wait":
+        return str(e["name"]).removeprefix("wait: ")
+    if a["kind"] == "comm":
+        return str(e["name"])
+    return str(a.get("from") or str(e["name"]).split(":", 1)[-1])
+
+
+def _bars(data: dict[str, Any]) -> tuple[dict[tuple[int, int, str], list[tuple[float, float, str, str]]], dict[int, float]]:
+    """Bars per (rank, ubatch, lane): (x ms from the rank's start, width ms, style, label), and
+    each rank's start in trace microseconds."""
+    spans = [e for e in data["traceEvents"] if e.get("ph") == "X" and "ub" in e.get("args", {})]
+    if not spans:
+        raise ValueError("the trace has no asyncdbo spans to draw (was it exported by asyncdbo.observe.Tracer?)")
+    starts: dict[int, float] = {}
+    for e in spans:
+        starts[e["pid"]] = min(starts.get(e["pid"], e["ts"]), e["ts"])
+    lanes: dict[tuple[int, int, str], list[tuple[float, float, str, str]]] = defaultdict(list)
+    for e in spans:
+        a = e["args"]
+        lane = "comm" if a["kind"] == "comm" else "compute"
+        style = a["kind"]
+        if style == "compute" and a.get("role") == "comm" and not a.get("device"):
+            style = "issue"  # CPU time spent issuing comm
+        x = (e["ts"] - starts[e["pid"]]) / 1e3
+        lanes[(e["pid"], a["ub"], lane)].append((x, e["dur"] / 1e3, style, _label(e, style)))
+    return lanes, starts
+
+
+def _notes(starts: dict[int, float], blocking: bool) -> list[str]:
+    ranks = sorted(starts)
+    if len(ranks) == 1:
+        align = f"x: ms since rank {ranks[0]}'s step started."
+    else:
+        first = min(starts.values())
+        offsets = ", ".join(f"rank {r} +{(starts[r] - first) / 1e3:.1f} ms" for r in ranks)
+        align = (f"Ranks aligned: each is drawn from its own step start (x = 0); on the shared clock they "
+                 f"started at {offsets}.")
+    block = ("Blocked steps are drawn red." if blocking else
+             "No blocked step recorded: host syncs show as red only with debug=True, else they look like compute.")
+    return [align + " " + block]
+
+
+def timeline_figure(
+    trace: dict[str, Any] | str | os.PathLike[str],
+    *,
+    width_px: int = 1600,
+    height_px: int | None = None,
+    dpi: int = 100,
+) -> Any:
+    """The timeline of ``trace`` as a matplotlib ``Figure`` (on an Agg canvas). ``height_px``
+    defaults to what the title, the lanes (34 px each), the notes and the legend need."""
+    if width_px < 200 or (height_px is not None and height_px < 100):
+        raise ValueError(f"PNG size {width_px}x{height_px} px is too small; use at least 200x100")
+    data = load_trace(trace)
+    lanes, starts = _bars(data)
+    Figure, FigureCanvasAgg = _import_matplotlib()
+    from matplotlib.patches import Patch
+
+    keys = sorted(lanes, key=lambda k: (k[0], k[1], k[2] != "compute"))
+    title = _title(data)
+    blocking = any(st == "blocking" for bars in lanes.values() for _, _, st, _ in bars)
+    notes = _notes(starts, blocking)
+    top_px = 16 + 12 * len(title)
+    bottom_px = 52 + 12 * len(notes) + 14 * ((len(STYLES) + 1) // 2) + 10
+    height = height_px if height_px is not None else top_px + _LANE_PX * len(keys) + bottom_px
+    fig = Figure(figsize=(width_px / dpi, height / dpi), dpi=dpi)
+    FigureCanvasAgg(fig)
+    left, right = 0.09, 0.99
+    ax = fig.add_subplot(1, 1, 1)
+    fig.subplots_adjust(left=left, right=right, top=1 - top_px / height, bottom=bottom_px / height)
+    x_max = max(x + w for bars in lanes.values() for x, w, _, _ in bars) or 1.0
+    px_per_ms = width_px * (right - left) / (x_max * 1.02)
+    for row, key in enumerate(keys):
+        y = len(keys) - 1 - row
+        bars = list(lanes[key])
+        if key[2] == "comm":
+            bars = _split_hidden(bars, key, lanes)
+        for style in STYLES:
+            drawn = [(x, w) for x, w, st, _ in bars if st == style]
+            if drawn:
+                hatch = _HATCH.get(style)
+                ax.broken_barh(drawn, (y - 0.35, 0.7), facecolors=STYLES[style][0], hatch=hatch,
+                               edgecolor="#999999" if hatch else "none", linewidth=0.3)
+        for x, w, style, label in lanes[key]:
+            if label and w * px_per_ms >= len(label) * _LABEL_PT * dpi / 72 * 0.62 + 6:
+                ax.text(x + w / 2, y, label, ha="center", va="center", fontsize=_LABEL_PT, clip_on=True,
+                        color="black" if style in _DARK_TEXT or key[2] == "comm" else "white")
+    ax.set_yticks(range(len(keys)))
+    ax.set_yticklabels([f"rank {p} ub{u} {lane}" for p, u, lane in reversed(keys)], fontsize=8)
+    ax.set_xlabel("ms since the rank's step start", fontsize=8)
+    ax.set_xlim(0, x_max * 1.02)
+    ax.set_ylim(-0.7, len(keys) - 0.3)
+    ax.grid(axis="x", linewidth=0.3)
+    ax.set_title("\n".join(title), fontsize=8, loc="left")
+    y_notes = (bottom_px - 46) / height
+    for i, note in enumerate(notes):
+        fig.text(0.01, y_notes - i * 12 / height, note, fontsize=7, va="top")
+    handles = [Patch(facecolor=c, hatch=_HATCH.get(n), edgecolor="#999999" if n in _HATCH else c, label=f"{n}: {text}")
+               for n, (c, text) in STYLES.items()]
+    fig.legend(handles=handles, fontsize=7, loc="lower left", bbox_to_anchor=(0.01, 0.0), ncol=2, frameon=False)
+    return fig
 
 
 def render_png(
@@ -75,57 +208,44 @@ def render_png(
     height_px: int | None = None,
     dpi: int = 100,
 ) -> tuple[int, int]:
-    """Draw ``trace`` (a Chrome trace dict or JSON path) to the PNG ``out``; return its pixel size.
-
-    ``height_px`` defaults to 160 px plus 36 px per lane."""
-    if width_px < 200 or (height_px is not None and height_px < 100):
-        raise ValueError(f"PNG size {width_px}x{height_px} px is too small; use at least 200x100")
-    data = load_trace(trace)
-    spans = [e for e in data["traceEvents"] if e.get("ph") == "X" and "ub" in e.get("args", {})]
-    if not spans:
-        raise ValueError("the trace has no asyncdbo spans to draw (was it exported by asyncdbo.observe.Tracer?)")
-    Figure, FigureCanvasAgg = _import_matplotlib()
-    t0 = min(e["ts"] for e in spans)
-    lanes: dict[tuple[int, int, str], list[tuple[float, float, str]]] = defaultdict(list)
-    for e in spans:
-        a = e["args"]
-        lane = "comm" if a["kind"] == "comm" else "compute"
-        style = a["kind"]
-        if style == "compute" and a.get("role") == "comm" and not a.get("device"):
-            style = "issue"  # CPU time spent issuing comm
-        lanes[(e["pid"], a["ub"], lane)].append(((e["ts"] - t0) / 1e3, e["dur"] / 1e3, style))
-    keys = sorted(lanes, key=lambda k: (k[0], k[1], k[2] != "compute"))
-    height = height_px if height_px is not None else 160 + 36 * len(keys)
-    fig = Figure(figsize=(width_px / dpi, height / dpi), dpi=dpi)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    for row, key in enumerate(keys):
-        y = len(keys) - 1 - row
-        for style in ("wait", "compute", "issue", "blocking", "comm"):
-            bars = [(s, d) for s, d, st in lanes[key] if st == style]
-            if bars:
-                hatch = {"wait": "//", "blocking": "xx"}.get(style)
-                ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=_COLORS[style], hatch=hatch,
-                               edgecolor="#999999" if hatch else "none", linewidth=0.3)
-        if key[2] == "comm":
-            others = [(s, s + d) for k2 in keys if k2[0] == key[0] and k2[2] == "compute"
-                      for s, d, st in lanes[k2] if st in ("compute", "issue")]
-            hidden = _intersections([(s, s + d) for s, d, _ in lanes[key]], others)
-            if hidden:
-                ax.broken_barh([(a, b - a) for a, b in hidden], (y - 0.35, 0.7), facecolors=_COLORS["hidden"], alpha=0.9)
-    ax.set_yticks(range(len(keys)))
-    ax.set_yticklabels([f"rank {p} ub{u} {lane}" for p, u, lane in reversed(keys)], fontsize=8)
-    ax.set_xlabel("time (ms)")
-    ax.set_ylim(-0.7, len(keys) - 0.3)
-    ax.grid(axis="x", linewidth=0.3)
-    from matplotlib.patches import Patch
-
-    ax.legend(handles=[Patch(color=c, label=n) for n, c in _COLORS.items()], fontsize=7, loc="lower right",
-              bbox_to_anchor=(1.0, 1.0), ncol=5, frameon=False)
-    ax.set_title(_title(data), fontsize=8, loc="left")
-    fig.subplots_adjust(left=0.12, right=0.98, top=1 - 70 / height, bottom=50 / height)
+    """Draw ``trace`` (a Chrome trace dict or JSON path) to the PNG ``out``; return its pixel size
+    (see :func:`timeline_figure` for the default height)."""
+    fig = timeline_figure(trace, width_px=width_px, height_px=height_px, dpi=dpi)
     fig.savefig(out, dpi=dpi, format="png")
-    return width_px, height
+    w, h = fig.get_size_inches() * dpi
+    return int(round(w)), int(round(h))
+
+
+def _split_hidden(bars: list[tuple[float, float, str, str]], key: tuple[int, int, str],
+                  lanes: dict[tuple[int, int, str], list[tuple[float, float, str, str]]]) -> list[tuple[float, float, str, str]]:
+    """A comm lane's bars plus the pieces hidden under another ubatch's compute ("hidden") and
+    under its own ubatch's compute ("own"), drawn over them."""
+    rank, ub, _ = key
+    computing = ("compute", "issue")
+    other = [(x, x + w) for k, bs in lanes.items() if k[0] == rank and k[2] == "compute" and k[1] != ub
+             for x, w, st, _ in bs if st in computing]
+    own = [(x, x + w) for x, w, st, _ in lanes.get((rank, ub, "compute"), []) if st in computing]
+    comm = [(x, x + w) for x, w, _, _ in bars]
+    by_other = _intersections(comm, other)
+    by_own = _subtract(_intersections(comm, own), by_other)
+    return (bars + [(a, b - a, "own", "") for a, b in by_own]
+            + [(a, b - a, "hidden", "") for a, b in by_other])
+
+
+def _subtract(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Pieces of ``xs`` (disjoint, sorted) outside ``ys`` (disjoint, sorted)."""
+    out = []
+    for a, b in xs:
+        cur = a
+        for c, d in ys:
+            if d <= cur or c >= b:
+                continue
+            if c > cur:
+                out.append((cur, c))
+            cur = max(cur, d)
+        if cur < b:
+            out.append((cur, b))
+    return out
 
 
 def _intersections(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -30,6 +30,9 @@ one clock for every process on a host, so per-rank traces merge without alignmen
 some ubatch computed. On the host, compute intervals are the CPU steps of all ubatches; on an
 accelerator, the device spans on compute streams and comm intervals the device spans on comm
 streams. ``comm_hidden_share = comm_hidden_s / comm_s`` (0 when there is no comm).
+``comm_hidden_by_other_s`` counts only the comm time of a ubatch during which another ubatch
+computed (the union over ubatches of ``comm(i) ∩ compute(not i)``): the overlap DBO adds, where
+the rest is a ubatch's own compute between issuing a transfer and waiting for it.
 
 Export (:meth:`Tracer.to_chrome`, :mod:`asyncdbo.observe.chrome`): Chrome trace event
 JSON, pid = rank, one thread per ubatch and track: ``ub<i> compute`` (CPU steps, waits and yield
@@ -53,7 +56,7 @@ from typing import Any
 from .._core import SWITCH, DBORun, Instrument, UBatch, UBatchState
 from ..backends import CommRecord
 from .chrome import chrome_trace
-from .intervals import hidden_seconds, union_seconds
+from .intervals import hidden_seconds, intersection, union_seconds
 from .spans import RunNumbers, Span
 
 __all__ = ["StepRecorder", "Tracer"]
@@ -156,6 +159,7 @@ class StepRecorder:
             compute_s = sum(b - a for a, b in compute)
         comm_s = union_seconds(comm)
         hidden = hidden_seconds(comm, compute)
+        by_other = union_seconds(_hidden_by_other(spans, device=self.device is not None))
         yields = self.yields
         comm_records = self.comm()
         rec = self.record
@@ -181,10 +185,28 @@ class StepRecorder:
             microbatched=None if rec is None else bool(getattr(rec, "microbatched")),
             reason=None if reason is None else str(getattr(reason, "value", reason)),
             blocking_s=sum(b.blocked_s for b in self.blocking),
+            comm_hidden_by_other_s=by_other,
         )
         if all(w.t_done is not None for w in comm_records):
             self._numbers = numbers  # final: nothing left in flight
         return numbers
+
+
+def _hidden_by_other(spans: list[Span], *, device: bool) -> list[tuple[float, float]]:
+    """Comm intervals of each ubatch that ran under another ubatch's compute (see the module
+    docstring), as one list of intervals to take the union of."""
+    if device:
+        spans = [s for s in spans if s.args.get("device")]
+    by_ub: dict[int, tuple[list[tuple[float, float]], list[tuple[float, float]]]] = {}
+    for s in spans:
+        kind = s.role if device else s.kind
+        if kind in ("comm", "compute"):
+            by_ub.setdefault(s.ub, ([], []))[kind == "compute"].append((s.t0, s.t1))
+    out: list[tuple[float, float]] = []
+    for ub, (comm, _) in by_ub.items():
+        others = [iv for other, (_, compute) in by_ub.items() if other != ub for iv in compute]
+        out += intersection(comm, others)
+    return out
 
 
 class _DeviceTimer:

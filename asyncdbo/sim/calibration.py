@@ -122,4 +122,4 @@ def band(rows: Sequence[Row] = TABLE) -> str:
     held = [r for r in rows if r.use == "held-out"]
     errs = ", ".join(f"{r.label} {r.error_pts:+.1f}" for r in held)
     return (f"error band: calibrated on SGLang's H100+IB decode curve (residual <= {cal:.1f} points); held-out "
-            f"errors, points of gain: {errs} (docs/sim.md)")
+            f"errors in points of speedup (1 point = 0.01x): {errs} (docs/sim.md)")

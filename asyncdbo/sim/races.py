@@ -316,3 +316,6 @@ class RaceChecker:
         waited = self.last_wait.get(sid)
         cross = waited if waited is not None and waited.ubatch not in (None, now.ubatch) else None
         self.races.append(Race(kind, now, before, cross))
+
+
+SimCheckError.__module__ = "asyncdbo.sim"  # tracebacks print the public path, not this private module

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,8 +171,10 @@ def replay(
     stream_policy: str = "role",
     context_bucket: int = 512,
     check_races: bool = True,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> ReplayResult:
-    """Replay ``steps`` (module docstring). Runs its own event loops: call it outside one."""
+    """Replay ``steps`` (module docstring). Runs its own event loops: call it outside one.
+    ``on_step(i, n)`` is called before step ``i`` (from 1) of ``n``: a progress line's hook."""
     import asyncdbo
 
     cache: dict[Any, list[float]] = {}
@@ -195,7 +197,9 @@ def replay(
             result.simulations += 1
         return cache[key]
 
-    for step in steps:
+    for i, step in enumerate(steps):
+        if on_step is not None:
+            on_step(i + 1, len(steps))
         qsls = [[0, *_cumsum(q for q, _ in reqs)] for reqs in step]
         votes, local = [], []
         for r, qsl in enumerate(qsls):

@@ -105,3 +105,6 @@ def _last_line(text: str) -> str:
         if ":" in ln and " " not in ln.split(":", 1)[0] and not ln.startswith(("Traceback", "asyncdbo:"))
     ]
     return found[-1] if found else (lines[-1] if lines else text.strip())
+
+
+RankError.__module__ = "asyncdbo.testing"  # tracebacks print the public path, not this private module

@@ -33,8 +33,12 @@ def test_demo_prints_the_table_on_a_modeled_link_and_writes_a_trace(capsys: pyte
         "stream policy ubatch, 2 ubatches, loop asyncio, 2 steps after 1 warm-up\n"
         "comm: MODELED LINK ib400 x1000 (10000 us + 50 MB/s per message;"
     )
-    for row in ("step time (median)", "DBO / serial", "time in comm", "comm hidden", "switches / step"):
+    for row in ("step time (median)", "speedup", "time in comm", "comm hidden", "  by the other ubatch",
+                "  by its own ubatch", "yields / step"):
         assert re.search(rf"^  {re.escape(row)} ", out, re.MULTILINE), row
+    # serial has no other ubatch: none of its comm can be hidden by one
+    assert re.search(r"^    by the other ubatch +0% +\d+%$", out, re.MULTILINE), out
+    assert "\nspeedup = serial step time / DBO step time (above 1x: DBO is faster)\n" in out
     assert "DBO steps: microbatched, every step on every rank (real tokens per ubatch by rank: [256, 256] [256, 256])" in out
     assert "\noutputs serial vs DBO: max |logits diff| = 0 (bitwise equal; deterministic mode)\n" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged.json", "numbers.json", "rank0.json", "rank1.json", "timeline.png"]
@@ -124,13 +128,13 @@ def test_a_failed_rank_is_reported_by_its_exception_line() -> None:
         "Traceback (most recent call last):\n"
         '  File "x.py", line 1, in f\n'
         "    await received\n"
-        "asyncdbo._core.errors.DeadlockError: asyncdbo deadlock in run 'step6': every live ubatch waits. Ubatch stacks:\n"
+        "asyncdbo.DeadlockError: asyncdbo deadlock in run 'step6': every live ubatch waits. Ubatch stacks:\n"
         "ubatch 0: parked, last yield point 'combine_send'\n"
         '  File "layer.py", line 318, in _forward_ll\n'
         "    await received\n"
     )
     assert error_line(deadlock) == (
-        "asyncdbo._core.errors.DeadlockError: asyncdbo deadlock in run 'step6': every live ubatch waits. Ubatch stacks:"
+        "asyncdbo.DeadlockError: asyncdbo deadlock in run 'step6': every live ubatch waits. Ubatch stacks:"
     )
     assert error_line("process died (exit code 3) during demo_rank") == "process died (exit code 3) during demo_rank"
 

@@ -35,7 +35,8 @@ async def test_a_mismatched_pair_is_reported_at_the_first_divergence() -> None:
     tags = {0: ["attn", "dispatch", "combine"], 1: ["attn", "combine", "dispatch"]}
     msg = (
         r"^yield mismatch in run 'mismatch': ubatch 1 yield #1 is 'combine' at .*tests/dbo/test_debug_mode\.py:\d+ "
-        r"in layer\.<locals>\.forward but ubatch 0 yield #1 was 'dispatch'\. "
+        r"in layer\.<locals>\.forward but ubatch 0 yield #1 was 'dispatch' at .*tests/dbo/test_debug_mode\.py:\d+ "
+        r"in layer\.<locals>\.forward\. "
         r"Sequences so far: ubatch 0: \['attn', 'dispatch'\]; ubatch 1: \['attn', 'combine'\]\. "
     )
     with pytest.raises(YieldMismatchError, match=msg):
@@ -47,8 +48,10 @@ async def test_a_mismatched_pair_is_reported_at_the_first_divergence() -> None:
 async def test_a_ubatch_that_stops_yielding_early_is_a_length_mismatch() -> None:
     tags = {0: ["attn", "dispatch", "combine"], 1: ["attn", "dispatch"]}
     msg = (
-        r"^yield mismatch in run 'short': ubatch 1 finished after 2 yields but ubatch 0 made 3 "
-        r"\(its yield #2 was 'combine'\)\. Sequences: ubatch 0: \['attn', 'dispatch', 'combine'\]; "
+        r"^yield mismatch in run 'short': ubatch 1 finished after 2 yields \(the last one at "
+        r".*tests/dbo/test_debug_mode\.py:\d+ in layer\.<locals>\.forward\) but ubatch 0 made 3 "
+        r"\(its yield #2 was 'combine' at .*tests/dbo/test_debug_mode\.py:\d+ in layer\.<locals>\.forward\)\. "
+        r"Sequences: ubatch 0: \['attn', 'dispatch', 'combine'\]; "
         r"ubatch 1: \['attn', 'dispatch'\]\. "
     )
     with pytest.raises(YieldMismatchError, match=msg):
@@ -126,3 +129,23 @@ async def test_a_checker_that_fails_the_run_at_its_end_leaves_no_dispatch_mode_b
     with pytest.raises(YieldMismatchError):
         await run_ubatches(layer({0: ["a", "b"], 1: ["a"]}, []), [(), ()], debug=True)
     assert len(_get_current_dispatch_mode_stack()) == before
+
+
+# ---------------------------------------------------------------- what a user reads
+async def test_a_mismatch_names_both_yield_lines_of_the_users_file() -> None:
+    async def uneven(skip_first: bool) -> None:
+        if not skip_first:
+            await dbo_yield("attention")  # line A
+        await dbo_yield("moe")  # line B
+
+    import inspect
+
+    src, first = inspect.getsourcelines(uneven)
+    line_a = first + next(i for i, s in enumerate(src) if "# line A" in s)
+    line_b = first + next(i for i, s in enumerate(src) if "# line B" in s)
+    with pytest.raises(YieldMismatchError) as info:
+        await run_ubatches(uneven, [(False,), (True,)], debug=True)
+    text = str(info.value)
+    assert f"ubatch 1 yield #0 is 'moe' at {__file__}:{line_b} in " in text
+    assert f"but ubatch 0 yield #0 was 'attention' at {__file__}:{line_a} in " in text
+

@@ -161,7 +161,11 @@ async def test_chrome_export_has_a_track_per_ubatch_and_the_numbers(tmp_path: Pa
     xs = [(e["tid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"]
     assert xs == [(0, "ub0:start"), (0, "ub0:attn"), (0, "wait: Future"), (0, "ub0:attn"), (0, "ub0:moe"),
                   (100, "ub1:start"), (100, "ub1:attn"), (100, "ub1:moe")]  # track by track, each in time order
-    assert trace["otherData"]["asyncdbo"]["ranks"] == [{"rank": 1, "steps": [_asdict(tracer.numbers())]}]
+    origin = tracer.steps[0].t0  # the step's first resume, on perf_counter
+    assert trace["otherData"]["asyncdbo"]["ranks"] == [{"rank": 1, "steps": [_asdict(tracer.numbers())], "origin_s": origin}]
+    # timestamps count from the step's start; the absolute origin is in the metadata
+    assert trace["otherData"]["asyncdbo"]["origin_s"] == origin
+    assert min(e["ts"] for e in trace["traceEvents"] if e["ph"] == "X") == 0.0
     path = tmp_path / "rank1.json"
     tracer.export(path)
     assert json.loads(path.read_text()) == json.loads(json.dumps(trace))
@@ -207,16 +211,18 @@ async def test_png_timeline_and_the_trace_command(tmp_path: Path, capsys: pytest
     tracer.mark_step(StepRecord(step=0, microbatched=True, reason=PlanReason.MICROBATCHED))
     await run_ubatches(parks_on_a_timer, [(0,), (1,)], backend="host", instrument=tracer)
     out = tmp_path / "direct.png"
-    assert render_png(tracer.to_chrome(), out, width_px=800) == (800, 160 + 36 * 2)
-    assert png_size(out) == (800, 232)
+    # height: 16 + 12 px per title line (1), 34 px per lane (2), 52 + 12 per note line (1) + 14 per
+    # legend row (4) + 10
+    assert render_png(tracer.to_chrome(), out, width_px=800) == (800, 226)
+    assert png_size(out) == (800, 226)
 
     path = tmp_path / "trace.json"
     tracer.export(path)
     cli_png = tmp_path / "cli.png"
-    assert cli_main(["trace", str(path), "--png", str(cli_png), "--width", "640", "--print-numbers"]) == 0
-    assert png_size(cli_png) == (640, 232)
+    assert cli_main(["trace", str(path), "--png", str(cli_png), "--width", "640"]) == 0  # numbers printed too
+    assert png_size(cli_png) == (640, 226)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"wrote {cli_png} (640x232 px)"
+    assert lines[0] == f"wrote {cli_png} (640x226 px)"
     assert lines[1].split() == ["rank", "step", "wall", "ms", "compute", "ms", "comm", "ms", "hidden", "parked", "ms",
                                 "switches", "yields/ub", "plan"]
     assert lines[2].split()[:2] == ["0", "0"] and lines[2].endswith("[2, 2]  microbatched")
@@ -300,6 +306,15 @@ async def test_a_step_debug_mode_finds_blocking_is_a_blocking_span_in_the_trace_
     assert tracer.numbers().blocking_s >= 0.04
     events = [e for e in tracer.to_chrome()["traceEvents"] if e.get("cat") == "blocking"]
     assert [e["name"] for e in events] == ["ub0:attn"]
-    from asyncdbo.observe.timeline import render_png
+    import matplotlib.colors
 
-    assert render_png(tracer.to_chrome(), tmp_path / "t.png") == (1600, 160 + 36 * 2)
+    from asyncdbo.observe.timeline import STYLES, timeline_figure
+
+    fig = timeline_figure(tracer.to_chrome())
+    ax = fig.axes[0]
+    red = matplotlib.colors.to_rgba(STYLES["blocking"][0])
+    assert any(tuple(c) == red for coll in ax.collections for c in coll.get_facecolors())  # drawn as blocking
+    assert "attn" in {t.get_text() for t in ax.texts}  # the blocked step's tag: the yield it resumed from
+    notes = [t.get_text() for t in fig.texts]
+    assert any(n.endswith("Blocked steps are drawn red.") for n in notes), notes
+    assert ", blocked " in ax.get_title(loc="left")

@@ -7,6 +7,7 @@ Legend: T tokens of a ubatch, D hidden size.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from asyncdbo.backends.host import HostBackend
 from asyncdbo.backends.links import LinkSpec
 from asyncdbo.lowlevel import get_ubatch
 from asyncdbo.observe import Tracer, merge_traces, write_traces
-from asyncdbo.observe.timeline import render_png
+from asyncdbo.observe.timeline import STYLES, render_png, timeline_figure
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -160,12 +161,41 @@ def test_merged_trace_has_one_process_lane_per_rank_and_renders(
     threads = {(e["pid"], e["args"]["name"]) for e in merged["traceEvents"] if e["name"] == "thread_name"}
     assert threads == {(r, f"ub{u} {k}") for r in (0, 1) for u in (0, 1) for k in ("compute", "comm")}
     out = tmp_path / "merged.png"
-    assert render_png(merged, out, width_px=1200) == (1200, 160 + 36 * 8)
-    assert png_size(out) == (1200, 448)
+    # 16 + 12 px per title line (2 ranks), 34 per lane (8), 52 + 12 per note line + 14 per legend row (4) + 10
+    assert render_png(merged, out, width_px=1200) == (1200, 442)
+    assert png_size(out) == (1200, 442)
+
+
+def test_the_timeline_explains_itself(traces: list[tuple[dict[str, Any], bool]]) -> None:
+    """What a stranger needs is drawn on the PNG: tags on the bars, a legend entry for every
+    colour, the ranks aligned with their offsets stated, the step named as the caller counts it."""
+    import matplotlib.colors
+
+    merged = merge_traces([t for t, _ in traces])
+    merged["otherData"]["asyncdbo"]["title"] = "my engine: DBO step 3 of 3"
+    fig = timeline_figure(merged, width_px=1600)
+    ax = fig.axes[0]
+    # (which bars are wide enough for their tag is timing; tests/observe/test_timeline.py checks
+    # the tags on a trace with fixed times)
+    # a wait on two works reads "ub0 dispatch + ub1 dispatch"
+    parts = {part.split(" ")[-1] for t in ax.texts for part in t.get_text().split(" + ")}
+    assert parts <= {"start", "dispatch", "experts", "combine", "finalize"}, parts
+    # every colour drawn is one the legend defines
+    palette = {matplotlib.colors.to_rgba(c) for c, _ in STYLES.values()}
+    drawn = {tuple(c) for coll in ax.collections for c in coll.get_facecolors()}
+    assert drawn <= palette
+    # ranks: each drawn from its own start, the offsets on the shared clock stated
+    (note,) = [t.get_text() for t in fig.texts if t.get_text().startswith("Ranks aligned")]
+    assert re.search(r"started at rank 0 \+\d+\.\d ms, rank 1 \+\d+\.\d ms\.", note) and "+0.0 ms" in note, note
+    assert ax.get_xlabel() == "ms since the rank's step start"
+    title = ax.get_title(loc="left").split("\n")
+    assert title[0] == "my engine: DBO step 3 of 3"
+    assert [line.split(":")[0] for line in title[1:]] == ["rank 0", "rank 1"]
+    assert all("by another ubatch" in line for line in title[1:])
 
 
 def test_write_traces_lays_out_a_trace_directory(traces: list[tuple[dict[str, Any], bool]], tmp_path: Path) -> None:
     paths = write_traces(tmp_path / "trace", [t for t, _ in traces])
     assert [Path(p).name for p in paths] == ["rank0.json", "rank1.json", "merged.json", "timeline.png"]
     assert json.loads(Path(paths[2]).read_text()) == merge_traces([t for t, _ in traces])
-    assert png_size(Path(paths[3])) == (1600, 448)
+    assert png_size(Path(paths[3])) == (1600, 442)

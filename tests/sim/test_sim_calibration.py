@@ -69,4 +69,4 @@ def test_docs_carry_the_table_with_the_calibration_points_marked() -> None:
 def test_the_band_names_the_calibration_residual_and_every_held_out_error() -> None:
     rows = (Row("a", "calibrate", "-27%", -0.28, -1.0), Row("b", "held-out", "+12%", 0.5, 38.0))
     assert band(rows) == ("error band: calibrated on SGLang's H100+IB decode curve (residual <= 1.0 points); held-out "
-                          "errors, points of gain: b +38.0 (docs/sim.md)")
+                          "errors in points of speedup (1 point = 0.01x): b +38.0 (docs/sim.md)")

@@ -107,11 +107,13 @@ def test_check_with_defaults_checks_races_and_prints_the_band(capsys: pytest.Cap
                       "2 ubatches")
     assert out[2] == "checks: races, dead waits and lost overlap"
     assert out[3] == "decode, per MoE layer in steady state:"
-    assert re.fullmatch(r"tokens/rank\s+serial us \|\s+role DBO us\s+gain comm hidden \|\s+ubatch DBO us\s+gain comm hidden", out[4])
-    row = r"\s+{}\s+[\d.]+ \|\s+[\d.]+\s+[+-][\d.]+%\s+\d+% \|\s+[\d.]+\s+[+-][\d.]+%\s+\d+%"
+    assert re.fullmatch(r"tokens/rank\s+serial us \|\s+role DBO us\s+speedup comm hidden \|\s+ubatch DBO us\s+speedup comm hidden", out[4])
+    row = r"\s+{}\s+[\d.]+ \|\s+[\d.]+\s+\d+\.\d\dx\s+\d+% \|\s+[\d.]+\s+\d+\.\d\dx\s+\d+%"
     assert re.fullmatch(row.format(32), out[6]) and re.fullmatch(row.format(64), out[7]), out
     assert out[-1].startswith("error band: calibrated on SGLang's H100+IB decode curve (residual <= ")
-    assert "held-out errors, points of gain: SGLang prefill 4096 " in out[-1]
+    assert "held-out errors in points of speedup (1 point = 0.01x): SGLang prefill 4096 " in out[-1]
+    assert out[-2] == ("speedup: serial time / DBO time per MoE layer (above 1x: DBO is faster). "
+                       "See docs/sim.md for the model.")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"sim_decode_{t}_{kind}.json" for t in (32, 64) for kind in ("dbo_role", "dbo_ubatch", "serial")
     ]

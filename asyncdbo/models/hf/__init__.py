@@ -1,6 +1,6 @@
 """Hugging Face MoE architectures (Mixtral, Qwen3-MoE, DeepSeek-V3) as ``async def`` models under
 DBO with DP + EP, built from a transformers config and its weights (in memory or a local
-checkpoint directory).  Needs transformers (``pip install 'asyncdbo[hf]'``) for configs."""
+checkpoint directory).  Needs transformers (the 'hf' extra: ``pip install -e '.[hf]'`` in a clone) for configs."""
 
 from __future__ import annotations
 

@@ -1,0 +1,104 @@
+"""Long commands say how much they will run and how far they are, on a terminal only.
+
+``check`` and ``demo`` run under a pseudo-terminal (the ``pty`` module), as a user at a shell
+would: stderr is a TTY there, so the up-front "N ... to run" line and the ``[i/N]`` status line
+appear, each status rewritten in place and erased before the real output. With ``-q``, or when
+stderr is a pipe, none of it is written.
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from asyncdbo.cli import main as cli_main
+
+CHECK = ["check", "--model", "qwen3-moe", "--hidden", "64", "--intermediate", "32", "--experts", "8", "--heads", "4",
+         "--ep", "4", "--tokens", "16,32"]
+DEMO = ["demo", "--hidden", "64", "--layers", "1", "--experts", "4", "--steps", "2", "--warmup", "1", "--tokens", "64"]
+ERASE = "\r\x1b[K"
+
+
+def run_in_a_terminal(argv: list[str], timeout_s: float = 100.0) -> tuple[int, str]:
+    """``python -m asyncdbo *argv`` with stdin, stdout and stderr on a pseudo-terminal; its exit
+    status and everything it wrote (a terminal turns "\\n" into "\\r\\n")."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "asyncdbo", *argv], stdin=slave, stdout=slave, stderr=slave,
+                            close_fds=True)
+    os.close(slave)
+    out = b""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the child closed the terminal (EIO on Linux)
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        os.close(master)
+    return proc.returncode, out.decode().replace("\r\n", "\n")
+
+
+@pytest.mark.timeout(120)
+def test_check_says_how_many_configurations_and_which_one_runs() -> None:
+    rc, out = run_in_a_terminal(CHECK)
+    assert rc == 0, out
+    lines = out.split("\n")
+    assert lines[0] == "2 configurations (serial and DBO each) to run"  # before anything else
+    assert lines[1].startswith("asyncdbo check: qwen3-moe: hidden 64")
+    assert f"{ERASE}[1/2] 16 tokens/rank, role streams ...{ERASE}         16 " in out
+    assert f"{ERASE}[2/2] 32 tokens/rank, role streams ...{ERASE}         32 " in out
+
+
+@pytest.mark.timeout(120)
+def test_check_with_q_prints_no_progress_on_a_terminal() -> None:
+    rc, out = run_in_a_terminal([*CHECK, "-q"])
+    assert rc == 0, out
+    assert "to run" not in out and "[1/2]" not in out and "\x1b[K" not in out
+    assert out.startswith("asyncdbo check: qwen3-moe: hidden 64")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_demo_counts_its_steps_as_the_user_does() -> None:
+    rc, out = run_in_a_terminal(DEMO)
+    assert rc == 0, out
+    assert out.startswith("3 steps (each serial, then DBO) on 2 ranks to run\n")
+    for i, kind in ((1, "warm-up"), (2, "timed"), (3, "timed")):
+        assert f"{ERASE}[{i}/3] step {i} ({kind}): serial, then DBO ..." in out
+    # the status line is erased before the table, which reads as it does without a terminal
+    assert f"{ERASE}asyncdbo demo: 2 ranks x 64 tokens (prefill), 1 layers" in out
+
+
+@pytest.mark.timeout(120)
+def test_no_progress_when_stderr_is_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(CHECK) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert "[1/2]" not in captured.out and captured.out.startswith("asyncdbo check: qwen3-moe")
+
+
+@pytest.mark.timeout(120)
+def test_check_workload_counts_its_steps() -> None:
+    rc, out = run_in_a_terminal(["check", "--workload", "synthetic", *CHECK[1:-2]])
+    assert rc == 0, out
+    assert "\n16 workload steps (each simulated serial and, if it splits, DBO) to run\n" in out
+    assert f"{ERASE}[1/16] step 1 of 16 ...{ERASE}[2/16] step 2 of 16 ..." in out
+    assert f"[16/16] step 16 of 16 ...{ERASE}throughput, real tokens of all ranks" in out
