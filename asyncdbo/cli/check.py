@@ -177,8 +177,6 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
     print(f"{args.shape}, per MoE layer in steady state:")
     print(head)
     print("-" * len(head))
-    if args.trace:
-        os.makedirs(args.trace, exist_ok=True)
     lost: dict[str, int] = {}
     for t_i, tokens in enumerate(args.tokens):
         row = f"{tokens:>11}"

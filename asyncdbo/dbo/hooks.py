@@ -85,8 +85,6 @@ def dbo_register_recv_hook(hook: Callable[[], object]) -> RecvHookHandle:
             f"of ubatch {ub.id} ({held!r}); the earlier receive would be lost. Call dbo_maybe_run_recv_hook() "
             "in every ubatch before it registers its next hook."
         )
-    # With three or more ubatches the next live one may already hold another ubatch's hook (the
-    # ones between them parked): it launches both, in the order they were registered.
     lane.recv_hook = _HookChain(held, handle._run, (*owners, ub.id))._run
     return handle
 
