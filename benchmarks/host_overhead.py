@@ -12,6 +12,11 @@ interleaved in every round:
 * ``no DBO``: the same coroutines awaited one after the other outside a run (every primitive is
   then a no-op returning a done awaitable): the cost of the code itself;
 * ``asyncdbo``: ``run_ubatches`` on the host backend (run set-up and tear-down included);
+* ``floor``: the least any coroutine design can pay, and what the ``<= 400 ns`` goal is measured
+  against: the same number of ubatch coroutines, each awaiting a one-line generator that yields a
+  sentinel 3 times per layer, driven round-robin by ``ctx.run(coro.send, None)`` from a deque (the
+  kernel's fast loop with nothing else in it: no primitives, no marks, no events, no streams),
+  minus the same coroutines awaiting a done awaitable instead;
 * ``threads`` / ``threads pinned``: the ubatches driven by ``benchmarks/_thread_baton.py``,
   ``moe_step.py``'s driver (vLLM's ``UBatchWrapper`` control flow: one OS thread per ubatch, a
   ``threading.Event`` baton each), the same primitives, streams and events; ``pinned`` runs
@@ -33,12 +38,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextvars
+import functools
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -67,6 +76,60 @@ def make_forward(pkg: ModuleType, layers: int) -> Callable[[int], Any]:
         return i
 
     return forward
+
+
+class _Done:
+    __slots__ = ()
+
+    def __await__(self) -> Any:
+        return
+        yield
+
+
+_SENTINEL, _DONE = object(), _Done()
+
+
+@types.coroutine
+def _bare_switch() -> Any:
+    yield _SENTINEL
+
+
+def floor_designs(layers: int, N: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(bare round-robin step, the same coroutines awaited in turn): see ``floor`` in the module doc."""
+
+    async def switching() -> None:
+        for _ in range(layers):
+            await _bare_switch()
+            await _bare_switch()
+            await _bare_switch()
+
+    async def plain() -> None:
+        for _ in range(layers):
+            await _DONE
+            await _DONE
+            await _DONE
+
+    def bare() -> None:
+        ready = collections.deque(
+            functools.partial(contextvars.copy_context().run, switching().send, None) for _ in range(N)
+        )
+        pop, push = ready.popleft, ready.append
+        while ready:
+            resume = pop()
+            try:
+                if resume() is _SENTINEL:
+                    push(resume)
+            except StopIteration:
+                pass
+
+    def awaited() -> None:
+        for _ in range(N):
+            try:
+                contextvars.copy_context().run(plain().send, None)
+            except StopIteration:
+                pass
+
+    return bare, awaited
 
 
 def _times(fn: Callable[[], None], repeat: int) -> tuple[float, float]:
@@ -98,6 +161,7 @@ def designs(pkgs: dict[str, ModuleType], layers: int, N: int, runner: asyncio.Ru
             runner.run(pkg.run_ubatches(f, args, backend="host"))
 
         out[name] = step
+    out["floor"], out["floor no-switch"] = floor_designs(layers, N)
     out["threads"] = lambda: run_threads(fwd, args, HostBackend())
     cpus = sorted(os.sched_getaffinity(0))
 
@@ -135,8 +199,10 @@ def measure(pkgs: dict[str, ModuleType], layers: int, N: int, rounds: int, runne
 
 
 def per_yield(samples: Samples, design: str, key: str, yields: int) -> tuple[float, float, float]:
-    """(median, min, max) ns per yield of ``design`` over the no-DBO baseline, by round."""
-    vals = [(d - b) / yields * 1e9 for d, b in zip(samples[design][key], samples["no DBO"][key])]
+    """(median, min, max) ns per yield of ``design`` over its baseline (no DBO, or for ``floor``
+    the same coroutines without switching), by round."""
+    base = "floor no-switch" if design == "floor" else "no DBO"
+    vals = [(d - b) / yields * 1e9 for d, b in zip(samples[design][key], samples[base][key])]
     return statistics.median(vals), min(vals), max(vals)
 
 
@@ -174,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             pkgs = {f"asyncdbo {rev}": export_base(rev, Path(tmp)), **pkgs}
         title = "Host overhead per yield: an eager ht step of primitives, no comm, no parking"
         lines, info = results_preamble(title, command)
-        names = [*pkgs, "threads", "threads pinned"]
+        names = [*pkgs, "floor", "threads", "threads pinned"]
         lines.append(
             f"ns of host time per yield over the same code without DBO, medians of {rounds} interleaved rounds "
             "[min..max] (each round's design minus the same round's no-DBO time); wall time, then the process's CPU "

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from .._core import SWITCH, Signal, UBatch, current_ubatch, switch
 from ..backends import COMPLETED, CommHandle, DoneWork, Role, StreamPolicy
-from .awaits import _MARKS, Unawaited, _site, check_unawaited, mark_record, mark_unawaited
+from .awaits import Unawaited, _site, check_unawaited, mark_record, mark_unawaited
 from .state import Lane
 
 __all__ = [
@@ -110,17 +110,15 @@ def _check_role(ub: UBatch, lane: Lane, expected: Role, name: str) -> None:
 @types.coroutine
 def _yield_and_switch(ub: UBatch, lane: Lane, tag: str, src: Role, dst: Role) -> Generator[Any, Any, None]:
     ub.unawaited = None
-    backend = ub.run.ext.backend
     event = lane.events[src]
-    backend.record(event, lane.streams[src])  # before the yield: covers only this ubatch's work
+    lane.record(event, lane.streams[src])  # before the yield: covers only this ubatch's work
     ub.tag = tag
     yield SWITCH  # trap(SWITCH) inlined: one generator frame less on every resume
     lane.role = dst
     lane.stream = ub.resume_with = stream = lane.streams[dst]  # lane.set_stream, inlined
-    run = ub.run
-    if run.installs:
-        run.install(stream)
-    signal = backend.wait(stream, event)  # after the resume
+    if ub.run.installs:
+        ub.run.install(stream)
+    signal = lane.wait(stream, event)  # after the resume
     if signal is not None:
         yield from signal.__await__()
 
@@ -132,6 +130,20 @@ def _then_wait(ub: UBatch, signal: Signal | None) -> Generator[Any, Any, None]:
         yield from signal.__await__()
 
 
+# Outside debug mode a primitive's missing-await mark is shared by every call with its tag
+# (asyncdbo.dbo.awaits): one dict per primitive, keyed by the tag alone, so the hot path builds no
+# key tuple (benchmarks/host_overhead.py).
+_TO_COMM_MARKS: dict[str, Unawaited] = {}
+_TO_COMPUTE_MARKS: dict[str, Unawaited] = {}
+
+
+def _mark(marks: dict[str, Unawaited], primitive: str, tag: str) -> Unawaited:
+    record = mark_record(primitive, tag, True)
+    if len(marks) < 4096:
+        marks[tag] = record
+    return record
+
+
 def dbo_yield_and_switch_from_compute_to_comm(tag: str = "compute->comm") -> Awaitable[None]:
     """Record compute-done, yield, then continue on the comm stream after compute-done."""
     ub = _get_ubatch(None)
@@ -140,9 +152,7 @@ def dbo_yield_and_switch_from_compute_to_comm(tag: str = "compute->comm") -> Awa
     if ub.unawaited is not None or ub.debug is not None:
         mark_unawaited(ub, "dbo_yield_and_switch_from_compute_to_comm", tag, hazard=True)
     else:
-        ub.unawaited = _MARKS.get(("dbo_yield_and_switch_from_compute_to_comm", tag, True)) or mark_record(
-            "dbo_yield_and_switch_from_compute_to_comm", tag, True
-        )
+        ub.unawaited = _TO_COMM_MARKS.get(tag) or _mark(_TO_COMM_MARKS, "dbo_yield_and_switch_from_compute_to_comm", tag)
     lane = ub.ext
     if lane.role != "compute":
         _check_role(ub, lane, "compute", "dbo_yield_and_switch_from_compute_to_comm")
@@ -159,8 +169,8 @@ def dbo_yield_and_switch_from_comm_to_compute(tag: str = "comm->compute") -> Awa
     if ub.unawaited is not None or ub.debug is not None:
         mark_unawaited(ub, "dbo_yield_and_switch_from_comm_to_compute", tag, hazard=True)
     else:
-        ub.unawaited = _MARKS.get(("dbo_yield_and_switch_from_comm_to_compute", tag, True)) or mark_record(
-            "dbo_yield_and_switch_from_comm_to_compute", tag, True
+        ub.unawaited = _TO_COMPUTE_MARKS.get(tag) or _mark(
+            _TO_COMPUTE_MARKS, "dbo_yield_and_switch_from_comm_to_compute", tag
         )
     lane = ub.ext
     if lane.role != "comm":
@@ -177,15 +187,18 @@ def _plain_switch(role: Role) -> Awaitable[None]:
     lane: Lane = ub.ext
     lane.role = role
     lane.stream = ub.resume_with = stream = lane.streams[role]  # lane.set_stream, inlined
-    run = ub.run
-    if run.installs:
-        run.install(stream)
+    if ub.run.installs:
+        ub.run.install(stream)
     return COMPLETED
 
 
-def _switch(role: Role, sync: bool, name: str) -> Awaitable[None]:
-    if not sync:
-        return _plain_switch(role)
+_SYNC_MARKS = {
+    "dbo_switch_to_comm_sync": mark_record("dbo_switch_to_comm_sync", None, True),
+    "dbo_switch_to_compute_sync": mark_record("dbo_switch_to_compute_sync", None, True),
+}
+
+
+def _sync_switch(role: Role, name: str) -> Awaitable[None]:
     ub = _get_ubatch(None)
     if ub is None:
         return COMPLETED
@@ -193,13 +206,14 @@ def _switch(role: Role, sync: bool, name: str) -> Awaitable[None]:
     if ub.unawaited is not None or ub.debug is not None:
         mark_unawaited(ub, name, None, hazard=True)
     else:
-        ub.unawaited = _MARKS.get((name, None, True)) or mark_record(name, None, True)
-    backend = ub.run.ext.backend
+        ub.unawaited = _SYNC_MARKS[name]
     event = lane.events[lane.role]
-    backend.record(event, lane.stream)
+    lane.record(event, lane.stream)
     lane.role = role
-    lane.set_stream(lane.streams[role])
-    return _then_wait(ub, backend.wait(lane.stream, event))  # a failed comm raises when awaited
+    lane.stream = ub.resume_with = stream = lane.streams[role]  # lane.set_stream, inlined
+    if ub.run.installs:
+        ub.run.install(stream)
+    return _then_wait(ub, lane.wait(stream, event))  # a failed comm raises when awaited
 
 
 def dbo_switch_to_comm() -> Awaitable[None]:
@@ -214,13 +228,13 @@ def dbo_switch_to_compute() -> Awaitable[None]:
 
 def dbo_switch_to_comm_sync() -> Awaitable[None]:
     """Continue on the comm stream after everything this ubatch queued on its current stream."""
-    return _switch("comm", True, "dbo_switch_to_comm_sync")
+    return _sync_switch("comm", "dbo_switch_to_comm_sync")
 
 
 def dbo_switch_to_compute_sync() -> Awaitable[None]:
     """Continue on the compute stream after this ubatch's comm. Await it: on the host backend it
     parks the ubatch until the comm work completes."""
-    return _switch("compute", True, "dbo_switch_to_compute_sync")
+    return _sync_switch("compute", "dbo_switch_to_compute_sync")
 
 
 def dbo_get_previous_event(func: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:

@@ -23,6 +23,10 @@ class Lane(UBatchStreams):
     """One ubatch's streams and role (filled by the backend) and its pending recv hook."""
 
     recv_hook: Callable[[], object] | None = None
+    # The backend's record and wait, bound once per run (the yield primitives call them on every
+    # yield; a bound method looked up through ``ub.run.ext.backend`` costs three loads and a bind).
+    record: Callable[[Any, Any], None] = field(default=None, repr=False)  # type: ignore[assignment]
+    wait: Callable[[Any, Any], Signal | None] = field(default=None, repr=False)  # type: ignore[assignment]
 
 
 @dataclass(eq=False)
@@ -32,6 +36,10 @@ class RunState(RunStreams):
 
     events: dict[Hashable, tuple[Any, Signal]] = field(default_factory=dict)
     blocking: list[Any] = field(default_factory=list)  # debug mode: BlockingStep records
+
+    def __post_init__(self) -> None:
+        for lane in self.lanes:
+            lane.record, lane.wait = self.backend.record, self.backend.wait
 
 
 def lane_of(ub: UBatch) -> Lane:
