@@ -17,6 +17,14 @@ interleaved in every round:
   sentinel 3 times per layer, driven round-robin by ``ctx.run(coro.send, None)`` from a deque (the
   kernel's fast loop with nothing else in it: no primitives, no marks, no events, no streams),
   minus the same coroutines awaiting a done awaitable instead;
+* ``kernel``: the same bare coroutines (yielding the kernel's ``SWITCH``) driven by asyncdbo's
+  kernel (``DBORun(...).drive()``: its fast loop, run set-up and tear-down, no DBO layer) over the
+  same coroutines awaited in turn: what the kernel adds to the floor;
+* ``dbo_yield``: ``run_ubatches`` on the host backend with ``await dbo_yield(tag)`` as each of the
+  3 yields (the whole DBO layer's set-up and the cheapest primitive, no stream or event work) over
+  the same code without DBO: what the DBO layer adds to the kernel, before any stream work. The
+  gap from here to ``asyncdbo`` is the ``ht`` sequence's own work (4 event records and waits,
+  4 stream switches, the role checks and missing-await marks of 6 primitive calls);
 * ``threads`` / ``threads pinned``: the ubatches driven by ``benchmarks/_thread_baton.py``,
   ``moe_step.py``'s driver (vLLM's ``UBatchWrapper`` control flow: one OS thread per ubatch, a
   ``threading.Event`` baton each), the same primitives, streams and events; ``pinned`` runs
@@ -132,6 +140,51 @@ def floor_designs(layers: int, N: int) -> tuple[Callable[[], None], Callable[[],
     return bare, awaited
 
 
+def ladder_designs(layers: int, N: int, runner: asyncio.Runner) -> dict[str, Callable[[], None]]:
+    """``kernel`` and ``dbo_yield`` (module doc) and their baselines, as plain calls."""
+    import asyncdbo
+    from asyncdbo.lowlevel import SWITCH, DBORun
+
+    @types.coroutine
+    def trap() -> Any:
+        yield SWITCH
+
+    y = asyncdbo.dbo_yield
+
+    async def bare(i: int) -> None:
+        for _ in range(layers):
+            await trap()
+            await trap()
+            await trap()
+
+    async def done(i: int) -> None:
+        for _ in range(layers):
+            await _DONE
+            await _DONE
+            await _DONE
+
+    async def yields(i: int) -> None:
+        for _ in range(layers):
+            await y("a")
+            await y("b")
+            await y("c")
+
+    async def each(fn: Callable[[int], Any]) -> None:
+        for i in range(N):
+            await fn(i)
+
+    args = [(i,) for i in range(N)]
+    return {
+        "kernel": lambda: runner.run(DBORun([bare(i) for i in range(N)]).drive()),
+        "kernel no-switch": lambda: runner.run(each(done)),
+        "dbo_yield": lambda: runner.run(asyncdbo.run_ubatches(yields, args, backend="host")),
+        "dbo_yield no-switch": lambda: runner.run(each(yields)),
+    }
+
+
+BASELINES = {"floor": "floor no-switch", "kernel": "kernel no-switch", "dbo_yield": "dbo_yield no-switch"}
+
+
 def _times(fn: Callable[[], None], repeat: int) -> tuple[float, float]:
     """(wall s, CPU s) of ``repeat`` calls."""
     c0, t0 = time.process_time(), time.perf_counter()
@@ -162,6 +215,7 @@ def designs(pkgs: dict[str, ModuleType], layers: int, N: int, runner: asyncio.Ru
 
         out[name] = step
     out["floor"], out["floor no-switch"] = floor_designs(layers, N)
+    out.update(ladder_designs(layers, N, runner))
     out["threads"] = lambda: run_threads(fwd, args, HostBackend())
     cpus = sorted(os.sched_getaffinity(0))
 
@@ -199,9 +253,9 @@ def measure(pkgs: dict[str, ModuleType], layers: int, N: int, rounds: int, runne
 
 
 def per_yield(samples: Samples, design: str, key: str, yields: int) -> tuple[float, float, float]:
-    """(median, min, max) ns per yield of ``design`` over its baseline (no DBO, or for ``floor``
-    the same coroutines without switching), by round."""
-    base = "floor no-switch" if design == "floor" else "no DBO"
+    """(median, min, max) ns per yield of ``design`` over its baseline (no DBO, or for the ladder's
+    rungs the same coroutines without switching), by round."""
+    base = BASELINES.get(design, "no DBO")
     vals = [(d - b) / yields * 1e9 for d, b in zip(samples[design][key], samples[base][key])]
     return statistics.median(vals), min(vals), max(vals)
 
@@ -240,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             pkgs = {f"asyncdbo {rev}": export_base(rev, Path(tmp)), **pkgs}
         title = "Host overhead per yield: an eager ht step of primitives, no comm, no parking"
         lines, info = results_preamble(title, command)
-        names = [*pkgs, "floor", "threads", "threads pinned"]
+        names = ["floor", "kernel", "dbo_yield", *pkgs, "threads", "threads pinned"]
         lines.append(
             f"ns of host time per yield over the same code without DBO, medians of {rounds} interleaved rounds "
             "[min..max] (each round's design minus the same round's no-DBO time); wall time, then the process's CPU "

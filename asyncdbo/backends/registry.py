@@ -55,4 +55,6 @@ def get_backend(name: str | StreamBackend | None = "auto", **options: Any) -> St
     if isinstance(factory, str):
         module, _, attr = factory.partition(":")
         factory = getattr(importlib.import_module(module), attr)
+        if _REGISTRY.get(name) is not None:  # resolved once: a run's set-up pays no import lookup
+            _REGISTRY[name] = factory
     return factory(**options)
