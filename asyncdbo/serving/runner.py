@@ -40,6 +40,7 @@ decode steps over a 512-token context; ``benchmarks/results/deterministic_*.md``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import time
@@ -51,6 +52,7 @@ import torch
 from .._core import Instrument
 from ..backends import CommRecord, LinkSpec, StreamBackend, StreamPolicy, get_backend
 from ..dbo import DBOOptions, RunStats, run_ubatches_with_stats
+from ..dist.fused import DispatchMode, dispatch_options
 from ..dist.recovery import StepSync, step_sync
 from ..plan import (
     AttentionMetadata,
@@ -94,6 +96,12 @@ class RunnerConfig:
     so ranks stay in step).  ``backend``: a stream backend name or instance; ``link``: a modeled
     link for the host backend (see :class:`asyncdbo.backends.host.HostBackend`).  ``watchdog_s``
     turns a lost comm completion into an error naming the parked ubatches instead of a hang.
+    ``dispatch`` says how the MoE layers send the per-expert counts: ``"auto"`` rides them in the
+    token message where the run's link model says one message pays (decode on a latency-bound
+    link) and sends two elsewhere, and with no link model to price it (real comm) always two;
+    ``"fused"`` or ``"split"`` forces one (:mod:`asyncdbo.dist.fused`). The fused buffer is sized
+    from the step's DP vote, which every rank shares, so a step without one (no ``dp_group``)
+    splits; the EP group's ranks must all be in the DP group.
     """
 
     num_ubatches: int = 2
@@ -106,12 +114,15 @@ class RunnerConfig:
     watchdog_s: float | None = 60.0
     max_imbalance: float | None = None
     min_share: float = 0.48
+    dispatch: DispatchMode = "auto"
 
     def __post_init__(self) -> None:
         if self.num_ubatches < 1:
             raise ValueError(f"num_ubatches ({self.num_ubatches}) must be at least 1 (2 for DBO)")
         if self.policy not in ("token", "request", "balanced"):
             raise ValueError(f"unknown split policy {self.policy!r}; use 'token', 'request' or 'balanced'")
+        if self.dispatch not in ("auto", "fused", "split"):
+            raise ValueError(f"unknown dispatch {self.dispatch!r}; use 'auto', 'fused' or 'split'")
         # The remaining fields are checked where they are used, with the same messages:
         DBOOptions(stream_policy=self.stream_policy, watchdog_s=self.watchdog_s)
 
@@ -262,10 +273,24 @@ class DBORunner:
             instrument=insts,
             name=f"step{plan.record.step}",
         )
-        outputs, stats = await (run if self.sync is None else _watched(run, self.sync))
+        with _dispatch_block(plan, cfg):
+            outputs, stats = await (run if self.sync is None else _watched(run, self.sync))
         logits_TV = merge_outputs(outputs, plan.slices, batch.num_tokens)
         assert isinstance(logits_TV, torch.Tensor), type(logits_TV)  # one tensor in, one out
         return StepResult(logits_TV=logits_TV, plan=plan, step_s=time.perf_counter() - t0, stats=stats)
+
+
+def _dispatch_block(plan: StepPlan, cfg: RunnerConfig) -> contextlib.AbstractContextManager[Any]:
+    """The step's :func:`~asyncdbo.dist.dispatch_options`: the most tokens any rank's MoE call
+    carries, from the DP vote every rank shares (under the token policy each ubatch's padded size
+    comes from the common total alone; request-aligned cuts differ by rank, so the total bounds
+    them). Without a vote, or with ``dispatch="split"``, nothing: the layers split."""
+    if cfg.dispatch == "split" or plan.decision is None or plan.decision.num_tokens_padded < 1:
+        return contextlib.nullcontext()
+    bound = plan.decision.num_tokens_padded
+    if plan.microbatched and cfg.policy == "token":
+        bound = max(s.num_tokens_padded for s in plan.slices)
+    return dispatch_options(max(bound, 1), cfg.dispatch)
 
 
 async def _watched(coro: Any, sync: StepSync) -> Any:

@@ -8,12 +8,13 @@ read K/V that DBO steps wrote; ``bitwise`` says whether every step's logits were
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 import asyncdbo
+from asyncdbo.backends import LinkSpec
 from asyncdbo.models import MiniConfig, MiniModel
 from asyncdbo.plan import ThresholdConfig
 from asyncdbo.serving import BatchBuilder, DBORunner, RunnerConfig
@@ -79,3 +80,32 @@ async def _fail_mid_step(rank: int, world_size: int) -> None:
 
 def fail_mid_step(rank: int, world_size: int) -> None:
     asyncdbo.run(_fail_mid_step, rank, world_size)
+
+
+# A modeled link on which one message's latency (1 ms) outweighs the padding of a decode ubatch's
+# fused buffer (SMALL on 2 ranks, 3 tokens: 8 padded rows of 256 B, 0.5 ms at 4 MB/s) but not a
+# prefill ubatch's (23 tokens: 48 rows, 3 ms), so ``dispatch="auto"`` fuses the one and splits
+# the other (asyncdbo.dist.choose_dispatch).
+DISPATCH_LINK = LinkSpec(name="test-latency-bound", latency_s=1e-3, bandwidth_Bps=4e6)
+
+
+async def _dispatch_per_step(rank: int, case: Case) -> dict[str, Any]:
+    """Every step run serially and with DBO under ``case.runner`` (a modeled link): whether the
+    logits are equal bit for bit, and which messages each DBO step sent."""
+    group = torch.distributed.group.WORLD
+    serial = DBORunner(MiniModel(case.model, ep_group=group), replace(case.runner, dispatch="split"), dp_group=group)
+    dbo = DBORunner(MiniModel(case.model, ep_group=group), case.runner, dp_group=group)
+    builder = BatchBuilder(case.model.kv_cache_config)
+    out: dict[str, Any] = {"bitwise": True, "sent": [], "microbatched": []}
+    for chunks in case.steps[rank]:
+        batch = builder.build([(rid, list(toks)) for rid, toks in chunks])
+        s = await serial.step(batch, enabled=False)
+        d = await dbo.step(batch)
+        out["bitwise"] &= torch.equal(s.logits_TV, d.logits_TV)
+        out["sent"].append(sorted({c.what for c in d.comm}))
+        out["microbatched"].append(d.record.microbatched)
+    return out
+
+
+def dispatch_per_step(rank: int, world_size: int, case: Case) -> dict[str, Any]:
+    return asyncdbo.run(_dispatch_per_step, rank, case)  # type: ignore[arg-type]

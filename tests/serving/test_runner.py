@@ -15,7 +15,16 @@ from dataclasses import replace
 
 import pytest
 import torch
-from _model_ranks import ALWAYS, SMALL, Case, fail_mid_step, serial_vs_dbo, tokens
+from _model_ranks import (
+    ALWAYS,
+    DISPATCH_LINK,
+    SMALL,
+    Case,
+    dispatch_per_step,
+    fail_mid_step,
+    serial_vs_dbo,
+    tokens,
+)
 
 from asyncdbo import dbo_current_ubatch_id, run_ubatches
 from asyncdbo.models import MiniConfig, MiniModel
@@ -146,6 +155,8 @@ def test_bad_runner_config_and_batch_are_value_errors() -> None:
         RunnerConfig(policy="halves")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"stream_policy must be 'role' or 'ubatch' \(got 'both'\)"):
         RunnerConfig(stream_policy="both")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^unknown dispatch 'both'; use 'auto', 'fused' or 'split'$"):
+        RunnerConfig(dispatch="both")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"unknown link 'carrier-pigeon'"):
         RunnerConfig(backend="host", link="carrier-pigeon").make_backend()
     with pytest.raises(ValueError, match=r"^num_ubatches \(9\) exceeds max_ubatches \(4\), the ubatches the model's MoE layers"):
@@ -225,6 +236,27 @@ def test_decode_steps_over_a_prefilled_context_equal_serial(pool: RankPool, sche
     for r in (r0, r1):
         assert [rec.ubatch_num_tokens for rec in r["records"][1:]] == [(3, 3) if num_ubatches == 2 else (2, 2, 2)] * 3
         assert r["bitwise"], r["max_abs_diff"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["ht", "ll"])
+def test_auto_dispatch_fuses_decode_and_splits_prefill_on_the_link_model_with_serial_numbers(
+        pool: RankPool, schedule: str) -> None:
+    runner = RunnerConfig(thresholds=ALWAYS, backend="host", link=DISPATCH_LINK)  # dispatch="auto"
+    case = Case(steps=(_decode_steps(0), _decode_steps(1)), model=replace(SMALL, schedule=schedule), runner=runner)
+    for r in pool.run(dispatch_per_step, case):
+        assert r["microbatched"] == [True] * 4
+        assert r["sent"] == [["combine", "counts", "dispatch"]] + [["combine", "dispatch+counts"]] * 3
+        assert r["bitwise"]  # fused DBO steps == split serial steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_split_dispatch_never_fuses(pool: RankPool) -> None:
+    runner = RunnerConfig(thresholds=ALWAYS, backend="host", link=DISPATCH_LINK, dispatch="split")
+    for r in pool.run(dispatch_per_step, Case(steps=(_decode_steps(0), _decode_steps(1)), runner=runner)):
+        assert r["sent"] == [["combine", "counts", "dispatch"]] * 4 and r["bitwise"]
 
 
 @pytest.mark.slow
