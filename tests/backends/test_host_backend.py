@@ -75,6 +75,43 @@ def test_all_to_all_overlaps_the_other_ubatch_under_a_modeled_link(pool: RankPoo
         assert r["pending_seen"] == [False, True, True]
 
 
+def _released_while_switching_rank(rank: int, world_size: int) -> dict:
+    """ub0 issues on a 20 ms modeled link and keeps switching (never parked) until the link's
+    release time has passed and gloo completed the work; then it awaits the work."""
+
+    async def forward(i: int) -> str:
+        if i == 0:
+            await dbo_switch_to_comm()
+            _, handle = _submit_a2a(torch.tensor([float(rank), 1.0]), "dispatch")
+            (work,) = get_ubatch().run.ext.comm
+            clock = get_ubatch().run.clock
+            while work.t_done is None or clock.now() < work.t_release:
+                await dbo_yield("spin")
+            await dbo_yield("one more switch")  # the kernel fires due link timers at a switch
+            await handle
+            return "received"
+        while get_ubatch().run.ubatches[0].state.name != "DONE":
+            await dbo_yield("other")
+        return "switched"
+
+    async def main() -> tuple[list[str], int]:
+        results, stats = await asyncdbo.run_ubatches_with_stats(
+            forward, [(0,), (1,)], backend=HostBackend(link=LinkSpec(name="slow-nic", latency_s=0.02, bandwidth_Bps=1e9))
+        )
+        return results, stats.num_parks
+
+    ubatch_groups(2)
+    results, parks = asyncdbo.run(main)
+    return {"results": results, "parks": parks}
+
+
+def test_a_message_the_link_released_while_its_ubatch_kept_switching_does_not_park_it(pool: RankPool) -> None:
+    # The link's release is a kernel timer set during the fast loop: it fires at the first switch
+    # after it is due, so awaiting the work finds it complete.
+    for r in pool.run(_released_while_switching_rank):
+        assert r == {"results": ["received", "switched"], "parks": 0}
+
+
 def test_all_to_all_is_correct_over_real_loopback(pool: RankPool) -> None:
     res = pool.run(_exchange_rank, None, "uvloop")
     assert [r["ub0"] for r in res] == [[0.0, 10.0], [1.0, 11.0]]
