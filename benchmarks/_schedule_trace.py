@@ -4,10 +4,10 @@
 ended with) plus a :class:`HostBackend` that logs every stream wait. :meth:`ScheduleRecorder.trace`
 turns what they saw into the input of :func:`_replay.replay`. The dependencies come from the run:
 
-* a step that parked on a comm work's signal waited for that message;
-* a step that parked on a stream wait's joined signal (under role streams one comm stream holds
-  every ubatch's works, so the wait covers all of them) waited for exactly the works the event
-  covered;
+* a step that parked in a stream wait (a ``dbo_*_sync`` or ``dbo_yield_and_switch_*``) waited for
+  every work the event covered (under role streams one comm stream holds every ubatch's works,
+  so that can include another ubatch's messages);
+* a step that parked awaiting a comm work directly waited for that message;
 * a step that parked on any other signal (a recv hook another ubatch runs, a named event another
   ubatch records) waited for the step that set it: a waiter on the signal notes when it was set,
   and the step of the run that holds that instant set it;
@@ -142,12 +142,12 @@ class ScheduleRecorder:
                 continue  # it parked: the next step's dependency, above
             after[i].update(by_work[id(w)] for w in works if w.t_issue < spans[i][1])
         for u, ids in per_ub.items():  # own messages completed while the ubatch was off the CPU
-            for prev, i in zip(ids, ids[1:]):
+            for before, i in zip(ids, ids[1:]):
                 after[i].update(j for j, w in enumerate(comm)
-                                if w.ub == u and spans[prev][2] < self._visible.get(j, -1.0) <= spans[i][1])
+                                if w.ub == u and spans[before][2] < self._visible.get(j, -1.0) <= spans[i][1])
         steps: list[list[Step]] = [[] for _ in per_ub]
         for i, (u, a, b) in enumerate(spans):
-            prev = self.requests[per_ub[u][index[i][1] - 1]] if index[i][1] else SWITCH
-            steps[u].append(Step(duration_s=b - a, parked=prev is not SWITCH, after_msgs=tuple(sorted(after[i])),
+            came_from = self.requests[per_ub[u][index[i][1] - 1]] if index[i][1] else SWITCH
+            steps[u].append(Step(duration_s=b - a, parked=came_from is not SWITCH, after_msgs=tuple(sorted(after[i])),
                                  after_sets=(sets[i],) if i in sets else (), after_s=outside.get(i)))
         return steps, msgs
