@@ -11,8 +11,9 @@ policy, on an ideal runtime that costs nothing between steps:
 * a step that ends with a switch puts its ubatch at the back of the queue at once, behind the
   ubatches woken during the step (the kernel drains its wake-ups before it pushes the switcher);
 * a step that ends with a park: its ubatch joins the queue when the last thing it waits for
-  completes (at that instant; the CPU still finishes the step it is running). If everything it
-  waits for is already complete when the step ends, it keeps the CPU (its await would not park);
+  completes (at that instant; the CPU still finishes the step it is running), at once if that
+  already happened: the step boundaries are the run's, and a park in the run went through the
+  queue (so the order stays the run's, which the dependencies below were read under);
 * a ubatch that reaches the head of the queue while something its next step needs is missing
   (it came from a switch, and its await did not park in the run) parks there at no cost;
 * each message is issued at the same offset into its issuing step as in the run. On a modeled
@@ -104,10 +105,12 @@ def _check(steps: Sequence[Sequence[Step]], msgs: Sequence[Msg]) -> None:
                                      f"{src.duration_s} s; the offset must lie inside that step")
 
 
-def replay(steps: Sequence[Sequence[Step]], msgs: Sequence[Msg], link: LinkSpec | None) -> float:
+def replay(steps: Sequence[Sequence[Step]], msgs: Sequence[Msg], link: LinkSpec | None,
+           log: list[tuple[int, int, float]] | None = None) -> float:
     """Seconds from the first step's start to the last step's end when ``steps`` (per ubatch, in
-    order) and ``msgs`` run on the ideal runtime of the module docstring. A trace whose waits can
-    never all complete raises ValueError (a wrong dependency, not a schedule)."""
+    order) and ``msgs`` run on the ideal runtime of the module docstring; ``log`` gets (ubatch,
+    step, start) of each step as it runs. A trace whose waits can never all complete raises
+    ValueError (a wrong dependency, not a schedule)."""
     _check(steps, msgs)
     issued: dict[tuple[int, int], list[int]] = {}
     for i in sorted(range(len(msgs)), key=lambda i: msgs[i].offset_s):
@@ -166,6 +169,8 @@ def replay(steps: Sequence[Sequence[Step]], msgs: Sequence[Msg], link: LinkSpec 
             waiting[u] = missing
             continue
         start, st = now, steps[u][k]
+        if log is not None:
+            log.append((u, k, start))
         now = start + st.duration_s
         for i in issued.get((u, k), ()):
             m = msgs[i]
@@ -184,12 +189,9 @@ def replay(steps: Sequence[Sequence[Step]], msgs: Sequence[Msg], link: LinkSpec 
         drain(now)
         if next_step[u] == len(steps[u]):
             continue  # returned
-        if not steps[u][next_step[u]].parked:
-            ready.append(u)  # switched: behind the ubatches woken during its step
-            continue
-        missing = needs(u, next_step[u]) - complete
+        missing = needs(u, next_step[u]) - complete if steps[u][next_step[u]].parked else set()
         if missing:
             waiting[u] = missing
         else:
-            ready.appendleft(u)  # its await finds everything complete: it keeps the CPU
+            ready.append(u)  # switched, or parked on what is complete: behind those woken during its step
     return now

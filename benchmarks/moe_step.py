@@ -45,6 +45,22 @@ slowest rank ends):
   the others' first steps): no schedule of these ubatches sending these messages can end before
   any of the three. On loopback the messages are priced as they ran. ``step / bound`` is
   the median over steps of each step's ratio (slower rank);
+* the replay (``_replay.py``, asyncdbo designs and serial): the run's own CPU steps, with their
+  measured durations, on an overhead-free runtime with the kernel's policy (one CPU, a FIFO ready
+  queue, steps not preempted; a ubatch that switches goes to the back at once, one that parks
+  joins when what it waited for completes), each message issued at its offset inside its step
+  and carried by the host backend's link model (one shared link, in issue order). What each park
+  waited for is read off the run (``_schedule_trace.py``: the comm work, the works a stream wait
+  covered, or the step that set a recv hook's signal). The replay is not a lower bound
+  (round-robin is one policy, not the best order, and the steps keep the run's boundaries); it is
+  what this schedule reaches with a perfect runtime. So ``step / replay`` is what the runtime
+  costs (goal <= 1.05), ``replay / bound`` what the schedule loses to the one CPU (a ubatch whose
+  message arrived waits for the step in progress, which no term of the bound counts), and the gap
+  ``step - bound`` splits into CPU contention (``replay - bound``) and runtime (``step - replay``),
+  each a median over steps (slower rank). "What binds" in the goals table names the larger part
+  (and the bound's largest term). A replay longer than its step would mean a wrong dependency,
+  and one shorter than the bound a wrong model; the report counts both over every step and rank.
+  The recorder's own cost (a log entry per stream wait, a waiter per message) is inside the step time;
 * peak memory: the process's peak RSS during the step minus its RSS before it (``VmHWM`` after
   resetting it through ``/proc/self/clear_refs``), with glibc's mmap threshold fixed so that
   large tensors go back to the OS when freed.

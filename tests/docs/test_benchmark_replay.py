@@ -43,13 +43,16 @@ def test_the_link_is_shared_in_issue_order() -> None:
     assert replay(steps, msgs, LINK) == 2.75 + 0.25
 
 
-def test_a_ubatch_whose_wait_is_already_over_keeps_the_cpu() -> None:
-    # ub0's message (0 bytes, issued at 0) is released at 0.25, before its 0.5 s step ends: its await
-    # does not park, so it runs on (0.5..1) before ub1, whose own message then arrives at 1.5.
+def test_a_ubatch_that_parked_on_what_already_arrived_goes_to_the_back_of_the_queue() -> None:
+    # ub0's message (0 bytes, issued at 0) is released at 0.25, before its 0.5 s step ends; the run
+    # parked there, so ub0 queues behind ub1 (0.5..0.75, whose message arrives at 1), runs 0.75..1.25,
+    # then ub1. Had ub0 kept the CPU, ub1's message would have come at 1.5, the end at 1.75.
     steps = [[Step(duration_s=0.5), Step(duration_s=0.5, parked=True, after_msgs=(0,))],
              [Step(duration_s=0.25), Step(duration_s=0.25, parked=True, after_msgs=(1,))]]
     msgs = [Msg(ub=0, step=0, offset_s=0.0), Msg(ub=1, step=0, offset_s=0.25)]
-    assert replay(steps, msgs, LINK) == 1.75
+    log: list[tuple[int, int, float]] = []
+    assert replay(steps, msgs, LINK, log) == 1.5
+    assert log == [(0, 0, 0.0), (1, 0, 0.5), (0, 1, 0.75), (1, 1, 1.25)]
 
 
 def test_a_ubatch_that_switched_parks_at_the_head_until_its_message_arrives() -> None:
