@@ -45,6 +45,22 @@ slowest rank ends):
   the others' first steps): no schedule of these ubatches sending these messages can end before
   any of the three. On loopback the messages are priced as they ran. ``step / bound`` is
   the median over steps of each step's ratio (slower rank);
+* the replay (``_replay.py``, asyncdbo designs and serial): the run's own CPU steps, with their
+  measured durations, on an overhead-free runtime with the kernel's policy (one CPU, a FIFO ready
+  queue, steps not preempted; a ubatch that switches goes to the back at once, one that parks
+  joins when what it waited for completes), each message issued at its offset inside its step
+  and carried by the host backend's link model (one shared link, in issue order). What each park
+  waited for is read off the run (``_schedule_trace.py``: the comm work, the works a stream wait
+  covered, or the step that set a recv hook's signal). The replay is not a lower bound
+  (round-robin is one policy, not the best order, and the steps keep the run's boundaries); it is
+  what this schedule reaches with a perfect runtime. So ``step / replay`` is what the runtime
+  costs (goal <= 1.05), ``replay / bound`` what the schedule loses to the one CPU (a ubatch whose
+  message arrived waits for the step in progress, which no term of the bound counts), and the gap
+  ``step - bound`` splits into CPU contention (``replay - bound``) and runtime (``step - replay``),
+  each a median over steps (slower rank). "What binds" in the goals table names the larger part
+  (and the bound's largest term). A replay longer than its step would mean a wrong dependency,
+  and one shorter than the bound a wrong model; the report counts both over every step and rank.
+  The recorder's own cost (a log entry per stream wait, a waiter per message) is inside the step time;
 * peak memory: the process's peak RSS during the step minus its RSS before it (``VmHWM`` after
   resetting it through ``/proc/self/clear_refs``), with glibc's mmap threshold fixed so that
   large tensors go back to the OS when freed.
@@ -59,6 +75,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import sys
@@ -68,6 +85,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _replay import replay
+from _schedule_trace import ScheduleRecorder
 from _thread_baton import run_threads
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -108,32 +127,10 @@ def _reset_peak() -> bool:
         return False
 
 
-class _Spans:
-    """Instrument recording each CPU step of an asyncdbo run (resume -> suspend) by ubatch."""
-
-    def __init__(self) -> None:
-        from asyncdbo.lowlevel import Instrument
-
-        outer = self
-        self.spans: list[tuple[int, float, float]] = []
-        self.run: Any = None
-
-        class _I(Instrument):
-            def run_started(self, run: Any) -> None:
-                outer.run = run
-
-            def resuming(self, ub: Any) -> None:
-                outer._t0 = time.perf_counter()
-
-            def stepped(self, ub: Any, request: object) -> None:
-                outer.spans.append((ub.id, outer._t0, time.perf_counter()))
-
-        self.instrument = _I()
-        self._t0 = 0.0
-
-
-def _numbers(wall: float, spans: list[tuple[int, float, float]], run: Any, link: Any) -> dict[str, float]:
-    """Step numbers and the schedule bound of one run, from its own spans (see the module doc)."""
+def _numbers(wall: float, spans: list[tuple[int, float, float]], run: Any, link: Any,
+             rec: ScheduleRecorder | None = None) -> dict[str, float]:
+    """Step numbers, the schedule bound and (given the run's recorder) the replay of one run, from
+    its own spans (see the module doc). No replay (NaN) for the thread designs."""
     from asyncdbo.observe import hidden_seconds, union_seconds
 
     records = run.ext.comm_records()
@@ -158,6 +155,7 @@ def _numbers(wall: float, spans: list[tuple[int, float, float]], run: Any, link:
     first = {u: next(b - a for u2, a, b in spans if u2 == u) for u in ubs}
     fill_s = min(chains[u] + sum(first[v] for v in ubs if v != u) for u in ubs)
     chain_s = max(max(chains.values()), fill_s)
+    replay_s = float("nan") if rec is None else replay(*rec.trace(), link)
     return {
         "step_s": wall,
         "compute_s": compute_s,
@@ -167,6 +165,7 @@ def _numbers(wall: float, spans: list[tuple[int, float, float]], run: Any, link:
         "comm_bound_s": comm_bound,
         "chain_s": chain_s,
         "bound_s": max(compute_s, comm_bound, chain_s),
+        "replay_s": replay_s,
         "messages": float(len(records)),
     }
 
@@ -242,27 +241,29 @@ async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int
             dist.barrier()
             rss0, _ = _rss()
             _reset_peak()
+            rec: ScheduleRecorder | None = None  # the asyncdbo runs' schedule, for the replay
             if driver == "threads":
                 t0 = time.perf_counter()
                 outs, run, spans = run_threads(model.forward, args, backend(), wait=wait)
                 wall = time.perf_counter() - t0
                 logits[design] = merge_outputs(outs, plan.slices, batch.num_tokens)
             else:
-                rec = _Spans()
+                rec = recorder = ScheduleRecorder()
                 whole = [(batch.input_ids_T, batch.positions_T, batch.attn)]
                 # "fused": every rank's ubatches have these many tokens (equal batches, same split)
                 options = dispatch_options(ubatch_tokens, "fused") if wait == "fused" else contextlib.nullcontext()
                 t0 = time.perf_counter()
                 with torch.inference_mode(), options:
                     outs = await asyncdbo.run_ubatches(
-                        model.forward, whole if driver == "serial" else args, backend=backend(), instrument=rec.instrument
+                        model.forward, whole if driver == "serial" else args, backend=recorder.backend(link=link),
+                        instrument=recorder.instrument,
                     )
                 wall = time.perf_counter() - t0
-                run, spans = rec.run, rec.spans
+                run, spans = recorder.run, recorder.spans
                 logits[design] = outs[0] if driver == "serial" else merge_outputs(outs, plan.slices, batch.num_tokens)
             _, peak = _rss()
             if i >= warmup:
-                row = _numbers(wall, spans, run, link)
+                row = _numbers(wall, spans, run, link, rec)
                 row["peak_bytes"] = float(peak - rss0)
                 out[design].append(row)
         for design in case.designs:
@@ -278,7 +279,16 @@ def bench_rank(rank: int, world: int, case: Case, steps: int, warmup: int) -> di
 
 
 # ------------------------------------------------------------------ report
-KEYS = ("step_s", "compute_s", "comm_s", "hidden_share", "overhead_s", "peak_bytes", "comm_bound_s", "chain_s", "bound_s", "messages")
+KEYS = ("step_s", "compute_s", "comm_s", "hidden_share", "overhead_s", "peak_bytes", "comm_bound_s", "chain_s", "bound_s",
+        "replay_s", "messages")
+#: Per-step ratios and differences, each a median over steps per rank, then the slowest rank.
+PER_STEP = {
+    "step_per_bound": lambda x: x["step_s"] / x["bound_s"],
+    "step_per_replay": lambda x: x["step_s"] / x["replay_s"],
+    "replay_per_bound": lambda x: x["replay_s"] / x["bound_s"],
+    "contention_s": lambda x: x["replay_s"] - x["bound_s"],
+    "runtime_s": lambda x: x["step_s"] - x["replay_s"],
+}
 
 
 def _med(rows: list[dict[str, float]], key: str) -> float:
@@ -292,8 +302,13 @@ def summarize(case: Case, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         s[d] = {k: max(_med(r[d], k) for r in per_rank) for k in KEYS}
         s[d]["min_step_s"] = max(min(x["step_s"] for x in r[d]) for r in per_rank)
         s[d]["max_step_s"] = max(max(x["step_s"] for x in r[d]) for r in per_rank)
-        # step / bound per step and rank, then as the step times: median per rank, slowest rank
-        s[d]["step_per_bound"] = max(statistics.median(x["step_s"] / x["bound_s"] for x in r[d]) for r in per_rank)
+        # ratios per step and rank, then as the step times: median per rank, slowest rank
+        for key, f in PER_STEP.items():
+            s[d][key] = max(statistics.median(f(x) for x in r[d]) for r in per_rank)
+        # the replay's invariants, over every step and rank (NaN, no replay, counts as neither)
+        s[d]["replay_over_step"] = sum(x["replay_s"] > x["step_s"] for r in per_rank for x in r[d])
+        s[d]["bound_over_replay"] = sum(x["bound_s"] > x["replay_s"] * (1 + 1e-9) for r in per_rank for x in r[d])
+        s[d]["samples"] = sum(len(r[d]) for r in per_rank)
     # Paired ratios: design / reference of the same step (the designs of one step run back to back,
     # so a burst of load on the shared machine hits both), the step time being the slower rank's;
     # then the median over steps. Steadier than a ratio of medians when the machine is shared.
@@ -307,8 +322,8 @@ def summarize(case: Case, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 def table(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
     rows = [
         "| case | N | design | step ms [min..max] | speedup vs serial (paired) | speedup vs threads vLLM (paired) | compute ms | comm ms | comm hidden | "
-        "overhead ms | msgs | bound ms (compute / comm / chain) | step / bound | peak MiB |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "overhead ms | msgs | bound ms (compute / comm / chain) | replay ms | step / bound | peak MiB |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for case, s in results:
         for d in case.designs:
@@ -320,26 +335,56 @@ def table(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
                 f"{1 / s['paired'][(d, 'serial')]:.2f}x | {vs_threads} | "
                 f"{x['compute_s'] * 1e3:.1f} | {x['comm_s'] * 1e3:.1f} | {x['hidden_share']:.0%} | "
                 f"{x['overhead_s'] * 1e3:.2f} | {x['messages']:.0f} | {x['bound_s'] * 1e3:.1f} ({x['compute_s'] * 1e3:.1f} / "
-                f"{x['comm_bound_s'] * 1e3:.1f} / {x['chain_s'] * 1e3:.1f}) | {x['step_per_bound']:.2f} | "
+                f"{x['comm_bound_s'] * 1e3:.1f} / {x['chain_s'] * 1e3:.1f}) | {_ms(x['replay_s'])} | {x['step_per_bound']:.2f} | "
                 f"{x['peak_bytes'] / 2**20:.1f} |"
             )
     return rows
 
 
+def _ms(seconds: float) -> str:
+    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.1f}"
+
+
 def goals(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
     rows = [
-        "| case | N | design | step / bound (goal <= 1.05) | what binds | max abs diff vs serial (case) |",
-        "|---|---:|---|---:|---|---:|",
+        "| case | N | design | step / bound (goal <= 1.05) | step / replay: the runtime (goal <= 1.05) | "
+        "replay / bound: the one CPU | gap ms: CPU contention / runtime | what binds | max abs diff vs serial (case) |",
+        "|---|---:|---|---:|---:|---:|---|---|---:|",
     ]
     for case, s in results:
         for d in case.designs:
             if not d.startswith("asyncdbo"):
                 continue
             x = s[d]
-            r = x["step_per_bound"]
-            binds = max((("compute", x["compute_s"]), ("comm", x["comm_bound_s"]), ("one ubatch's chain", x["chain_s"])), key=lambda kv: kv[1])[0]
-            rows.append(f"| {case.name} | {case.ubatches} | {d} | {r:.2f} ({'met' if r <= 1.05 else 'missed'}) | {binds} | {s['diff']:.1e} |")
+            r, rt = x["step_per_bound"], x["step_per_replay"]
+            term = max((("compute", x["compute_s"]), ("comm", x["comm_bound_s"]), ("one ubatch's chain", x["chain_s"])),
+                       key=lambda kv: kv[1])[0]
+            if r <= 1.05:
+                binds = f"the bound ({term})"
+            elif x["contention_s"] >= x["runtime_s"]:
+                binds = f"the schedule on one CPU (bound: {term}; steps wait for a step in progress)"
+            else:
+                binds = f"the runtime (bound: {term})"
+            rows.append(
+                f"| {case.name} | {case.ubatches} | {d} | {r:.2f} ({'met' if r <= 1.05 else 'missed'}) | "
+                f"{rt:.2f} ({'met' if rt <= 1.05 else 'missed'}) | {x['replay_per_bound']:.2f} | "
+                f"{x['contention_s'] * 1e3:.2f} / {x['runtime_s'] * 1e3:.2f} | {binds} | {s['diff']:.1e} |"
+            )
     return rows
+
+
+def replay_checks(results: list[tuple[Case, dict[str, Any]]]) -> str:
+    """The replay's invariants over every measured step and rank: it runs the run's own steps
+    with no overhead, so it must not take longer than the step (else a dependency is wrong), and
+    it runs them one at a time on a shared link, so it must not end before the bound."""
+    n = over = under = 0
+    for case, s in results:
+        for d in case.designs:
+            if not math.isnan(s[d]["replay_s"]):
+                n += s[d]["samples"]
+                over += s[d]["replay_over_step"]
+                under += s[d]["bound_over_replay"]
+    return f"Replay checks over {n} steps x ranks: replay longer than the step in {over}, bound above the replay in {under}."
 
 
 def fused_table(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
@@ -423,7 +468,11 @@ def main(argv: list[str] | None = None) -> int:
         "the two designs' times in the same step (slower rank). See the module docstring for each column.\n"
     )
     lines += table(results)
-    lines += ["", "The schedule bound (issue 17): step / max(compute, comm, longest per-ubatch chain) of each run's own spans:", ""] + goals(results)
+    lines += ["", "The schedule bound and the replay (issue 17): step / max(compute, comm, longest per-ubatch chain) of each "
+              "run's own spans, and the replay of the run's own steps on an overhead-free runtime with the same policy "
+              "(step / replay: what the runtime costs; replay / bound: what the schedule loses to the one CPU; the gap "
+              "step - bound split into the two; see the module docstring):", ""] + goals(results)
+    lines += ["", replay_checks(results)]
     lines += ["", "One message per dispatch (issue 17): the asyncdbo designs with the counts in the token message "
               "(`dispatch_options(ubatch tokens, 'fused')`) against the split dispatch, and what `mode='auto'` "
               "would choose from the link model (`asyncdbo.dist.choose_dispatch`):", ""] + fused_table(results)

@@ -97,6 +97,7 @@ def test_moe_step_quick() -> None:
                    "threads GPU-like", "threads handoff"):
         assert f"| {design} |" in proc.stdout
     assert "| ll | " in proc.stdout  # the split-vs-fused table
+    assert "Replay checks over 20 steps x ranks:" in proc.stdout  # 5 replayed designs x 2 steps x 2 ranks
 
 
 @pytest.mark.timeout(60)
