@@ -159,7 +159,10 @@ class StreamBackend(ABC):
     def attach(self, run: DBORun, state: RunStreams) -> None:
         """Give each lane of ``state`` its ``streams`` (role -> stream), ``events`` (role ->
         done-event) and starting ``stream`` (compute, also set as the ubatch's ``resume_with``).
-        Called once before the run starts."""
+        A role whose stream runs its work synchronously (the host's CPU) may get None for its
+        done-event: nothing can be pending there, so leaving it records nothing and the stream
+        entered next waits for nothing (the primitives skip both calls). Called once before the
+        run starts."""
 
     def detach(self, run: DBORun, state: RunStreams) -> None:
         """Called after the run; restore whatever ``attach`` changed."""

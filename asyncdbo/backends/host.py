@@ -137,7 +137,9 @@ class HostBackend(StreamBackend):
         for lane in state.lanes:
             comm = shared_comm if state.policy == "role" else HostStream(f"ub{lane.ub.id}:comm", inline=False)
             lane.streams = {"compute": cpu, "comm": comm}
-            lane.events = {"compute": HostEvent(), "comm": HostEvent()}
+            # The CPU runs compute synchronously and comm never joins it (see submit): a
+            # compute-done event would always be empty, so there is none to record or wait on.
+            lane.events = {"compute": None, "comm": HostEvent()}
             lane.stream = lane.ub.resume_with = cpu
 
     def new_event(self) -> HostEvent:

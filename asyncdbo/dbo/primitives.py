@@ -110,17 +110,19 @@ def _check_role(ub: UBatch, lane: Lane, expected: Role, name: str) -> None:
 @types.coroutine
 def _yield_and_switch(ub: UBatch, lane: Lane, tag: str, src: Role, dst: Role) -> Generator[Any, Any, None]:
     ub.unawaited = None
-    event = lane.events[src]
-    lane.record(event, lane.streams[src])  # before the yield: covers only this ubatch's work
+    event = lane.events[src]  # None: a synchronous role, nothing to record or wait on
+    if event is not None:
+        lane.record(event, lane.streams[src])  # before the yield: covers only this ubatch's work
     ub.tag = tag
     yield SWITCH  # trap(SWITCH) inlined: one generator frame less on every resume
     lane.role = dst
     lane.stream = ub.resume_with = stream = lane.streams[dst]  # lane.set_stream, inlined
     if ub.run.installs:
         ub.run.install(stream)
-    signal = lane.wait(stream, event)  # after the resume
-    if signal is not None:
-        yield from signal.__await__()
+    if event is not None:
+        signal = lane.wait(stream, event)  # after the resume
+        if signal is not None:
+            yield from signal.__await__()
 
 
 @types.coroutine
@@ -207,13 +209,14 @@ def _sync_switch(role: Role, name: str) -> Awaitable[None]:
         mark_unawaited(ub, name, None, hazard=True)
     else:
         ub.unawaited = _SYNC_MARKS[name]
-    event = lane.events[lane.role]
-    lane.record(event, lane.stream)
+    event = lane.events[lane.role]  # None: a synchronous role, nothing to record or wait on
+    if event is not None:
+        lane.record(event, lane.stream)
     lane.role = role
     lane.stream = ub.resume_with = stream = lane.streams[role]  # lane.set_stream, inlined
     if ub.run.installs:
         ub.run.install(stream)
-    return _then_wait(ub, lane.wait(stream, event))  # a failed comm raises when awaited
+    return _then_wait(ub, None if event is None else lane.wait(stream, event))  # a failed comm raises when awaited
 
 
 def dbo_switch_to_comm() -> Awaitable[None]:
