@@ -9,7 +9,7 @@ import pytest
 
 from asyncdbo.testing import RankPool
 
-from _moe_ranks import comm_round_trip, group_sizes
+from _moe_ranks import comm_round_trip, group_sizes, renew_sub_group_clones
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +51,13 @@ def test_rank_with_no_tokens_still_takes_part(pool: RankPool, in_run: bool) -> N
 @pytest.mark.timeout(60)
 def test_each_ubatch_slot_gets_its_own_group_over_the_same_ranks(pool: RankPool) -> None:
     assert pool.run(group_sizes) == [[2, 2, 2, 2], [2, 2, 2, 2]]
+
+
+@pytest.mark.timeout(60)
+def test_a_sub_groups_clones_renew_again_and_again(pool: RankPool) -> None:
+    # torch names them by a hash of the ranks and the number of live groups: without asyncdbo's
+    # own suffix the second renewal's names were the first's ("already been created").
+    assert pool.run(renew_sub_group_clones, 3) == [[3.0] * 6] * 2
 
 
 @pytest.mark.timeout(90)
