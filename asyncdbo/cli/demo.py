@@ -218,6 +218,7 @@ async def _demo_rank_async(rank: int, world: int, cfg: DemoConfig, device: torch
                     "hidden_by_other_share": n.comm_hidden_by_other_share,
                     "idle_s": n.idle_s, "switches": n.switches, "reason": res.record.reason.value,
                     "detail": res.record.detail, "ubatch_tokens": list(res.record.ubatch_num_tokens),
+                    "messages": len(res.comm), "fused": any(c.what == "dispatch+counts" for c in res.comm),
                 })
             if last and mode == "dbo" and cfg.trace:
                 out["trace"] = tracer.to_chrome()
@@ -273,6 +274,8 @@ def summarize(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]
             "hidden_share": _median([statistics.fmean(e["hidden_share"] for e in s) for s in steps]),
             "hidden_by_other_share": _median([statistics.fmean(e["hidden_by_other_share"] for e in s) for s in steps]),
             "switches": _median([statistics.fmean(e["switches"] for e in s) for s in steps]),
+            "messages": _median([statistics.fmean(e.get("messages", 0) for e in s) for s in steps]),
+            "fused": any(e.get("fused", False) for s in steps for e in s),
             "reasons": sorted({(e["reason"], e["detail"]) for s in steps for e in s}),
             "ubatch_tokens": [r[mode][-1]["ubatch_tokens"] for r in per_rank] if steps else [],
         }
@@ -284,6 +287,15 @@ def summarize(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]
 def passed(s: dict[str, Any]) -> bool:
     """Serial and DBO agree: bit for bit in deterministic mode, else within MATCH_ATOL."""
     return bool(s["bitwise"]) if s["deterministic"] else s["max_abs_diff"] <= MATCH_ATOL
+
+
+def _dispatch_line(modeled: bool, serial_fused: bool, dbo_fused: bool) -> str:
+    """How the MoE layers sent the per-expert counts (RunnerConfig.dispatch="auto")."""
+    if not modeled:
+        return "MoE dispatch: split (counts, then tokens); with no link model to price it, never fused"
+    said = {True: "fused", False: "split"}
+    return (f"MoE dispatch, chosen per step from the link model: serial {said[serial_fused]}, DBO {said[dbo_fused]} "
+            "(fused: the counts ride in the token message; split: counts, then tokens)")
 
 
 def _format(cfg: DemoConfig, s: dict[str, Any]) -> str:
@@ -308,6 +320,7 @@ def _format(cfg: DemoConfig, s: dict[str, Any]) -> str:
         ("  by the other ubatch", f"{ser['hidden_by_other_share']:.0%}", f"{dbo['hidden_by_other_share']:.0%}"),
         ("  by its own ubatch", own(ser), own(dbo)),
         ("yields / step", f"{ser['switches']:g}", f"{dbo['switches']:g}"),
+        ("messages / step", f"{ser['messages']:g}", f"{dbo['messages']:g}"),
     ]
     fell_back = [(r, d) for r, d in dbo["reasons"] if r != "microbatched"]
     if not fell_back:
@@ -332,6 +345,7 @@ def _format(cfg: DemoConfig, s: dict[str, Any]) -> str:
         "  by its own ubatch: the shared expert, which runs while its own combine is in flight, with or without DBO",
         "serial steps: one batch per rank (DBO off), run as a single ubatch on the same backend",
         why,
+        _dispatch_line(spec is not None, ser["fused"], dbo["fused"]),
     ]
     if s["deterministic"]:
         verdict = "bitwise equal" if s["bitwise"] else "MISMATCH: deterministic mode promises bitwise equality"

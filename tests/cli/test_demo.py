@@ -34,13 +34,17 @@ def test_demo_prints_the_table_on_a_modeled_link_and_writes_a_trace(capsys: pyte
         "comm: MODELED LINK ib400 x1000 (10000 us + 50 MB/s per message;"
     )
     for row in ("step time (median)", "speedup", "time in comm", "comm hidden", "  by the other ubatch",
-                "  by its own ubatch", "yields / step"):
+                "  by its own ubatch", "yields / step", "messages / step"):
         assert re.search(rf"^  {re.escape(row)} ", out, re.MULTILINE), row
     # serial has no other ubatch: none of its comm can be hidden by one
     assert re.search(r"^    by the other ubatch +0% +\d+%$", out, re.MULTILINE), out
     assert "\nspeedup = serial step time / DBO step time (above 1x: DBO is faster)\n" in out
     assert "DBO steps: microbatched, every step on every rank (real tokens per ubatch by rank: [256, 256] [256, 256])" in out
     assert "\noutputs serial vs DBO: max |logits diff| = 0 (bitwise equal; deterministic mode)\n" in out
+    # 256 tokens per ubatch, hidden 64: 514 padded rows cost 2.6 ms at 50 MB/s, less than one 10 ms latency
+    assert ("\nMoE dispatch, chosen per step from the link model: serial fused, DBO fused (fused: the counts ride in "
+            "the token message; split: counts, then tokens)\n") in out
+    assert re.search(r"^  messages / step +2 +4$", out, re.MULTILINE), out  # 1 layer: dispatch + combine per ubatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged.json", "numbers.json", "rank0.json", "rank1.json", "timeline.png"]
     trace = json.loads((tmp_path / "merged.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
@@ -56,6 +60,7 @@ def test_demo_decode_on_three_ranks_says_why_it_did_not_microbatch(capsys: pytes
     assert rc == 0, out
     assert out.startswith("asyncdbo demo: 3 ranks x 8 tokens (decode), 1 layers, 6 experts top-2")
     assert "comm: real gloo all-to-all over loopback" in out
+    assert "\nMoE dispatch: split (counts, then tokens); with no link model to price it, never fused\n" in out
     assert ("DBO steps: NOT microbatched in some steps: rank_declined "
             "(rank 0: below_threshold; rank 1: below_threshold; rank 2: below_threshold)") in out
 
