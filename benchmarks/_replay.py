@@ -11,9 +11,9 @@ policy, on an ideal runtime that costs nothing between steps:
 * a step that ends with a switch puts its ubatch at the back of the queue at once, behind the
   ubatches woken during the step (the kernel drains its wake-ups before it pushes the switcher);
 * a step that ends with a park: its ubatch joins the queue when the last thing it waits for
-  completes (at that instant; the CPU still finishes the step it is running), at once if that
-  already happened: the step boundaries are the run's, and a park in the run went through the
-  queue (so the order stays the run's, which the dependencies below were read under);
+  completes (at that instant; the CPU still finishes the step it is running). If that already
+  happened, it still joins at the back of the queue, as the run's park did: the replay keeps the
+  run's order, because the dependencies below were read under that order;
 * a ubatch that reaches the head of the queue while something its next step needs is missing
   (it came from a switch, and its await did not park in the run) parks there at no cost;
 * each message is issued at the same offset into its issuing step as in the run. On a modeled
@@ -26,7 +26,7 @@ The replay is not a lower bound: round-robin FIFO is one policy, not the best or
 steps, and the steps keep their run's boundaries. It is what the run's schedule reaches with a
 perfect runtime, so ``step / replay`` is what the runtime costs and ``replay / bound`` what the
 schedule loses to the one CPU. It never ends before the bound's compute term (the steps run one
-at a time) nor before the link's busy time.
+at a time) nor, when the last message is awaited by some step, before the link's busy time.
 """
 
 from __future__ import annotations

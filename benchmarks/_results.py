@@ -56,9 +56,27 @@ def results_preamble(title: str, command: str, machine_label: str = "Machine") -
     lines = [
         f"# {title}\n",
         f"{machine_label}: " + ", ".join(f"{k} {v}" for k, v in info.items()) + "\n",
-        f"Command: `{command}`\n",
+        f"Command: `{command}` at {_commit()}\n",
     ]
     return lines, info
+
+
+def _commit() -> str:
+    """The checkout's commit, with ``+changes`` when the package or the benchmarks differ from it."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "asyncdbo", "benchmarks")
+    except (OSError, subprocess.SubprocessError):
+        return "an unknown commit (no git)"
+    return f"{head}{'+changes' if dirty else ''}" if head else "an unknown commit (not a git checkout)"
 
 
 def results_stem(out: Any, theme: str, info: dict[str, str]) -> Any:

@@ -1,9 +1,11 @@
 """Does one more yield point bring a DBO step closer to its schedule bound? ``moe_step.py``'s
 replay says the gap above the bound is the one CPU: a ubatch whose message arrived waits for the
-other ubatch's step in progress. Splitting the longest steps would shorten that wait, so this
-runs ``moe_step``'s model and numbers twice per case, alternating: as it is, and with an extra
-``await dbo_yield("attn_done")`` after every attention (``MiniModel._attention`` wrapped in the
-rank processes), each variant in a fresh pool of 2 gloo ranks, twice.
+other ubatch's step in progress. Shorter steps might shorten that wait, so this runs
+``moe_step``'s model and numbers with an extra ``await dbo_yield("attn_done")`` after every
+attention (``MiniModel._attention`` wrapped in the rank processes: attention and the MoE routing
+then run as two steps) and without it, four fresh pools of 2 gloo ranks per case, in the order
+without, with, without, with. The serial baseline runs in the same processes, so it carries the
+extra yield too (one ubatch: the yield hands the CPU back to itself).
 
     python benchmarks/extra_yield.py          # ~2 min, writes benchmarks/results/extra_yield_<hw>_<date>.md
 """

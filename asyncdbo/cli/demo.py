@@ -275,7 +275,9 @@ def summarize(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]
             "hidden_by_other_share": _median([statistics.fmean(e["hidden_by_other_share"] for e in s) for s in steps]),
             "switches": _median([statistics.fmean(e["switches"] for e in s) for s in steps]),
             "messages": _median([statistics.fmean(e.get("messages", 0) for e in s) for s in steps]),
-            "fused": any(e.get("fused", False) for s in steps for e in s),
+            # steps in which the MoE dispatches went fused (on rank 0: every rank chooses alike)
+            "fused_steps": sum(bool(s[0].get("fused", False)) for s in steps),
+            "steps": len(steps),
             "reasons": sorted({(e["reason"], e["detail"]) for s in steps for e in s}),
             "ubatch_tokens": [r[mode][-1]["ubatch_tokens"] for r in per_rank] if steps else [],
         }
@@ -289,12 +291,18 @@ def passed(s: dict[str, Any]) -> bool:
     return bool(s["bitwise"]) if s["deterministic"] else s["max_abs_diff"] <= MATCH_ATOL
 
 
-def _dispatch_line(modeled: bool, serial_fused: bool, dbo_fused: bool) -> str:
-    """How the MoE layers sent the per-expert counts (RunnerConfig.dispatch="auto")."""
+def _dispatch_line(modeled: bool, ser: dict[str, Any], dbo: dict[str, Any]) -> str:
+    """How the MoE layers sent the per-expert counts (RunnerConfig.dispatch="auto": fused where
+    asyncdbo.dist.choose_dispatch prices one message below two)."""
     if not modeled:
         return "MoE dispatch: split (counts, then tokens); with no link model to price it, never fused"
-    said = {True: "fused", False: "split"}
-    return (f"MoE dispatch, chosen per step from the link model: serial {said[serial_fused]}, DBO {said[dbo_fused]} "
+
+    def said(m: dict[str, Any]) -> str:
+        if m["fused_steps"] == 0:
+            return "split"
+        return "fused" if m["fused_steps"] == m["steps"] else f"fused in {m['fused_steps']} of {m['steps']} steps"
+
+    return (f"MoE dispatch, chosen per step from the link model: serial {said(ser)}, DBO {said(dbo)} "
             "(fused: the counts ride in the token message; split: counts, then tokens)")
 
 
@@ -320,7 +328,7 @@ def _format(cfg: DemoConfig, s: dict[str, Any]) -> str:
         ("  by the other ubatch", f"{ser['hidden_by_other_share']:.0%}", f"{dbo['hidden_by_other_share']:.0%}"),
         ("  by its own ubatch", own(ser), own(dbo)),
         ("yields / step", f"{ser['switches']:g}", f"{dbo['switches']:g}"),
-        ("messages / step", f"{ser['messages']:g}", f"{dbo['messages']:g}"),
+        ("messages / step", *(f"{m['messages']:g}" if m["messages"] else "-" for m in (ser, dbo))),
     ]
     fell_back = [(r, d) for r, d in dbo["reasons"] if r != "microbatched"]
     if not fell_back:
@@ -343,9 +351,11 @@ def _format(cfg: DemoConfig, s: dict[str, Any]) -> str:
         "speedup = serial step time / DBO step time (above 1x: DBO is faster)",
         "comm hidden: share of comm time during which some ubatch computed; by the other ubatch: the overlap DBO adds;",
         "  by its own ubatch: the shared expert, which runs while its own combine is in flight, with or without DBO",
+        "messages: the all-to-alls a rank issued per step (per MoE layer and ubatch: counts, dispatch, combine;",
+        "  a fused dispatch sends the counts with the tokens); - where the backend tracks none (accelerators)",
         "serial steps: one batch per rank (DBO off), run as a single ubatch on the same backend",
         why,
-        _dispatch_line(spec is not None, ser["fused"], dbo["fused"]),
+        _dispatch_line(spec is not None, ser, dbo),
     ]
     if s["deterministic"]:
         verdict = "bitwise equal" if s["bitwise"] else "MISMATCH: deterministic mode promises bitwise equality"

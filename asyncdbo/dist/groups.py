@@ -54,7 +54,6 @@ class _Clones:
     timeout: timedelta | None
     local: bool  # a sub-group: only its members take part in making a clone
     groups: list[Any]
-    made: int = 0  # clones made so far (the same count on every member: making one is a collective)
 
 
 # group_name of the base group -> its per-ubatch clones, in ubatch order (made in this order)
@@ -89,26 +88,30 @@ def _spec(base: Any) -> _Clones:
 
 
 _NAMING = threading.Lock()
+# Clones made over each set of ranks in this process, ever: the same count on every member, since
+# making one is a collective over exactly those ranks (per-ubatch clones, renewals, clone_group).
+_MADE: dict[tuple[int, ...], int] = {}
 
 
 def _make_clone(spec: _Clones) -> Any:
     import torch.distributed as dist
 
-    spec.made += 1
+    key = tuple(spec.ranks)
+    made = _MADE[key] = _MADE.get(key, 0) + 1
     if not spec.local:  # named by torch's group counter, never reused
         return dist.new_group(spec.ranks, backend=spec.backend, timeout=spec.timeout)
     # torch (2.13) names a group made with local synchronization by a hash of its ranks and the
     # number of live groups. A renewal makes new clones while the old ones live, then destroys
     # those, so the next renewal's hash names equal the live clones' ("The specified group name
     # has already been created"); and a name reused after a destroy would rendezvous through the
-    # old group's keys in the store. So each clone's name also carries this base group's clone
-    # count, which every member has alike: unique for the life of the store.
+    # old group's keys in the store. So each clone's name also carries the count of clones made
+    # over these ranks in this process, which every member has alike: unique for the process's life.
     from torch.distributed import distributed_c10d as c10d
 
     hashed = getattr(c10d, "_process_group_name", None)
     if hashed is None:  # a torch without it names groups its own way
         return dist.new_group(spec.ranks, backend=spec.backend, timeout=spec.timeout, use_local_synchronization=True)
-    suffix = f"-asyncdbo-clone-{spec.made}"
+    suffix = f"-asyncdbo-clone-{made}"
 
     def unique(ranks: Any, use_hashed_name: bool) -> Any:
         return hashed(ranks, use_hashed_name) + suffix

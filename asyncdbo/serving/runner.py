@@ -97,11 +97,14 @@ class RunnerConfig:
     link for the host backend (see :class:`asyncdbo.backends.host.HostBackend`).  ``watchdog_s``
     turns a lost comm completion into an error naming the parked ubatches instead of a hang.
     ``dispatch`` says how the MoE layers send the per-expert counts: ``"auto"`` rides them in the
-    token message where the run's link model says one message pays (decode on a latency-bound
-    link) and sends two elsewhere, and with no link model to price it (real comm) always two;
-    ``"fused"`` or ``"split"`` forces one (:mod:`asyncdbo.dist.fused`). The fused buffer is sized
-    from the step's DP vote, which every rank shares, so a step without one (no ``dp_group``)
-    splits; the EP group's ranks must all be in the DP group.
+    token message where the run's link model prices one message below two (one latency saved
+    against the padding of a fixed-capacity buffer, which grows with the tokens per call: small
+    calls on a latency-bound link), with no link model to price it (real comm) never;
+    ``"fused"`` always, ``"split"`` never (:mod:`asyncdbo.dist.fused`; a fused call raises
+    ValueError where a row is too small to hold the counts). The buffer is sized from the step's
+    DP vote, which every rank shares, so a step without one (no ``dp_group``) splits in every
+    mode. The EP group's ranks must all be in the DP group (not checked: ranks outside it would
+    size their buffers from another vote).
     """
 
     num_ubatches: int = 2
