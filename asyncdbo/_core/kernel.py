@@ -258,7 +258,7 @@ class DBORun:
                 continue
             if self._poll_due:  # a ubatch waits on the event loop: let it run once
                 self._poll_due = False
-                if _now() - self._loop_wait_since > sys.getswitchinterval():
+                if self._loop_waits and _now() - self._loop_wait_since > sys.getswitchinterval():
                     time.sleep(GIL_HANDOFF_S)  # blocking on purpose: see GIL_HANDOFF_S
                 self._poll_at = _now() + self.loop_poll_s  # loop_poll_s of switching between polls
                 await asyncio.sleep(0)

@@ -53,8 +53,9 @@ def get_backend(name: str | StreamBackend | None = "auto", **options: Any) -> St
     if factory is None:
         raise ValueError(f"unknown stream backend {name!r}; choose one of {backend_names()}")
     if isinstance(factory, str):
-        module, _, attr = factory.partition(":")
+        spec = factory
+        module, _, attr = spec.partition(":")
         factory = getattr(importlib.import_module(module), attr)
-        if _REGISTRY.get(name) is not None:  # resolved once: a run's set-up pays no import lookup
+        if _REGISTRY.get(name) == spec:  # resolved once (unless the import registered another)
             _REGISTRY[name] = factory
     return factory(**options)

@@ -96,8 +96,6 @@ _MADE: dict[tuple[int, ...], int] = {}
 def _make_clone(spec: _Clones) -> Any:
     import torch.distributed as dist
 
-    key = tuple(spec.ranks)
-    made = _MADE[key] = _MADE.get(key, 0) + 1
     if not spec.local:  # named by torch's group counter, never reused
         return dist.new_group(spec.ranks, backend=spec.backend, timeout=spec.timeout)
     # torch (2.13) names a group made with local synchronization by a hash of its ranks and the
@@ -108,15 +106,18 @@ def _make_clone(spec: _Clones) -> Any:
     # over these ranks in this process, which every member has alike: unique for the process's life.
     from torch.distributed import distributed_c10d as c10d
 
-    hashed = getattr(c10d, "_process_group_name", None)
-    if hashed is None:  # a torch without it names groups its own way
-        return dist.new_group(spec.ranks, backend=spec.backend, timeout=spec.timeout, use_local_synchronization=True)
-    suffix = f"-asyncdbo-clone-{made}"
+    with _NAMING:  # one patch at a time, and the count with it
+        hashed = getattr(c10d, "_process_group_name", None)
+        if hashed is None:  # a torch without it names groups its own way
+            return dist.new_group(spec.ranks, backend=spec.backend, timeout=spec.timeout,
+                                  use_local_synchronization=True)
+        key = tuple(sorted(spec.ranks))  # torch hashes the sorted ranks
+        made = _MADE[key] = _MADE.get(key, 0) + 1
+        suffix = f"-asyncdbo-clone-{made}"
 
-    def unique(ranks: Any, use_hashed_name: bool) -> Any:
-        return hashed(ranks, use_hashed_name) + suffix
+        def unique(ranks: Any, use_hashed_name: bool) -> Any:
+            return hashed(ranks, use_hashed_name) + suffix
 
-    with _NAMING:
         c10d._process_group_name = unique
         try:
             return dist.new_group(spec.ranks, backend=spec.backend, timeout=spec.timeout, use_local_synchronization=True)
