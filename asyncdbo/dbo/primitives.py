@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from .._core import SWITCH, Signal, UBatch, current_ubatch, switch
 from ..backends import COMPLETED, CommHandle, DoneWork, Role, StreamPolicy
-from .awaits import Unawaited, _site, check_unawaited, mark_record, mark_unawaited
+from .awaits import Unawaited, _site, check_unawaited, mark_unawaited, marks
 from .state import Lane
 
 __all__ = [
@@ -133,17 +133,10 @@ def _then_wait(ub: UBatch, signal: Signal | None) -> Generator[Any, Any, None]:
 
 
 # Outside debug mode a primitive's missing-await mark is shared by every call with its tag
-# (asyncdbo.dbo.awaits): one dict per primitive, keyed by the tag alone, so the hot path builds no
-# key tuple (benchmarks/host_overhead.py).
-_TO_COMM_MARKS: dict[str, Unawaited] = {}
-_TO_COMPUTE_MARKS: dict[str, Unawaited] = {}
-
-
-def _mark(marks: dict[str, Unawaited], primitive: str, tag: str) -> Unawaited:
-    record = mark_record(primitive, tag, True)
-    if len(marks) < 4096:
-        marks[tag] = record
-    return record
+# (asyncdbo.dbo.awaits.Marks): the hot path is one lookup in a plain dict.
+_TO_COMM_MARKS = marks("dbo_yield_and_switch_from_compute_to_comm")
+_TO_COMPUTE_MARKS = marks("dbo_yield_and_switch_from_comm_to_compute")
+_to_comm_mark, _to_compute_mark = _TO_COMM_MARKS.table.get, _TO_COMPUTE_MARKS.table.get
 
 
 def dbo_yield_and_switch_from_compute_to_comm(tag: str = "compute->comm") -> Awaitable[None]:
@@ -154,7 +147,7 @@ def dbo_yield_and_switch_from_compute_to_comm(tag: str = "compute->comm") -> Awa
     if ub.unawaited is not None or ub.debug is not None:
         mark_unawaited(ub, "dbo_yield_and_switch_from_compute_to_comm", tag, hazard=True)
     else:
-        ub.unawaited = _TO_COMM_MARKS.get(tag) or _mark(_TO_COMM_MARKS, "dbo_yield_and_switch_from_compute_to_comm", tag)
+        ub.unawaited = _to_comm_mark(tag) or _TO_COMM_MARKS.make(tag)
     lane = ub.ext
     if lane.role != "compute":
         _check_role(ub, lane, "compute", "dbo_yield_and_switch_from_compute_to_comm")
@@ -171,9 +164,7 @@ def dbo_yield_and_switch_from_comm_to_compute(tag: str = "comm->compute") -> Awa
     if ub.unawaited is not None or ub.debug is not None:
         mark_unawaited(ub, "dbo_yield_and_switch_from_comm_to_compute", tag, hazard=True)
     else:
-        ub.unawaited = _TO_COMPUTE_MARKS.get(tag) or _mark(
-            _TO_COMPUTE_MARKS, "dbo_yield_and_switch_from_comm_to_compute", tag
-        )
+        ub.unawaited = _to_compute_mark(tag) or _TO_COMPUTE_MARKS.make(tag)
     lane = ub.ext
     if lane.role != "comm":
         _check_role(ub, lane, "comm", "dbo_yield_and_switch_from_comm_to_compute")
@@ -194,10 +185,7 @@ def _plain_switch(role: Role) -> Awaitable[None]:
     return COMPLETED
 
 
-_SYNC_MARKS = {
-    "dbo_switch_to_comm_sync": mark_record("dbo_switch_to_comm_sync", None, True),
-    "dbo_switch_to_compute_sync": mark_record("dbo_switch_to_compute_sync", None, True),
-}
+_SYNC_MARKS = {name: marks(name).of(None) for name in ("dbo_switch_to_comm_sync", "dbo_switch_to_compute_sync")}
 
 
 def _sync_switch(role: Role, name: str) -> Awaitable[None]:
