@@ -40,6 +40,7 @@ __all__ = ["DispatchChoice", "DispatchOptions", "choose_dispatch", "current_disp
            "fused_capacity", "fused_rows"]
 
 DispatchMode = Literal["auto", "fused", "split"]
+DISPATCH_MODES: tuple[DispatchMode, ...] = ("auto", "fused", "split")
 _COUNT_BYTES = 8  # int64 counts
 
 
@@ -53,7 +54,7 @@ class DispatchOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"dispatch_options: max_tokens must be an integer >= 1 (got {self.max_tokens!r})")
-        if self.mode not in ("auto", "fused", "split"):
+        if self.mode not in DISPATCH_MODES:
             raise ValueError(f"dispatch_options: unknown mode {self.mode!r}; use 'auto', 'fused' or 'split'")
 
 

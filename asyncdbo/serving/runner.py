@@ -52,7 +52,7 @@ import torch
 from .._core import Instrument
 from ..backends import CommRecord, LinkSpec, StreamBackend, StreamPolicy, get_backend
 from ..dbo import DBOOptions, RunStats, run_ubatches_with_stats
-from ..dist.fused import DispatchMode, dispatch_options
+from ..dist.fused import DISPATCH_MODES, DispatchMode, dispatch_options
 from ..dist.recovery import StepSync, step_sync
 from ..plan import (
     AttentionMetadata,
@@ -124,7 +124,7 @@ class RunnerConfig:
             raise ValueError(f"num_ubatches ({self.num_ubatches}) must be at least 1 (2 for DBO)")
         if self.policy not in ("token", "request", "balanced"):
             raise ValueError(f"unknown split policy {self.policy!r}; use 'token', 'request' or 'balanced'")
-        if self.dispatch not in ("auto", "fused", "split"):
+        if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"unknown dispatch {self.dispatch!r}; use 'auto', 'fused' or 'split'")
         # The remaining fields are checked where they are used, with the same messages:
         DBOOptions(stream_policy=self.stream_policy, watchdog_s=self.watchdog_s)
