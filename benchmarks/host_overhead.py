@@ -102,6 +102,14 @@ def _bare_switch() -> Any:
     yield _SENTINEL
 
 
+async def _await_done(layers: int) -> None:
+    """The baseline of the floor and the kernel: 3 awaits per layer that never suspend."""
+    for _ in range(layers):
+        await _DONE
+        await _DONE
+        await _DONE
+
+
 def floor_designs(layers: int, N: int) -> tuple[Callable[[], None], Callable[[], None]]:
     """(bare round-robin step, the same coroutines awaited in turn): see ``floor`` in the module doc."""
 
@@ -110,12 +118,6 @@ def floor_designs(layers: int, N: int) -> tuple[Callable[[], None], Callable[[],
             await _bare_switch()
             await _bare_switch()
             await _bare_switch()
-
-    async def plain() -> None:
-        for _ in range(layers):
-            await _DONE
-            await _DONE
-            await _DONE
 
     def bare() -> None:
         ready = collections.deque(
@@ -133,7 +135,7 @@ def floor_designs(layers: int, N: int) -> tuple[Callable[[], None], Callable[[],
     def awaited() -> None:
         for _ in range(N):
             try:
-                contextvars.copy_context().run(plain().send, None)
+                contextvars.copy_context().run(_await_done(layers).send, None)
             except StopIteration:
                 pass
 
@@ -157,12 +159,6 @@ def ladder_designs(layers: int, N: int, runner: asyncio.Runner) -> dict[str, Cal
             await trap()
             await trap()
 
-    async def done(i: int) -> None:
-        for _ in range(layers):
-            await _DONE
-            await _DONE
-            await _DONE
-
     async def yields(i: int) -> None:
         for _ in range(layers):
             await y("a")
@@ -176,7 +172,7 @@ def ladder_designs(layers: int, N: int, runner: asyncio.Runner) -> dict[str, Cal
     args = [(i,) for i in range(N)]
     return {
         "kernel": lambda: runner.run(DBORun([bare(i) for i in range(N)]).drive()),
-        "kernel no-switch": lambda: runner.run(each(done)),
+        "kernel no-switch": lambda: runner.run(each(lambda i: _await_done(layers))),
         "dbo_yield": lambda: runner.run(asyncdbo.run_ubatches(yields, args, backend="host")),
         "dbo_yield no-switch": lambda: runner.run(each(yields)),
     }
