@@ -108,7 +108,7 @@ class CommRecord:
         return self.t_done if self.t_release is None else max(self.t_done, self.t_release)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class UBatchStreams:
     """One ubatch's place on the device: its streams and done-events by role, the role and stream
     it is on now. ``ub`` is the kernel's record (its id, its run's clock and timers)."""

@@ -13,6 +13,8 @@ unchanged in a plain call.
 
 from __future__ import annotations
 
+import importlib
+import os
 import types
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
@@ -263,3 +265,54 @@ def dbo_submit(work: Any, *, nbytes: int = 0, what: str = "comm", **backend_opti
         check_unawaited(ub)
     handle: CommHandle = ub.run.ext.backend.submit(work, ub.ext, nbytes=nbytes, what=what, **backend_options)
     return handle
+
+
+# ---------------------------------------------------------------------------------- C fast paths
+#: The Python implementations above, by name: the reference the C fast paths fall back to (and
+#: what tests/dbo/test_speedups.py runs side by side with them).
+PURE: dict[str, Callable[..., Any]] = {
+    "dbo_yield": dbo_yield,
+    "dbo_yield_and_switch_from_compute_to_comm": dbo_yield_and_switch_from_compute_to_comm,
+    "dbo_yield_and_switch_from_comm_to_compute": dbo_yield_and_switch_from_comm_to_compute,
+    "dbo_switch_to_comm_sync": dbo_switch_to_comm_sync,
+    "dbo_switch_to_compute_sync": dbo_switch_to_compute_sync,
+    "dbo_switch_to_comm": dbo_switch_to_comm,
+    "dbo_switch_to_compute": dbo_switch_to_compute,
+}
+
+
+def _fast_paths() -> dict[str, Callable[..., Any]] | None:
+    """The C versions of :data:`PURE` (``asyncdbo/dbo/_speedups.c``), or None where the extension
+    was not built (no compiler at install time) or ``ASYNCDBO_PURE_PYTHON=1`` is set.
+
+    Each handles only the common case and calls its Python version for everything else (see the C
+    file's header), so behaviour and error messages are the Python ones."""
+    if os.environ.get("ASYNCDBO_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        _speedups = importlib.import_module("asyncdbo.dbo._speedups")
+    except ImportError:
+        return None
+    _speedups.configure(current_ubatch, UBatch, Lane, SWITCH, COMPLETED)
+    P = _speedups.Primitive
+    return {
+        "dbo_yield": P(dbo_yield, "yield", tag="yield"),
+        "dbo_yield_and_switch_from_compute_to_comm": P(
+            dbo_yield_and_switch_from_compute_to_comm, "role", tag="compute->comm", src="compute", dst="comm",
+            marks=_TO_COMM_MARKS.table),
+        "dbo_yield_and_switch_from_comm_to_compute": P(
+            dbo_yield_and_switch_from_comm_to_compute, "role", tag="comm->compute", src="comm", dst="compute",
+            marks=_TO_COMPUTE_MARKS.table),
+        "dbo_switch_to_comm_sync": P(dbo_switch_to_comm_sync, "sync", dst="comm",
+                                     marks=_SYNC_MARKS["dbo_switch_to_comm_sync"]),
+        "dbo_switch_to_compute_sync": P(dbo_switch_to_compute_sync, "sync", dst="compute",
+                                        marks=_SYNC_MARKS["dbo_switch_to_compute_sync"]),
+        "dbo_switch_to_comm": P(dbo_switch_to_comm, "plain", dst="comm"),
+        "dbo_switch_to_compute": P(dbo_switch_to_compute, "plain", dst="compute"),
+    }
+
+
+FAST: dict[str, Callable[..., Any]] | None = _fast_paths()
+"""The C fast paths in use (None: the pure-Python primitives run)."""
+if FAST is not None:
+    globals().update(FAST)

@@ -18,9 +18,12 @@ from ..backends import RunStreams, UBatchStreams
 __all__ = ["Lane", "RunState", "lane_of", "run_state_of"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Lane(UBatchStreams):
-    """One ubatch's streams and role (filled by the backend) and its pending recv hook."""
+    """One ubatch's streams and role (filled by the backend) and its pending recv hook.
+
+    Slotted, like :class:`~asyncdbo._core.UBatch`: the primitives' C fast paths
+    (``asyncdbo/dbo/_speedups.c``) read and write its fields at their slot offsets."""
 
     recv_hook: Callable[[], object] | None = None
     # The backend's record and wait, bound once per run (the yield primitives call them on every
