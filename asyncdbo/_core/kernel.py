@@ -40,14 +40,17 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import importlib
 import itertools
 import logging
+import os
 import sys
 import time
 import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine
+from types import ModuleType
 from typing import Any
 
 from .cancel import cancel_all, cancel_now, throw_at_next_resume
@@ -68,6 +71,23 @@ from .ubatch import UBatch, UBatchState
 __all__ = ["LIVE_RUNS", "LOOP_POLL_S", "DBORun"]
 
 READY, PARKED, DONE = UBatchState.READY, UBatchState.PARKED, UBatchState.DONE
+
+
+def _load_spin() -> ModuleType | None:
+    """The C fast loop (``asyncdbo/_core/_spin.c``), or None where it was not built (no compiler at
+    install time) or ``ASYNCDBO_PURE_PYTHON=1`` is set: the Python loop below then does it all."""
+    if os.environ.get("ASYNCDBO_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        spin = importlib.import_module("asyncdbo._core._spin")
+    except ImportError:
+        return None
+    spin.configure(UBatch)
+    return spin
+
+
+_spin = _load_spin()
+_SWITCHED, _PARKED, _FINISHED, _FAILED = 0, 1, 2, 3  # what _spin.spin reports (its enum)
 _MONOTONIC = MonotonicClock()
 _now = time.perf_counter
 
@@ -275,6 +295,28 @@ class DBORun:
             switch, pop, push = SWITCH, ready.popleft, ready.append
             self._enter_view()
             try:
+                if _spin is not None and not installs and inst is None and not self._loop_waits:
+                    # The same loop in C (asyncdbo/_core/_spin.c); it hands back what it can't decide.
+                    spin_args = (pop, push, woken if watch else None, timers, switch)
+                    while ready:
+                        k, ub, status, value = _spin.spin(*spin_args)
+                        n += k
+                        if status == _SWITCHED:  # switched, with timers or wake-ups pending
+                            if watch:
+                                self._drain()  # woken during this step: they were runnable first
+                            else:
+                                self._fire_timers()
+                            push(ub)
+                        elif status == _PARKED:
+                            self._park(ub, value)
+                            break
+                        elif status == _FINISHED:
+                            self._finish(ub, value)
+                            break
+                        elif status == _FAILED:
+                            self._failed(ub, value)
+                            raise value
+                    continue
                 while ready:
                     ub = pop()
                     if installs and ub.resume_with is not self._installed:

@@ -6,6 +6,7 @@ import asyncio
 import contextvars
 import re
 import threading
+import types
 
 import pytest
 
@@ -21,7 +22,8 @@ from asyncdbo import (
     dbo_yield,
     run_ubatches,
 )
-from asyncdbo.lowlevel import Instrument, VirtualClock
+from asyncdbo._core import kernel
+from asyncdbo.lowlevel import SWITCH, DBORun, Instrument, VirtualClock, trap
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
@@ -416,3 +418,29 @@ async def test_a_virtual_clock_moves_only_forward() -> None:
     assert clock.wait_s(1.0) == 0.0 and clock.now() == 2.5  # a past deadline does not move it back
     with pytest.raises(ValueError, match=r"VirtualClock.advance needs dt >= 0 seconds \(got -1\)"):
         clock.advance(-1)
+
+
+async def test_the_fast_loop_runs_in_c_where_it_was_built(kernel_loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the extension built, ubatches that keep switching are driven by ``_spin.spin`` (which
+    returns at each finish); the interleaving is the Python loop's (the test runs on both)."""
+    calls: list[int] = []
+    real = kernel._spin
+    if real is not None:
+
+        def spin(*args: object) -> tuple[int, object, int, object]:
+            out = real.spin(*args)
+            calls.append(out[2])
+            return out  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(kernel, "_spin", types.SimpleNamespace(spin=spin))
+    log: list[str] = []
+
+    async def ub(i: int) -> int:
+        for step in range(3 + i):
+            log.append(f"{i}.{step}")
+            await trap(SWITCH)
+        return i
+
+    assert await DBORun([ub(0), ub(1)]).drive() == [0, 1]
+    assert log == ["0.0", "1.0", "0.1", "1.1", "0.2", "1.2", "1.3"]
+    assert calls == ([] if real is None else [kernel._FINISHED, kernel._FINISHED])

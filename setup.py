@@ -1,0 +1,15 @@
+"""The optional C extensions (fast paths of the kernel loop and the DBO primitives); everything
+else is in pyproject.toml.
+
+``optional=True``: where they cannot be compiled (no C compiler), the install goes on and asyncdbo
+runs its pure-Python kernel loop and primitives, which stay the reference (set
+``ASYNCDBO_PURE_PYTHON=1`` to run them where the extensions are built)."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension("asyncdbo._core._spin", ["asyncdbo/_core/_spin.c"], optional=True),
+        Extension("asyncdbo.dbo._speedups", ["asyncdbo/dbo/_speedups.c"], optional=True),
+    ]
+)
