@@ -27,9 +27,9 @@ static PyObject *g_current_ubatch; /* the contextvar holding the running UBatch 
 static PyTypeObject *g_ubatch_type, *g_lane_type;
 static PyObject *g_switch;    /* the kernel's SWITCH request */
 static PyObject *g_completed; /* the shared done awaitable */
-static Py_ssize_t ub_unawaited, ub_debug, ub_ext, ub_tag, ub_run, ub_resume_with;
-static Py_ssize_t lane_role, lane_stream, lane_streams, lane_events, lane_record, lane_wait;
-static PyObject *s_installs, *s_install, *s_await, *s_throw, *s_close;
+static Py_ssize_t ub_unawaited, ub_debug, ub_ext, ub_tag, ub_resume_with;
+static Py_ssize_t lane_role, lane_stream, lane_streams, lane_events, lane_record, lane_wait, lane_install;
+static PyObject *s_await, *s_throw, *s_close;
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
 
@@ -61,6 +61,48 @@ member_offset(PyTypeObject *tp, const char *name, Py_ssize_t *off)
     }
     *off = m->offset;
     Py_DECREF(d);
+    return 0;
+}
+
+/* fn(a, b) by vectorcall (the backend's record and wait). */
+static inline PyObject *
+call2(PyObject *fn, PyObject *a, PyObject *b)
+{
+    PyObject *args[3] = {NULL, a, b};
+    return PyObject_Vectorcall(fn, args + 1, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+/* mapping[key] as a new reference; a plain dict without the generic call. */
+static inline PyObject *
+dict_item(PyObject *mapping, PyObject *key)
+{
+    if (PyDict_CheckExact(mapping)) {
+        PyObject *v = PyDict_GetItemWithError(mapping, key);
+        if (v != NULL)
+            return Py_NewRef(v);
+        if (!PyErr_Occurred()) {
+            PyObject *args = PyTuple_Pack(1, key); /* KeyError(key), even for a tuple key */
+            if (args != NULL) {
+                PyErr_SetObject(PyExc_KeyError, args);
+                Py_DECREF(args);
+            }
+        }
+        return NULL;
+    }
+    return PyObject_GetItem(mapping, key);
+}
+
+/* The run's install(stream), bound on the lane once per run (None: nothing to install). */
+static int
+install_stream(PyObject *lane, PyObject *stream)
+{
+    PyObject *install = SLOT(lane, lane_install);
+    if (install == NULL || install == Py_None)
+        return 0;
+    PyObject *r = PyObject_CallOneArg(install, stream);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
     return 0;
 }
 
@@ -178,15 +220,15 @@ step_advance(StepObject *s, PyObject *value)
             return step_wait_on(s, s->event);
         }
         if (s->kind == K_ROLE) {
-            PyObject *event = PyObject_GetItem(SLOT(s->lane, lane_events), s->src);
+            PyObject *event = dict_item(SLOT(s->lane, lane_events), s->src);
             if (event == NULL) {
                 s->state = S_DONE;
                 return NULL;
             }
             if (event != Py_None) { /* record before the yield: covers only this ubatch's work */
-                PyObject *stream = PyObject_GetItem(SLOT(s->lane, lane_streams), s->src);
+                PyObject *stream = dict_item(SLOT(s->lane, lane_streams), s->src);
                 PyObject *r = stream == NULL ? NULL
-                    : PyObject_CallFunctionObjArgs(SLOT(s->lane, lane_record), event, stream, NULL);
+                    : call2(SLOT(s->lane, lane_record), event, stream);
                 Py_XDECREF(stream);
                 if (r == NULL) {
                     Py_DECREF(event);
@@ -212,23 +254,14 @@ step_advance(StepObject *s, PyObject *value)
         }
         PyObject *lane = s->lane, *ub = s->ub;
         slot_set(lane, lane_role, s->dst);
-        PyObject *stream = PyObject_GetItem(SLOT(lane, lane_streams), s->dst);
+        PyObject *stream = dict_item(SLOT(lane, lane_streams), s->dst);
         if (stream == NULL) {
             s->state = S_DONE;
             return NULL;
         }
         slot_set(lane, lane_stream, stream);
         slot_set(ub, ub_resume_with, stream);
-        PyObject *run = SLOT(ub, ub_run);
-        PyObject *installs = PyObject_GetAttr(run, s_installs);
-        int truth = installs == NULL ? -1 : PyObject_IsTrue(installs);
-        Py_XDECREF(installs);
-        if (truth > 0) {
-            PyObject *r = PyObject_CallMethodOneArg(run, s_install, stream);
-            truth = r == NULL ? -1 : 0;
-            Py_XDECREF(r);
-        }
-        if (truth < 0) {
+        if (install_stream(lane, stream) < 0) {
             Py_DECREF(stream);
             s->state = S_DONE;
             return NULL;
@@ -239,7 +272,7 @@ step_advance(StepObject *s, PyObject *value)
             return NULL;
         }
         /* after the resume: the stream it enters waits on the done-event */
-        PyObject *signal = PyObject_CallFunctionObjArgs(SLOT(lane, lane_wait), stream, s->event, NULL);
+        PyObject *signal = call2(SLOT(lane, lane_wait), stream, s->event);
         Py_DECREF(stream);
         if (signal == NULL) {
             s->state = S_DONE;
@@ -456,19 +489,7 @@ enter_stream(PyObject *ub, PyObject *lane, PyObject *role, PyObject *stream)
     slot_set(lane, lane_role, role);
     slot_set(lane, lane_stream, stream);
     slot_set(ub, ub_resume_with, stream);
-    PyObject *run = SLOT(ub, ub_run);
-    PyObject *installs = PyObject_GetAttr(run, s_installs);
-    if (installs == NULL)
-        return -1;
-    int truth = PyObject_IsTrue(installs);
-    Py_DECREF(installs);
-    if (truth > 0) {
-        PyObject *r = PyObject_CallMethodOneArg(run, s_install, stream);
-        if (r == NULL)
-            return -1;
-        Py_DECREF(r);
-    }
-    return truth < 0 ? -1 : 0;
+    return install_stream(lane, stream);
 }
 
 static PyObject *
@@ -536,14 +557,14 @@ primitive_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *
         PyObject *signal = NULL;
         int ok = 1;
         if (event != Py_None) {
-            PyObject *r = PyObject_CallFunctionObjArgs(SLOT(lane, lane_record), event, from, NULL);
+            PyObject *r = call2(SLOT(lane, lane_record), event, from);
             ok = r != NULL;
             Py_XDECREF(r);
         }
         if (ok)
             ok = enter_stream(ub, lane, self->dst, stream) == 0;
         if (ok && event != Py_None) {
-            signal = PyObject_CallFunctionObjArgs(SLOT(lane, lane_wait), stream, event, NULL);
+            signal = call2(SLOT(lane, lane_wait), stream, event);
             ok = signal != NULL;
         }
         if (ok)
@@ -715,10 +736,11 @@ configure(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     if (member_offset(ubt, "unawaited", &ub_unawaited) || member_offset(ubt, "debug", &ub_debug)
         || member_offset(ubt, "ext", &ub_ext) || member_offset(ubt, "tag", &ub_tag)
-        || member_offset(ubt, "run", &ub_run) || member_offset(ubt, "resume_with", &ub_resume_with)
+        || member_offset(ubt, "resume_with", &ub_resume_with)
         || member_offset(lanet, "role", &lane_role) || member_offset(lanet, "stream", &lane_stream)
         || member_offset(lanet, "streams", &lane_streams) || member_offset(lanet, "events", &lane_events)
-        || member_offset(lanet, "record", &lane_record) || member_offset(lanet, "wait", &lane_wait))
+        || member_offset(lanet, "record", &lane_record) || member_offset(lanet, "wait", &lane_wait)
+        || member_offset(lanet, "install", &lane_install))
         return NULL;
     Py_XSETREF(g_current_ubatch, Py_NewRef(var));
     Py_XSETREF(g_ubatch_type, (PyTypeObject *)Py_NewRef(ubt));
@@ -747,9 +769,7 @@ PyInit__speedups(void)
 {
     if (PyType_Ready(&Step_Type) < 0 || PyType_Ready(&Primitive_Type) < 0)
         return NULL;
-    if ((s_installs = PyUnicode_InternFromString("installs")) == NULL
-        || (s_install = PyUnicode_InternFromString("install")) == NULL
-        || (s_await = PyUnicode_InternFromString("__await__")) == NULL
+    if ((s_await = PyUnicode_InternFromString("__await__")) == NULL
         || (s_throw = PyUnicode_InternFromString("throw")) == NULL
         || (s_close = PyUnicode_InternFromString("close")) == NULL)
         return NULL;

@@ -119,8 +119,8 @@ def _yield_and_switch(ub: UBatch, lane: Lane, tag: str, src: Role, dst: Role) ->
     yield SWITCH  # trap(SWITCH) inlined: one generator frame less on every resume
     lane.role = dst
     lane.stream = ub.resume_with = stream = lane.streams[dst]  # lane.set_stream, inlined
-    if ub.run.installs:
-        ub.run.install(stream)
+    if lane.install is not None:
+        lane.install(stream)
     if event is not None:
         signal = lane.wait(stream, event)  # after the resume
         if signal is not None:
@@ -182,8 +182,8 @@ def _plain_switch(role: Role) -> Awaitable[None]:
     lane: Lane = ub.ext
     lane.role = role
     lane.stream = ub.resume_with = stream = lane.streams[role]  # lane.set_stream, inlined
-    if ub.run.installs:
-        ub.run.install(stream)
+    if lane.install is not None:
+        lane.install(stream)
     return COMPLETED
 
 
@@ -204,8 +204,8 @@ def _sync_switch(role: Role, name: str) -> Awaitable[None]:
         lane.record(event, lane.stream)
     lane.role = role
     lane.stream = ub.resume_with = stream = lane.streams[role]  # lane.set_stream, inlined
-    if ub.run.installs:
-        ub.run.install(stream)
+    if lane.install is not None:
+        lane.install(stream)
     return _then_wait(ub, None if event is None else lane.wait(stream, event))  # a failed comm raises when awaited
 
 

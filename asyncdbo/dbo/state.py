@@ -30,6 +30,8 @@ class Lane(UBatchStreams):
     # yield; a bound method looked up through ``ub.run.ext.backend`` costs three loads and a bind).
     record: Callable[[Any, Any], None] = field(default=None, repr=False)  # type: ignore[assignment]
     wait: Callable[[Any, Any], Signal | None] = field(default=None, repr=False)  # type: ignore[assignment]
+    # The run's install, bound once per run; None where it has nothing to install (a host).
+    install: Callable[[Any], None] | None = field(default=None, repr=False)
 
 
 @dataclass(eq=False)
@@ -43,6 +45,8 @@ class RunState(RunStreams):
     def __post_init__(self) -> None:
         for lane in self.lanes:
             lane.record, lane.wait = self.backend.record, self.backend.wait
+            run = lane.ub.run
+            lane.install = run.install if run.installs else None
 
 
 def lane_of(ub: UBatch) -> Lane:
