@@ -177,7 +177,7 @@ async def run_ubatches(
     others and propagates with a note naming the ubatch; cancelling the awaiting task cancels
     every ubatch.
     """
-    results, _ = await run_ubatches_with_stats(fn, ubatch_args, **options)
+    results, _, _ = await _run(fn, ubatch_args, options)
     return results
 
 
@@ -187,6 +187,22 @@ async def run_ubatches_with_stats(
     **options: Any,
 ) -> tuple[list[T], RunStats]:
     """:func:`run_ubatches`, also returning the run's :class:`RunStats`."""
+    results, dbo, state = await _run(fn, ubatch_args, options)
+    stats = RunStats(
+        num_ubatches=len(dbo.ubatches),
+        num_switches=dbo.num_switches,
+        num_parks=dbo.num_parks,
+        time_asleep_s=dbo.time_asleep_s,
+        comm=tuple(state.comm_records()) if state.comm else (),
+        blocking=tuple(state.blocking),
+    )
+    return results, stats
+
+
+async def _run(
+    fn: Callable[..., Awaitable[T]], ubatch_args: Iterable[Sequence[Any]], options: dict[str, Any]
+) -> tuple[list[T], DBORun, RunState]:
+    """One run: its results, the finished kernel run and its DBO state (for the stats)."""
     opts = _options(options)
     coros = _make_coros(fn, ubatch_args)
     try:
@@ -227,15 +243,7 @@ async def run_ubatches_with_stats(
         results = await dbo.drive()
     finally:
         backend.detach(dbo, state)
-    stats = RunStats(
-        num_ubatches=len(dbo.ubatches),
-        num_switches=dbo.num_switches,
-        num_parks=dbo.num_parks,
-        time_asleep_s=dbo.time_asleep_s,
-        comm=tuple(state.comm_records()) if state.comm else (),
-        blocking=tuple(state.blocking),
-    )
-    return results, stats
+    return results, dbo, state
 
 
 def _instrument(opts: DBOOptions) -> Instrument | None:
