@@ -15,6 +15,7 @@ from asyncdbo import (
     dbo_yield_and_switch_from_comm_to_compute,
     dbo_yield_and_switch_from_compute_to_comm,
     run_ubatches,
+    run_ubatches_with_stats,
 )
 from asyncdbo.backends import LinkSpec
 from asyncdbo.backends.host import HostBackend, HostEvent, HostStream, HostWork
@@ -215,3 +216,57 @@ def test_a_failed_work_is_reported_by_the_wait_that_covers_it() -> None:
     assert joined is not None and joined.done()
     assert str(joined.exception()) == "comm work 'bad' failed: peer gone"
     assert backend.wait(comm, HostEvent(works=(bad,))) is bad.signal
+
+
+class _HeldWork:
+    """A torch.distributed-like async work that completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.fut: torch.futures.Future[None] = torch.futures.Future()
+
+    def get_future(self) -> torch.futures.Future[None]:
+        return self.fut
+
+    def wait(self) -> None:
+        self.fut.wait()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", ["role", "ubatch"])
+async def test_a_comm_event_is_there_only_while_its_stream_has_works_pending(policy: str) -> None:
+    """Recorded on an idle comm stream a comm-done event would be empty, so the host keeps none
+    there: the switches then skip the record and the wait. A submitted work puts the events of
+    every ubatch on its stream in place (all of them on the shared stream of the role policy);
+    the first record after every work completed takes them out again."""
+    work = _HeldWork()
+    log: list[str] = []
+
+    def comm_events() -> str:
+        lanes = get_ubatch().run.ext.lanes
+        return " ".join(f"ub{lane.ub.id}:{'event' if lane.events['comm'] is not None else '-'}" for lane in lanes)
+
+    async def forward(i: int) -> None:
+        await dbo_yield_and_switch_from_compute_to_comm("dispatch")
+        if i == 0:
+            log.append(f"idle: {comm_events()}")
+            dbo_submit(work, what="a2a")
+            log.append(f"pending: {comm_events()}")
+        else:
+            work.fut.set_result(None)
+            log.append(f"done, not recorded yet: {comm_events()}")
+        await dbo_yield_and_switch_from_comm_to_compute("dispatch done")
+        log.append(f"ub{i} on compute: {comm_events()}")
+
+    stats = await run_ubatches_with_stats(forward, [(0,), (1,)], backend=HostBackend(), stream_policy=policy,
+                                          watchdog_s=60)
+    armed = "ub0:event ub1:event" if policy == "role" else "ub0:event ub1:-"
+    assert log == [
+        "idle: ub0:- ub1:-",
+        f"pending: {armed}",
+        f"done, not recorded yet: {armed}",
+        # ub0's switch recorded while the work was pending (its event covers it; the work is done
+        # by its wait, so it does not park); on the shared stream ub1's record found it done.
+        f"ub0 on compute: {'ub0:- ub1:-' if policy == 'role' else armed}",
+        f"ub1 on compute: {'ub0:- ub1:-' if policy == 'role' else armed}",
+    ]
+    assert stats[1].num_parks == 0
