@@ -33,19 +33,20 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def export_base(rev: str, into: Path) -> ModuleType:
-    """The package at ``rev`` as an importable ``asyncdbo_base``."""
+def export_base(rev: str, into: Path, name: str = "asyncdbo_base") -> ModuleType:
+    """The package at ``rev`` as an importable ``name``. Its Python files only: a C extension of
+    that revision is not built, so the package runs its pure-Python paths."""
     archive = subprocess.run(["git", "archive", rev, "asyncdbo"], cwd=ROOT, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     pkg = into / "asyncdbo"
     for path in pkg.rglob("*.py"):
         text = path.read_text()
-        new = re.sub(r"\basyncdbo\.", "asyncdbo_base.", text)
+        new = re.sub(r"\basyncdbo\.", f"{name}.", text)
         if new != text:
             path.write_text(new)
-    pkg.rename(into / "asyncdbo_base")
+    pkg.rename(into / name)
     sys.path.insert(0, str(into))
-    return importlib.import_module("asyncdbo_base")
+    return importlib.import_module(name)
 
 
 def chain(depth: int, leaf: Callable[[int], Any]) -> Callable[[int], Any]:

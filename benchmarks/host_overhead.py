@@ -38,11 +38,13 @@ host ns per yield = (design step time - no-DBO step time) / (layers x 3 x N), th
 taken right before the design's in each round. Both wall time and
 the process's CPU time are reported (the machine may be shared: CPU time is steadier; for the
 thread design wall time also counts the OS's wake-up latency, which CPU time does not).
-``--base REV`` adds ``asyncdbo`` at an earlier commit as a fourth design, in the same rounds
-(exported with ``git archive`` as ``asyncdbo_base``, see ``compare_commits.py``).
+``--base REV`` (repeatable) adds ``asyncdbo`` at an earlier commit as another design, in the
+same rounds (exported with ``git archive``, see ``compare_commits.py``: Python files only, so it
+runs without its C extensions; ``--base HEAD`` measures this commit's pure-Python paths). The
+current package runs its C fast paths where they were built (``(C)`` in the tables).
 
     python benchmarks/host_overhead.py                 # writes benchmarks/results/host_overhead_<hw>_<date>.md
-    python benchmarks/host_overhead.py --base 6e15bd5  # also the package at 6e15bd5, side by side
+    python benchmarks/host_overhead.py --base 6e15bd5 --base HEAD  # also 6e15bd5 and HEAD in pure Python
     python benchmarks/host_overhead.py --quick         # seconds, prints only
 """
 
@@ -295,17 +297,21 @@ def per_yield(samples: Samples, design: str, key: str, yields: int) -> tuple[flo
     return statistics.median(vals), min(vals), max(vals)
 
 
-def export_base(rev: str, into: Path) -> ModuleType:
+def export_base(rev: str, into: Path, name: str) -> ModuleType:
     from compare_commits import export_base as export
 
-    return export(rev, into)
+    sub = into / name
+    sub.mkdir()
+    return export(rev, sub, name)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 layers, N = 2, one round, print only")
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--base", default=None, help="also measure asyncdbo at this git revision, same rounds")
+    parser.add_argument("--base", action="append", default=[],
+                        help="also measure asyncdbo at this git revision (pure Python: its C extensions are not "
+                             "built), same rounds; may be given more than once")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     import uvloop
@@ -319,14 +325,18 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
     head, dirty = git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain", "asyncdbo"))
-    now_name = f"asyncdbo {head}{'+changes' if dirty else ''}" if args.base else "asyncdbo"
+    from asyncdbo.dbo.primitives import FAST
+
+    now_name = f"asyncdbo {head}{'+changes' if dirty else ''} ({'Python' if FAST is None else 'C'})"
     pkgs: dict[str, ModuleType] = {now_name: asyncdbo}
     command = "python benchmarks/host_overhead.py" + (" --quick" if args.quick else "")
-    command += f" --base {args.base}" if args.base else ""
+    command += "".join(f" --base {b}" for b in args.base)
     with tempfile.TemporaryDirectory() as tmp, asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        if args.base:
-            rev = git("rev-parse", "--short", args.base)
-            pkgs = {f"asyncdbo {rev}": export_base(rev, Path(tmp)), **pkgs}
+        bases: dict[str, ModuleType] = {}
+        for k, base in enumerate(args.base):
+            rev = git("rev-parse", "--short", base)
+            bases[f"asyncdbo {rev} (Python)"] = export_base(rev, Path(tmp), f"asyncdbo_base{k}")
+        pkgs = {**bases, **pkgs}
         title = "Host overhead per yield: an eager ht step of primitives, no comm, no parking"
         lines, info = results_preamble(title, command)
         names = ["floor", "kernel", "dbo_yield", *pkgs, "threads", "threads pinned"]
