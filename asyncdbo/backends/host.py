@@ -49,10 +49,10 @@ class HostStream:
     pending: list[HostWork] = field(default_factory=list)
     lanes: list[tuple[dict[str, Any], HostEvent]] = field(default_factory=list, repr=False)
 
-    def arm(self, event_or_none: bool) -> None:
-        """Put each lane's comm event in its slot (works are pending), or None (the stream is idle)."""
+    def arm(self, pending: bool) -> None:
+        """Put each lane's comm event in its slot (works are ``pending``), or None (the stream is idle)."""
         for events, event in self.lanes:
-            events["comm"] = event if event_or_none else None
+            events["comm"] = event if pending else None
 
     def __repr__(self) -> str:
         return f"<HostStream {self.name} pending={len(self.pending)}>"
@@ -151,8 +151,10 @@ class HostBackend(StreamBackend):
             # A comm-done event is there only while its stream has works pending: recorded on an
             # idle stream it would be empty too. submit() puts it in place when the stream gets a
             # work, record() takes it out once every work has completed; the primitives skip the
-            # record and the wait of a None event, two Python calls per switch of the host's
-            # ~180 ns per yield (benchmarks/host_overhead.py, without comm).
+            # record and the wait of a None event. Those two Python calls per comm->compute switch
+            # were most of the host time per yield left with the C primitives: on
+            # benchmarks/host_overhead.py's ht step (no comm, 61 layers) 179-251 ns with them and
+            # 74-132 ns without (N = 8 / 2, CPU time, one run each, 2026-12-01).
             lane.events = {"compute": None, "comm": None}
             comm.lanes.append((lane.events, HostEvent()))
             lane.stream = lane.ub.resume_with = cpu
