@@ -241,9 +241,11 @@ async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int
         args = [(batch.input_ids_T[s.padded_token_slice], batch.positions_T[s.padded_token_slice], m)
                 for s, m in zip(plan.slices, plan.attn_metadata)]
         ubatch_tokens = max(s.num_tokens_padded for s in plan.slices)
-        out["choice"] = choose_dispatch(link, max_tokens=ubatch_tokens, top_k=mcfg.top_k,
-                                        experts_per_rank=mcfg.num_experts // world, ranks=world,
-                                        hidden=mcfg.hidden_size, itemsize=4)
+        out["choice"] = {sched: choose_dispatch(link, max_tokens=ubatch_tokens, top_k=mcfg.top_k,
+                                                experts_per_rank=mcfg.num_experts // world, ranks=world,
+                                                hidden=mcfg.hidden_size, itemsize=4, schedule=sched,
+                                                ubatches=case.ubatches)
+                         for sched in ("ht", "ll")}
         logits: dict[str, torch.Tensor] = {}
         for design in case.designs:
             driver, schedule, wait = _design(design)
@@ -407,8 +409,8 @@ def fused_table(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
         "|---|---:|---|---:|---:|---:|---|---|---|---|",
     ]
     for case, s in results:
-        c = s["choice"]
         for sched in ("ht", "ll"):
+            c = s["choice"][sched]
             split, fused = s.get(f"asyncdbo {sched}"), s.get(f"asyncdbo {sched} fused")
             if split is None or fused is None:
                 continue

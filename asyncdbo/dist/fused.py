@@ -23,6 +23,15 @@ rank shares, so all ranks choose alike: fused saves one message's latency (and t
 and costs the padding, ``(P * (1 + C) - max_tokens * K) * D * itemsize`` bytes over the bandwidth;
 it is chosen only where the saving is larger. With no link model (real comm, a device backend)
 ``auto`` splits; ``mode="fused"`` or ``"split"`` forces one.
+
+One exception, measured: the ``ht`` schedule with 2 ubatches splits. ``ht`` sends its counts
+before the dispatch yield, so their latency already travels while the other ubatch computes, and
+one fused message per dispatch makes both ubatches' dispatches travel and land together instead
+(in ``benchmarks/moe_step.py``'s 8-layer decode the comm hidden behind compute fell from 57% to
+24%). In ``benchmarks/fused_choice.py``'s paired runs fusing gained nothing there that the runs
+could resolve (decode, 2 layers: 1.044x [0.996..1.092]) and lost in the 8-layer decode (0.955x
+[0.937..0.972], 60 steps), while ``ht`` with 4 and 8 ubatches gained 1.15x and 1.11x and ``ll``
+gained wherever the link model chose fused (``results/fused_choice_cpu-2c_2026-12-01.md``).
 """
 
 from __future__ import annotations
@@ -97,11 +106,15 @@ class DispatchChoice:
 
 def choose_dispatch(
     link: LinkSpec | None, *, max_tokens: int, top_k: int, experts_per_rank: int, ranks: int, hidden: int,
-    itemsize: int,
+    itemsize: int, schedule: str | None = None, ubatches: int = 1,
 ) -> DispatchChoice:
-    """Fused or split, from the link model and shapes every rank shares (see the module doc)."""
+    """Fused or split, from the link model and what every rank shares: the shapes, the layer's
+    ``schedule`` and the run's number of ``ubatches`` (see the module doc)."""
     if ranks == 1:
         return DispatchChoice(False, 0.0, 0.0, "a single rank sends nothing")
+    if schedule == "ht" and ubatches == 2:
+        return DispatchChoice(False, 0.0, 0.0, "ht with 2 ubatches: its counts already travel while the other ubatch "
+                                               "computes, and one message per dispatch puts both in flight together")
     if hidden * itemsize < experts_per_rank * _COUNT_BYTES:
         return DispatchChoice(False, 0.0, 0.0, f"a row of {hidden * itemsize} B cannot hold {experts_per_rank} counts")
     if link is None:
@@ -120,10 +133,11 @@ def choose_dispatch(
 
 
 def fused_rows(layer: str, tokens: int, *, top_k: int, experts_per_rank: int, ranks: int, hidden: int,
-               itemsize: int) -> int:
+               itemsize: int, schedule: str | None = None) -> int:
     """Rows per destination of a fused dispatch for a call of ``tokens`` tokens, or 0 to split:
     0 outside :func:`dispatch_options` and for ``mode="split"``; under ``"auto"`` the current
-    run's link model decides (:func:`choose_dispatch`). ``layer`` names the caller in errors."""
+    run's link model decides (:func:`choose_dispatch`, with the caller's ``schedule`` and the
+    run's number of ubatches). ``layer`` names the caller in errors."""
     opts = _OPTIONS.get()
     if opts is None or ranks == 1 or opts.mode == "split":
         return 0
@@ -136,7 +150,8 @@ def fused_rows(layer: str, tokens: int, *, top_k: int, experts_per_rank: int, ra
         ub = get_ubatch()
         link = None if ub is None else getattr(ub.run.ext.backend, "link", None)
         choice = choose_dispatch(link, max_tokens=opts.max_tokens, top_k=top_k, experts_per_rank=experts_per_rank,
-                                 ranks=ranks, hidden=hidden, itemsize=itemsize)
+                                 ranks=ranks, hidden=hidden, itemsize=itemsize, schedule=schedule,
+                                 ubatches=1 if ub is None else len(ub.run.ubatches))
         if not choice.fused:
             return 0
     elif hidden * itemsize < experts_per_rank * _COUNT_BYTES:

@@ -324,7 +324,8 @@ class MoELayer(nn.Module):
     def _fused_capacity(self, x_TD: torch.Tensor) -> int:
         """Rows per destination of a fused dispatch for this call, or 0 to split."""
         return fused_rows(self.name, x_TD.shape[0], top_k=self.cfg.top_k, experts_per_rank=self.experts_per_rank,
-                          ranks=self.comm.size, hidden=self.cfg.hidden_size, itemsize=x_TD.element_size())
+                          ranks=self.comm.size, hidden=self.cfg.hidden_size, itemsize=x_TD.element_size(),
+                          schedule=self.cfg.schedule)
 
     def _prepare(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, DispatchPlan]:
         topk_w_TK, topk_ids_TK = self._route(x_TD, self.router_ED, self.cfg, bias_E=self.bias_E,

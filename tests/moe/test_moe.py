@@ -284,6 +284,14 @@ def test_choose_dispatch_compares_one_latency_with_the_padding() -> None:
     c = choose_dispatch(link, max_tokens=512, top_k=2, experts_per_rank=4, ranks=2, hidden=256, itemsize=4)
     assert not c.fused and c.padding_s > c.saved_s
     assert not choose_dispatch(None, max_tokens=32, top_k=2, experts_per_rank=4, ranks=2, hidden=256, itemsize=4).fused
+    # the ht schedule with 2 ubatches splits whatever the link says; with 3 it follows the link model
+    ht2 = choose_dispatch(link, max_tokens=32, top_k=2, experts_per_rank=4, ranks=2, hidden=256, itemsize=4,
+                          schedule="ht", ubatches=2)
+    assert not ht2.fused and ht2.reason.startswith("ht with 2 ubatches: its counts already travel")
+    assert choose_dispatch(link, max_tokens=32, top_k=2, experts_per_rank=4, ranks=2, hidden=256, itemsize=4,
+                           schedule="ht", ubatches=3).fused
+    assert choose_dispatch(link, max_tokens=32, top_k=2, experts_per_rank=4, ranks=2, hidden=256, itemsize=4,
+                           schedule="ll", ubatches=2).fused
 
 
 def test_dispatch_options_refuse_bad_values_and_calls_above_the_bound() -> None:

@@ -240,15 +240,27 @@ def test_decode_steps_over_a_prefilled_context_equal_serial(pool: RankPool, sche
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule", ["ht", "ll"])
+@pytest.mark.parametrize(("schedule", "num_ubatches"), [("ll", 2), ("ht", 3)])
 def test_auto_dispatch_fuses_decode_and_splits_prefill_on_the_link_model_with_serial_numbers(
-        pool: RankPool, schedule: str) -> None:
-    runner = RunnerConfig(thresholds=ALWAYS, backend="host", link=DISPATCH_LINK)  # dispatch="auto"
+        pool: RankPool, schedule: str, num_ubatches: int) -> None:
+    runner = RunnerConfig(thresholds=ALWAYS, backend="host", link=DISPATCH_LINK, num_ubatches=num_ubatches)  # "auto"
     case = Case(steps=(_decode_steps(0), _decode_steps(1)), model=replace(SMALL, schedule=schedule), runner=runner)
     for r in pool.run(dispatch_per_step, case):
         assert r["microbatched"] == [True] * 4
         assert r["sent"] == [["combine", "counts", "dispatch"]] + [["combine", "dispatch+counts"]] * 3
         assert r["bitwise"]  # fused DBO steps == split serial steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_auto_dispatch_splits_the_ht_schedule_with_two_ubatches(pool: RankPool) -> None:
+    """ht sends its counts before the dispatch yield; with 2 ubatches fusing measured no gain or a
+    loss (asyncdbo.dist.fused), so ``auto`` splits there whatever the link model says."""
+    runner = RunnerConfig(thresholds=ALWAYS, backend="host", link=DISPATCH_LINK)  # "auto", 2 ubatches
+    case = Case(steps=(_decode_steps(0), _decode_steps(1)), model=replace(SMALL, schedule="ht"), runner=runner)
+    for r in pool.run(dispatch_per_step, case):
+        assert r["microbatched"] == [True] * 4
+        assert r["sent"] == [["combine", "counts", "dispatch"]] * 4 and r["bitwise"]
 
 
 @pytest.mark.slow
