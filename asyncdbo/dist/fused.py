@@ -27,11 +27,12 @@ it is chosen only where the saving is larger. With no link model (real comm, a d
 One exception, measured: the ``ht`` schedule with 2 ubatches splits. ``ht`` sends its counts
 before the dispatch yield, so their latency already travels while the other ubatch computes, and
 one fused message per dispatch makes both ubatches' dispatches travel and land together instead
-(in ``benchmarks/moe_step.py``'s 8-layer decode the comm hidden behind compute fell from 57% to
-24%). In ``benchmarks/fused_choice.py``'s paired runs fusing gained nothing there that the runs
-could resolve (decode, 2 layers: 1.044x [0.996..1.092]) and lost in the 8-layer decode (0.955x
-[0.937..0.972], 60 steps), while ``ht`` with 4 and 8 ubatches gained 1.15x and 1.11x and ``ll``
-gained wherever the link model chose fused (``results/fused_choice_cpu-2c_2026-12-01.md``).
+(in ``benchmarks/moe_step.py``'s 8-layer decode the comm hidden behind compute fell from 55% to
+20%, ``results/moe_step_cpu-2c_2026-12-01_run6.md``). In ``benchmarks/fused_choice.py``'s paired runs fusing gained nothing there that the runs
+could resolve (decode, 2 layers: 1.044x [0.996..1.092], 40 steps) and lost in the 8-layer decode
+(0.955x [0.937..0.972], 60 steps), while ``ht`` with 4 and 8 ubatches gained 1.15x and 1.11x
+(``benchmarks/results/fused_choice_cpu-2c_2026-12-01_run3.md`` and ``_run2.md``), and ``ll``
+gained wherever the link model chose fused (``..._2026-12-01.md``, 25 steps per cell).
 """
 
 from __future__ import annotations
