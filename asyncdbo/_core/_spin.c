@@ -105,14 +105,20 @@ spin(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             return report(n, ub, FAILED, fetch_error());
         if (exact && resume != NULL && resume == SLOT(ub, ub_send)) { /* ctx.run(coro.send, None), inlined */
             Py_DECREF(resume);
-            PyObject *ctx = SLOT(ub, ub_ctx), *coro = SLOT(ub, ub_coro);
+            /* held for the call: nothing the ubatch runs may free them under us */
+            PyObject *ctx = Py_XNewRef(SLOT(ub, ub_ctx)), *coro = Py_XNewRef(SLOT(ub, ub_coro));
             if (ctx == NULL || coro == NULL || PyContext_Enter(ctx) < 0) {
                 if (!PyErr_Occurred())
                     PyErr_Format(PyExc_RuntimeError, "spin(): ubatch %R has no context or coroutine", ub);
+                Py_XDECREF(ctx);
+                Py_XDECREF(coro);
                 return report(n, ub, FAILED, fetch_error());
             }
             PySendResult r = PyIter_Send(coro, Py_None, &result);
-            if (PyContext_Exit(ctx) < 0) {
+            int exited = PyContext_Exit(ctx);
+            Py_DECREF(ctx);
+            Py_DECREF(coro);
+            if (exited < 0) {
                 Py_XDECREF(result);
                 return report(n, ub, FAILED, fetch_error());
             }

@@ -33,7 +33,10 @@ Invariants (each has a test in tests/core/):
    and device memory go as soon as the caller drops them, with no cycle collection.
 
 The fast path of a yield (``SWITCH``) never touches the event loop: it is one ``ctx.run(send)``,
-a deque pop and push, and a counter. See benchmarks/switch_cost.py.
+a deque pop and push, and a counter. Where the optional C extension was built
+(``asyncdbo/_core/_spin.c``) that loop runs in C while no install, instrument or event-loop wait is
+involved, and hands everything else back to the Python loop below, which stays the reference
+(``ASYNCDBO_PURE_PYTHON=1`` runs it alone). See benchmarks/switch_cost.py.
 """
 
 from __future__ import annotations
