@@ -6,15 +6,15 @@
  * pop the next ready ubatch, resume it inside its own context, push it back if it switched; and
  * it stops at anything the Python loop must decide (a park, a finish, an error, a pending timer
  * or wake-up), handing the ubatch and what happened back to it. Python stays the reference: the
- * kernel runs its Python loop where an install, an instrument or an event-loop wait is involved,
- * and under ASYNCDBO_PURE_PYTHON=1.
+ * kernel runs its Python loop where an instrument or an event-loop wait is involved, and under
+ * ASYNCDBO_PURE_PYTHON=1.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
 
 static PyTypeObject *g_ubatch_type;
-static Py_ssize_t ub_resume, ub_send, ub_ctx, ub_coro;
+static Py_ssize_t ub_resume, ub_send, ub_ctx, ub_coro, ub_resume_with;
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
 
@@ -61,9 +61,12 @@ fetch_error(void)
     return val;
 }
 
-/* spin(pop, push, woken, timers, switch) -> (switches, ubatch, status, value)
+/* spin(pop, push, woken, timers, switch, install) -> (switches, ubatch, status, value)
  *
- * Resume ubatches in ring order while each yields `switch`, counting the switches. Returns when
+ * Resume ubatches in ring order while each yields `switch`, counting the switches; before each
+ * resume, `install(ubatch.resume_with)` unless `install` is None (the run's install, which does
+ * nothing when that stream is current already; an error from it propagates, as from the Python
+ * loop). Returns when
  * a ubatch does anything else: PARKED (value: what it yielded), FINISHED (value: its result),
  * FAILED (value: the exception, not raised); or when it switched and `timers` (a list) or `woken`
  * (a deque, or None to ignore it) is not empty: SWITCHED, the ubatch not pushed back yet. EMPTY
@@ -71,11 +74,12 @@ fetch_error(void)
 static PyObject *
 spin(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "spin() takes 5 arguments (%zd given)", nargs);
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "spin() takes 6 arguments (%zd given)", nargs);
         return NULL;
     }
     PyObject *pop = args[0], *push = args[1], *woken = args[2], *timers = args[3], *switch_ = args[4];
+    PyObject *install = args[5] == Py_None ? NULL : args[5];
     if (g_ubatch_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "asyncdbo._core._spin.configure() was not called");
         return NULL;
@@ -98,6 +102,16 @@ spin(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         /* An exact UBatch is read at its slots; a subclass (asyncdbo.testing's tag logger) through
          * its attributes, which it may override. */
         int exact = Py_IS_TYPE(ub, g_ubatch_type);
+        if (install != NULL) {
+            PyObject *with = exact ? Py_XNewRef(SLOT(ub, ub_resume_with)) : PyObject_GetAttrString(ub, "resume_with");
+            PyObject *r = with == NULL ? NULL : PyObject_CallOneArg(install, with);
+            Py_XDECREF(with);
+            if (r == NULL) {
+                Py_DECREF(ub);
+                return NULL;
+            }
+            Py_DECREF(r);
+        }
         PyObject *resume = exact ? Py_XNewRef(SLOT(ub, ub_resume)) : PyObject_GetAttrString(ub, "resume");
         PyObject *result = NULL;
         int status;
@@ -170,7 +184,8 @@ configure(PyObject *Py_UNUSED(module), PyObject *tp)
     }
     PyTypeObject *t = (PyTypeObject *)tp;
     if (member_offset(t, "resume", &ub_resume) || member_offset(t, "send", &ub_send)
-        || member_offset(t, "ctx", &ub_ctx) || member_offset(t, "coro", &ub_coro))
+        || member_offset(t, "ctx", &ub_ctx) || member_offset(t, "coro", &ub_coro)
+        || member_offset(t, "resume_with", &ub_resume_with))
         return NULL;
     Py_XSETREF(g_ubatch_type, (PyTypeObject *)Py_NewRef(tp));
     Py_RETURN_NONE;
@@ -178,7 +193,7 @@ configure(PyObject *Py_UNUSED(module), PyObject *tp)
 
 static PyMethodDef module_methods[] = {
     {"spin", (PyCFunction)(void (*)(void))spin, METH_FASTCALL,
-     "spin(pop, push, woken, timers, switch) -> (switches, ubatch, status, value): the kernel's fast loop."},
+     "spin(pop, push, woken, timers, switch, install) -> (switches, ubatch, status, value): the kernel's fast loop."},
     {"configure", configure, METH_O, "configure(UBatch): the record whose slots spin() reads."},
     {NULL, NULL, 0, NULL},
 };

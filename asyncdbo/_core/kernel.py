@@ -34,7 +34,7 @@ Invariants (each has a test in tests/core/):
 
 The fast path of a yield (``SWITCH``) never touches the event loop: it is one ``ctx.run(send)``,
 a deque pop and push, and a counter. Where the optional C extension was built
-(``asyncdbo/_core/_spin.c``) that loop runs in C while no install, instrument or event-loop wait is
+(``asyncdbo/_core/_spin.c``) that loop runs in C while no instrument or event-loop wait is
 involved, and hands everything else back to the Python loop below, which stays the reference
 (``ASYNCDBO_PURE_PYTHON=1`` runs it alone). See benchmarks/switch_cost.py.
 """
@@ -298,9 +298,9 @@ class DBORun:
             switch, pop, push = SWITCH, ready.popleft, ready.append
             self._enter_view()
             try:
-                if _spin is not None and not installs and inst is None and not self._loop_waits:
+                if _spin is not None and inst is None and not self._loop_waits:
                     # The same loop in C (asyncdbo/_core/_spin.c); it hands back what it can't decide.
-                    spin_args = (pop, push, woken if watch else None, timers, switch)
+                    spin_args = (pop, push, woken if watch else None, timers, switch, self.install if installs else None)
                     while ready:
                         k, ub, status, value = _spin.spin(*spin_args)
                         n += k

@@ -293,7 +293,8 @@ def passed(s: dict[str, Any]) -> bool:
 
 def _dispatch_line(modeled: bool, ser: dict[str, Any], dbo: dict[str, Any]) -> str:
     """How the MoE layers sent the per-expert counts (RunnerConfig.dispatch="auto": fused where
-    asyncdbo.dist.choose_dispatch prices one message below two)."""
+    asyncdbo.dist.choose_dispatch prices one message below two, never for the ht schedule with 2
+    ubatches)."""
     if not modeled:
         return "MoE dispatch: split (counts, then tokens); with no link model to price it, never fused"
 
@@ -302,7 +303,7 @@ def _dispatch_line(modeled: bool, ser: dict[str, Any], dbo: dict[str, Any]) -> s
             return "split"
         return "fused" if m["fused_steps"] == m["steps"] else f"fused in {m['fused_steps']} of {m['steps']} steps"
 
-    return (f"MoE dispatch, chosen per step from the link model: serial {said(ser)}, DBO {said(dbo)} "
+    return (f"MoE dispatch, chosen per step from the link model and the schedule: serial {said(ser)}, DBO {said(dbo)} "
             "(fused: the counts ride in the token message; split: counts, then tokens)")
 
 

@@ -42,7 +42,7 @@ def test_demo_prints_the_table_on_a_modeled_link_and_writes_a_trace(capsys: pyte
     assert "DBO steps: microbatched, every step on every rank (real tokens per ubatch by rank: [256, 256] [256, 256])" in out
     assert "\noutputs serial vs DBO: max |logits diff| = 0 (bitwise equal; deterministic mode)\n" in out
     # 256 tokens per ubatch, hidden 64: 514 padded rows cost 2.6 ms at 50 MB/s, less than one 10 ms latency
-    assert ("\nMoE dispatch, chosen per step from the link model: serial fused, DBO fused (fused: the counts ride in "
+    assert ("\nMoE dispatch, chosen per step from the link model and the schedule: serial fused, DBO fused (fused: the counts ride in "
             "the token message; split: counts, then tokens)\n") in out
     assert re.search(r"^  messages / step +2 +4$", out, re.MULTILINE), out  # 1 layer: dispatch + combine per ubatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged.json", "numbers.json", "rank0.json", "rank1.json", "timeline.png"]

@@ -23,7 +23,7 @@ from asyncdbo import (
     run_ubatches,
 )
 from asyncdbo._core import kernel
-from asyncdbo.lowlevel import SWITCH, DBORun, Instrument, VirtualClock, trap
+from asyncdbo.lowlevel import SWITCH, DBORun, Instrument, VirtualClock, get_ubatch, trap
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
@@ -444,3 +444,34 @@ async def test_the_fast_loop_runs_in_c_where_it_was_built(kernel_loop: str, monk
     assert await DBORun([ub(0), ub(1)]).drive() == [0, 1]
     assert log == ["0.0", "1.0", "0.1", "1.1", "0.2", "1.2", "1.3"]
     assert calls == ([] if real is None else [kernel._FINISHED, kernel._FINISHED])
+
+
+async def test_a_resume_installs_the_ubatchs_stream_only_when_another_is_current(kernel_loop: str) -> None:
+    """Before every resume the kernel makes the ubatch's ``resume_with`` current, calling
+    ``install`` only when it differs from the installed one; an install that fails fails the run
+    at that resume (on the C loop as on the Python one)."""
+    log: list[str] = []
+
+    def install(stream: object) -> None:
+        if stream == "bad":
+            raise RuntimeError("device stream lost")
+        log.append(f"install {stream}")
+
+    async def ub(i: int, streams: list[str]) -> int:
+        for s in streams:
+            log.append(f"ub{i} runs")
+            get_ubatch().resume_with = s  # what the next resume installs
+            await trap(SWITCH)
+        return i
+
+    run = DBORun([ub(0, ["a", "a", "b"]), ub(1, ["a", "c", "c"])], install=install)
+    for u, first in zip(run.ubatches, ("a", "a")):
+        u.resume_with = first
+    assert await run.drive() == [0, 1]
+    # each ubatch's first loop pass sets what its next resume installs: a and a, then a and c, ...
+    assert log == ["install a", "ub0 runs", "ub1 runs", "ub0 runs", "ub1 runs", "ub0 runs", "install c", "ub1 runs",
+                   "install b", "install c"]
+
+    bad = DBORun([ub(0, ["bad"]), ub(1, ["a"])], install=install)
+    with pytest.raises(RuntimeError, match="^device stream lost$"):
+        await bad.drive()
