@@ -13,7 +13,9 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -81,9 +83,11 @@ def ht_layer(P: SimpleNamespace, log: list[str]) -> Callable[[int], Any]:
 
 
 async def test_the_c_fast_paths_are_in_use_where_a_compiler_built_them() -> None:
-    """An install with a C compiler builds the extension, and the public names are its objects."""
-    if os.environ.get("ASYNCDBO_PURE_PYTHON", "") not in ("", "0") or shutil.which("cc") is None:
-        pytest.skip("pure Python asked for, or no C compiler here")
+    """An install with a C compiler and Python's headers builds the extension, and the public names
+    are its objects."""
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if os.environ.get("ASYNCDBO_PURE_PYTHON", "") not in ("", "0") or shutil.which("cc") is None or not headers.exists():
+        pytest.skip("pure Python asked for, or no C compiler or Python headers here")
     assert primitives.FAST is not None
     for name, fast in primitives.FAST.items():
         assert getattr(asyncdbo, name) is fast
