@@ -13,6 +13,7 @@ from .errors import (
     WatchdogTimeout,
     YieldMismatchError,
 )
+from .extensions import load_extension
 from .instrument import Fanout, Instrument
 from .kernel import LIVE_RUNS, LOOP_POLL_S, DBORun
 from .stacks import Frame, await_chain, format_run, format_ubatch, user_frame
@@ -43,6 +44,7 @@ __all__ = [
     "format_run",
     "format_ubatch",
     "get_ubatch",
+    "load_extension",
     "switch",
     "trap",
     "user_frame",

@@ -43,10 +43,8 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import importlib
 import itertools
 import logging
-import os
 import sys
 import time
 import warnings
@@ -59,6 +57,7 @@ from typing import Any
 from .cancel import cancel_all, cancel_now, throw_at_next_resume
 from .clock import Clock, MonotonicClock
 from .errors import DeadlockError, NoOverlapWarning, WatchdogTimeout
+from .extensions import load_extension
 from .instrument import Instrument
 from .stacks import format_run
 from .tasks import (
@@ -79,13 +78,9 @@ READY, PARKED, DONE = UBatchState.READY, UBatchState.PARKED, UBatchState.DONE
 def _load_spin() -> ModuleType | None:
     """The C fast loop (``asyncdbo/_core/_spin.c``), or None where it was not built (no compiler at
     install time) or ``ASYNCDBO_PURE_PYTHON=1`` is set: the Python loop below then does it all."""
-    if os.environ.get("ASYNCDBO_PURE_PYTHON", "") not in ("", "0"):
-        return None
-    try:
-        spin = importlib.import_module("asyncdbo._core._spin")
-    except ImportError:
-        return None
-    spin.configure(UBatch)
+    spin = load_extension("asyncdbo._core._spin")
+    if spin is not None:
+        spin.configure(UBatch)
     return spin
 
 

@@ -13,13 +13,11 @@ unchanged in a plain call.
 
 from __future__ import annotations
 
-import importlib
-import os
 import types
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
-from .._core import SWITCH, Signal, UBatch, current_ubatch, switch
+from .._core import SWITCH, Signal, UBatch, current_ubatch, load_extension, switch
 from ..backends import COMPLETED, CommHandle, DoneWork, Role, StreamPolicy
 from .awaits import Unawaited, _site, check_unawaited, mark_unawaited, marks
 from .state import Lane
@@ -287,11 +285,8 @@ def _fast_paths() -> dict[str, Callable[..., Any]] | None:
 
     Each handles only the common case and calls its Python version for everything else (see the C
     file's header), so behaviour and error messages are the Python ones."""
-    if os.environ.get("ASYNCDBO_PURE_PYTHON", "") not in ("", "0"):
-        return None
-    try:
-        _speedups = importlib.import_module("asyncdbo.dbo._speedups")
-    except ImportError:
+    _speedups = load_extension("asyncdbo.dbo._speedups")
+    if _speedups is None:
         return None
     _speedups.configure(current_ubatch, UBatch, Lane, SWITCH, COMPLETED)
     P = _speedups.Primitive
