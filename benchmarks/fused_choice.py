@@ -60,11 +60,11 @@ def _rank(rank: int, world: int, cells: list[Cell], steps: int, warmup: int) -> 
 async def _rank_async(rank: int, world: int, cells: list[Cell], steps: int, warmup: int) -> list[dict[str, Any]]:
     import torch
     import torch.distributed as dist
-    from moe_step import _set_schedule
+    from moe_step import _set_schedule, step_batch
 
     import asyncdbo
     from asyncdbo.backends.host import HostBackend
-    from asyncdbo.cli.demo import DemoConfig, _decode_chunks, _prefill_chunks
+    from asyncdbo.cli.demo import DemoConfig, _decode_chunks
     from asyncdbo.dist import choose_dispatch, dispatch_options
     from asyncdbo.models import MiniModel
     from asyncdbo.plan import merge_outputs, plan_step
@@ -87,11 +87,7 @@ async def _rank_async(rank: int, world: int, cells: list[Cell], steps: int, warm
         times: dict[str, list[float]] = {"split": [], "fused": []}
         choice = None
         for i in range(warmup + steps):
-            if cell.shape == "prefill":
-                builder.reset()
-                batch = builder.build(_prefill_chunks(dcfg, rank, i, mcfg.vocab_size))
-            else:
-                batch = builder.build(_decode_chunks(dcfg, rank, i, mcfg.vocab_size, 1))
+            batch = step_batch(builder, dcfg, rank, i, mcfg.vocab_size)
             plan = plan_step(batch.attn.query_start_loc_cpu, num_ubatches=cell.ubatches, attn_metadata=batch.attn,
                              dp_group=group)
             assert plan.record.microbatched, plan.record.reason

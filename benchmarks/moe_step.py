@@ -199,12 +199,23 @@ def _design(name: str) -> tuple[str, str, str]:
     return "asyncdbo", schedule, rest[0] if rest else ""
 
 
+def step_batch(builder: Any, dcfg: Any, rank: int, i: int, vocab_size: int) -> Any:
+    """Step ``i``'s batch on ``rank`` (``dcfg.shape``): a fresh prefill, or one decode token per
+    request over the context the builder holds."""
+    from asyncdbo.cli.demo import _decode_chunks, _prefill_chunks
+
+    if dcfg.shape == "prefill":
+        builder.reset()
+        return builder.build(_prefill_chunks(dcfg, rank, i, vocab_size))
+    return builder.build(_decode_chunks(dcfg, rank, i, vocab_size, 1))
+
+
 async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     import asyncdbo
     from asyncdbo.backends.host import HostBackend
-    from asyncdbo.cli.demo import DemoConfig, _decode_chunks, _prefill_chunks
+    from asyncdbo.cli.demo import DemoConfig, _decode_chunks
     from asyncdbo.dist import choose_dispatch, dispatch_options
     from asyncdbo.models import MiniModel
     from asyncdbo.plan import merge_outputs, plan_step
@@ -229,11 +240,7 @@ async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int
     out["max_abs_diff"] = 0.0
     out["peak_ok"] = peak_ok
     for i in range(warmup + steps):
-        if case.shape == "prefill":
-            builder.reset()
-            batch = builder.build(_prefill_chunks(dcfg, rank, i, mcfg.vocab_size))
-        else:
-            batch = builder.build(_decode_chunks(dcfg, rank, i, mcfg.vocab_size, 1))
+        batch = step_batch(builder, dcfg, rank, i, mcfg.vocab_size)
         plan = plan_step(batch.attn.query_start_loc_cpu, num_ubatches=case.ubatches, attn_metadata=batch.attn, dp_group=group)
         if not plan.record.microbatched:
             raise SystemExit(f"case {case.name}: the step did not microbatch ({plan.record.reason}: {plan.record.detail})")
