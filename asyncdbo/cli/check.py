@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 from ..sim.devices import DEVICES
@@ -102,6 +103,15 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
 
     if not 2 <= args.ubatches <= 4:
         raise ValueError(f"--ubatches must be 2, 3 or 4 (got {args.ubatches}); 1 is the serial run every row has anyway")
+    for flag, value, default in (("--ep", args.ep, 32), ("--gpus-per-node", args.gpus_per_node, 8)):
+        if value < 1:
+            raise ValueError(f"{flag} must be a number of ranks >= 1 (got {value}); the default is {default}")
+    if args.context is not None and args.context < 1:
+        raise ValueError(f"--context must be a number of tokens >= 1 (got {args.context}); "
+                         "the default is 2000 for decode, 4096 for prefill")
+    if not args.imbalance >= 1:  # also refuses nan
+        raise ValueError(f"--imbalance is the busiest rank's expert work over this rank's, >= 1 (got {args.imbalance:g}); "
+                         "1 is balanced")
     model = ModelShape.of(args.model).with_overrides(
         layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, experts=args.experts, top_k=args.top_k,
         shared_experts=args.shared_experts, heads=args.heads, weights=args.weights)
@@ -140,8 +150,8 @@ def main(args: argparse.Namespace) -> int:
     except SimCheckError as exc:
         print(f"\n{exc}")
         return 1
-    except ValueError as exc:
-        print(f"asyncdbo check: {exc}")
+    except ValueError as exc:  # an input error: on stderr like argparse's own, so stdout stays the table
+        print(f"asyncdbo check: error: {exc}", file=sys.stderr)
         return 2
     print(band())
     return code

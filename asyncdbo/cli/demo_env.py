@@ -29,6 +29,8 @@ __all__ = ["main_env"]
 
 #: Longest wait for the other ranks to check in after a failure.
 ROLL_CALL_S = 10.0
+#: What ``env://`` rendezvous reads; torchrun sets them for every worker.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def main_env(args: argparse.Namespace) -> int:
@@ -39,6 +41,13 @@ def main_env(args: argparse.Namespace) -> int:
     from .demo import _config_from_args, _report, check_memory, demo_rank, passed, summarize
     from .inputs import check_output_dir
 
+    missing = [v for v in TORCHRUN_ENV if v not in os.environ]
+    if missing:  # else init_process_group raises a bare ValueError about env:// rendezvous
+        print(f"asyncdbo demo: error: --launcher env runs one rank of a torchrun job, but {', '.join(missing)} "
+              f"{'is' if len(missing) == 1 else 'are'} not set (not started by torchrun?); run it as "
+              "`torchrun --nproc-per-node 2 -m asyncdbo demo --launcher env`, or drop --launcher env "
+              "to start the ranks here", file=sys.stderr)
+        return 2
     exit_with_parent()  # torchrun's agent started this process: end with it
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

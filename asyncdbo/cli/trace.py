@@ -19,6 +19,8 @@ __all__ = ["MAX_TRACE_BYTES", "add_arguments", "format_numbers", "main", "read_t
 #: The largest trace file read (a trace of a few steps is kilobytes to a few megabytes; a device
 #: file such as /dev/zero never ends).
 MAX_TRACE_BYTES = 256 * 2**20
+#: The narrowest PNG the timeline draws (its title and legend need the room).
+MIN_WIDTH_PX = 200
 
 _COLUMNS = (
     ("rank", "rank", "{}"),
@@ -36,7 +38,7 @@ _COLUMNS = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="trace JSON written by Tracer.export or merge_traces")
     parser.add_argument("--png", metavar="OUT", help="write a PNG timeline here (needs the 'plot' extra)")
-    parser.add_argument("--width", type=int, default=1600, help="PNG width in pixels (default 1600)")
+    parser.add_argument("--width", type=int, default=1600, help=f"PNG width in pixels, at least {MIN_WIDTH_PX} (default 1600)")
     parser.add_argument(
         "--print-numbers",
         action="store_true",
@@ -85,6 +87,11 @@ def read_trace(path: str) -> dict[str, Any]:
         raise ValueError(f"it is not UTF-8 JSON ({exc.reason} at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"it is not JSON ({exc})") from None
+    except RecursionError:  # json's C decoder recurses per nesting level
+        raise ValueError(
+            f"it nests arrays or objects deeper than Python's JSON reader follows (recursion limit "
+            f"{sys.getrecursionlimit()}); a Chrome trace nests a few levels, so this is not one"
+        ) from None
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise ValueError("it is JSON but not a Chrome trace: no 'traceEvents' list at the top level")
     _check_fields(data)
@@ -130,6 +137,10 @@ def _check_fields(data: dict[str, Any]) -> None:
 def main(args: argparse.Namespace) -> int:
     from ..observe.timeline import render_png
 
+    if args.width < MIN_WIDTH_PX:  # before reading a large trace, not after
+        print(f"asyncdbo trace: error: --width {args.width} px is too narrow for a timeline; "
+              f"use at least --width {MIN_WIDTH_PX} (default 1600)", file=sys.stderr)
+        return 2
     try:
         trace = read_trace(args.trace)
     except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError

@@ -148,8 +148,10 @@ def timeline_figure(
 ) -> Any:
     """The timeline of ``trace`` as a matplotlib ``Figure`` (on an Agg canvas). ``height_px``
     defaults to what the title, the lanes (34 px each), the notes and the legend need."""
-    if width_px < 200 or (height_px is not None and height_px < 100):
-        raise ValueError(f"PNG size {width_px}x{height_px} px is too small; use at least 200x100")
+    if width_px < 200:
+        raise ValueError(f"PNG width {width_px} px is too narrow for a timeline; use at least 200")
+    if height_px is not None and height_px < 100:
+        raise ValueError(f"PNG height {height_px} px is too short for a timeline; use at least 100 (or None to fit the lanes)")
     data = load_trace(trace)
     lanes, starts = _bars(data)
     Figure, FigureCanvasAgg = _import_matplotlib()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import warnings
 from pathlib import Path
 
@@ -74,20 +75,51 @@ CHECK = [
     (["--tokens", "100000000", "--shape", "prefill"],
      "--tokens 100000000 needs about 477.1 GiB (the sim routes every token on this CPU; "
      "estimated before running it), but 8.0 GiB is available; use --tokens up to 1612185"),
+    (["--ep", "0"], "--ep must be a number of ranks >= 1 (got 0); the default is 32"),
+    (["--gpus-per-node", "-1"], "--gpus-per-node must be a number of ranks >= 1 (got -1); the default is 8"),
+    (["--context", "0"], "--context must be a number of tokens >= 1 (got 0); the default is 2000 for decode, 4096 for prefill"),
+    (["--imbalance", "0.5"], "--imbalance is the busiest rank's expert work over this rank's, >= 1 (got 0.5); 1 is balanced"),
+    (["--imbalance", "nan"], "--imbalance is the busiest rank's expert work over this rank's, >= 1 (got nan); 1 is balanced"),
 ]
 
 
 @pytest.mark.parametrize(("flags", "message"), CHECK, ids=[" ".join(f) for f, _ in CHECK])
 def test_check_refuses_before_the_first_row(capsys: pytest.CaptureFixture[str], flags: list[str], message: str) -> None:
     assert cli_main(["check", *flags]) == 2
-    assert capsys.readouterr().out == f"asyncdbo check: {message}\n"
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", f"asyncdbo check: error: {message}\n")
 
 
 def test_check_trace_must_be_a_writable_directory(capsys: pytest.CaptureFixture[str], a_file: Path) -> None:
     assert cli_main(["check", "--trace", str(a_file / "sub")]) == 2
-    assert capsys.readouterr().out == (
-        f"asyncdbo check: --trace {str(a_file / 'sub')!r} is not a writable directory (Not a directory); give one you can write\n"
-    )
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", (
+        f"asyncdbo check: error: --trace {str(a_file / 'sub')!r} is not a writable directory (Not a directory); "
+        "give one you can write\n"
+    ))
+
+
+def test_demo_launcher_env_outside_torchrun_names_what_is_missing(capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    assert cli_main(["demo", "--launcher", "env"]) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", (
+        "asyncdbo demo: error: --launcher env runs one rank of a torchrun job, but WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
+        "are not set (not started by torchrun?); run it as `torchrun --nproc-per-node 2 -m asyncdbo demo --launcher env`, "
+        "or drop --launcher env to start the ranks here\n"
+    ))
+
+
+@pytest.mark.parametrize("width", ["0", "-5", "199"])
+def test_trace_width_too_narrow_is_refused_before_reading(capsys: pytest.CaptureFixture[str], width: str) -> None:
+    assert cli_main(["trace", "/nonexistent.json", "--png", "/nonexistent.png", "--width", width]) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", (
+        f"asyncdbo trace: error: --width {width} px is too narrow for a timeline; use at least --width 200 (default 1600)\n"
+    ))
 
 
 def _trace_cases(tmp: Path) -> list[tuple[str, str]]:
@@ -95,6 +127,8 @@ def _trace_cases(tmp: Path) -> list[tuple[str, str]]:
         (tmp / name).write_text(json.dumps(data))
         return str(tmp / name)
 
+    deep = str(tmp / "deep.json")
+    (tmp / "deep.json").write_text('{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}")
     step = {"step": 0, "wall_s": 1.0, "compute_s": 1.0, "comm_s": 0.5, "comm_hidden_s": 0.1,
             "comm_hidden_share": 0.2, "parked_s": 0.0, "switches": 3, "yields_per_ubatch": [1]}
     return [
@@ -109,6 +143,8 @@ def _trace_cases(tmp: Path) -> list[tuple[str, str]]:
         (write("odd_span.json", {"traceEvents": [{"ph": "X", "args": {"ub": 0, "kind": "compute"}, "ts": "0", "dur": 1, "pid": 0}]}),
          "traceEvents[0] (an asyncdbo span) lacks ['ts'] or has non-numbers there"),
         (write("scalar.json", 5), "it is JSON but not a Chrome trace: no 'traceEvents' list at the top level"),
+        (deep, f"it nests arrays or objects deeper than Python's JSON reader follows (recursion limit "
+               f"{sys.getrecursionlimit()}); a Chrome trace nests a few levels, so this is not one"),
     ]
 
 

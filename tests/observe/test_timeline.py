@@ -81,3 +81,13 @@ def test_the_title_names_the_step_as_the_caller_counts_it(fig: Any) -> None:
     assert title[0] == "asyncdbo demo: the DBO run of step 6 of 6"
     assert re.fullmatch(r"rank 0: 1 step\(s\), wall 120\.0 ms, compute 80\.0 ms, comm 90\.0 ms \(56% hidden, 44% by "
                         r"another ubatch\), parked 60\.0 ms, 4 yields, blocked 20\.0 ms", title[1]), title[1]
+
+
+@pytest.mark.parametrize(("size", "message"), [
+    ({"width_px": 0}, "PNG width 0 px is too narrow for a timeline; use at least 200"),
+    ({"height_px": 50}, "PNG height 50 px is too short for a timeline; use at least 100 (or None to fit the lanes)"),
+])
+def test_a_size_too_small_is_named_alone(size: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        timeline_figure(trace(), **size)
+    assert str(info.value) == message

@@ -127,11 +127,11 @@ def test_check_runs_three_and_four_ubatches(ubatches: int, capsys: pytest.Captur
 
 def test_check_refuses_bad_input_with_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["check", "--experts", "10", "--ep", "4", "--tokens", "8"]) == 2
-    assert capsys.readouterr().out == ("asyncdbo check: deepseek-v3: experts (10) must be divisible by ep (4); "
+    assert capsys.readouterr().err == ("asyncdbo check: error: deepseek-v3: experts (10) must be divisible by ep (4); "
                                        "change --ep or --experts\n")
     assert cli_main(["check", "--ubatches", "5"]) == 2
-    assert capsys.readouterr().out == ("asyncdbo check: --ubatches must be 2, 3 or 4 (got 5); 1 is the serial run every "
-                                       "row has anyway\n")
+    assert capsys.readouterr().err == ("asyncdbo check: error: --ubatches must be 2, 3 or 4 (got 5); 1 is the serial run "
+                                       "every row has anyway\n")
 
 
 def _mutate_missing_wait(monkeypatch: pytest.MonkeyPatch) -> None:
