@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, fields
+from numbers import Real
 from typing import Any, Literal, TypeVar
 
 from .._core import LOOP_POLL_S, Clock, DBORun, Fanout, Instrument
@@ -54,6 +56,14 @@ class DBOOptions:
     loop_poll_s: float = LOOP_POLL_S
 
     def __post_init__(self) -> None:
+        for name, optional in (("watchdog_s", True), ("blocking_s", True), ("loop_poll_s", False)):
+            value = getattr(self, name)
+            if not (value is None and optional) and (isinstance(value, bool) or not isinstance(value, Real)):
+                raise TypeError(f"{name} must be a number of seconds{' or None' if optional else ''} "
+                                f"(got {value!r} of type {type(value).__name__}); {_seconds_fix(name, value)}")
+        for name, kinds, want in (("debug", bool, "True or False"), ("name", (str, type(None)), "a str or None")):
+            if not isinstance(getattr(self, name), kinds):
+                raise TypeError(f"{name} must be {want} (got {getattr(self, name)!r} of type {type(getattr(self, name)).__name__})")
         if self.stream_policy not in ("role", "ubatch"):
             raise ValueError(f"stream_policy must be 'role' or 'ubatch' (got {self.stream_policy!r})")
         if self.watchdog_s is not None and not self.watchdog_s > 0:
@@ -71,6 +81,29 @@ class DBOOptions:
                     f"instrument must be an asyncdbo.lowlevel.Instrument, a list of them, or None (got {insts!r}); "
                     "subclass Instrument and override the hooks you need"
                 )
+
+
+def _seconds_fix(name: str, value: object) -> str:
+    """``watchdog_s="5"`` (read from a config file or the environment) gets ``write watchdog_s=5.0``."""
+    if isinstance(value, str):
+        try:
+            seconds = float(value)
+        except ValueError:
+            pass
+        else:
+            if 0 < seconds < float("inf"):
+                return f"write {name}={seconds!r}"
+    return f"write e.g. {name}={_SECONDS_EXAMPLE[name]!r}"
+
+
+_SECONDS_EXAMPLE = {"watchdog_s": 10.0, "blocking_s": 0.01, "loop_poll_s": LOOP_POLL_S}
+
+
+def _not_async_def_error(param: str, fn: object, call: str, result: object) -> TypeError:
+    return TypeError(
+        f"{param} must be an async def function: {getattr(fn, '__qualname__', fn)!r}({call}) "
+        f"returned {type(result).__name__}, not a coroutine"
+    )
 
 
 def _not_a_coroutine_error(fn: object, where: str) -> TypeError:
@@ -106,10 +139,7 @@ def _make_coros(fn: Callable[..., Awaitable[T]], ubatch_args: Iterable[Sequence[
         if not inspect.iscoroutine(coro):
             for c in coros:
                 c.close()
-            raise TypeError(
-                f"fn must be an async def function: {getattr(fn, '__qualname__', fn)!r}(*ubatch_args[{i}]) "
-                f"returned {type(coro).__name__}, not a coroutine"
-            )
+            raise _not_async_def_error("fn", fn, f"*ubatch_args[{i}]", coro)
         coros.append(coro)
     return coros
 
@@ -271,14 +301,32 @@ def _loop_factory(loop: LoopName) -> Callable[[], asyncio.AbstractEventLoop] | N
     return uvloop.new_event_loop
 
 
-def run(async_fn: Callable[..., Awaitable[T]], *args: Any, loop: LoopName = "auto", debug: bool = False) -> T:
+def run(
+    async_fn: Callable[..., Awaitable[T]],
+    *args: Any,
+    loop: LoopName = "auto",
+    loop_debug: bool = False,
+    debug: bool | None = None,
+) -> T:
     """Run ``async_fn(*args)`` on a new event loop and return its result, like ``asyncio.run``.
 
     ``loop``: ``auto`` (uvloop when installed, else asyncio's default loop), ``uvloop`` or
-    ``asyncio``. Raises RuntimeError if called from inside a running loop (await instead)."""
+    ``asyncio``. ``loop_debug``: the event loop's own debug mode (``asyncio.run(debug=...)``),
+    not DBO's (that is ``run_ubatches(..., debug=True)``); ``debug`` is its deprecated old name.
+    Raises RuntimeError if called from inside a running loop (await instead)."""
+    if debug is not None:  # renamed: ``debug`` read as DBO's debug mode, which it never was
+        warnings.warn(
+            "asyncdbo.run(debug=...) is renamed loop_debug: it is the event loop's debug mode, not DBO's "
+            "(for that pass debug=True to run_ubatches or DBOOptions); debug= stops working in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        loop_debug = loop_debug or debug
     if inspect.iscoroutine(async_fn):
         async_fn.close()
         raise _not_a_coroutine_error(async_fn, "asyncdbo.run")
+    if not callable(async_fn):
+        raise TypeError(f"asyncdbo.run expects an async function as async_fn, got {async_fn!r}")
     if loop not in ("auto", "uvloop", "asyncio"):
         raise ValueError(f"loop must be 'auto', 'uvloop' or 'asyncio' (got {loop!r})")
     try:
@@ -287,5 +335,10 @@ def run(async_fn: Callable[..., Awaitable[T]], *args: Any, loop: LoopName = "aut
         pass
     else:
         raise RuntimeError("asyncdbo.run() cannot be called from a running event loop; use `await run_ubatches(...)` there")
-    with asyncio.Runner(loop_factory=_loop_factory(loop), debug=debug) as runner:
-        return runner.run(async_fn(*args))  # type: ignore[arg-type]
+    factory = _loop_factory(loop)
+    coro = async_fn(*args)
+    if not inspect.iscoroutine(coro):
+        raise _not_async_def_error("async_fn", async_fn, "*args", coro)
+    with asyncio.Runner(loop_factory=factory, debug=loop_debug) as runner:
+        result: T = runner.run(coro)
+        return result

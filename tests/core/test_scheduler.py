@@ -22,7 +22,8 @@ from asyncdbo import (
     dbo_yield,
     run_ubatches,
 )
-from asyncdbo._core import kernel
+from asyncdbo import DBOOptions
+from asyncdbo._core import LOOP_POLL_S, kernel
 from asyncdbo.lowlevel import SWITCH, DBORun, Instrument, VirtualClock, get_ubatch, trap
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
@@ -475,3 +476,24 @@ async def test_a_resume_installs_the_ubatchs_stream_only_when_another_is_current
     bad = DBORun([ub(0, ["bad"]), ub(1, ["a"])], install=install)
     with pytest.raises(RuntimeError, match="^device stream lost$"):
         await bad.drive()
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("watchdog_s", "5", "watchdog_s must be a number of seconds or None (got '5' of type str); write watchdog_s=5.0"),
+    ("watchdog_s", True, "watchdog_s must be a number of seconds or None (got True of type bool); write e.g. watchdog_s=10.0"),
+    ("blocking_s", "soon", "blocking_s must be a number of seconds or None (got 'soon' of type str); write e.g. blocking_s=0.01"),
+    ("loop_poll_s", None, f"loop_poll_s must be a number of seconds (got None of type NoneType); write e.g. loop_poll_s={LOOP_POLL_S!r}"),
+    ("debug", "yes", "debug must be True or False (got 'yes' of type str)"),
+    ("name", 3, "name must be a str or None (got 3 of type int)"),
+])
+async def test_options_of_the_wrong_type_name_the_field_and_the_value(field: str, value: object, message: str) -> None:
+    with pytest.raises(TypeError) as info:
+        DBOOptions(**{field: value})  # type: ignore[arg-type]
+    assert str(info.value) == message
+
+    async def forward() -> None:
+        return None
+
+    with pytest.raises(TypeError) as info:
+        await run_ubatches(forward, [()], **{field: value})
+    assert str(info.value) == message

@@ -35,3 +35,46 @@ def test_run_uses_uvloop_by_default_and_asyncio_on_request() -> None:
 def test_run_with_a_coroutine_object_is_a_type_error() -> None:
     with pytest.raises(TypeError, match=r"asyncdbo.run expects an async function, but got the coroutine object"):
         asyncdbo.run(_which_loop())  # type: ignore[arg-type]
+
+
+def test_run_with_a_plain_function_gets_the_same_message_as_run_ubatches() -> None:
+    def forward(x: int) -> int:
+        return x
+
+    with pytest.raises(TypeError) as info:
+        asyncdbo.run(forward, 1)  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "async_fn must be an async def function: "
+        "'test_run_with_a_plain_function_gets_the_same_message_as_run_ubatches.<locals>.forward'(*args) "
+        "returned int, not a coroutine"
+    )
+
+    async def main() -> None:
+        await asyncdbo.run_ubatches(forward, [(1,)])  # type: ignore[arg-type]
+
+    with pytest.raises(TypeError) as info:
+        asyncdbo.run(main)
+    assert str(info.value) == (
+        "fn must be an async def function: "
+        "'test_run_with_a_plain_function_gets_the_same_message_as_run_ubatches.<locals>.forward'(*ubatch_args[0]) "
+        "returned int, not a coroutine"
+    )
+    with pytest.raises(TypeError) as info:
+        asyncdbo.run(5)  # type: ignore[arg-type]
+    assert str(info.value) == "asyncdbo.run expects an async function as async_fn, got 5"
+
+
+async def _loop_debug() -> bool:
+    return asyncio.get_running_loop().get_debug()
+
+
+def test_loop_debug_is_the_event_loops_flag_and_debug_is_its_deprecated_name() -> None:
+    assert asyncdbo.run(_loop_debug, loop="asyncio", loop_debug=True) is True
+    assert asyncdbo.run(_loop_debug, loop="asyncio") is False
+    with pytest.warns(DeprecationWarning) as record:
+        assert asyncdbo.run(_loop_debug, loop="asyncio", debug=True) is True
+    assert [str(w.message) for w in record] == [
+        "asyncdbo.run(debug=...) is renamed loop_debug: it is the event loop's debug mode, not DBO's "
+        "(for that pass debug=True to run_ubatches or DBOOptions); debug= stops working in the next release"
+    ]
+    assert record[0].filename == __file__  # points at the caller's line
