@@ -30,9 +30,14 @@ from typing import Any
 from . import _compat
 from ._core import (
     AsyncDBOError,
+    DBOUsageError,
     DeadlockError,
+    DuplicateEventError,
+    MissingAwaitError,
     NoOverlapWarning,
+    RecvHookOverwriteError,
     WatchdogTimeout,
+    WrongStreamError,
     YieldMismatchError,
 )
 from .dbo import (
@@ -75,9 +80,14 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AsyncDBOError",
     "DBOOptions",
+    "DBOUsageError",
     "DeadlockError",
+    "DuplicateEventError",
+    "MissingAwaitError",
     "NoOverlapWarning",
+    "RecvHookOverwriteError",
     "WatchdogTimeout",
+    "WrongStreamError",
     "YieldMismatchError",
     "dbo_current_ubatch_id",
     "dbo_enabled",

@@ -167,7 +167,7 @@ class _NoHooksRun(DBORun):
     """DBORun whose switch loop is the kernel's fast path minus the two ``inst is not None``
     branches (this benchmark never parks, so only that path runs). It exists to measure what the
     branches cost when no instrument is set; keep it in step with asyncdbo/_core/kernel.py's
-    ``DBORun._loop_until_done``."""
+    ``DBORun._loop_until_done`` and ``DBORun._switch_in_python``."""
 
     async def _loop_until_done(self) -> None:
         ready, woken, timers = self._ready, self._woken, self._timers

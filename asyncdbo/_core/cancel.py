@@ -10,12 +10,8 @@ sees what it would see at any other resume. Rules:
   on it as a note (:func:`cancel_all` returns the notes), never replacing it;
 * every live ubatch is cancelled, even after another one's cleanup raised;
 * a ubatch that swallows its cancellation gets :data:`MAX_THROWS` throws, then ``close()``; one
-  that ignores even ``GeneratorExit`` is named in a note and abandoned, never spun on. An abandoned
-  coroutine is kept alive for the life of the process (:data:`ABANDONED`, plus a reference the
-  interpreter never drops): finalizing it, at garbage collection or at interpreter exit, would
-  close it again, and one that swallows ``GeneratorExit`` around a primitive (a no-op outside a
-  run) then loops without ever suspending. That is how the test suite's own stubborn ubatch once
-  kept pytest spinning at exit, allocating until the OOM killer ended it.
+  that ignores even ``GeneratorExit`` is named in a note and abandoned, never spun on (see
+  :func:`_keep_forever` for why it is then kept alive for the life of the process).
 """
 
 from __future__ import annotations
@@ -41,8 +37,19 @@ ABANDONED: list[Coroutine[Any, Any, Any]] = []
 
 
 def _keep_forever(coro: Coroutine[Any, Any, Any]) -> None:
-    """Keep ``coro`` alive past interpreter shutdown: module teardown clears :data:`ABANDONED`,
-    and a reference only C holds is never released, so the coroutine is never finalized."""
+    """Keep ``coro`` alive, unfinalized, until the process ends.
+
+    Finalizing a coroutine closes it: ``GeneratorExit`` is thrown in once more, outside any run.
+    This one already ignored ``GeneratorExit`` inside its run; one that does so around a primitive
+    in a loop (``except BaseException: await dbo_yield()``) now finds the primitive a no-op (no
+    ubatch is current there) and loops without ever suspending, so whoever drops the last
+    reference (the garbage collector, or module teardown at interpreter exit) hangs.
+    :data:`ABANDONED` keeps it while the interpreter runs; module teardown clears that list, so the
+    one extra reference taken through the C API (``Py_IncRef``; Python has no other way to hold
+    an object past teardown) is what keeps the interpreter's exit from finalizing it. The cost is
+    the coroutine and its frames, once per abandoned ubatch: a bug that the run's error already
+    names. tests/core/test_failure_paths.py runs both ways in a subprocess (without the extra
+    reference, the exit spins)."""
     ABANDONED.append(coro)
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(coro))
 

@@ -1,15 +1,24 @@
 """Errors raised by the DBO loop.
 
-User mistakes are ``ValueError``/``TypeError`` with the bad value and the fix in the message;
-failures of a run (deadlock, watchdog, a crashed ubatch) are :class:`AsyncDBOError` subclasses so a
-serving loop can catch "the DBO step failed" in one ``except``.
+User mistakes are ``ValueError``/``TypeError`` with the bad value and the fix in the message where
+they can be checked at the call. A mistake that only shows while the ubatches run (a primitive not
+awaited, a switch from the wrong stream, a named event recorded twice, a recv hook that would be
+lost) is a :class:`DBOUsageError`: a ``RuntimeError``, which is what these were before they had
+names, so existing ``except RuntimeError`` keeps working. Failures of a run (deadlock, watchdog, a
+crashed ubatch) are :class:`AsyncDBOError` subclasses so a serving loop can catch "the DBO step
+failed" in one ``except``.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "AsyncDBOError",
+    "DBOUsageError",
     "DeadlockError",
+    "DuplicateEventError",
+    "MissingAwaitError",
+    "RecvHookOverwriteError",
+    "WrongStreamError",
     "WatchdogTimeout",
     "NoOverlapWarning",
     "YieldMismatchError",
@@ -39,12 +48,45 @@ class YieldMismatchError(AsyncDBOError):
     """The ubatches of one run passed different sequences of yield tags (checked in debug mode)."""
 
 
+class DBOUsageError(RuntimeError):
+    """A ubatch used a DBO primitive the wrong way; the message names the ubatch, the place and the fix."""
+
+
+class MissingAwaitError(DBOUsageError):
+    """A primitive whose skipping is a data hazard (a stream switch, an event wait) was called
+    without ``await`` (or any primitive, in debug mode)."""
+
+
+class WrongStreamError(DBOUsageError):
+    """A switch primitive was called from the stream it switches to (``dbo_switch_to_comm`` while
+    already on comm): the order of switches in the layer is wrong."""
+
+
+class DuplicateEventError(DBOUsageError):
+    """``dbo_record_event`` was called twice with one key in one run."""
+
+
+class RecvHookOverwriteError(DBOUsageError):
+    """A ubatch registered a recv hook on a ubatch that still holds an unrun hook of its own."""
+
+
 class NoOverlapWarning(RuntimeWarning):
     """A run of two or more ubatches finished without a single yield: nothing could overlap."""
 
 
 # Tracebacks and reprs name the path users import (``asyncdbo.DeadlockError``), not this private
 # module: the class's module is what Python prints before the message.
-for _cls in (AsyncDBOError, DeadlockError, WatchdogTimeout, YieldMismatchError, NoOverlapWarning):
+for _cls in (
+    AsyncDBOError,
+    DeadlockError,
+    WatchdogTimeout,
+    YieldMismatchError,
+    NoOverlapWarning,
+    DBOUsageError,
+    MissingAwaitError,
+    WrongStreamError,
+    DuplicateEventError,
+    RecvHookOverwriteError,
+):
     _cls.__module__ = "asyncdbo"
 del _cls

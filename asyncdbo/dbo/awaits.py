@@ -11,7 +11,8 @@ awaited" warning from Python, so the DBO layer checks itself, at no cost to an a
   - a dropped ``dbo_yield`` only loses overlap (the numbers stay right): a ``RuntimeWarning``
     (an error under ``-W error``);
   - a dropped switch or event wait is a data hazard (the stream switch or its wait did not happen,
-    so the ubatch may read comm output that has not arrived): ``RuntimeError``, always;
+    so the ubatch may read comm output that has not arrived): :class:`~asyncdbo.MissingAwaitError`
+    (a ``RuntimeError``), always;
   - in debug mode (``debug=True``) every kind is an error and names the file:line that created the
     awaitable (the call sites are recorded; outside debug mode that costs too much per yield).
 """
@@ -24,7 +25,7 @@ import warnings
 from dataclasses import dataclass
 from types import FrameType
 
-from .._core import UBatch
+from .._core import MissingAwaitError, UBatch
 
 __all__ = ["Marks", "Unawaited", "check_unawaited", "mark_unawaited", "marks"]
 
@@ -75,7 +76,7 @@ def check_unawaited(ub: UBatch) -> None:
     record = pending if isinstance(pending, Unawaited) else Unawaited("dbo_yield", str(pending), hazard=False)
     message = record.describe(ub.id)
     if record.hazard or ub.debug is not None:
-        raise RuntimeError(message)
+        raise MissingAwaitError(message)
     warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 

@@ -12,7 +12,7 @@ import types
 from collections.abc import Awaitable, Generator, Hashable
 from typing import Any
 
-from .._core import Signal, UBatch, current_ubatch, trap
+from .._core import DuplicateEventError, Signal, UBatch, current_ubatch, trap
 from ..backends import COMPLETED
 from .awaits import check_unawaited, mark_unawaited
 from .state import RunState
@@ -40,7 +40,7 @@ def dbo_record_event(key: Hashable) -> None:
     state: RunState = ub.run.ext
     device_event, signal = _key_signal(state, key)
     if device_event is not None:
-        raise RuntimeError(
+        raise DuplicateEventError(
             f"event {key!r} recorded twice in one run (again by ubatch {ub.id} at yield point {ub.tag!r}); "
             "use a distinct key per (layer, ubatch, stage)"
         )

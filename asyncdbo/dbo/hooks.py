@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from typing import Any
 
-from .._core import Signal, UBatch, UBatchState, current_ubatch
+from .._core import RecvHookOverwriteError, Signal, UBatch, UBatchState, current_ubatch
 from .awaits import check_unawaited
 
 __all__ = ["RecvHookHandle", "dbo_maybe_run_recv_hook", "dbo_register_recv_hook", "on_exit", "run_pending_hook"]
@@ -80,7 +80,7 @@ def dbo_register_recv_hook(hook: Callable[[], object]) -> RecvHookHandle:
         return handle
     owners = _owners(held)
     if ub.id in owners:
-        raise RuntimeError(
+        raise RecvHookOverwriteError(
             f"ubatch {ub.id} registered a recv hook on ubatch {target.id}, which still holds an unrun hook "
             f"of ubatch {ub.id} ({held!r}); the earlier receive would be lost. Call dbo_maybe_run_recv_hook() "
             "in every ubatch before it registers its next hook."

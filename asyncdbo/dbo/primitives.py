@@ -17,7 +17,7 @@ import types
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
-from .._core import SWITCH, Signal, UBatch, current_ubatch, load_extension, switch
+from .._core import SWITCH, Signal, UBatch, WrongStreamError, current_ubatch, load_extension, switch
 from ..backends import COMPLETED, CommHandle, DoneWork, Role, StreamPolicy
 from .awaits import Unawaited, _site, check_unawaited, mark_unawaited, marks
 from .state import Lane
@@ -101,7 +101,7 @@ def _other(role: Role) -> Role:
 
 def _check_role(ub: UBatch, lane: Lane, expected: Role, name: str) -> None:
     if lane.role != expected:
-        raise RuntimeError(
+        raise WrongStreamError(
             f"{name}() called in ubatch {ub.id} while it is on the {lane.role} stream; it must be on the "
             f"{expected} stream (last yield point {ub.tag!r}). Check the order of switches in this layer."
         )

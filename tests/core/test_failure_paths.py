@@ -202,3 +202,4 @@ async def test_a_failed_run_frees_itself_once_the_error_is_dropped_without_gc() 
         assert [r() for r in keep.refs] == [None, None, None]
     finally:
         gc.enable()
+

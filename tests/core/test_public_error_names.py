@@ -17,6 +17,11 @@ def test_errors_print_their_public_names() -> None:
                         (asyncdbo.YieldMismatchError, "asyncdbo.YieldMismatchError"),
                         (asyncdbo.AsyncDBOError, "asyncdbo.AsyncDBOError"),
                         (asyncdbo.NoOverlapWarning, "asyncdbo.NoOverlapWarning"),
+                        (asyncdbo.DBOUsageError, "asyncdbo.DBOUsageError"),
+                        (asyncdbo.MissingAwaitError, "asyncdbo.MissingAwaitError"),
+                        (asyncdbo.WrongStreamError, "asyncdbo.WrongStreamError"),
+                        (asyncdbo.DuplicateEventError, "asyncdbo.DuplicateEventError"),
+                        (asyncdbo.RecvHookOverwriteError, "asyncdbo.RecvHookOverwriteError"),
                         (StepAborted, "asyncdbo.dist.StepAborted"),
                         (SimCheckError, "asyncdbo.sim.SimCheckError"),
                         (RankError, "asyncdbo.testing.RankError")):
@@ -24,3 +29,15 @@ def test_errors_print_their_public_names() -> None:
         if cls in (asyncdbo.DeadlockError, asyncdbo.YieldMismatchError):
             line = traceback.format_exception_only(cls("boom"))[-1]
             assert line == f"{public}: boom\n"
+
+
+def test_user_mistakes_inside_a_run_are_named_runtime_errors() -> None:
+    """A mistake only the running ubatches reveal has a name of its own and stays a RuntimeError
+    (what it was before it had a name), so ``except RuntimeError`` written earlier still catches it;
+    it is not an AsyncDBOError, which means "the step failed" for a reason other than the code."""
+    import asyncdbo
+
+    for cls in (asyncdbo.MissingAwaitError, asyncdbo.WrongStreamError, asyncdbo.DuplicateEventError,
+                asyncdbo.RecvHookOverwriteError):
+        assert cls.__mro__[1:] == (asyncdbo.DBOUsageError, RuntimeError, Exception, BaseException, object)
+        assert cls.__doc__

@@ -96,8 +96,9 @@ async def test_two_ubatches_that_never_yield_warn_that_nothing_could_overlap() -
     async def no_yields(x: int) -> int:
         return x * 2
 
-    with pytest.warns(NoOverlapWarning, match=r"2 ubatches ran without a single yield, so nothing could overlap"):
+    with pytest.warns(NoOverlapWarning, match=r"2 ubatches ran without a single yield, so nothing could overlap") as seen:
         assert await run_ubatches(no_yields, [(1,), (2,)]) == [2, 4]
+    assert seen[0].filename == __file__  # the warning names the caller's line, not asyncdbo's
 
 
 # ---------------------------------------------------------------- foreign awaitables

@@ -14,6 +14,7 @@ import re
 import pytest
 
 from asyncdbo import (
+    MissingAwaitError,
     dbo_switch_to_compute_sync,
     dbo_wait_event,
     dbo_yield,
@@ -71,7 +72,7 @@ async def test_a_yield_dropped_last_is_found_at_the_ubatchs_exit() -> None:
 
 
 async def test_a_dropped_sync_switch_is_an_error_even_when_warnings_only_print() -> None:
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(MissingAwaitError) as info:
         with pytest.warns(RuntimeWarning) if False else _no_filter():
             await run_ubatches(forgets_a_sync_switch, [(0,), (1,)], backend="host")
     assert str(info.value).startswith(
@@ -90,15 +91,15 @@ async def test_a_dropped_event_wait_is_an_error() -> None:
 
         dbo_record_event("ready")
 
-    with pytest.raises(RuntimeError, match=re.escape("dbo_wait_event(\"'ready'\") in ubatch 1 was never awaited")):
+    with pytest.raises(MissingAwaitError, match=re.escape("dbo_wait_event(\"'ready'\") in ubatch 1 was never awaited")):
         await run_ubatches(forward, [(0,), (1,)])
 
 
 async def test_in_debug_mode_every_dropped_awaitable_is_an_error_naming_its_line() -> None:
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(MissingAwaitError) as info:
         await run_ubatches(forgets_a_yield, [(0,), (1,)], debug=True)
     assert f"(created at {HERE}:{line_of('FORGOT YIELD')} in forgets_a_yield)" in str(info.value)
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(MissingAwaitError) as info:
         await run_ubatches(forgets_a_sync_switch, [(0,), (1,)], debug=True)
     assert f"(created at {HERE}:{line_of('FORGOT SYNC')} in forgets_a_sync_switch)" in str(info.value)
 

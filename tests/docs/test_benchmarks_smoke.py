@@ -110,6 +110,18 @@ def test_host_overhead_quick() -> None:
     assert "threads pinned ns/yield CPU" in proc.stdout
 
 
+@pytest.mark.timeout(60)
+def test_gil_handoff_quick() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "gil_handoff.py"), "--quick"], capture_output=True, text=True, timeout=50,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for loop in ("asyncio", "uvloop"):
+        for design in ("blocking sleep 0.1 ms", "loop timer 0.1 ms", "loop timer 1 ms", "none"):
+            assert f"| {loop} | {design} |" in proc.stdout
+
+
 @pytest.mark.timeout(120)
 def test_deterministic_quick() -> None:
     """Two gloo ranks run serial and DBO with deterministic mode off and on; the script exits 1

@@ -60,7 +60,7 @@ async def test_dump_stacks_shows_the_await_chain_of_a_parked_ubatch() -> None:
     assert await run_ubatches(forward, [(fut, dumps), (fut, dumps)], backend="host", name="dumped") == [7, 1]
     # The future's repr names the scheduler's wake-up callback; take it from the text itself.
     future_repr = dumps[0].split("parked on ", 1)[1].split("\n", 1)[0]
-    assert future_repr.startswith("<Future pending cb=[DBORun._park.")
+    assert future_repr.startswith("<Future pending cb=[Parking._park.")
     assert dumps == [expected_dump(future_repr)]
 
 
