@@ -15,6 +15,13 @@ on that whole task; this module makes each of them act on the ubatch instead:
   never drives it ("Task got bad yield: SWITCH"). While a run is active, the loop's task factory
   gives such a task a copy of the context with the running ubatch unset: it is not part of the
   run, and the primitives are no-ops in it.
+* An awaitable a ubatch created but handed to such a task (``asyncio.wait_for(dbo_yield(), t)`` on
+  3.11, which wraps its argument in a task; ``ensure_future(dbo_wait_event(key))``) still yields
+  the kernel's requests, which no task can take ("Task got bad yield: SWITCH"). The factory runs
+  it under :func:`_detached` instead, which turns each request into its asyncio equivalent: a
+  switch lets the loop go round once, a :class:`Signal` becomes a future set when it is. So
+  ``wait_for`` around any primitive behaves as around an asyncio awaitable: the ubatch waits on
+  the loop, the others go on, and it gets the result or ``TimeoutError``.
 * Nothing here touches the fast path of a switch.
 """
 
@@ -22,10 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import types
 from asyncio import tasks as _tasks
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any
 
+from .traps import SWITCH, Signal
 from .ubatch import UBatch, current_ubatch
 
 if TYPE_CHECKING:
@@ -116,12 +125,77 @@ _FACTORIES: dict[asyncio.AbstractEventLoop, list[Any]] = {}
 TaskFactory = Callable[..., "asyncio.Future[Any]"]
 
 
+def _may_yield_to_kernel(coro: Any) -> bool:
+    """Whether ``coro`` may be (or wrap) one of the kernel's awaitables: anything but a native
+    coroutine (the primitives' generators and C steps; asyncio's wrapper of an awaitable on 3.11),
+    or the native ``_wrap_awaitable`` that ``ensure_future`` defines inside itself from 3.12. A
+    user's ``async def`` coroutine is left as it is: the primitives it calls there are no-ops."""
+    if not isinstance(coro, types.CoroutineType):
+        return True
+    code = coro.cr_code
+    return code.co_name == "_wrap_awaitable" and code.co_filename == _tasks.__file__
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+@types.coroutine
+def _wait_signal(signal: Signal, loop: asyncio.AbstractEventLoop) -> Generator[Any, Any, None]:
+    fut = loop.create_future()
+
+    def wake() -> None:  # may run on gloo's thread
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(_resolve, fut)
+
+    signal.add_waiter(wake)
+    try:
+        yield from fut
+    finally:
+        signal.remove_waiter(wake)
+
+
+@types.coroutine
+def _detached(coro: Any, loop: asyncio.AbstractEventLoop) -> Generator[Any, Any, Any]:
+    """Drive ``coro`` in a task of its own, turning the kernel's requests into asyncio's (see the
+    module docstring); anything the task sends or throws in (a cancel) goes on into ``coro``."""
+    value: Any = None
+    exc: BaseException | None = None
+    while True:
+        try:
+            request = coro.send(value) if exc is None else coro.throw(exc)
+        except StopIteration as stop:
+            return stop.value
+        value = exc = None
+        try:
+            if request is SWITCH:
+                value = yield None  # a bare yield: the task steps again after one loop round
+            elif isinstance(request, Signal):
+                yield from _wait_signal(request, loop)
+            else:  # asyncio's own futures, and a bare yield
+                value = yield request
+        except BaseException as e:  # noqa: BLE001 - a cancel or a close goes to the awaitable
+            exc = e
+
+
+async def _detached_main(coro: Any, loop: asyncio.AbstractEventLoop) -> Any:
+    return await _detached(coro, loop)
+
+
 def _make_factory(previous: TaskFactory | None) -> TaskFactory:
     def factory(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any) -> asyncio.Future[Any]:
-        if kwargs.get("context") is None and current_ubatch.get(None) is not None:
+        ub = current_ubatch.get(None)
+        if kwargs.get("context") is None and ub is not None:
             context = contextvars.copy_context()
             context.run(current_ubatch.set, None)
             kwargs["context"] = context
+            if _may_yield_to_kernel(coro):
+                coro = _detached_main(coro, loop)
+                # The awaitable is handed over, not dropped: its missing-await mark (the latest
+                # primitive's, since each primitive checks the one before) goes, even if the task
+                # is cancelled before it starts (``wait_for(dbo_yield(), 0)``).
+                ub.unawaited = None
         if previous is not None:
             return previous(loop, coro, **kwargs)
         return asyncio.Task(coro, loop=loop, **kwargs)

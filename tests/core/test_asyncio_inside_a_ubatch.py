@@ -7,17 +7,35 @@ that ubatch (docs/design.md, "asyncio inside a ubatch").
 * ``asyncio.timeout`` / ``asyncio.wait_for`` around them raise ``TimeoutError`` in that ubatch
   only; the run goes on;
 * a task created from a ubatch is not part of the run: ``dbo_enabled()`` is False there and the
-  primitives are no-ops (never "Task got bad yield").
+  primitives are no-ops (never "Task got bad yield");
+* ``asyncio.wait_for`` around any primitive's awaitable (which on 3.11 runs it in a task of its
+  own) returns what awaiting it would, or raises ``TimeoutError`` in that ubatch only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 
-from asyncdbo import dbo_current_ubatch_id, dbo_enabled, dbo_yield, run_ubatches
+from asyncdbo import (
+    dbo_current_ubatch_id,
+    dbo_enabled,
+    dbo_maybe_run_recv_hook,
+    dbo_record_event,
+    dbo_register_recv_hook,
+    dbo_switch_to_comm,
+    dbo_switch_to_comm_sync,
+    dbo_switch_to_compute,
+    dbo_switch_to_compute_sync,
+    dbo_wait_event,
+    dbo_yield,
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+    run_ubatches,
+)
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
@@ -170,3 +188,114 @@ async def test_current_task_inside_a_ubatch_is_the_ubatchs_own() -> None:
     await run_ubatches(forward, [(0,), (1,)], name="r")
     assert names == [f"{outer.get_name()}:r:ubatch0", f"{outer.get_name()}:r:ubatch1"]
     assert asyncio.current_task() is outer  # restored once the run is over
+
+
+# ---------------------------------------------------------------- wait_for around each primitive
+# Each program awaits its primitives through ``wait_for(x, 30)`` (a bound never reached) in
+# ubatch 0 and directly in ubatch 1; both must end as the plain program does: the role switches
+# took effect (a sync switch from the wrong role raises), the event and the hook were waited for.
+
+
+async def _roles(i: int, wait: Callable[[Awaitable[None]], Awaitable[None]]) -> str:
+    await wait(dbo_yield("a"))
+    await wait(dbo_yield_and_switch_from_compute_to_comm("to comm"))
+    await wait(dbo_yield_and_switch_from_comm_to_compute("to compute"))
+    await wait(dbo_switch_to_comm_sync())
+    await wait(dbo_switch_to_compute_sync())
+    await wait(dbo_switch_to_comm())
+    await wait(dbo_switch_to_compute())
+    return f"ub{i} roles"
+
+
+async def _event(i: int, wait: Callable[[Awaitable[None]], Awaitable[None]]) -> str:
+    if i == 1:  # records after ubatch 0 started waiting: ubatch 0 parks
+        await dbo_yield("let ub0 wait")
+        dbo_record_event("k")
+        return "ub1 recorded"
+    await wait(dbo_wait_event("k"))
+    return "ub0 waited"
+
+
+async def _hook(i: int, wait: Callable[[Awaitable[None]], Awaitable[None]]) -> str:
+    if i == 0:
+        ran = dbo_register_recv_hook(lambda: None)  # ubatch 1 runs it
+        await wait(ran)
+        return "ub0 hook ran"
+    await dbo_yield("let ub0 wait")
+    dbo_maybe_run_recv_hook()
+    return "ub1 ran the hook"
+
+
+PROGRAMS = {"roles": (_roles, ["ub0 roles", "ub1 roles"]), "event": (_event, ["ub0 waited", "ub1 recorded"]),
+            "recv hook": (_hook, ["ub0 hook ran", "ub1 ran the hook"])}
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
+@pytest.mark.parametrize("program", PROGRAMS)
+async def test_wait_for_around_each_primitive_returns_as_awaiting_it_would(program: str, debug: bool) -> None:
+    fn, expected = PROGRAMS[program]
+
+    async def forward(i: int) -> str:
+        async def wait(x: Awaitable[None]) -> None:
+            if i == 0:
+                assert await asyncio.wait_for(x, 30) is None
+            else:
+                await x
+
+        return await fn(i, wait)
+
+    async def plain(i: int) -> str:
+        async def wait(x: Awaitable[None]) -> None:
+            await x
+
+        return await fn(i, wait)
+
+    assert await run_ubatches(plain, [(0,), (1,)], debug=debug) == expected
+    assert await run_ubatches(forward, [(0,), (1,)], debug=debug) == expected
+
+
+@pytest.mark.parametrize("what", ["event", "recv hook"])
+async def test_wait_for_around_a_primitive_that_does_not_finish_in_time_raises_timeout_error(what: str) -> None:
+    """Ubatch 1 keeps switching until ubatch 0 has timed out, then lets the wait finish: ubatch 0
+    gets ``TimeoutError`` only, the run goes on, and awaiting the same thing again still works."""
+    timed_out = asyncio.Event()
+
+    async def forward(i: int) -> str:
+        if i == 0:
+            first = dbo_wait_event("k") if what == "event" else dbo_register_recv_hook(lambda: None)
+            try:
+                await asyncio.wait_for(first, 0.01)
+            except TimeoutError:
+                timed_out.set()
+            else:
+                return "ub0 did not time out"
+            if what == "event":
+                await dbo_wait_event("k")
+            else:
+                await first
+            return "ub0 timed out, then waited"
+        n = 0
+        while not timed_out.is_set() and n < STARVED:
+            n += 1
+            await dbo_yield("spin")
+        if what == "event":
+            dbo_record_event("k")
+        else:
+            dbo_maybe_run_recv_hook()
+        return "ub1 went on"
+
+    assert await run_ubatches(forward, [(0,), (1,)]) == ["ub0 timed out, then waited", "ub1 went on"]
+
+
+async def test_wait_for_zero_cancels_the_primitive_without_a_missing_await_report() -> None:
+    """``wait_for(x, 0)`` cancels ``x`` before it starts: it was handed over, not dropped, so the
+    next primitive reports no missing await (it would raise for a dropped event wait)."""
+
+    async def forward(i: int) -> str:
+        if i == 0:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(dbo_wait_event("never"), 0)
+        await dbo_yield("next")
+        return f"ub{i}"
+
+    assert await run_ubatches(forward, [(0,), (1,)], debug=True) == ["ub0", "ub1"]
