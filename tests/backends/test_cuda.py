@@ -18,6 +18,8 @@ from asyncdbo import (
 )
 from asyncdbo.lowlevel import get_ubatch
 
+from _device_scenarios import overlap_forward
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.timeout(120),
@@ -50,14 +52,15 @@ def test_comm_stream_work_overlaps_compute_stream_matmuls() -> None:
     torch.cuda.synchronize()
     n_mm = max(1, int(10 * 20.0 / s.elapsed_time(e)))
 
+    def comm() -> None:
+        torch.cuda._sleep(cycles)
+
+    def compute() -> None:
+        for _ in range(n_mm):
+            a @ a
+
     async def forward(i: int) -> None:
-        await dbo_yield_and_switch_from_compute_to_comm("dispatch")
-        if i == 0:
-            torch.cuda._sleep(cycles)  # on the comm stream (installed by the primitive)
-        await dbo_yield_and_switch_from_comm_to_compute("experts")
-        if i == 1:
-            for _ in range(n_mm):
-                a @ a
+        await overlap_forward(i, comm, compute)
 
     def timed(overlap: bool) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -65,9 +68,8 @@ def test_comm_stream_work_overlaps_compute_stream_matmuls() -> None:
         if overlap:
             asyncdbo.run(lambda: run_ubatches(forward, [(0,), (1,)], backend="cuda"))
         else:
-            torch.cuda._sleep(cycles)
-            for _ in range(n_mm):
-                a @ a
+            comm()
+            compute()
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end)
