@@ -60,7 +60,7 @@ def _wait_event(ub: UBatch, key: Hashable) -> Generator[Any, Any, None]:
     if not signal.done():
         yield from trap(signal)  # parked until someone records it; never recorded -> deadlock error
     device_event, _ = state.events[key]
-    on_device = state.backend.wait(ub.ext.stream, device_event)
+    on_device = ub.ext.wait(ub.ext.stream, device_event)  # the lane's wait: what a tracer times
     if on_device is not None:
         yield from on_device.__await__()
 

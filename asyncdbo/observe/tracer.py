@@ -19,8 +19,10 @@ one clock for every process on a host, so per-rank traces merge without alignmen
   :class:`~asyncdbo.backends.CommRecord`) from issue to its effective completion
   ``max(t_done, t_release)`` (the modeled link may release it later than gloo).
 * **Device spans** (accelerators): timing events recorded on each of the ubatch's streams at every
-  resume and step end. A span ``[start, end]`` on stream S is when S executed the work that step
-  queued on it. Events are only *recorded* inside the step; they are read (``synchronize`` +
+  resume and step end, and around every stream wait the step queues (a role switch's wait for
+  the other role's done-event, ``dbo_wait_event``): a wait ends the span before it and starts a
+  new one after it, so a span never includes the time its stream waited for comm. A span
+  ``[start, end]`` on stream S is when S executed the work that step queued on it. Events are only *recorded* inside the step; they are read (``synchronize`` +
   ``elapsed_time``) when numbers or the trace are asked for, so tracing adds no host sync to the
   step. Device times are placed on the host clock through a base event recorded at run start,
   which assumes the stream was idle then (it is, between steps of a serving loop).
@@ -221,8 +223,31 @@ class _DeviceTimer:
         self.base.record(torch.accelerator.current_stream(self.device))
         self.t_base = run.clock.now()
         self.open: dict[int, list[tuple[str, Any, Any]]] = {}
+        self.names: dict[int, str] = {}
         self.pending: list[tuple[int, str, str, Any, Any]] = []  # (ub, role, name, start, end)
         self._spans: list[Span] | None = None
+        for lane in run.ext.lanes:  # every stream wait of the run goes through its lane's wait
+            lane.wait = self._timed_wait(lane.ub, lane.wait)
+
+    def _timed_wait(self, ub: UBatch, wait: Any) -> Any:
+        """``wait(stream, event)``, closing the open span on ``stream`` before the wait and
+        opening a new one after it."""
+        def timed_wait(stream: Any, event: Any) -> Any:
+            opened = self.open.get(ub.id)
+            k = next((k for k, (_, s, _) in enumerate(opened) if s is stream), None) if opened else None
+            if k is None:
+                return wait(stream, event)
+            role, _, start = opened[k]  # type: ignore[index]
+            end = self._event()
+            end.record(stream)
+            self.pending.append((ub.id, role, self.names[ub.id], start, end))
+            signal = wait(stream, event)
+            after = self._event()
+            after.record(stream)
+            opened[k] = (role, stream, after)  # type: ignore[index]
+            return signal
+
+        return timed_wait
 
     def _event(self) -> Any:
         return self._torch.Event(device=self.device, enable_timing=True)
@@ -240,6 +265,7 @@ class _DeviceTimer:
             ev.record(stream)
             opened.append((role, stream, ev))
         self.open[ub.id] = opened
+        self.names[ub.id] = f"ub{ub.id}:{ub.tag or 'start'}"
 
     def stepped(self, ub: UBatch, name: str) -> None:
         for role, stream, start in self.open.pop(ub.id, []):
