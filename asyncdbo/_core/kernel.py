@@ -31,6 +31,10 @@ Invariants (each has a test in tests/core/):
    not part of the run.
 8. A finished run frees itself: it drops every ubatch's coroutine, context and state, so results
    and device memory go as soon as the caller drops them, with no cycle collection.
+9. What is current (a device stream) is per OS thread, shared with every other task on the loop:
+   before the run waits on the event loop it installs its ``home`` (the caller's stream, set by
+   the layer above), and after the wait it installs the next ubatch's ``resume_with`` again
+   whatever it installed before, since another task (another run) may have changed it meanwhile.
 
 The fast path of a yield (``SWITCH``) never touches the event loop: it is one ``ctx.run(send)``,
 a deque pop and push, and a counter. Where the optional C extension was built
@@ -149,6 +153,7 @@ class DBORun(Parking):
         self._before_park = before_park
         self._at_exit = at_exit
         self._installed: object = None
+        self.home: object = None  # what install() makes current while the run waits on the loop
         self._ready = deque(self.ubatches)
         self._woken = deque()
         self._timers = []
@@ -375,6 +380,7 @@ class DBORun(Parking):
         if GIL_HANDOFF_S and self._loop_waits and _now() - self._loop_wait_since > sys.getswitchinterval():
             time.sleep(GIL_HANDOFF_S)
         self._poll_at = _now() + self.loop_poll_s  # loop_poll_s of switching between polls
+        self._go_home()
         await asyncio.sleep(0)
 
     # ------------------------------------------------------------------ endings of a ubatch and a run

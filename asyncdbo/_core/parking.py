@@ -33,6 +33,9 @@ READY, PARKED, DONE = UBatchState.READY, UBatchState.PARKED, UBatchState.DONE
 _now = time.perf_counter
 
 
+_UNKNOWN = object()  # what is installed after an event-loop wait: whatever another task left
+
+
 class _LoopTurn:
     """What a ubatch that yielded bare (``asyncio.sleep(0)``) is parked on: one turn of the loop."""
 
@@ -71,6 +74,9 @@ class Parking:
     _sleeping: bool
     _wakeup: asyncio.Future[None] | None
     _loop: asyncio.AbstractEventLoop | None
+    _install: Callable[[object], None] | None
+    _installed: object
+    home: object
 
     def wake(self, ub: UBatch, token: object) -> None:
         """Make ``ub`` runnable if it is still parked on ``token`` (a stale wake, from something it
@@ -188,6 +194,15 @@ class Parking:
         if fut is not None and not fut.done():
             fut.set_result(None)
 
+    def _go_home(self) -> None:
+        """Before an event-loop wait: make ``home`` current for the other tasks on this thread,
+        and forget what is installed, so the next resume installs its ubatch's again whatever
+        those tasks left current (invariant 9)."""
+        if self._install is not None:
+            if self.home is not None:
+                self._install(self.home)
+            self._installed = _UNKNOWN
+
     async def _sleep(self) -> None:
         """Every live ubatch is parked: await the first completion (or a timer, or the watchdog)."""
         if not self._timers:
@@ -203,6 +218,7 @@ class Parking:
         handle = None if fut.done() else self._arm_deadline(loop, fut, t0)
         if self.instrument is not None:
             self.instrument.sleeping(cast("DBORun", self))
+        self._go_home()
         try:
             await fut
         finally:

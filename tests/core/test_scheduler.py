@@ -479,6 +479,30 @@ async def test_a_resume_installs_the_ubatchs_stream_only_when_another_is_current
         await bad.drive()
 
 
+async def test_a_run_waiting_on_the_loop_leaves_home_current_and_reinstalls_after(kernel_loop: str) -> None:
+    """Invariant 9: what is current belongs to the thread, not the run. Before every event-loop
+    wait the run installs its ``home``; after it, the next resume installs its ubatch's
+    ``resume_with`` even if that is what the run installed last, since a task that ran during the
+    wait (here one that makes "x" current) may have changed it."""
+    log: list[str] = []
+
+    async def ub(i: int) -> int:
+        log.append(f"ub{i} runs")
+        await asyncio.sleep(0)  # both park on the loop: the run sleeps
+        log.append(f"ub{i} runs")
+        return i
+
+    async def bystander() -> None:
+        log.append("install x")
+
+    run = DBORun([ub(0), ub(1)], install=lambda s: log.append(f"install {s}"))
+    run.home = "home"
+    for u in run.ubatches:
+        u.resume_with = "a"
+    await asyncio.gather(run.drive(), bystander())
+    assert log == ["install a", "ub0 runs", "ub1 runs", "install home", "install x", "install a", "ub0 runs", "ub1 runs"]
+
+
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("watchdog_s", "5", "watchdog_s must be a number of seconds or None (got '5' of type str); write watchdog_s=5.0"),
     ("watchdog_s", True, "watchdog_s must be a number of seconds or None (got True of type bool); write e.g. watchdog_s=10.0"),
