@@ -26,8 +26,9 @@ What fails the ``with`` block (:class:`StreamRuleError`, every problem with its 
   stream that allocated it; a block freed while another stream's use of it is not ordered before
   that stream's next kernel (and not declared with ``Tensor.record_stream``) is reported there;
 * **host syncs** (``capturable=True``): anything that makes the CPU wait for the device
-  (``synchronize``, ``query``, ``.item()`` and the data-dependent ops
-  :mod:`asyncdbo.backends.syncs` counts), which a CUDA graph capture forbids.
+  (``synchronize``, ``query``, and every op :class:`asyncdbo.backends.syncs.HostSyncs` counts:
+  ``.item()``, ``.tolist()``, ``nonzero``, ``bincount``, ...), which a CUDA graph capture
+  forbids; without ``capturable`` they are only listed in ``host_syncs``.
 
 It lives in :mod:`asyncdbo.testing` (not the test tree) so a model's own test suite can run its
 DBO forward under the same rules on a CPU-only CI machine. On a real GPU the same checks come from
@@ -52,6 +53,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core import DBORun, get_ubatch
+from ..backends.syncs import HostSyncs
 
 __all__ = ["FakeDevice", "FakeEvent", "FakeStream", "StreamDiscipline", "StreamRuleError"]
 
@@ -318,9 +320,9 @@ class FakeDevice:
         stream (``torch.cuda._sleep``)."""
         self._queue(self.current(), name, ms)
 
-    def host_sync(self, what: str) -> None:
+    def host_sync(self, what: str, where: str | None = None) -> None:
         """The CPU waits for the device (``what`` names the call): a problem when capturable."""
-        entry = f"host sync {what} from {_who()} at {_place()}"
+        entry = f"host sync {what} from {_who()} at {where or _place()}"
         self.host_syncs.append(entry)
         if self.capturable:
             self.problems.append(entry + " (not allowed while capturing a CUDA graph)")
@@ -365,8 +367,6 @@ class FakeDevice:
     def _on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if func.namespace == "c10d":
             return  # collectives: see the module docstring
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.host_sync(f"{func} (.item())")
         stream = self.current()
         name = str(func)
         ms = 0.0 if self.cost is None else float(self.cost(func, args, kwargs, out))
@@ -552,6 +552,10 @@ class FakeDevice:
         mode = _Kernels(self)
         mode.__enter__()
         st.callback(mode.__exit__, None, None, None)
+        # The ops that would make the host wait on a device (.item(), .tolist(), nonzero, ...): on
+        # CPU tensors torch never waits, so the detector treats them as device tensors.
+        syncs = HostSyncs(on_sync=lambda rec, args: self.host_sync(f"{rec.op} ({rec.reason})", rec.where))
+        st.enter_context(syncs)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

@@ -100,18 +100,23 @@ def test_a_block_freed_while_another_stream_uses_it_is_found_unless_record_strea
 
 
 def test_capturable_mode_fails_every_host_sync() -> None:
+    """Host syncs come from asyncdbo.backends.syncs.HostSyncs (CPU tensors counted as device
+    ones) and from the fake's own synchronize/query."""
     with pytest.raises(StreamRuleError) as err:
         with FakeDevice(capturable=True):
             x = torch.ones(2)
             float(x.sum())  # .item()
+            x.nonzero()
             torch.cuda.synchronize()
     assert [p.split(" from ")[0] for p in err.value.problems] == [
-        "host sync aten._local_scalar_dense.default (.item())",
+        "host sync aten._local_scalar_dense (reads a value to the host)",
+        "host sync aten.nonzero (output size depends on the data (the host reads a count))",
         "host sync torch.cuda.synchronize()",
     ]
-    with FakeDevice() as dev:  # not capturable: counted, not failed
-        float(torch.ones(2).sum())
-    assert len(dev.host_syncs) == 1
+    assert err.value.problems[0].endswith("test_fake_device.py:108 (not allowed while capturing a CUDA graph)")
+    with FakeDevice() as dev:  # not capturable: listed, not failed
+        torch.ones(2).tolist()
+    assert [h.split(" from ")[0] for h in dev.host_syncs] == ["host sync Tensor.tolist (copies the tensor to the host)"]
 
 
 def test_a_ubatch_kernel_on_another_stream_and_missing_joins_are_found() -> None:
