@@ -1,0 +1,219 @@
+"""Every ending of a run frees what the run was given by reference counting alone (invariant 8).
+
+A run that returns, raises, is cancelled or times out must leave no reference cycle through its
+inputs: on a GPU those are device tensors, and with the cycle collector's generations a cycle can
+hold them for many steps. Each case runs with ``gc.disable()``, drops what the caller got (result
+or error), and expects weak references to every ubatch's inputs to be dead. The kernel's two loops
+(tests/core/conftest.py) and both event loops run every case; the test at the end re-runs them in
+a subprocess with every C path off (``ASYNCDBO_PURE_PYTHON=1``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import subprocess
+import sys
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from asyncdbo import (
+    dbo_current_ubatch_id,
+    dbo_record_event,
+    dbo_wait_event,
+    dbo_yield,
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+    run_ubatches,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Payload:
+    """Stands for a ubatch's input tensors (weakly referenceable, like a tensor)."""
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+class Boom(Exception):
+    pass
+
+
+async def _work(p: Payload) -> None:
+    """A layer's shape of yields: switches, an event and a wait, so the await chain is deep."""
+    i = dbo_current_ubatch_id()
+    await dbo_yield_and_switch_from_compute_to_comm(f"d{p.i}")
+    dbo_record_event(("x", i))
+    await dbo_yield_and_switch_from_comm_to_compute(f"c{p.i}")
+    await dbo_wait_event(("x", i))
+    await dbo_yield("attn")
+
+
+async def returns(p: Payload) -> Payload:
+    await _work(p)
+    return p  # the result holds the input: freed once the caller drops the results
+
+
+async def raises_in_one(p: Payload) -> None:
+    """Ubatch 1 raises while the others keep switching: on the kernel's C loop the error comes
+    back from C and is re-raised by the kernel."""
+    await _work(p)
+    if p.i == 1:
+        raise Boom(f"ubatch {p.i} failed")
+    while True:
+        await dbo_yield("spin")
+
+
+async def raises_while_others_wait(p: Payload) -> None:
+    await _work(p)
+    if p.i == 1:
+        raise Boom(f"ubatch {p.i} failed")
+    await asyncio.sleep(30)
+
+
+async def parks_forever(p: Payload) -> None:
+    await _work(p)
+    await asyncio.get_running_loop().create_future()
+
+
+async def switches_forever(p: Payload) -> None:
+    """Ubatch 0 waits on the loop, so the kernel polls it: that is where a cancellation lands."""
+    await _work(p)
+    if p.i == 0:
+        await asyncio.sleep(30)
+    while True:
+        await dbo_yield("spin")
+
+
+async def times_out_inside(p: Payload) -> str:
+    await _work(p)
+    try:
+        async with asyncio.timeout(0.01):
+            await asyncio.get_running_loop().create_future()
+    except TimeoutError:
+        return "timed out inside"
+    return "never"
+
+
+async def _cancelled(fn: Callable[[Payload], Awaitable[Any]], payloads: list[Payload]) -> None:
+    task = asyncio.ensure_future(run_ubatches(fn, [(p,) for p in payloads], backend="host"))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
+async def _ending(name: str, payloads: list[Payload]) -> None:
+    """Run one ending with ``payloads``; swallow what it raises the way a caller would."""
+    args = [(p,) for p in payloads]
+    if name == "returns":
+        results = await run_ubatches(returns, args, backend="host")
+        assert results == payloads
+        del results
+    elif name == "raises":
+        try:
+            await run_ubatches(raises_in_one, args, backend="host")
+        except Boom:
+            pass
+    elif name == "raises while the others wait on the loop":
+        try:
+            await run_ubatches(raises_while_others_wait, args, backend="host")
+        except Boom:
+            pass
+    elif name == "cancelled while parked":
+        await _cancelled(parks_forever, payloads)
+    elif name == "cancelled while switching":
+        await _cancelled(switches_forever, payloads)
+    elif name == "wait_for timeout":
+        try:
+            await asyncio.wait_for(run_ubatches(parks_forever, args, backend="host"), 0.02)
+        except TimeoutError:
+            pass
+    elif name == "asyncio.timeout around the run":
+        try:
+            async with asyncio.timeout(0.02):
+                await run_ubatches(switches_forever, args, backend="host")
+        except TimeoutError:
+            pass
+    elif name == "timeout inside a ubatch":
+        assert await run_ubatches(times_out_inside, args, backend="host") == ["timed out inside"] * len(args)
+    else:  # pragma: no cover - a typo in ENDINGS
+        raise AssertionError(name)
+
+
+ENDINGS = [
+    "returns",
+    "raises",
+    "raises while the others wait on the loop",
+    "cancelled while parked",
+    "cancelled while switching",
+    "wait_for timeout",
+    "asyncio.timeout around the run",
+    "timeout inside a ubatch",
+]
+
+
+async def alive_after(name: str, n: int) -> list[int]:
+    """The ubatch indices whose inputs are still alive after ending ``name`` with gc disabled."""
+    payloads = [Payload(i) for i in range(n)]
+    refs = [weakref.ref(p) for p in payloads]
+    gc.collect()
+    gc.disable()
+    try:
+        await _ending(name, payloads)
+        del payloads
+        await asyncio.sleep(0)  # callbacks the ending scheduled (a cancelled future's) run
+        return [i for i, r in enumerate(refs) if r() is not None]
+    finally:
+        gc.enable()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("name", ENDINGS)
+async def test_every_ending_frees_the_inputs_without_the_cycle_collector(name: str) -> None:
+    for _ in range(3):  # the first run of a process warms caches; a cycle shows on every run
+        assert await alive_after(name, 2) == []
+    assert await alive_after(name, 4) == []
+
+
+_SUBPROCESS = r"""
+import asyncio, sys
+sys.path.insert(0, sys.argv[1])
+import test_no_cycles as t
+from asyncdbo._core import kernel
+
+async def main():
+    out = []
+    for name in t.ENDINGS:
+        for _ in range(5):
+            alive = await t.alive_after(name, 2)
+            if alive:
+                out.append(f"{name}: ubatches {alive} alive")
+                break
+    return out
+
+print(kernel._spin is not None, asyncio.run(main()))
+"""
+
+
+def test_no_ending_leaves_a_cycle_with_every_c_path_off(kernel_loop: str) -> None:
+    """The cases above, in a process where ASYNCDBO_PURE_PYTHON=1 left both C extensions unloaded
+    (this process runs them with the C primitives on)."""
+    if kernel_loop == "python":
+        pytest.skip("the subprocess has no C paths at all: once is enough")
+    env = dict(os.environ, ASYNCDBO_PURE_PYTHON="1")
+    out = subprocess.run(
+        [sys.executable, "-c", _SUBPROCESS, os.path.dirname(__file__)],
+        capture_output=True, text=True, timeout=100, env=env, check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "False []\n"
