@@ -127,13 +127,14 @@ def main(quiet: bool = False, rounds: int = ROUNDS) -> dict[str, float]:
     result["speedup_wall"] = result["serial_wall_s"] / result["dbo_wall_s"]
     result["speedup"] = result["serial_own_s"] / result["dbo_own_s"]
     if not quiet:
+        split = f"DBO microbatched into {'/'.join(sorted({str(n.num_ubatches) for n in dbo}))} ubatches in all {rounds} rounds"
         print(f"last round, serial: {serial[-1].summary()}")
         print(f"last round, DBO:    {dbo[-1].summary()}")
         print(f"medians of {rounds} rounds, less the time spent waiting for a CPU core (other jobs' load): serial "
               f"{result['serial_own_s'] * 1e3:.1f} ms, DBO {result['dbo_own_s'] * 1e3:.1f} ms: speedup "
-              f"{result['speedup']:.2f}x (serial / DBO; above 1x: DBO is faster)")
+              f"{result['speedup']:.2f}x (serial / DBO; above 1x: DBO is faster; {split})")
         print(f"  as wall time: serial {result['serial_wall_s'] * 1e3:.1f} ms, DBO {result['dbo_wall_s'] * 1e3:.1f} ms: "
-              f"speedup {result['speedup_wall']:.2f}x")
+              f"speedup {result['speedup_wall']:.2f}x ({split})")
         print(f"CPU blocked (steps blocked > {BLOCKING_S * 1e3:g} ms, medians): DBO step "
               f"{result['dbo_blocked_s'] * 1e3:.1f} ms, serial step {result['serial_blocked_s'] * 1e3:.1f} ms; "
               "no ubatch could run meanwhile")

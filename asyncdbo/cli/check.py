@@ -141,9 +141,17 @@ def _check_memory(model: Any, tokens: int) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch
+
     from ..sim.calibration import band
     from ..sim.races import SimCheckError
 
+    threads = torch.get_num_threads()
+    # One thread: the sim's real ops (routing, counts) are small, and a second intra-op thread
+    # doubled the command's CPU time (33.6 s against 18.0 s for --workload synthetic) and, on a
+    # loaded machine, made every op wait for both threads to get a core (benchmarks/results/
+    # check_workload_cpu-2c_2026-12-01.md).
+    torch.set_num_threads(1)
     try:
         model, dep = _setup(args)
         code = _workload(args, model, dep) if args.workload else _sweep(args, model, dep)
@@ -153,6 +161,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:  # an input error: on stderr like argparse's own, so stdout stays the table
         print(f"asyncdbo check: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        torch.set_num_threads(threads)
     print(band())
     return code
 
@@ -184,7 +194,8 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
     head = f"{'tokens/rank':>11} {'serial us':>10}"
     for pol in policies:
         head += f" | {pol + ' DBO us':>14} {'speedup':>7} {'comm hidden':>11}"
-    print(f"{args.shape}, per MoE layer in steady state:")
+    print(f"{args.shape}, per MoE layer in steady state; every DBO run is split into {args.ubatches} ubatches "
+          "(--workload applies the planner's thresholds instead):")
     print(head)
     print("-" * len(head))
     lost: dict[str, int] = {}
@@ -229,14 +240,19 @@ def _workload(args: argparse.Namespace, model: Any, dep: Any) -> int:
                  stream_policy="role" if args.stream_policy == "both" else args.stream_policy, check_races=args.check_races,
                  on_step=lambda i, n: progress.step(i, f"step {i} of {n}"))
     progress.done()
-    print(f"throughput, real tokens of all ranks per second of MoE-layer time: {res.tokens / res.serial_s / 1e6:.2f} M "
-          f"without DBO, {res.tokens / res.dbo_s / 1e6:.2f} M with: speedup {1 + res.gain:.2f}x")
     split = [s for s in res.steps if s.microbatched]
-    on_split = ""
+    n = len(res.steps)
+    head = (f"throughput, real tokens of all ranks per second of MoE-layer time: {res.tokens / res.serial_s / 1e6:.2f} M "
+            "without DBO")
     if split:
+        print(f"{head}, {res.tokens / res.dbo_s / 1e6:.2f} M with: speedup {1 + res.gain:.2f}x "
+              f"({'all' if len(split) == n else len(split)} of {n} steps microbatched)")
         split_speedup = sum(s.serial_s for s in split) / sum(s.dbo_s for s in split)
         on_split = f"; on those steps alone, speedup {split_speedup:.2f}x"
-    print(f"steps microbatched: {len(split)} of {len(res.steps)} ({res.microbatched_share:.0%}){on_split}")
+    else:  # DBO ran every step serially: the "with" run is the "without" run again
+        print(f"{head}; no speedup: none of the {n} steps microbatched, so DBO ran every step serially")
+        on_split = ""
+    print(f"steps microbatched: {len(split)} of {n} ({res.microbatched_share:.0%}){on_split}")
     for reason, n in sorted(res.reasons().items(), key=lambda kv: -kv[1]):
         print(f"  fell out: {reason.value} in {n} step(s)")
     for reason, n in sorted(res.rank_reasons().items(), key=lambda kv: -kv[1]):

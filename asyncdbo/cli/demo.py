@@ -41,7 +41,7 @@ from .demo_memory import check_memory, rank_bytes
 from .inputs import check_output_dir, check_timeout
 from .progress import Progress, wants_progress
 
-__all__ = ["DemoConfig", "add_arguments", "demo_rank", "error_line", "main", "passed", "rank_bytes", "summarize"]
+__all__ = ["DemoConfig", "add_arguments", "demo_rank", "error_line", "main", "passed", "rank_bytes", "split_note", "summarize"]
 
 logger = logging.getLogger("asyncdbo.cli.demo")
 
@@ -223,9 +223,8 @@ async def _demo_rank_async(rank: int, world: int, cfg: DemoConfig, device: torch
             if last and mode == "dbo" and cfg.trace:
                 out["trace"] = tracer.to_chrome()
                 out["trace"]["otherData"]["asyncdbo"]["title"] = (
-                    f"asyncdbo demo: the DBO run of step {i + 1} of {cfg.warmup + cfg.steps} ({cfg.warmup} warm-up + "
-                    f"{cfg.steps} timed; every step runs serial, then DBO, and the runner counts both, so it calls this run "
-                    f"{tracer.numbers().name!r})")
+                    f"asyncdbo demo: step {i + 1} of {cfg.warmup + cfg.steps} ({cfg.warmup} warm-up + {cfg.steps} "
+                    f"timed), its DBO run (each step runs serial, then DBO)")
         diff = (results["serial"].logits_TV - results["dbo"].logits_TV).abs().max().item() if batch.num_tokens else 0.0
         out["max_abs_diff"] = max(out["max_abs_diff"], diff)
         out["bitwise"] &= torch.equal(results["serial"].logits_TV, results["dbo"].logits_TV)
@@ -281,9 +280,23 @@ def summarize(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]
             "reasons": sorted({(e["reason"], e["detail"]) for s in steps for e in s}),
             "ubatch_tokens": [r[mode][-1]["ubatch_tokens"] for r in per_rank] if steps else [],
         }
+    # DBO steps that microbatched: a step counts when it did on every rank (DP agreement makes the
+    # ranks agree; a rank that did not is what a rank_declined step reports).
+    dbo_steps = list(zip(*(r["dbo"] for r in per_rank)))
+    summary["microbatched_steps"] = sum(all(e["reason"] == "microbatched" for e in s) for s in dbo_steps)
     # The speed convention everywhere in asyncdbo's output: speedup = serial time / DBO time.
-    summary["speedup"] = summary["serial"]["step_s"] / summary["dbo"]["step_s"] if summary["dbo"]["step_s"] else 0.0
+    # Over steps none of which microbatched it would compare two serial runs: noise, not a result.
+    summary["speedup"] = (summary["serial"]["step_s"] / summary["dbo"]["step_s"]
+                          if summary["dbo"]["step_s"] and summary["microbatched_steps"] else None)
     return summary
+
+
+def split_note(s: dict[str, Any]) -> str:
+    """What the DBO column summarizes, for the lines that show a speedup or an overlap share."""
+    n, total = s["microbatched_steps"], s["dbo"]["steps"]
+    if n == 0:
+        return f"no speedup: none of the {total} DBO steps microbatched (see 'DBO steps' below), DBO ran serially"
+    return f"DBO microbatched {'all' if n == total else n} of {total} steps"
 
 
 def passed(s: dict[str, Any]) -> bool:
@@ -307,6 +320,10 @@ def _dispatch_line(modeled: bool, ser: dict[str, Any], dbo: dict[str, Any]) -> s
             "(fused: the counts ride in the token message; split: counts, then tokens)")
 
 
+#: Rows whose DBO figure depends on whether the steps microbatched: they say how many did.
+_SPLIT_ROWS = ("speedup", "  by the other ubatch")
+
+
 def _format(cfg: DemoConfig, s: dict[str, Any]) -> str:
     spec = cfg.link_spec()
     if spec is None:
@@ -323,7 +340,7 @@ def _format(cfg: DemoConfig, s: dict[str, Any]) -> str:
     rows = [
         ("", "serial", "DBO"),
         ("step time (median)", f"{ser['step_s'] * 1e3:.2f} ms", f"{dbo['step_s'] * 1e3:.2f} ms"),
-        ("speedup", "", f"{s['speedup']:.2f}x"),
+        ("speedup", "", "-" if s["speedup"] is None else f"{s['speedup']:.2f}x"),
         ("time in comm", f"{ser['comm_s'] * 1e3:.2f} ms", f"{dbo['comm_s'] * 1e3:.2f} ms"),
         ("comm hidden", f"{ser['hidden_share']:.0%}", f"{dbo['hidden_share']:.0%}"),
         ("  by the other ubatch", f"{ser['hidden_by_other_share']:.0%}", f"{dbo['hidden_by_other_share']:.0%}"),
@@ -347,7 +364,8 @@ def _format(cfg: DemoConfig, s: dict[str, Any]) -> str:
         f"{cfg.steps} steps after {cfg.warmup} warm-up"),
         comm,
         "",
-        *(f"  {a:<{w0}}  {b:>{w1}}  {c:>{w1}}" for a, b, c in rows),
+        *(f"  {a:<{w0}}  {b:>{w1}}  {c:>{w1}}" + (f"  ({split_note(s)})" if a in _SPLIT_ROWS else "")
+          for a, b, c in rows),
         "",
         "speedup = serial step time / DBO step time (above 1x: DBO is faster)",
         "comm hidden: share of comm time during which some ubatch computed; by the other ubatch: the overlap DBO adds;",
@@ -474,7 +492,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     progress = Progress(cfg.warmup + cfg.steps, f"steps (each serial, then DBO) on {cfg.ranks} ranks",
                         enabled=cfg.progress)
-    progress.step(0, f"starting {cfg.ranks} ranks")
+    progress.note(f"starting {cfg.ranks} ranks")
     try:
         # --timeout bounds every collective and every wait of a step (group timeout, watchdog),
         # not the run: a healthy run of any length finishes; a stuck rank fails its peers.

@@ -26,10 +26,13 @@ import math
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .progress import Progress, wants_progress
 
 __all__ = ["HFDemoConfig", "hf_demo_rank", "main_hf"]
 
@@ -56,6 +59,7 @@ class HFDemoConfig:
     decode_threshold: int = 32
     link: str | None = None
     link_scale: float = 1000.0
+    progress: bool = False  # rank 0 keeps a "[i/N]" line on stderr (set when stderr is a terminal)
 
     def __post_init__(self) -> None:
         from ..models.hf import architecture
@@ -106,17 +110,34 @@ async def _rank_async(rank: int, world: int, cfg: HFDemoConfig, ckpt: str) -> di
                       backend="host" if cfg.link else "auto", link=cfg.link_spec())
     prompts = _prompts(cfg, rank, model.hf.vocab_size)
     barrier = dist.barrier if group is not None else None
-    for _ in range(cfg.warmup):  # untimed, on throwaway caches: first-call costs (gloo, allocator)
+    show = cfg.progress and rank == 0
+    for w in range(cfg.warmup):  # untimed, on throwaway caches: first-call costs (gloo, allocator)
+        if show:
+            _show(f"warm-up generation {w + 1} of {cfg.warmup} (untimed)")
         warm = [(DBORunner(model.with_fresh_cache(), rc, dp_group=group), mode) for mode in (False, True)]
         await greedy_generate(warm, BatchBuilder(model.kv_cache_config), prompts, decode_steps=min(cfg.steps, 1),
                               barrier=barrier)
     runners = [(DBORunner(model, rc, dp_group=group), False),
                (DBORunner(model.with_fresh_cache(), rc, dp_group=group), True)]
+
+    def on_step(i: int, n: int) -> None:
+        _show(f"[{i + 1}/{n}] {'prefill' if i == 0 else f'decode step {i}'}: serial, then DBO")
+
     serial, dbo = await greedy_generate(runners, BatchBuilder(model.kv_cache_config), prompts,
-                                        decode_steps=cfg.steps, barrier=barrier)
+                                        decode_steps=cfg.steps, barrier=barrier, on_step=on_step if show else None)
     moe = next(layer.moe for layer in model.layers if layer.moe is not None)
     return {"serial": serial, "dbo": dbo, "experts": (moe.first_expert, moe.first_expert + moe.experts_per_rank - 1),
             "read": len(report.tensors_read), "shards": len(report.shards)}
+
+
+def _show(text: str) -> None:
+    """Rank 0's status line on stderr (the parent's terminal), rewritten in place; the parent
+    erases it before printing the table."""
+    sys.stderr.write(f"{_ERASE}{text} ...")
+    sys.stderr.flush()
+
+
+_ERASE = "\r\033[K"
 
 
 def hf_demo_rank(rank: int, world: int, cfg: HFDemoConfig, ckpt: str) -> dict[str, Any]:
@@ -145,7 +166,8 @@ def _reference(cfg: HFDemoConfig) -> Any:
                                                 attn_implementation="eager", dtype=torch.float32).eval()
 
 
-def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], where: str) -> int:
+def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], where: str,
+            before_print: Callable[[], None] = lambda: None) -> int:
     from ..models.hf.generate import compare_with_hf
 
     hf = hf_model.config
@@ -172,14 +194,22 @@ def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], wh
          "on the modeled link)"),
         "",
     ]
-    rows = [("", "serial", "DBO", "speedup")]
+    rows = [("", "serial", "DBO", "speedup", "")]
     for label, steps in (("prefill step", slice(0, 1)), ("decode step (median)", slice(1, None))):
         if steps == slice(1, None) and cfg.steps == 0:
             continue
         s, d = step_ms("serial", steps), step_ms("dbo", steps)
-        rows.append((label, f"{s:.2f} ms", f"{d:.2f} ms", f"{s / d:.2f}x" if d else ""))
+        split, total = microbatched(per_rank, steps)
+        if split == 0:  # DBO ran these steps serially: a ratio of two serial runs is noise
+            speedup = "-"
+            note = f"(no speedup: {'the step' if total == 1 else f'none of the {total} steps'} microbatched)"
+        else:
+            speedup = f"{s / d:.2f}x" if d else ""
+            note = "(microbatched)" if total == 1 else f"(microbatched: {'all' if split == total else split} of {total})"
+        rows.append((label, f"{s:.2f} ms", f"{d:.2f} ms", speedup, note))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines += [f"  {a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {e:>{widths[3]}}" for a, b, c, e in rows]
+    lines += [f"  {a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {e:>{widths[3]}}  {n}".rstrip()
+              for a, b, c, e, n in rows]
     reasons = sorted({(rec.reason.value, rec.detail) for r in per_rank for rec in r["dbo"].records
                       if not rec.microbatched})
     lines += ["", "speedup = serial step time / DBO step time (above 1x: DBO is faster)",
@@ -195,8 +225,15 @@ def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], wh
     lines.append(f"vs transformers ({type(hf_model).__name__} forward, eager fp32, over each request's tokens): "
                  f"max |logits diff| = {worst['serial']:.3g} serial, {worst['dbo']:.3g} DBO; greedy tokens "
                  f"{equal}/{total} identical ({'match' if ok_hf else 'MISMATCH'}, tolerance {MATCH_ATOL:g})")
+    before_print()
     print("\n".join(lines))
     return 0 if ok_dbo and ok_hf else 1
+
+
+def microbatched(per_rank: list[dict[str, Any]], steps: slice) -> tuple[int, int]:
+    """How many of the DBO run's ``steps`` microbatched on every rank, and how many there were."""
+    per_step = list(zip(*(r["dbo"].records[steps] for r in per_rank)))
+    return sum(all(rec.microbatched for rec in s) for s in per_step), len(per_step)
 
 
 def main_hf(args: argparse.Namespace) -> int:
@@ -219,7 +256,8 @@ def main_hf(args: argparse.Namespace) -> int:
                            steps=args.steps, warmup=args.warmup, schedule=args.schedule, stream_policy=args.stream_policy,
                            ubatches=args.ubatches, loop=args.loop, seed=args.seed,
                            prefill_threshold=args.prefill_threshold, decode_threshold=args.decode_threshold,
-                           link=None if args.link == "none" else args.link, link_scale=args.link_scale)
+                           link=None if args.link == "none" else args.link, link_scale=args.link_scale,
+                           progress=wants_progress(getattr(args, "quiet", False)))
         if cfg.weights is None:
             hf_model = _reference(cfg)
             config = hf_model.config
@@ -239,8 +277,12 @@ def main_hf(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"asyncdbo demo: error: {exc}", file=sys.stderr)
         return 2
+    progress = Progress(cfg.steps + 1, f"steps (a prefill, then {cfg.steps} decode; each serial, then DBO) "
+                        f"after {cfg.warmup} untimed warm-up generation(s) on {cfg.ranks} ranks",
+                        enabled=cfg.progress)
     with tempfile.TemporaryDirectory(prefix="asyncdbo-demo-") as tmp:
         if cfg.weights is None:
+            progress.note("saving the tiny random model as a checkpoint")
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
@@ -250,14 +292,19 @@ def main_hf(args: argparse.Namespace) -> int:
             where = cfg.weights
         try:
             # --timeout bounds each collective (the group's timeout), not the run.
+            progress.note(f"starting {cfg.ranks} ranks, each loading its share of the checkpoint")
             with RankPool(cfg.ranks, timeout_s=timeout_s, start_timeout_s=max(timeout_s, START_TIMEOUT_S)) as pool:
                 per_rank = pool.run(hf_demo_rank, cfg, cfg.weights or tmp, timeout_s=math.inf)
         except RankError as exc:
+            progress.done()
             print(f"asyncdbo demo: error: {exc.root_line()}", file=sys.stderr)
             return 1
     if cfg.weights is not None:  # after the ranks: their loader names a broken file and tensor first
+        progress.note(f"loading {cfg.weights} into transformers for the reference")
         hf_model = _reference(cfg)
-    return _report(cfg, hf_model, per_rank, where)
+    progress.note("comparing with transformers' forward")
+    code = _report(cfg, hf_model, per_rank, where, before_print=progress.done)
+    return code
 
 
 #: Flags of the mini model's demo that ``--model`` takes from the config or does not have.

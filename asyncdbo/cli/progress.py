@@ -44,6 +44,14 @@ class Progress:
             self.stream.flush()
             self._shown = True
 
+    def note(self, label: str) -> None:
+        """Show ``label`` alone: a phase before or after the counted units (starting ranks,
+        loading a checkpoint), rewritten in place like a step."""
+        if self.enabled:
+            self.stream.write(f"{_ERASE}{label} ...")
+            self.stream.flush()
+            self._shown = True
+
     def clear(self) -> None:
         """Erase the status line so the next line of output starts clean."""
         if self.enabled and self._shown:

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["MAX_TRACE_BYTES", "add_arguments", "format_numbers", "main", "read_trace"]
+__all__ = ["COLUMN_NOTES", "MAX_TRACE_BYTES", "add_arguments", "format_numbers", "main", "read_trace"]
 
 #: The largest trace file read (a trace of a few steps is kilobytes to a few megabytes; a device
 #: file such as /dev/zero never ends).
@@ -67,7 +67,20 @@ def format_numbers(trace: dict) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *COLUMN_NOTES])
+
+
+#: What each column of :func:`format_numbers` means (asyncdbo.observe.RunNumbers), printed under it.
+COLUMN_NOTES = (
+    "rank, step: the rank, and the step's index in its Tracer (0 = the first run it recorded)",
+    "wall ms: from the first ubatch's first resume to the end of the step",
+    "compute ms: time ubatches computed (CPU steps, or compute-stream spans on a device), summed over ubatches",
+    "comm ms: time some comm was in flight (the union over ubatches, not a sum)",
+    "hidden: share of comm ms during which some ubatch computed (the trace's PNG splits it by which ubatch)",
+    "parked ms: time ubatches waited for their comm or an event, summed over ubatches (two parked at once count twice)",
+    "switches: yields of all ubatches; yields/ub: yields of each ubatch",
+    "plan: whether the planner split the step, where the step was marked (Tracer.mark_step); blank if not",
+)
 
 
 def read_trace(path: str) -> dict[str, Any]:

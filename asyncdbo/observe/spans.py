@@ -69,7 +69,9 @@ class RunNumbers:
         return self.comm_hidden_by_other_s / self.comm_s if self.comm_s > 0 else 0.0
 
     def summary(self) -> str:
-        """One line for logs, the demo and the PNG title."""
+        """One line for logs, the demo and the PNG title. It ends saying whether the step was
+        microbatched (from :meth:`Tracer.mark_step`'s record, else from its ubatch count), since
+        its overlap shares mean nothing for a step that ran as one batch."""
         text = (
             f"wall {self.wall_s * 1e3:.2f} ms, compute {self.compute_s * 1e3:.2f} ms, "
             f"comm {self.comm_s * 1e3:.2f} ms ({self.comm_hidden_share:.0%} hidden, "
@@ -78,4 +80,8 @@ class RunNumbers:
         )
         if self.microbatched is not None:
             text += ", microbatched" if self.microbatched else f", not microbatched ({self.reason})"
+        elif self.num_ubatches == 1:  # no planner record: the run itself says whether it was split
+            text += ", 1 ubatch (not microbatched)"
+        else:
+            text += f", microbatched into {self.num_ubatches} ubatches"
         return text

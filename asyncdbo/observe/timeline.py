@@ -7,10 +7,14 @@ there are two lanes: *compute* (CPU steps, or compute-stream device spans) and *
 or comm-stream spans). What a stranger needs to read it is drawn on it:
 
 * every bar wide enough carries its tag: a compute step the yield point it resumed from
-  (``dispatch``, ``combine``, ...), a wait what it waits on, a comm bar what was sent;
-* the legend defines every colour, including the two kinds of hidden comm: under *another*
-  ubatch's compute (the overlap DBO adds, ``RunNumbers.comm_hidden_by_other_s``) and under the
-  same ubatch's own compute (the shared expert while its combine is in flight; no DBO needed);
+  (``dispatch``, ``combine``, ...), a wait what it waits on, a comm bar what was sent; labels never
+  overlap: where two works of one lane are in flight together (a dispatch and its ids), their
+  labels are stacked above and below the lane's centre, and a label that still has no room is
+  left out and counted in the legend;
+* the legend defines every colour drawn, and only those, including the two kinds of hidden comm:
+  under *another* ubatch's compute (the overlap DBO adds, ``RunNumbers.comm_hidden_by_other_s``)
+  and under the same ubatch's own compute (between issuing a transfer and waiting for it, such as
+  a shared expert while its combine is in flight; no DBO needed);
 * blocking host code (debug mode's ``BlockingStep`` records) is drawn red and cross-hatched, not
   as compute, with a note saying that without ``debug=True`` it cannot be told apart;
 * each rank is drawn from its own step start (x = 0), and a note gives each rank's offset on the
@@ -41,8 +45,12 @@ STYLES: dict[str, tuple[str, str]] = {
     "wait": ("#DDDDDD", "parked: the ubatch waits for its own comm or an event (label: what); others may run"),
     "comm": ("#DD8452", "comm in flight, exposed: no ubatch on this rank computed meanwhile (label: what was sent)"),
     "hidden": ("#55A868", "comm in flight while another ubatch computed: the overlap DBO adds"),
-    "own": ("#B5DDA8", "comm in flight while its own ubatch computed (the shared expert under its combine): no DBO needed"),
+    "own": ("#B5DDA8", "comm in flight while its own ubatch computed (work between issuing it and waiting for it): "
+                       "no DBO needed"),
 }
+#: A label lifted above or dropped below the lane's centre when it would overlap a neighbour's,
+#: in lane units (a lane is 1; a label is about 0.3 at the default sizes).
+_STACK_DY = 0.19
 _HATCH = {"wait": "//", "blocking": "xx"}
 _DARK_TEXT = {"wait", "own"}  # light fills get black labels
 _LANE_PX, _LABEL_PT = 34, 6.5
@@ -158,11 +166,14 @@ def timeline_figure(
     from matplotlib.patches import Patch
 
     keys = sorted(lanes, key=lambda k: (k[0], k[1], k[2] != "compute"))
+    drawn_bars = {key: _split_hidden(list(lanes[key]), key, lanes) if key[2] == "comm" else list(lanes[key])
+                  for key in keys}
+    present = [st for st in STYLES if any(b[2] == st for bars in drawn_bars.values() for b in bars)]
     title = _title(data)
-    blocking = any(st == "blocking" for bars in lanes.values() for _, _, st, _ in bars)
+    blocking = "blocking" in present
     notes = _notes(starts, blocking)
     top_px = 16 + 12 * len(title)
-    bottom_px = 52 + 12 * len(notes) + 14 * ((len(STYLES) + 1) // 2) + 10
+    bottom_px = 52 + 12 * len(notes) + 14 * ((len(present) + 2) // 2) + 10  # room for an "elided" entry
     height = height_px if height_px is not None else top_px + _LANE_PX * len(keys) + bottom_px
     fig = Figure(figsize=(width_px / dpi, height / dpi), dpi=dpi)
     FigureCanvasAgg(fig)
@@ -170,36 +181,83 @@ def timeline_figure(
     ax = fig.add_subplot(1, 1, 1)
     fig.subplots_adjust(left=left, right=right, top=1 - top_px / height, bottom=bottom_px / height)
     x_max = max(x + w for bars in lanes.values() for x, w, _, _ in bars) or 1.0
-    px_per_ms = width_px * (right - left) / (x_max * 1.02)
+    ax.set_xlim(0, x_max * 1.02)
+    ax.set_ylim(-0.7, len(keys) - 0.3)
+    renderer = fig.canvas.get_renderer()
+    elided = 0
     for row, key in enumerate(keys):
         y = len(keys) - 1 - row
-        bars = list(lanes[key])
-        if key[2] == "comm":
-            bars = _split_hidden(bars, key, lanes)
+        bars = drawn_bars[key]
         for style in STYLES:
             drawn = [(x, w) for x, w, st, _ in bars if st == style]
             if drawn:
                 hatch = _HATCH.get(style)
                 ax.broken_barh(drawn, (y - 0.35, 0.7), facecolors=STYLES[style][0], hatch=hatch,
                                edgecolor="#999999" if hatch else "none", linewidth=0.3)
-        for x, w, style, label in lanes[key]:
-            if label and w * px_per_ms >= len(label) * _LABEL_PT * dpi / 72 * 0.62 + 6:
-                ax.text(x + w / 2, y, label, ha="center", va="center", fontsize=_LABEL_PT, clip_on=True,
-                        color="black" if style in _DARK_TEXT or key[2] == "comm" else "white")
+        elided += _place_labels(ax, renderer, lanes[key], y, dark=key[2] == "comm")
     ax.set_yticks(range(len(keys)))
     ax.set_yticklabels([f"rank {p} ub{u} {lane}" for p, u, lane in reversed(keys)], fontsize=8)
     ax.set_xlabel("ms since the rank's step start", fontsize=8)
-    ax.set_xlim(0, x_max * 1.02)
-    ax.set_ylim(-0.7, len(keys) - 0.3)
     ax.grid(axis="x", linewidth=0.3)
     ax.set_title("\n".join(title), fontsize=8, loc="left")
     y_notes = (bottom_px - 46) / height
     for i, note in enumerate(notes):
         fig.text(0.01, y_notes - i * 12 / height, note, fontsize=7, va="top")
-    handles = [Patch(facecolor=c, hatch=_HATCH.get(n), edgecolor="#999999" if n in _HATCH else c, label=f"{n}: {text}")
-               for n, (c, text) in STYLES.items()]
+    handles = [Patch(facecolor=STYLES[n][0], hatch=_HATCH.get(n), edgecolor="#999999" if n in _HATCH else STYLES[n][0],
+                     label=f"{n}: {STYLES[n][1]}") for n in present]
+    if elided:
+        handles.append(Patch(facecolor="none", edgecolor="none",
+                             label=f"{elided} label(s) left out where works of one lane overlap (the JSON in "
+                                   "ui.perfetto.dev names every one)"))
     fig.legend(handles=handles, fontsize=7, loc="lower left", bbox_to_anchor=(0.01, 0.0), ncol=2, frameon=False)
     return fig
+
+
+def _place_labels(ax: Any, renderer: Any, bars: list[tuple[float, float, str, str]], y: float, *, dark: bool) -> int:
+    """Label the bars of one lane at height ``y``; return how many labels were left out.
+
+    A label is drawn only inside its bar (measured as drawn, in pixels). Labels whose extents
+    overlap form a cluster: a lone label sits on the lane's centre, the labels of a cluster go
+    above and below it in turn (the first free of the two rows), and one with neither row free
+    is removed and counted."""
+    to_px = ax.transData
+    placed: list[tuple[float, float, Any]] = []  # (left px, right px, text) of labels kept
+    for x, w, style, label in sorted(bars, key=lambda b: (b[0], -b[1])):
+        if not label:
+            continue
+        t = ax.text(x + w / 2, y, label, ha="center", va="center", fontsize=_LABEL_PT, clip_on=True,
+                    color="black" if style in _DARK_TEXT or dark else "white")
+        box = t.get_window_extent(renderer)
+        bar_px = to_px.transform((x + w, y))[0] - to_px.transform((x, y))[0]
+        if box.width + 4 > bar_px:  # does not fit inside its own bar
+            t.remove()
+            continue
+        placed.append((box.x0 - 2, box.x1 + 2, t))
+    elided = 0
+    cluster: list[tuple[float, float, Any]] = []
+    for item in sorted(placed, key=lambda p: p[0]) + [(float("inf"), float("inf"), None)]:
+        if cluster and item[0] >= max(c[1] for c in cluster):
+            if len(cluster) > 1:
+                elided += _stack(cluster, y)
+            cluster = []
+        if item[2] is not None:
+            cluster.append(item)
+    return elided
+
+
+def _stack(cluster: list[tuple[float, float, Any]], y: float) -> int:
+    """Two rows, above and below ``y``, for overlapping labels (left to right, first free row)."""
+    ends = [-float("inf"), -float("inf")]
+    elided = 0
+    for left, right, t in cluster:
+        row = next((r for r in (0, 1) if ends[r] <= left), None)
+        if row is None:
+            t.remove()
+            elided += 1
+            continue
+        ends[row] = right
+        t.set_y(y + (_STACK_DY if row == 0 else -_STACK_DY))
+    return elided
 
 
 def render_png(

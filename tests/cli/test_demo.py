@@ -63,6 +63,40 @@ def test_demo_decode_on_three_ranks_says_why_it_did_not_microbatch(capsys: pytes
     assert "\nMoE dispatch: split (counts, then tokens); with no link model to price it, never fused\n" in out
     assert ("DBO steps: NOT microbatched in some steps: rank_declined "
             "(rank 0: below_threshold; rank 1: below_threshold; rank 2: below_threshold)") in out
+    # no step overlapped: no speedup is printed, and the line says why
+    note = "(no speedup: none of the 2 DBO steps microbatched (see 'DBO steps' below), DBO ran serially)"
+    assert re.search(rf"^  speedup +-  {re.escape(note)}$", out, re.MULTILINE), out
+    assert re.search(rf"^    by the other ubatch +0% +0%  {re.escape(note)}$", out, re.MULTILINE), out
+
+
+def rank_steps(reasons: list[str], serial_s: float, dbo_s: float) -> dict[str, object]:
+    """One rank's measured steps as demo_rank returns them: ``reasons`` of its DBO steps."""
+    def entry(step_s: float, reason: str) -> dict[str, object]:
+        return {"step_s": step_s, "comm_s": 0.01, "hidden_share": 0.5, "hidden_by_other_share": 0.4, "switches": 6,
+                "messages": 6, "fused": False, "reason": reason, "detail": "", "ubatch_tokens": [64, 64]}
+    return {"serial": [entry(serial_s, "disabled") for _ in reasons], "dbo": [entry(dbo_s, r) for r in reasons],
+            "max_abs_diff": 0.0, "bitwise": True, "deterministic": True}
+
+
+@pytest.mark.parametrize(
+    ("reasons", "speedup", "note"),
+    [
+        (["microbatched"] * 3, "1.25x", "(DBO microbatched all of 3 steps)"),
+        (["microbatched", "rank_declined", "microbatched"], "1.25x", "(DBO microbatched 2 of 3 steps)"),
+        (["rank_declined"] * 3, "-",
+         "(no speedup: none of the 3 DBO steps microbatched (see 'DBO steps' below), DBO ran serially)"),
+    ],
+)
+def test_the_speedup_line_says_how_many_steps_microbatched(reasons: list[str], speedup: str, note: str) -> None:
+    from asyncdbo.cli.demo import _format
+
+    cfg = DemoConfig(steps=3)
+    summary = summarize(cfg, [rank_steps(reasons, 0.125, 0.1), rank_steps(reasons, 0.125, 0.1)])
+    out = _format(cfg, summary)
+    assert re.search(rf"^  speedup +{re.escape(speedup)}  {re.escape(note)}$", out, re.MULTILINE), out
+    assert re.search(rf"^    by the other ubatch +40% +40%  {re.escape(note)}$", out, re.MULTILINE), out
+    assert summary["microbatched_steps"] == reasons.count("microbatched")
+    assert summary["speedup"] == (None if speedup == "-" else 1.25)
 
 
 @pytest.fixture(scope="module")

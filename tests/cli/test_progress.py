@@ -1,6 +1,6 @@
 """Long commands say how much they will run and how far they are, on a terminal only.
 
-``check`` and ``demo`` run under a pseudo-terminal (the ``pty`` module), as a user at a shell
+``check``, ``demo`` (the mini model and ``--model``) and the benchmarks run under a pseudo-terminal (the ``pty`` module), as a user at a shell
 would: stderr is a TTY there, so the up-front "N ... to run" line and the ``[i/N]`` status line
 appear, each status rewritten in place and erased before the real output. With ``-q``, or when
 stderr is a pipe, none of it is written.
@@ -85,6 +85,36 @@ def test_demo_counts_its_steps_as_the_user_does() -> None:
         assert f"{ERASE}[{i}/3] step {i} ({kind}): serial, then DBO ..." in out
     # the status line is erased before the table, which reads as it does without a terminal
     assert f"{ERASE}asyncdbo demo: 2 ranks x 64 tokens (prefill), 1 layers" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_demo_of_a_hugging_face_model_shows_each_phase_and_step() -> None:
+    rc, out = run_in_a_terminal(["demo", "--model", "qwen3-moe", "--tokens", "48", "--steps", "2", "--warmup", "1",
+                                 "--prefill-threshold", "1"], timeout_s=190)
+    assert rc == 0, out
+    assert out.startswith("3 steps (a prefill, then 2 decode; each serial, then DBO) after 1 untimed warm-up "
+                          "generation(s) on 2 ranks to run\n")
+    phases = ["saving the tiny random model as a checkpoint ...",
+              "starting 2 ranks, each loading its share of the checkpoint ...",
+              "warm-up generation 1 of 1 (untimed) ...",
+              "[1/3] prefill: serial, then DBO ...",
+              "[2/3] decode step 1: serial, then DBO ...",
+              "[3/3] decode step 2: serial, then DBO ...",
+              "comparing with transformers' forward ...",
+              "asyncdbo demo: qwen3-moe"]
+    assert ERASE.join(phases) in out  # in this order, each erasing the one before
+    # the decode steps (1-4 requests per rank) stay below the decode threshold: no speedup for them
+    assert "(no speedup: none of the 2 steps microbatched)\n" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_demo_of_a_hugging_face_model_with_q_prints_no_progress() -> None:
+    rc, out = run_in_a_terminal(["demo", "--model", "qwen3-moe", "--tokens", "48", "--steps", "1", "--warmup", "0", "-q"],
+                                timeout_s=190)
+    assert rc == 0, out
+    assert "\x1b[K" not in out and "to run" not in out and out.startswith("asyncdbo demo: qwen3-moe")
 
 
 @pytest.mark.timeout(120)

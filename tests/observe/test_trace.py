@@ -13,6 +13,7 @@ import torch
 
 from asyncdbo import dbo_current_ubatch_id, dbo_yield, run_ubatches
 from asyncdbo.cli import main as cli_main
+from asyncdbo.cli.trace import COLUMN_NOTES
 from asyncdbo.observe import (
     RunNumbers,
     Tracer,
@@ -212,20 +213,27 @@ async def test_png_timeline_and_the_trace_command(tmp_path: Path, capsys: pytest
     await run_ubatches(parks_on_a_timer, [(0,), (1,)], backend="host", instrument=tracer)
     out = tmp_path / "direct.png"
     # height: 16 + 12 px per title line (1), 34 px per lane (2), 52 + 12 per note line (1) + 14 per
-    # legend row (4) + 10
-    assert render_png(tracer.to_chrome(), out, width_px=800) == (800, 226)
-    assert png_size(out) == (800, 226)
+    # legend row (2: the colours drawn, compute and parked, and room for a "left out" entry) + 10
+    assert render_png(tracer.to_chrome(), out, width_px=800) == (800, 198)
+    assert png_size(out) == (800, 198)
 
     path = tmp_path / "trace.json"
     tracer.export(path)
     cli_png = tmp_path / "cli.png"
     assert cli_main(["trace", str(path), "--png", str(cli_png), "--width", "640"]) == 0  # numbers printed too
-    assert png_size(cli_png) == (640, 226)
+    assert png_size(cli_png) == (640, 198)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"wrote {cli_png} (640x226 px)"
+    assert lines[0] == f"wrote {cli_png} (640x198 px)"
     assert lines[1].split() == ["rank", "step", "wall", "ms", "compute", "ms", "comm", "ms", "hidden", "parked", "ms",
                                 "switches", "yields/ub", "plan"]
     assert lines[2].split()[:2] == ["0", "0"] and lines[2].endswith("[2, 2]  microbatched")
+    # under the table, every column is defined, "parked ms" as the sum over ubatches it is
+    assert lines[3] == "" and lines[4:] == list(COLUMN_NOTES)
+    columns = ["rank", "step", "wall ms", "compute ms", "comm ms", "hidden", "parked ms", "switches", "yields/ub", "plan"]
+    for column in columns:
+        assert any(note.startswith(f"{column}:") or f" {column}:" in note or note.startswith(f"{column},")
+                   or f", {column}:" in note for note in COLUMN_NOTES), column
+    assert "parked ms: time ubatches waited for their comm or an event, summed over ubatches" in lines[4:][5]
 
 
 def test_the_trace_command_reports_unreadable_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

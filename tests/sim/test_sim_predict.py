@@ -106,7 +106,8 @@ def test_check_with_defaults_checks_races_and_prints_the_band(capsys: pytest.Cap
     assert out[1] == ("deployment: h200 + ib400 (10 us, 50 GB/s), EP 32 (8 per node), deepep comm, graph host, schedule ll, "
                       "2 ubatches")
     assert out[2] == "checks: races, dead waits and lost overlap"
-    assert out[3] == "decode, per MoE layer in steady state:"
+    assert out[3] == ("decode, per MoE layer in steady state; every DBO run is split into 2 ubatches (--workload "
+                      "applies the planner's thresholds instead):")
     assert re.fullmatch(r"tokens/rank\s+serial us \|\s+role DBO us\s+speedup comm hidden \|\s+ubatch DBO us\s+speedup comm hidden", out[4])
     row = r"\s+{}\s+[\d.]+ \|\s+[\d.]+\s+\d+\.\d\dx\s+\d+% \|\s+[\d.]+\s+\d+\.\d\dx\s+\d+%"
     assert re.fullmatch(row.format(32), out[6]) and re.fullmatch(row.format(64), out[7]), out

@@ -94,7 +94,7 @@ def test_check_replays_a_file_and_prints_the_gain_and_why_steps_fell_out(tmp_pat
     out = capsys.readouterr().out.splitlines()
     assert out[3] == f"workload: {tmp_path / 'trace.jsonl'}, 4 steps x 2 DP ranks, split policy token"
     assert out[4].startswith("throughput, real tokens of all ranks per second of MoE-layer time: ")
-    assert re.search(r" with: speedup \d+\.\d\dx$", out[4]), out[4]
+    assert re.search(r" with: speedup \d+\.\d\dx \(2 of 4 steps microbatched\)$", out[4]), out[4]
     assert out[5:9] == [
         "steps microbatched: 2 of 4 (50%); on those steps alone, speedup " + out[5].rsplit(" ", 1)[-1],
         "  fell out: rank_declined in 2 step(s)",
@@ -102,3 +102,14 @@ def test_check_replays_a_file_and_prints_the_gain_and_why_steps_fell_out(tmp_pat
         "  e.g. tokens by rank [64, 8]: rank 1: below_threshold",
     ]
     assert out[-1].startswith("error band: ")
+
+
+def test_check_prints_no_speedup_when_no_step_microbatched(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    below = [[[[1, 100]] * 4, [[1, 100]] * 2]] * 2  # 2 steps of 4 and 2 decode requests: below the threshold of 32
+    argv = ["check", "--workload", str(write(tmp_path, below)), "--model", "qwen3-moe", "--hidden", "64",
+            "--intermediate", "32", "--experts", "8", "--heads", "4", "--ep", "4"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[4].endswith(" M without DBO; no speedup: none of the 2 steps microbatched, so DBO ran every step serially")
+    assert "speedup" not in out[4].split(";")[0] and not re.search(r"\d\.\d\dx", "\n".join(out[4:-1]))
+    assert out[5] == "steps microbatched: 0 of 2 (0%)"

@@ -17,7 +17,7 @@ fed tokens: the largest logits difference and how many greedy tokens agree.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,12 +45,14 @@ class Generation:
 
 
 async def greedy_generate(runners: Sequence[tuple[Any, bool]], builder: Any, prompts: Mapping[int, Sequence[int]],
-                          *, decode_steps: int, barrier: Any = None) -> list[Generation]:
+                          *, decode_steps: int, barrier: Any = None,
+                          on_step: Callable[[int, int], None] | None = None) -> list[Generation]:
     """Run ``prompts`` (request id -> token ids) for a prefill and ``decode_steps`` decode steps
     on every ``(runner, enabled)`` in lockstep (module docstring).  ``builder`` is the
     :class:`~asyncdbo.serving.BatchBuilder` of the runners' KV caches (all alike: one batch serves
     each).  ``barrier`` (a callable) runs before each runner's step, e.g. to line ranks up for
-    timing."""
+    timing.  ``on_step(i, n)`` is called before step ``i`` (0: the prefill) of ``n = decode_steps + 1``
+    (a progress line's hook)."""
     if decode_steps < 0:
         raise ValueError(f"decode_steps must be >= 0 (got {decode_steps})")
     gens = [Generation() for _ in runners]
@@ -59,6 +61,8 @@ async def greedy_generate(runners: Sequence[tuple[Any, bool]], builder: Any, pro
             gen.fed[r], gen.greedy[r] = list(prompt), []
     chunks = [(r, list(p)) for r, p in prompts.items()]
     for step in range(decode_steps + 1):
+        if on_step is not None:
+            on_step(step, decode_steps + 1)
         batch = builder.build(chunks)
         for (runner, enabled), gen in zip(runners, gens):
             if barrier is not None:
