@@ -147,10 +147,10 @@ def main(args: argparse.Namespace) -> int:
     from ..sim.races import SimCheckError
 
     threads = torch.get_num_threads()
-    # One thread: the sim's real ops (routing, counts) are small, and a second intra-op thread
-    # doubled the command's CPU time (33.6 s against 18.0 s for --workload synthetic) and, on a
-    # loaded machine, made every op wait for both threads to get a core (benchmarks/results/
-    # check_workload_cpu-2c_2026-12-01.md).
+    # One thread: the sim's real ops (routing tables, counts) are too small to split, and torch's
+    # second intra-op thread added 10 s of CPU to --workload synthetic's 24 s and, on a loaded
+    # machine, made every parallel op wait for both threads to get a core (measured:
+    # benchmarks/results/check_workload_cpu-2c_2026-12-01.md).
     torch.set_num_threads(1)
     try:
         model, dep = _setup(args)

@@ -37,7 +37,8 @@ from typing import Any
 
 from .._core import SWITCH, DBORun, Instrument, UBatch, YieldMismatchError, user_frame
 
-__all__ = ["BlockingDetector", "BlockingStep", "DebugMode", "SharedGroupGuard", "YieldChecker", "debug_instruments"]
+__all__ = ["BlockingDetector", "BlockingStep", "DebugMode", "SharedGroupGuard", "YieldChecker", "debug_instruments",
+           "prepare_dispatch_mode"]
 
 log = logging.getLogger("asyncdbo")
 
@@ -274,8 +275,43 @@ def _check_group(func: Any, args: tuple[Any, ...], ub: UBatch, users: dict[str, 
                 )
 
 
+_dispatch_mode_ready = False
+
+
+def prepare_dispatch_mode() -> float:
+    """Pay, once per process, what the first torch op under a dispatch mode costs; return the
+    seconds it took (0 after the first call).
+
+    torch wraps every ``TorchDispatchMode.__torch_dispatch__`` in a ``torch._dynamo.disable``
+    that is resolved on its first call by importing torch._dynamo: about 2.3 s of CPU time on a
+    2-core machine, once per process. :class:`SharedGroupGuard` is such a mode, so without this
+    the first debug run's first ubatch step paid it, and a Tracer counted it as that step's
+    compute. :func:`debug_instruments` calls this before the run starts, outside every step."""
+    global _dispatch_mode_ready
+    if _dispatch_mode_ready:
+        return 0.0
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    t0 = time.perf_counter()
+
+    class _Once(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {}))
+
+    with _Once():
+        torch.empty(0)
+    _dispatch_mode_ready = True
+    took = time.perf_counter() - t0
+    log.info("asyncdbo debug mode: %.2f s of one-time set-up (torch's dispatch-mode machinery), "
+             "paid before the run, outside its steps", took)
+    return took
+
+
 def debug_instruments(mode: DebugMode) -> list[Instrument]:
-    """The instruments debug mode adds to a run."""
+    """The instruments debug mode adds to a run (the first call in a process also pays the
+    one-time set-up of :func:`prepare_dispatch_mode`, before the run starts)."""
+    prepare_dispatch_mode()
     insts: list[Instrument] = [SharedGroupGuard(), YieldChecker()]
     if mode.blocking_s is not None:
         insts.append(BlockingDetector(mode.blocking_s))

@@ -149,3 +149,56 @@ async def test_a_mismatch_names_both_yield_lines_of_the_users_file() -> None:
     assert f"ubatch 1 yield #0 is 'moe' at {__file__}:{line_b} in " in text
     assert f"but ubatch 0 yield #0 was 'attention' at {__file__}:{line_a} in " in text
 
+
+
+# ---------------------------------------------------------------- one-time set-up
+FIRST_DEBUG_RUN = """
+import json, sys
+import torch
+import asyncdbo
+from asyncdbo import dbo_yield, run_ubatches
+from asyncdbo.lowlevel import Instrument
+from asyncdbo.observe import Tracer
+
+class Modules(Instrument):
+    def run_started(self, run): self.before = set(sys.modules)
+    def run_finished(self, run, exc): self.after = set(sys.modules)
+
+async def body(x):
+    for _ in range(2):
+        x = x @ x
+        await dbo_yield("layer")
+    return x
+
+at_import = "torch._dynamo" in sys.modules
+seen = Modules()
+asyncdbo.run(lambda: run_ubatches(body, [(torch.eye(4),), (torch.eye(4),)], debug=True,
+                                  instrument=[seen, Tracer()]), loop="asyncio")
+print(json.dumps({"at_import": at_import, "at_start": "torch._dynamo" in seen.before,
+                  "imported_in_run": sorted(seen.after - seen.before)}))
+"""
+
+
+@pytest.mark.timeout(150)
+async def test_the_first_debug_run_pays_its_one_time_set_up_before_its_steps() -> None:
+    # torch's first op under a dispatch mode (debug mode's group guard is one) imports
+    # torch._dynamo, seconds of CPU: it must happen before the run starts, where no step and no
+    # Tracer counts it as compute, and not at `import asyncdbo` either. A fresh process shows it.
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", FIRST_DEBUG_RUN], capture_output=True, text=True, timeout=140,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["at_import"] is False  # importing asyncdbo does not pay it
+    assert seen["at_start"] is True  # the debug run paid it before its first step
+    assert not [m for m in seen["imported_in_run"] if m.startswith("torch._dynamo")]
+
+
+async def test_the_one_time_set_up_is_paid_once() -> None:
+    from asyncdbo.dbo.debug import prepare_dispatch_mode
+
+    prepare_dispatch_mode()
+    assert prepare_dispatch_mode() == 0.0
