@@ -52,6 +52,7 @@ def test_there_are_docs_and_examples() -> None:
         "03_item_kills_overlap_broken.py",
         "04_item_kills_overlap_fixed.py",
         "05_engine_integration.py",
+        "07_routed_dispatch_two_ranks.py",
     }
 
 
@@ -82,6 +83,21 @@ def test_reference_is_what_the_generator_writes_now() -> None:
     assert (ROOT / "docs" / "reference.md").read_text() == generate_reference(), (
         "docs/reference.md is stale: regenerate it with python docs/make_reference.py"
     )
+
+
+#: Tutorial blocks that run as examples (they start their own processes): the block must be the
+#: example's code from its first line to the ``if __name__ == "__main__":`` part, plus the call.
+RUN_AS_EXAMPLES = {"07_routed_dispatch_two_ranks.py": "P, L, D = 2, 2, 16"}
+
+
+@pytest.mark.parametrize("example", sorted(RUN_AS_EXAMPLES))
+def test_a_tutorial_block_that_runs_as_an_example_is_its_code(example: str) -> None:
+    blocks = [code for _, code, skip in python_blocks((ROOT / "docs" / "tutorial.md").read_text())
+              if skip == f"two processes; runs as examples/{example}"]
+    assert len(blocks) == 1, f"docs/tutorial.md has no block marked as running as examples/{example}"
+    source = (ROOT / "examples" / example).read_text()
+    body = source[source.index(RUN_AS_EXAMPLES[example]) : source.index('\n\nif __name__ == "__main__":')]
+    assert blocks[0].startswith(body + "\n\n\nprint(run_ranks(on_rank, 2))")
 
 
 @pytest.mark.timeout(120)
