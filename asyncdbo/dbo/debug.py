@@ -295,7 +295,9 @@ def prepare_dispatch_mode() -> float:
 
     t0 = time.perf_counter()
 
-    class _Once(TorchDispatchMode):
+    mode_base: Any = TorchDispatchMode  # torch's class is untyped
+
+    class _Once(mode_base):  # type: ignore[misc]
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
             return func(*args, **(kwargs or {}))
 
