@@ -3,7 +3,7 @@
 User mistakes are ``ValueError``/``TypeError`` with the bad value and the fix in the message where
 they can be checked at the call. A mistake that only shows while the ubatches run (a primitive not
 awaited, a switch from the wrong stream, a named event recorded twice, a recv hook that would be
-lost) is a :class:`DBOUsageError`: a ``RuntimeError``, which is what these were before they had
+lost) is a :class:`DBOUsageError` (its kinds are public in ``asyncdbo.dbo``): a ``RuntimeError``, which is what these were before they had
 names, so existing ``except RuntimeError`` keeps working. Failures of a run (deadlock, watchdog, a
 crashed ubatch) are :class:`AsyncDBOError` subclasses so a serving loop can catch "the DBO step
 failed" in one ``except``.
@@ -76,17 +76,10 @@ class NoOverlapWarning(RuntimeWarning):
 
 # Tracebacks and reprs name the path users import (``asyncdbo.DeadlockError``), not this private
 # module: the class's module is what Python prints before the message.
-for _cls in (
-    AsyncDBOError,
-    DeadlockError,
-    WatchdogTimeout,
-    YieldMismatchError,
-    NoOverlapWarning,
-    DBOUsageError,
-    MissingAwaitError,
-    WrongStreamError,
-    DuplicateEventError,
-    RecvHookOverwriteError,
-):
+for _cls in (AsyncDBOError, DeadlockError, WatchdogTimeout, YieldMismatchError, NoOverlapWarning, DBOUsageError):
     _cls.__module__ = "asyncdbo"
+# The kinds of DBOUsageError are public in the DBO layer, where the primitives that raise them live
+# (the top level stays small: tests/layout/test_old_paths.py).
+for _cls in (MissingAwaitError, WrongStreamError, DuplicateEventError, RecvHookOverwriteError):
+    _cls.__module__ = "asyncdbo.dbo"
 del _cls

@@ -67,6 +67,7 @@ from .errors import NoOverlapWarning
 from .extensions import load_extension
 from .instrument import Instrument
 from .parking import Parking, is_future
+from .stacks import format_run
 from .tasks import (
     UBatchTaskView,
     attach_task_factory,
@@ -80,6 +81,8 @@ from .ubatch import UBatch, UBatchState
 __all__ = ["GIL_HANDOFF_S", "LIVE_RUNS", "LOOP_POLL_S", "DBORun"]
 
 READY, PARKED, DONE = UBatchState.READY, UBatchState.PARKED, UBatchState.DONE
+# What ends a run from outside: its error carries each ubatch's position as a note.
+_INTERRUPTIONS = (TimeoutError, asyncio.CancelledError, KeyboardInterrupt)
 
 
 def _load_spin() -> ModuleType | None:
@@ -226,7 +229,14 @@ class DBORun(Parking):
 
     def _fail_run(self, exc: BaseException) -> None:
         """The run ends with ``exc``: cancel the live ubatches, their cleanup's troubles ride on
-        ``exc`` as notes (invariant 5)."""
+        ``exc`` as notes (invariant 5). An interruption from outside the ubatches' own code (a
+        timeout, a cancellation, Ctrl-C) first gets a note with where each ubatch was, since the
+        traceback shows only the kernel."""
+        if isinstance(exc, _INTERRUPTIONS) and self._live:
+            exc.add_note(format_run(
+                self.ubatches,
+                f"asyncdbo: run {self.name!r} ended by {type(exc).__name__}; where its ubatches were:",
+            ))
         self._enter_view()
         try:
             for note in cancel_all(self, exc):

@@ -23,10 +23,26 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    as_program = argv is None  # the process's own entry point (not a caller in a bigger program)
     argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    if chosen != "demo":
+        return _main(argv, chosen)
+    # Before the demo imports torch or starts a rank: from here to exit, SIGUSR1 prints this
+    # process's stacks instead of ending it (a torchrun worker is a rank itself).
+    from ..observe.stacks import install_stack_dump_signal
+
+    uninstall = install_stack_dump_signal()
+    try:
+        return _main(argv, chosen)
+    finally:
+        if not as_program:
+            uninstall()
+
+
+def _main(argv: list[str], chosen: str | None) -> int:
     parser = argparse.ArgumentParser(prog="asyncdbo", description="Dual Batch Overlap on asyncio coroutines")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
-    chosen = next((a for a in argv if not a.startswith("-")), None)
     if chosen == "bench":  # moved out of the library: say where, whatever its old flags were
         from .bench import moved
 

@@ -5,6 +5,7 @@ Built on the kernel (:mod:`asyncdbo._core`) and a stream backend (:mod:`asyncdbo
 run its state (backend, named events); the primitives read them through ``current_ubatch``.
 """
 
+from .._core import DuplicateEventError, MissingAwaitError, RecvHookOverwriteError, WrongStreamError
 from .events import dbo_record_event, dbo_wait_event
 from .hooks import RecvHookHandle, dbo_maybe_run_recv_hook, dbo_register_recv_hook
 from .primitives import (
@@ -27,10 +28,14 @@ from .state import Lane, RunState
 
 __all__ = [
     "DBOOptions",
+    "DuplicateEventError",
     "Lane",
+    "MissingAwaitError",
     "RecvHookHandle",
+    "RecvHookOverwriteError",
     "RunState",
     "RunStats",
+    "WrongStreamError",
     "dbo_current_ubatch_id",
     "dbo_enabled",
     "dbo_get_previous_event",

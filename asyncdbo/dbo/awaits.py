@@ -11,7 +11,7 @@ awaited" warning from Python, so the DBO layer checks itself, at no cost to an a
   - a dropped ``dbo_yield`` only loses overlap (the numbers stay right): a ``RuntimeWarning``
     (an error under ``-W error``);
   - a dropped switch or event wait is a data hazard (the stream switch or its wait did not happen,
-    so the ubatch may read comm output that has not arrived): :class:`~asyncdbo.MissingAwaitError`
+    so the ubatch may read comm output that has not arrived): :class:`~asyncdbo.dbo.MissingAwaitError`
     (a ``RuntimeError``), always;
   - in debug mode (``debug=True``) every kind is an error and names the file:line that created the
     awaitable (the call sites are recorded; outside debug mode that costs too much per yield).

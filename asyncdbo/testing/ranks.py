@@ -45,6 +45,7 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -219,6 +220,19 @@ class RankPool:
             raise
 
     def _start(self, worker_env: dict[str, str], torch_threads: int, start_s: float) -> None:
+        # Workers start with SIGUSR1 blocked (a spawned process inherits this thread's mask): one
+        # that arrives before a worker installs the stack-dump handler (``asyncdbo demo``'s ranks
+        # do) is held until then instead of ending the worker with the signal's default action.
+        blocked = hasattr(signal, "pthread_sigmask") and hasattr(signal, "SIGUSR1")
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1}) if blocked else None
+        try:
+            self._spawn(worker_env, torch_threads)
+        finally:
+            if old_mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        self._collect("start-up", start_s)
+
+    def _spawn(self, worker_env: dict[str, str], torch_threads: int) -> None:
         ctx = mp.get_context("spawn")
         store_path = os.path.join(self._store_dir, "store")
         for rank in range(self.world_size):
@@ -234,7 +248,6 @@ class RankPool:
             child_conn.close()
             self._procs.append(proc)
             self._conns.append(parent_conn)
-        self._collect("start-up", start_s)
 
     # -- public API -----------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ def test_errors_print_their_public_names() -> None:
     import traceback
 
     import asyncdbo
+    import asyncdbo.dbo
     from asyncdbo.dist import StepAborted
     from asyncdbo.sim import SimCheckError
     from asyncdbo.testing import RankError
@@ -18,10 +19,10 @@ def test_errors_print_their_public_names() -> None:
                         (asyncdbo.AsyncDBOError, "asyncdbo.AsyncDBOError"),
                         (asyncdbo.NoOverlapWarning, "asyncdbo.NoOverlapWarning"),
                         (asyncdbo.DBOUsageError, "asyncdbo.DBOUsageError"),
-                        (asyncdbo.MissingAwaitError, "asyncdbo.MissingAwaitError"),
-                        (asyncdbo.WrongStreamError, "asyncdbo.WrongStreamError"),
-                        (asyncdbo.DuplicateEventError, "asyncdbo.DuplicateEventError"),
-                        (asyncdbo.RecvHookOverwriteError, "asyncdbo.RecvHookOverwriteError"),
+                        (asyncdbo.dbo.MissingAwaitError, "asyncdbo.dbo.MissingAwaitError"),
+                        (asyncdbo.dbo.WrongStreamError, "asyncdbo.dbo.WrongStreamError"),
+                        (asyncdbo.dbo.DuplicateEventError, "asyncdbo.dbo.DuplicateEventError"),
+                        (asyncdbo.dbo.RecvHookOverwriteError, "asyncdbo.dbo.RecvHookOverwriteError"),
                         (StepAborted, "asyncdbo.dist.StepAborted"),
                         (SimCheckError, "asyncdbo.sim.SimCheckError"),
                         (RankError, "asyncdbo.testing.RankError")):
@@ -36,8 +37,8 @@ def test_user_mistakes_inside_a_run_are_named_runtime_errors() -> None:
     (what it was before it had a name), so ``except RuntimeError`` written earlier still catches it;
     it is not an AsyncDBOError, which means "the step failed" for a reason other than the code."""
     import asyncdbo
+    from asyncdbo import dbo
 
-    for cls in (asyncdbo.MissingAwaitError, asyncdbo.WrongStreamError, asyncdbo.DuplicateEventError,
-                asyncdbo.RecvHookOverwriteError):
+    for cls in (dbo.MissingAwaitError, dbo.WrongStreamError, dbo.DuplicateEventError, dbo.RecvHookOverwriteError):
         assert cls.__mro__[1:] == (asyncdbo.DBOUsageError, RuntimeError, Exception, BaseException, object)
         assert cls.__doc__

@@ -14,13 +14,13 @@ import re
 import pytest
 
 from asyncdbo import (
-    MissingAwaitError,
     dbo_switch_to_compute_sync,
     dbo_wait_event,
     dbo_yield,
     dbo_yield_and_switch_from_compute_to_comm,
     run_ubatches,
 )
+from asyncdbo.dbo import MissingAwaitError
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 

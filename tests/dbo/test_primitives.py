@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-import asyncdbo
+import asyncdbo.dbo
 from _recording_backend import RecordingBackend
 
 from asyncdbo import (
@@ -128,7 +128,7 @@ async def test_switching_from_the_wrong_stream_is_an_error_naming_the_ubatch() -
         await dbo_yield_and_switch_from_comm_to_compute()  # still on compute
 
     with pytest.raises(
-        asyncdbo.WrongStreamError,
+        asyncdbo.dbo.WrongStreamError,
         match=r"dbo_yield_and_switch_from_comm_to_compute\(\) called in ubatch 0 while it is on the compute stream; "
         r"it must be on the comm stream \(last yield point 'attn'\)",
     ):
@@ -279,7 +279,7 @@ async def test_registering_over_an_unrun_hook_is_an_error_instead_of_a_lost_rece
             dbo_register_recv_hook(lambda: None)
         await dbo_yield()
 
-    with pytest.raises(asyncdbo.RecvHookOverwriteError, match=r"ubatch 0 registered a recv hook on ubatch 1, which still holds an unrun hook"):
+    with pytest.raises(asyncdbo.dbo.RecvHookOverwriteError, match=r"ubatch 0 registered a recv hook on ubatch 1, which still holds an unrun hook"):
         await run_ubatches(fwd, [(0,), (1,)])
 
 
@@ -339,7 +339,7 @@ async def test_recording_a_key_twice_is_an_error() -> None:
         dbo_record_event(("layer0", "dispatch"))
         await dbo_yield()
 
-    with pytest.raises(asyncdbo.DuplicateEventError, match=r"event \('layer0', 'dispatch'\) recorded twice in one run \(again by ubatch 1"):
+    with pytest.raises(asyncdbo.dbo.DuplicateEventError, match=r"event \('layer0', 'dispatch'\) recorded twice in one run \(again by ubatch 1"):
         await run_ubatches(fwd, [(0,), (1,)])
 
 

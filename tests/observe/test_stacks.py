@@ -42,6 +42,7 @@ async def forward(fut: asyncio.Future[int], dumps: list[str]) -> int:
 
 def expected_dump(future_repr: str) -> str:
     return (
+        f"asyncdbo stacks of pid {os.getpid()}, printed by dump_stacks()\n"
         "asyncdbo run 'dumped': 2 ubatches on host; ubatch 1 is running (it called dump_stacks)\n"
         f"ubatch 0: parked, last yield point 'attn', parked on {future_repr}\n"
         f'  File "{HERE}", line {line_of("CALL")}, in forward\n'
@@ -54,7 +55,8 @@ def expected_dump(future_repr: str) -> str:
     )
 
 
-async def test_dump_stacks_shows_the_await_chain_of_a_parked_ubatch() -> None:
+async def test_dump_stacks_shows_the_await_chain_of_a_parked_ubatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
     fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     dumps: list[str] = []
     assert await run_ubatches(forward, [(fut, dumps), (fut, dumps)], backend="host", name="dumped") == [7, 1]
@@ -79,14 +81,15 @@ async def test_dump_stacks_writes_to_a_file_and_sees_runs_from_another_task() ->
     buf = io.StringIO()
     text = dump_stacks(buf)
     assert buf.getvalue() == text
-    head, ub0, rest = text.split("\n", 2)
+    who, head, ub0, rest = text.split("\n", 3)
+    assert who.startswith("asyncdbo stacks of ") and who.endswith(f"pid {os.getpid()}, printed by dump_stacks()")
     assert head == "asyncdbo run 'outside': 2 ubatches on host"
     assert ub0.startswith("ubatch 0: parked, last yield point 'attn', parked on <Future pending")
     assert text.count(f'line {line_of("PARK")}, in wait_for_comm') == 2  # both ubatches wait there
     fut.set_result(3)
     assert await run_task == [3, 3]
     assert live_runs() == []
-    assert dump_stacks() == "asyncdbo: no live DBO run\n"
+    assert dump_stacks().endswith(", printed by dump_stacks()\nasyncdbo: no live DBO run\n")
 
 
 async def test_the_signal_handler_prints_the_same_dump() -> None:
@@ -112,10 +115,15 @@ async def test_the_signal_handler_prints_the_same_dump() -> None:
         uninstall()
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
     text = buf.getvalue()
-    assert text.startswith("asyncdbo run 'signalled': 2 ubatches on host; ubatch 1 is running")
+    who, text = text.split("\n", 1)
+    assert who.endswith(f"pid {os.getpid()}, printed by the signal handler (SIGUSR1)")
+    assert text.startswith(
+        "asyncdbo run 'signalled': 2 ubatches on host; ubatch 1 is running (the signal handler interrupted it)\n"
+    )
     assert f'line {line_of("PARK")}, in wait_for_comm' in text
     # Only the running ubatch's own line differs between the two dumps (it moved on by one line).
-    assert text.split("ubatch 1:")[0] == dumps[0].split("ubatch 1:")[0]
+    assert text.split("ubatch 1:")[1] .split("\n", 1)[0] == dumps[0].split("ubatch 1:")[1].split("\n", 1)[0]
+    assert text.split("ubatch 1:")[0].split("\n", 1)[1] == dumps[0].split("ubatch 1:")[0].split("\n", 2)[2]
 
 
 async def test_the_watchdog_error_uses_the_same_printer() -> None:
