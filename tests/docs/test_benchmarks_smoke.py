@@ -111,6 +111,17 @@ def test_host_overhead_quick() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_run_setup_quick() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "run_setup.py"), "--quick"], capture_output=True, text=True, timeout=50,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for n in (2, 4, 8):
+        assert f"\n| {n} | " in proc.stdout
+
+
+@pytest.mark.timeout(60)
 def test_gil_handoff_quick() -> None:
     proc = subprocess.run(
         [sys.executable, str(BENCH / "gil_handoff.py"), "--quick"], capture_output=True, text=True, timeout=50,
