@@ -48,7 +48,7 @@ from ..moe import MoEConfig, MoELayer
 from ..moe.batch_invariant import ROW_TILE, is_deterministic, linear
 from ..moe.config import Schedule, Scoring
 from ..plan.metadata import AttentionMetadata
-from ..serving import KVCacheConfig, PagedKVCache
+from ..serving import KVCacheConfig, PagedKVCache, check_token_ids
 from .attention import paged_causal_attention, wait_for_earlier_kv
 
 __all__ = ["MiniConfig", "MiniModel"]
@@ -206,6 +206,7 @@ class MiniModel:
                 f"the attention metadata covers {attn.num_actual_tokens} tokens but only "
                 f"{input_ids_T.shape[0]} were given"
             )
+        check_token_ids(input_ids_T, self.cfg.vocab_size)
         x_TD = self.embed_VD[input_ids_T]
         tile = ROW_TILE if is_deterministic(self.cfg.deterministic, x_TD) else None
         for layer, p in enumerate(self.layers):

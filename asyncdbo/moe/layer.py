@@ -311,8 +311,7 @@ class MoELayer(nn.Module):
         """Route, dispatch to the experts' ranks, run the local experts, combine back. Same shape
         and dtype out. Inside a DBO run it yields per ``cfg.schedule``; outside it is serial."""
         D = self.cfg.hidden_size
-        if x_TD.shape[-1] != D:
-            raise ValueError(f"MoELayer expects inputs of hidden size {D}, got shape {tuple(x_TD.shape)}")
+        self._check_input(x_TD)
         lead = x_TD.shape[:-1]
         x_TD = x_TD.reshape(-1, D)
         if self.cfg.schedule == "ht":
@@ -320,6 +319,23 @@ class MoELayer(nn.Module):
         else:
             out_TD = await self._forward_ll(x_TD)
         return out_TD.reshape(*lead, D)
+
+    def _check_input(self, x_TD: torch.Tensor) -> None:
+        """Refuse what would fail deep inside routing or the expert GEMMs with a message that names
+        neither the layer nor the fix (an IndexError, "expected scalar type Float")."""
+        D, w = self.cfg.hidden_size, self.gate_LFD
+        if not isinstance(x_TD, torch.Tensor):
+            raise TypeError(f"MoELayer {self.name!r} expects a tensor of shape (..., {D}), got {type(x_TD).__name__}")
+        if x_TD.dim() == 0 or x_TD.shape[-1] != D:
+            got = "a 0-dim tensor" if x_TD.dim() == 0 else f"shape {tuple(x_TD.shape)}"
+            raise ValueError(f"MoELayer {self.name!r} expects inputs of shape (tokens, {D}) or (..., {D}): one row of "
+                             f"hidden size {D} per token; got {got}")
+        if x_TD.dtype != w.dtype:
+            raise ValueError(f"MoELayer {self.name!r} holds {w.dtype} weights but got {x_TD.dtype} inputs; cast them "
+                             f"with x.to({w.dtype}) or build the layer with dtype={x_TD.dtype}")
+        if x_TD.device != w.device:
+            raise ValueError(f"MoELayer {self.name!r} holds its weights on {w.device} but got inputs on {x_TD.device}; "
+                             f"move them with x.to({str(w.device)!r}) or the layer with layer.to(...)")
 
     def _fused_capacity(self, x_TD: torch.Tensor) -> int:
         """Rows per destination of a fused dispatch for this call, or 0 to split."""

@@ -5,7 +5,7 @@ The runner knows no model: it takes anything with ``async forward(input_ids_T, p
 attn)``.
 """
 
-from .batch import Batch, BatchBuilder
+from .batch import Batch, BatchBuilder, check_token_ids
 from .kv_cache import PAD_SLOT_ID, KVCacheConfig, PagedKVCache, slots_for
 from .runner import DBORunner, RunnerConfig, StepResult, current_slice
 
@@ -18,6 +18,7 @@ __all__ = [
     "PagedKVCache",
     "RunnerConfig",
     "StepResult",
+    "check_token_ids",
     "current_slice",
     "slots_for",
 ]

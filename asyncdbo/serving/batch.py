@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,7 +13,36 @@ import torch
 from ..plan import AttentionMetadata
 from .kv_cache import KVCacheConfig
 
-__all__ = ["Batch", "BatchBuilder"]
+__all__ = ["Batch", "BatchBuilder", "check_token_ids"]
+
+#: Dtypes an embedding lookup takes as indices (a bool or uint8 tensor would index as a mask).
+ID_DTYPES = (torch.int64, torch.int32)
+
+
+def check_token_ids(ids_T: torch.Tensor, vocab_size: int | None = None, *, what: str = "input_ids") -> None:
+    """Token ids must be an int64/int32 tensor and, on the host, lie in ``0 .. vocab_size - 1``.
+
+    Without this, a float id failed deep in the model or was truncated on the way in, and ``-1``
+    silently read the embedding's last row (Python indexing from the end). The range of a tensor
+    on an accelerator is not read here (its min and max would make every step wait for the
+    device); :class:`BatchBuilder` with ``vocab_size`` checks the ids it builds on the host."""
+    if not isinstance(ids_T, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor of token ids, got {type(ids_T).__name__}; "
+                        "build it with torch.tensor(ids, dtype=torch.int64)")
+    if ids_T.dtype not in ID_DTYPES:
+        raise ValueError(f"{what} must hold token ids as torch.int64 (or torch.int32), got {ids_T.dtype}; "
+                         "build it with torch.tensor(ids, dtype=torch.int64)")
+    if vocab_size is None or ids_T.device.type != "cpu" or ids_T.numel() == 0:
+        return
+    bad_T = (ids_T < 0) | (ids_T >= vocab_size)
+    if bool(bad_T.any()):
+        first = int(bad_T.nonzero()[0, 0]) if ids_T.dim() == 1 else tuple(bad_T.nonzero()[0].tolist())
+        raise ValueError(_out_of_vocab(f"{what}[{first}]", int(ids_T[first]), vocab_size))
+
+
+def _out_of_vocab(where: str, token: int, vocab_size: int) -> str:
+    return (f"{where} is {token}, not a token id of a vocabulary of {vocab_size} (0 .. {vocab_size - 1}); "
+            "map padding and unknown tokens to a real id (the runner pads with 0)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,6 +54,7 @@ class Batch:
     attn: AttentionMetadata
 
     def __post_init__(self) -> None:
+        check_token_ids(self.input_ids_T)  # the dtype; the model checks the range against its vocabulary
         n = self.attn.num_actual_tokens
         if self.input_ids_T.shape != (n,) or self.positions_T.shape != (n,):
             raise ValueError(
@@ -42,18 +73,41 @@ class BatchBuilder:
     ``add(request_id, token_ids)`` appends new tokens to a request (a prefill chunk, or one decode
     token); the builder keeps how many tokens each request already has in the cache, so a later
     chunk attends over the earlier ones.  Blocks are handed out in order and never freed (demo and
-    test workloads fit the cache; :meth:`reset` starts over).
+    test workloads fit the cache; :meth:`reset` starts over). Token ids must be integers; with
+    ``vocab_size`` they are also checked against the vocabulary here, on the host, where it costs
+    no device wait.
     """
 
-    def __init__(self, cache_cfg: KVCacheConfig, *, device: torch.device | str = "cpu") -> None:
+    def __init__(self, cache_cfg: KVCacheConfig, *, device: torch.device | str = "cpu",
+                 vocab_size: int | None = None) -> None:
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+            raise ValueError(f"vocab_size must be a number of tokens >= 1 or None (got {vocab_size!r})")
         self.cache_cfg = cache_cfg
         self.device = torch.device(device)
+        self.vocab_size = vocab_size
         self.reset()
 
     def reset(self) -> None:
         self._next_block = 0
         self.blocks: dict[int, list[int]] = {}
         self.num_computed: dict[int, int] = {}
+
+    def _token_ids(self, rid: int, tokens: Sequence[int]) -> list[int]:
+        """``tokens`` as ints, refusing a float (``int()`` would truncate it), a bool and, with
+        ``vocab_size``, an id outside the vocabulary."""
+        out = []
+        for j, t in enumerate(tokens):
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                token = operator.index(t)
+            except TypeError:
+                raise ValueError(f"request {rid}: token {j} is {t!r}, not an integer token id; pass ints "
+                                 "(a float id would be truncated)") from None
+            if self.vocab_size is not None and not 0 <= token < self.vocab_size:
+                raise ValueError(_out_of_vocab(f"request {rid}: token {j}", token, self.vocab_size))
+            out.append(token)
+        return out
 
     def _ensure_blocks(self, request_id: int, num_tokens: int) -> list[int]:
         blocks = self.blocks.setdefault(request_id, [])
@@ -77,10 +131,12 @@ class BatchBuilder:
         # Check everything before changing any state, so a refused batch leaves the builder as it was.
         seen: set[int] = set()
         new_blocks = 0
+        ids_per_chunk = []
         for rid, tokens in chunks:
             if rid in seen:
                 raise ValueError(f"request {rid} appears twice in one batch; pass its tokens as one chunk")
             seen.add(rid)
+            ids_per_chunk.append(self._token_ids(rid, tokens))
             have = len(self.blocks.get(rid, ()))
             new_blocks += max(0, -(-(self.num_computed.get(rid, 0) + len(tokens)) // bs) - have)
         if self._next_block + new_blocks > self.cache_cfg.num_blocks:
@@ -88,11 +144,11 @@ class BatchBuilder:
                 f"the KV cache is full ({self.cache_cfg.num_blocks} blocks of {bs}); "
                 f"raise MiniConfig.num_kv_blocks or use fewer/shorter requests"
             )
-        for rid, tokens in chunks:
+        for (rid, tokens), chunk_ids in zip(chunks, ids_per_chunk):
             start = self.num_computed.get(rid, 0)
             end = start + len(tokens)
             blocks = self._ensure_blocks(rid, end)
-            ids.extend(int(t) for t in tokens)
+            ids.extend(chunk_ids)
             positions.extend(range(start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             qlens.append(len(tokens))

@@ -241,9 +241,30 @@ def test_load_global_weights_names_the_bad_shape() -> None:
         )
 
 
-def test_wrong_hidden_size_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"^MoELayer expects inputs of hidden size 32, got shape \(4, 16\)$"):
-        asyncdbo.run(_local_layer("ll"), torch.zeros(4, 16))
+BAD_INPUTS = [
+    (torch.zeros(4, 16), ValueError, "expects inputs of shape (tokens, 32) or (..., 32): one row of hidden size 32 per "
+                                     "token; got shape (4, 16)"),
+    (torch.tensor(1.0), ValueError, "expects inputs of shape (tokens, 32) or (..., 32): one row of hidden size 32 per "
+                                    "token; got a 0-dim tensor"),
+    (torch.zeros(4, 32, dtype=torch.float64), ValueError,
+     "holds torch.float32 weights but got torch.float64 inputs; cast them with x.to(torch.float32) or build the layer "
+     "with dtype=torch.float64"),
+    (torch.zeros(4, 32, dtype=torch.bfloat16), ValueError,
+     "holds torch.float32 weights but got torch.bfloat16 inputs; cast them with x.to(torch.float32) or build the layer "
+     "with dtype=torch.bfloat16"),
+    (torch.zeros(4, 32, device="meta"), ValueError,
+     "holds its weights on cpu but got inputs on meta; move them with x.to('cpu') or the layer with layer.to(...)"),
+    ([[0.0] * 32], TypeError, "expects a tensor of shape (..., 32), got list"),
+]
+
+
+@pytest.mark.parametrize(("x", "kind", "message"), BAD_INPUTS,
+                         ids=["hidden size", "0-dim", "float64", "bf16", "device", "list"])
+def test_bad_inputs_are_refused_naming_the_layer_and_the_fix(x: Any, kind: type, message: str) -> None:
+    layer = _local_layer("ll")
+    with pytest.raises(kind) as info:
+        asyncdbo.run(layer, x)
+    assert str(info.value) == f"MoELayer {layer.name!r} {message}"
 
 
 # ---------------------------------------------------------------- one message per dispatch

@@ -37,6 +37,7 @@ from ...moe import MoEConfig, MoELayer
 from ...moe.config import Schedule
 from ...moe.experts import swiglu
 from ...plan.metadata import AttentionMetadata
+from ...serving import check_token_ids
 from ..attention import KVCacheConfig, PagedKVCache
 from .common import (
     Rope,
@@ -257,6 +258,7 @@ class HFMoEModel:
                 f"the attention metadata covers {attn.num_actual_tokens} tokens but only "
                 f"{input_ids_T.shape[0]} were given"
             )
+        check_token_ids(input_ids_T, self.embed_VD.shape[0])
         seg, eps, layers = self.segments, self.eps, self.layers
         x_TD = self.embed_VD[input_ids_T]
         rope_TK = self.rope.tables(positions_T, x_TD.dtype)
