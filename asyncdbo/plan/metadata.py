@@ -229,11 +229,19 @@ def split_attn_metadata(meta: M, slices: Sequence[UBatchSlice]) -> list[M]:
     """Split ``meta`` into one metadata per ubatch slice (see the module docstring for the rules).
 
     The slices are checked against ``meta.query_start_loc_cpu`` first (:mod:`asyncdbo.plan.validate`):
-    their token ranges must tile the batch, each request range must list exactly the requests
-    with tokens in it, and the continuation/truncation flags are derived from the batch (None)
-    or must agree with it.  Raises ValueError naming the bad slice, or if ``meta`` is a subclass
-    with a field missing from its ``split_rules``.
+    each must lie inside the batch and no two may share a token (any such set, as with vLLM's
+    ``split_attn_metadata``: one slice, or slices with gaps; a step's slices from
+    :func:`~asyncdbo.plan.plan_step` also tile it), each request range must list exactly the
+    requests with tokens in it, and the continuation/truncation flags are derived from the batch
+    (None) or must agree with it.  Raises ValueError naming the bad slice, or if ``meta`` is a
+    subclass with a field missing from its ``split_rules``.
     """
+    flags = check_slices([int(v) for v in meta.query_start_loc_cpu.tolist()], slices, tile=False)
+    return split_checked(meta, slices, flags)
+
+
+def split_checked(meta: M, slices: Sequence[UBatchSlice], flags: Sequence[tuple[bool, bool]]) -> list[M]:
+    """:func:`split_attn_metadata` of slices :func:`check_slices` already passed (with ``flags``)."""
     cls = type(meta)
     unknown = [f.name for f in dataclasses.fields(cls) if f.name not in _BASE_FIELDS and f.name not in cls.split_rules]
     if unknown:
@@ -241,7 +249,6 @@ def split_attn_metadata(meta: M, slices: Sequence[UBatchSlice]) -> list[M]:
             f"{cls.__name__} has field(s) {unknown} with no split rule; declare one per field, "
             f"e.g. split_rules = {{{unknown[0]!r}: SplitKind.PER_TOKEN}} (or PER_REQUEST / SHARED)"
         )
-    flags = check_slices([int(v) for v in meta.query_start_loc_cpu.tolist()], slices)
     return [_split_one_meta(meta, s, trunc) for s, (_, trunc) in zip(slices, flags)]
 
 

@@ -21,7 +21,8 @@ from .dp import (
     decide_from_votes,
     should_microbatch,
 )
-from .metadata import AttentionMetadata, split_attn_metadata
+from .metadata import AttentionMetadata, split_checked
+from .validate import check_slices
 from .records import PlanReason, PlanStats, RankVote, StepRecord, log_record
 from .slices import (
     SPLIT_POLICIES,
@@ -163,9 +164,11 @@ def plan_step(
         slices = tuple(plan_slices(qsl, num_ubatches, policy, num_tokens_padded=padded, min_share=min_share))
     else:
         slices = (whole_batch_slice(qsl, padded),)
+    # The planners' slices must tile the batch (split_attn_metadata alone accepts any disjoint set).
+    flags = check_slices(qsl, slices, tile=True) if microbatched else ()
     metas: tuple[AttentionMetadata, ...] = ()
     if attn_metadata is not None:
-        metas = tuple(split_attn_metadata(attn_metadata, slices)) if microbatched else (attn_metadata,)
+        metas = tuple(split_checked(attn_metadata, slices, flags)) if microbatched else (attn_metadata,)
     record = StepRecord(
         step=step,
         microbatched=microbatched,

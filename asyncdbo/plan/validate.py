@@ -6,9 +6,12 @@ request index and token index).  A slice that does not fit the batch gives atten
 that reads KV slots not yet written or drops tokens, and nothing downstream notices, so the
 split checks every slice first and says which one is wrong and how:
 
-* the token ranges must tile the batch: ubatch 0 starts at token 0, each starts where the
-  previous one stops, the last stops at ``num_actual_tokens`` (no overlap, no gap, nothing
-  outside);
+* every range must lie inside the batch, and no two token ranges may overlap (a token computed
+  twice); :func:`~asyncdbo.plan.split_attn_metadata` accepts any such set, as vLLM's
+  ``split_attn_metadata`` does (one slice of a batch, slices with gaps);
+* the slices of a step (``tile=True``, what :func:`~asyncdbo.plan.plan_step` checks of its own)
+  must also tile the batch: ubatch 0 starts at token 0, each starts where the previous one
+  stops, the last stops at ``num_actual_tokens`` (no gap);
 * a ubatch's request range must list exactly the requests with a token in its token range (a
   request without query tokens may sit at either edge);
 * the continuation and truncation flags follow from the ranges and ``query_start_loc``: None
@@ -34,9 +37,11 @@ def _describe(k: int, s: UBatchSlice) -> str:
     return f"ubatch {k} (tokens {_span(s.token_slice)}, requests {_span(s.request_slice)})"
 
 
-def check_slices(qsl: Sequence[int], slices: Sequence[UBatchSlice]) -> list[tuple[bool, bool]]:
+def check_slices(qsl: Sequence[int], slices: Sequence[UBatchSlice], *, tile: bool = True) -> list[tuple[bool, bool]]:
     """Validate ``slices`` against the batch ``qsl`` (``query_start_loc_cpu`` as ints) and return
     each slice's ``(first_is_continuation, last_is_truncated)`` as the batch defines them.
+    ``tile``: the token ranges must also cover the batch in order, with no gap (a step's slices);
+    else any set of non-overlapping ranges inside the batch is valid.
     Raises ValueError naming the first bad slice."""
     num_reqs, num_tokens = len(qsl) - 1, qsl[-1]
     if not slices:
@@ -47,6 +52,27 @@ def check_slices(qsl: Sequence[int], slices: Sequence[UBatchSlice]) -> list[tupl
                 f"{_describe(k, s)} exceeds the batch ({num_tokens} tokens, {num_reqs} requests); plan the "
                 f"slices from this metadata's query_start_loc_cpu"
             )
+    if tile:
+        _check_tiling(num_tokens, slices)
+    else:
+        _check_disjoint(slices)
+    return [_flags(qsl, k, s) for k, s in enumerate(slices)]
+
+
+def _check_disjoint(slices: Sequence[UBatchSlice]) -> None:
+    order = sorted(range(len(slices)), key=lambda k: (slices[k].token_slice.start, slices[k].token_slice.stop))
+    for a, b in zip(order, order[1:]):
+        sa, sb = slices[a].token_slice, slices[b].token_slice
+        if sb.start < sa.stop and sb.start < sb.stop:  # an empty range overlaps nothing
+            first, second = sorted((a, b))
+            raise ValueError(
+                f"{_describe(second, slices[second])} overlaps {_describe(first, slices[first])}: tokens "
+                f"{sb.start}:{min(sa.stop, sb.stop)} would be computed twice; slices may leave tokens out, but "
+                f"no token may be in two"
+            )
+
+
+def _check_tiling(num_tokens: int, slices: Sequence[UBatchSlice]) -> None:
     expected_start = 0
     for k, s in enumerate(slices):
         t0, t1 = s.token_slice.start, s.token_slice.stop
@@ -68,35 +94,37 @@ def check_slices(qsl: Sequence[int], slices: Sequence[UBatchSlice]) -> list[tupl
             f"the ubatches stop at token {expected_start} but the batch has {num_tokens} tokens: tokens "
             f"{expected_start}:{num_tokens} are in no ubatch"
         )
-    flags: list[tuple[bool, bool]] = []
-    for k, s in enumerate(slices):
-        t0, t1 = s.token_slice.start, s.token_slice.stop
-        r0, r1 = s.request_slice.start, s.request_slice.stop
-        # Requests with a token in [t0, t1): their range [qsl[r], qsl[r+1]) meets it.
-        having = [r for r in range(num_reqs) if max(qsl[r], t0) < min(qsl[r + 1], t1)]
-        for r in range(r0, r1):
-            empty_at_edge = qsl[r] == qsl[r + 1] and t0 <= qsl[r] <= t1
-            if r not in having and not empty_at_edge:
-                raise ValueError(
-                    f"{_describe(k, s)} lists request {r} (tokens {qsl[r]}:{qsl[r + 1]}), which has no token in "
-                    f"it; a ubatch's requests are exactly those with tokens in its token range (use "
-                    f"slices_from_split_points to build slices)"
-                )
-        for r in having:
-            if not r0 <= r < r1:
-                raise ValueError(
-                    f"{_describe(k, s)} omits request {r} (tokens {qsl[r]}:{qsl[r + 1]}), which has tokens "
-                    f"{max(qsl[r], t0)}:{min(qsl[r + 1], t1)} in it; a ubatch's requests are exactly those with "
-                    f"tokens in its token range (use slices_from_split_points to build slices)"
-                )
-        cont = r1 > r0 and qsl[r0] < t0
-        trunc = r1 > r0 and qsl[r1] > t1
-        for name, given, derived in (("first_is_continuation", s.first_is_continuation, cont),
-                                     ("last_is_truncated", s.last_is_truncated, trunc)):
-            if given is not None and given != derived:
-                raise ValueError(
-                    f"{_describe(k, s)} has {name}={given}, but query_start_loc says {derived}; leave the flags "
-                    f"None to derive them"
-                )
-        flags.append((cont, trunc))
-    return flags
+
+
+def _flags(qsl: Sequence[int], k: int, s: UBatchSlice) -> tuple[bool, bool]:
+    """Check slice ``k``'s requests against its tokens; its continuation and truncation flags."""
+    num_reqs = len(qsl) - 1
+    t0, t1 = s.token_slice.start, s.token_slice.stop
+    r0, r1 = s.request_slice.start, s.request_slice.stop
+    # Requests with a token in [t0, t1): their range [qsl[r], qsl[r+1]) meets it.
+    having = [r for r in range(num_reqs) if max(qsl[r], t0) < min(qsl[r + 1], t1)]
+    for r in range(r0, r1):
+        empty_at_edge = qsl[r] == qsl[r + 1] and t0 <= qsl[r] <= t1
+        if r not in having and not empty_at_edge:
+            raise ValueError(
+                f"{_describe(k, s)} lists request {r} (tokens {qsl[r]}:{qsl[r + 1]}), which has no token in "
+                f"it; a ubatch's requests are exactly those with tokens in its token range (use "
+                f"slices_from_split_points to build slices)"
+            )
+    for r in having:
+        if not r0 <= r < r1:
+            raise ValueError(
+                f"{_describe(k, s)} omits request {r} (tokens {qsl[r]}:{qsl[r + 1]}), which has tokens "
+                f"{max(qsl[r], t0)}:{min(qsl[r + 1], t1)} in it; a ubatch's requests are exactly those with "
+                f"tokens in its token range (use slices_from_split_points to build slices)"
+            )
+    cont = r1 > r0 and qsl[r0] < t0
+    trunc = r1 > r0 and qsl[r1] > t1
+    for name, given, derived in (("first_is_continuation", s.first_is_continuation, cont),
+                                 ("last_is_truncated", s.last_is_truncated, trunc)):
+        if given is not None and given != derived:
+            raise ValueError(
+                f"{_describe(k, s)} has {name}={given}, but query_start_loc says {derived}; leave the flags "
+                f"None to derive them"
+            )
+    return cont, trunc

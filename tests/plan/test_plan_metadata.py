@@ -18,6 +18,7 @@ from asyncdbo.plan import (
     split_extra,
     split_tokens,
 )
+from asyncdbo.plan.validate import check_slices
 
 # Requests with query lengths 3, 7, 1, 9 (20 tokens) over prefixes of 2, 0, 3, 11 tokens.
 QUERY_LENS = [3, 7, 1, 9]
@@ -139,16 +140,12 @@ def _slices(*spec: tuple[tuple[int, int], tuple[int, int]]) -> list[UBatchSlice]
     [
         # tokens 4:12 in both ubatches
         (_slices(((0, 4), (0, 12)), ((1, 4), (4, 20))),
-         r"^ubatch 1 \(tokens 4:20, requests 1:4\) overlaps ubatch 0 \(tokens 0:12\): tokens 4:12 would be computed "
-         r"twice; each ubatch must start where the previous one stops$"),
-        # tokens 10:12 in neither
-        (_slices(((0, 2), (0, 10)), ((3, 4), (12, 20))),
-         r"^ubatch 1 \(tokens 12:20, requests 3:4\) leaves tokens 10:12 after ubatch 0 \(tokens 0:10\) in no ubatch; "
-         r"each ubatch must start where the previous one stops, the first at token 0$"),
-        (_slices(((0, 4), (2, 20)),),
-         r"^ubatch 0 \(tokens 2:20, requests 0:4\) leaves tokens 0:2 before it in no ubatch"),
-        (_slices(((0, 2), (0, 10)), ((2, 4), (10, 16))),
-         r"^the ubatches stop at token 16 but the batch has 20 tokens: tokens 16:20 are in no ubatch$"),
+         r"^ubatch 1 \(tokens 4:20, requests 1:4\) overlaps ubatch 0 \(tokens 0:12, requests 0:4\): tokens 4:12 would be "
+         r"computed twice; slices may leave tokens out, but no token may be in two$"),
+        # the same overlap, given in the other order
+        (_slices(((1, 4), (4, 20)), ((0, 4), (0, 12))),
+         r"^ubatch 1 \(tokens 0:12, requests 0:4\) overlaps ubatch 0 \(tokens 4:20, requests 1:4\): tokens 4:12 would be "
+         r"computed twice; slices may leave tokens out, but no token may be in two$"),
         # request 1 (tokens 3:10) listed by ubatch 1 (tokens 10:20)
         (_slices(((0, 2), (0, 10)), ((1, 4), (10, 20))),
          r"^ubatch 1 \(tokens 10:20, requests 1:4\) lists request 1 \(tokens 3:10\), which has no token in it; a "
@@ -160,9 +157,55 @@ def _slices(*spec: tuple[tuple[int, int], tuple[int, int]]) -> list[UBatchSlice]
         ([], r"^no ubatch slices given; pass at least one \(the whole batch is one slice\)$"),
     ],
 )
-def test_slices_that_do_not_tile_the_batch_are_named(slices: list[UBatchSlice], message: str) -> None:
+def test_slices_that_overlap_or_disagree_with_the_batch_are_named(slices: list[UBatchSlice], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         split_attn_metadata(make_meta(), slices)
+
+
+GAPS = [
+    # tokens 10:12 in neither
+    (_slices(((0, 2), (0, 10)), ((3, 4), (12, 20))),
+     "ubatch 1 (tokens 12:20, requests 3:4) leaves tokens 10:12 after ubatch 0 (tokens 0:10) in no ubatch; "
+     "each ubatch must start where the previous one stops, the first at token 0"),
+    (_slices(((0, 4), (2, 20)),),
+     "ubatch 0 (tokens 2:20, requests 0:4) leaves tokens 0:2 before it in no ubatch; each ubatch must start where "
+     "the previous one stops, the first at token 0"),
+    (_slices(((0, 2), (0, 10)), ((2, 4), (10, 16))),
+     "the ubatches stop at token 16 but the batch has 20 tokens: tokens 16:20 are in no ubatch"),
+    (_slices(((0, 4), (0, 12)), ((1, 4), (4, 20))),
+     "ubatch 1 (tokens 4:20, requests 1:4) overlaps ubatch 0 (tokens 0:12): tokens 4:12 would be computed twice; "
+     "each ubatch must start where the previous one stops"),
+]
+
+
+@pytest.mark.parametrize(("slices", "message"), GAPS, ids=["gap", "head", "tail", "overlap"])
+def test_a_steps_slices_must_tile_the_batch(slices: list[UBatchSlice], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        check_slices(make_meta().query_start_loc_cpu.tolist(), slices, tile=True)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(("slices", "_"), GAPS[:3], ids=["gap", "head", "tail"])
+def test_split_attn_metadata_takes_slices_with_gaps(slices: list[UBatchSlice], _: str) -> None:
+    """As vLLM's split_attn_metadata does: each slice is split on its own; the tokens between
+    them are simply in none."""
+    meta = make_meta()
+    for s, part in zip(slices, split_attn_metadata(meta, slices)):
+        assert part.num_actual_tokens == s.num_tokens
+        assert torch.equal(part.slot_mapping, meta.slot_mapping[s.token_slice])
+
+
+def test_plan_step_refuses_slices_of_its_own_planner_that_do_not_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncdbo.plan import step
+
+    def gapped(qsl: list[int], *args: object, **kwargs: object) -> list[UBatchSlice]:
+        return _slices(((0, 2), (0, 10)), ((3, 4), (12, 20)))  # a planner that dropped tokens 10:12
+
+    monkeypatch.setattr(step, "plan_slices", gapped)
+    with pytest.raises(ValueError) as info:
+        step.plan_step(make_meta().query_start_loc_cpu, attn_metadata=make_meta(),
+                       thresholds=step.ThresholdConfig(decode_threshold=1, prefill_threshold=1))
+    assert str(info.value) == GAPS[0][1]
 
 
 def test_slices_that_do_not_fit_the_batch_are_rejected() -> None:
