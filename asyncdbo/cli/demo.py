@@ -184,7 +184,7 @@ async def _demo_rank_async(rank: int, world: int, cfg: DemoConfig, device: torch
         dp_group=group,
         device=device,
     )
-    builder = BatchBuilder(mcfg.kv_cache_config, device=device)
+    builder = BatchBuilder(mcfg.kv_cache_config, device=device, vocab_size=mcfg.vocab_size)  # ids checked on the host
 
     def barrier() -> None:
         if group is not None:
