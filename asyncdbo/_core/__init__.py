@@ -21,7 +21,7 @@ from .errors import (
 from .extensions import load_extension
 from .instrument import Fanout, Instrument
 from .kernel import LIVE_RUNS, LOOP_POLL_S, DBORun
-from .stacks import Frame, await_chain, format_run, format_ubatch, user_frame
+from .stacks import Frame, await_chain, format_run, format_ubatch, from_the_ubatch, user_frame
 from .traps import SWITCH, Signal, switch, trap
 from .ubatch import UBatch, UBatchState, current_ubatch, get_ubatch
 
@@ -53,6 +53,7 @@ __all__ = [
     "current_ubatch",
     "format_run",
     "format_ubatch",
+    "from_the_ubatch",
     "get_ubatch",
     "load_extension",
     "switch",

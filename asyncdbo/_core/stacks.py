@@ -11,6 +11,7 @@ from __future__ import annotations
 import linecache
 import os
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 from .ubatch import UBatchState
@@ -18,7 +19,7 @@ from .ubatch import UBatchState
 if TYPE_CHECKING:
     from .ubatch import UBatch
 
-__all__ = ["Frame", "await_chain", "format_run", "format_ubatch", "user_frame"]
+__all__ = ["Frame", "await_chain", "format_run", "format_ubatch", "from_the_ubatch", "user_frame"]
 
 
 @dataclass(frozen=True)
@@ -80,3 +81,20 @@ def user_frame(ub: UBatch) -> Frame | None:
         return None
     frames = [f for f in await_chain(ub.coro) if not f.filename.startswith(_PKG)]
     return frames[-1] if frames else None
+
+
+_CORE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def from_the_ubatch(tb: TracebackType | None, entry_files: frozenset[str] = frozenset()) -> TracebackType | None:
+    """``tb`` without its leading frames of the run's machinery: the kernel's switch loops and its
+    re-raise (this package) and the entry points in ``entry_files``, which carried the error out
+    of the ubatch that raised it. A user then reads from the ``await run_ubatches(...)`` line
+    straight into the ubatch's own frames, as asyncio's task step (in C) leaves its own frames out
+    of a task's traceback. Returned unchanged when every frame is machinery (an error of the
+    kernel itself, or of a run's arguments, keeps all of them)."""
+    t = tb
+    while t is not None and (t.tb_frame.f_code.co_filename.startswith(_CORE)
+                             or t.tb_frame.f_code.co_filename in entry_files):
+        t = t.tb_next
+    return tb if t is None else t

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, fields
 from numbers import Real
 from typing import Any, Literal, TypeVar
 
-from .._core import LOOP_POLL_S, Clock, DBORun, Fanout, Instrument
+from .._core import LOOP_POLL_S, Clock, DBORun, Fanout, Instrument, from_the_ubatch
 from ..backends import CommRecord, StreamBackend, StreamPolicy, get_backend
 from .debug import DebugMode, debug_instruments
 from .hooks import on_exit, run_pending_hook
@@ -194,6 +195,13 @@ def _options(options: dict[str, Any]) -> DBOOptions:
     return opts
 
 
+#: The error of a ubatch leaves through the kernel's loop and this module's entry points; their
+#: frames are cut from its traceback (asyncdbo._core.stacks.from_the_ubatch), so the traceback
+#: goes from the caller's ``await run_ubatches(...)`` and this one re-raise line to the ubatch's
+#: frames and ends where the ubatch raised.
+_ENTRY_FILES = frozenset({os.path.abspath(__file__)})
+
+
 async def run_ubatches(
     fn: Callable[..., Awaitable[T]],
     ubatch_args: Iterable[Sequence[Any]],
@@ -207,7 +215,13 @@ async def run_ubatches(
     others and propagates with a note naming the ubatch; cancelling the awaiting task cancels
     every ubatch.
     """
-    results, _, _ = await _run(fn, ubatch_args, options)
+    try:
+        results, _, _ = await _run(fn, ubatch_args, options)
+    except BaseException as exc:
+        tb = from_the_ubatch(exc.__traceback__, _ENTRY_FILES)
+        if tb is exc.__traceback__:
+            raise
+        raise exc.with_traceback(tb)  # the ubatch's own frames, without the kernel's (see _ENTRY_FILES)
     return results
 
 
@@ -217,7 +231,13 @@ async def run_ubatches_with_stats(
     **options: Any,
 ) -> tuple[list[T], RunStats]:
     """:func:`run_ubatches`, also returning the run's :class:`RunStats`."""
-    results, dbo, state = await _run(fn, ubatch_args, options)
+    try:
+        results, dbo, state = await _run(fn, ubatch_args, options)
+    except BaseException as exc:
+        tb = from_the_ubatch(exc.__traceback__, _ENTRY_FILES)
+        if tb is exc.__traceback__:
+            raise
+        raise exc.with_traceback(tb)
     stats = RunStats(
         num_ubatches=len(dbo.ubatches),
         num_switches=dbo.num_switches,

@@ -203,3 +203,49 @@ async def test_a_failed_run_frees_itself_once_the_error_is_dropped_without_gc() 
     finally:
         gc.enable()
 
+
+
+# ------------------------------------------------------------------------- what a user reads
+async def _raises_at_layer_1(bad: int) -> None:
+    for layer in range(3):
+        await dbo_yield(f"L{layer}")
+        if layer == 1 and dbo_current_ubatch_id() == bad:
+            raise Boom(f"bad value at layer {layer}")
+
+
+@pytest.mark.parametrize("entry", ["run_ubatches", "run_ubatches_with_stats", "with an instrument"])
+async def test_a_ubatchs_traceback_ends_in_its_own_frame_without_the_kernels(entry: str) -> None:
+    import os
+    import traceback
+
+    import asyncdbo
+
+    core = os.path.join("asyncdbo", "_core") + os.sep
+
+    async def caller() -> None:
+        if entry == "run_ubatches_with_stats":
+            await asyncdbo.run_ubatches_with_stats(_raises_at_layer_1, [(1,), (1,)])
+        else:  # an instrument sends every switch through the Python loop
+            await run_ubatches(_raises_at_layer_1, [(1,), (1,)],
+                               instrument=Instrument() if entry == "with an instrument" else None)
+
+    with pytest.raises(Boom) as info:
+        await caller()
+    frames = traceback.extract_tb(info.value.__traceback__)
+    # from the caller's await, through the one re-raise line of the entry point, into the ubatch
+    assert [f.name for f in frames] == ["test_a_ubatchs_traceback_ends_in_its_own_frame_without_the_kernels", "caller",
+                                        entry.replace("with an instrument", "run_ubatches"), "_raises_at_layer_1"]
+    assert frames[-1].line == 'raise Boom(f"bad value at layer {layer}")'
+    assert not [f for f in frames if core in f.filename]  # no frame of the kernel's loop or its re-raise
+    assert info.value.__notes__ == [
+        "asyncdbo: raised in ubatch 1 of 2 while running (last yield point 'L1'); the other ubatches were cancelled"]
+
+
+async def test_an_error_that_never_reached_a_ubatch_keeps_every_frame() -> None:
+    import traceback
+
+    with pytest.raises(TypeError) as info:
+        await run_ubatches(_raises_at_layer_1, [(1, 2)])  # one argument too many: fails in the run's set-up
+    names = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert names[:2] == ["test_an_error_that_never_reached_a_ubatch_keeps_every_frame", "run_ubatches"]
+    assert names.count("run_ubatches") == 1  # re-raised as it was, not once more
