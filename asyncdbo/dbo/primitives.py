@@ -253,7 +253,13 @@ def dbo_submit(work: Any, *, nbytes: int = 0, what: str = "comm", **backend_opti
     run; on CUDA/NPU the current stream waits for the collective and the CPU goes on at once.
     ``nbytes`` feeds the modeled link and the trace numbers; ``what`` names it in traces.
     ``backend_options`` go to the backend (the sim backend takes ``inputs``/``outputs`` tensors
-    for its race checker). Outside a run the work is waited for at once (serial semantics)."""
+    for its race checker). Outside a run the work is waited for at once (serial semantics).
+
+    Inside a run, hand every async work to it before the ubatch next yields, parks or returns:
+    the scheduler waits only for works it knows, so the output of one it does not know is read
+    before it arrives. Debug mode fails such a run naming the collective's line; outside it,
+    :func:`asyncdbo.ubatch_group` counts the collectives on the groups it hands out and the run
+    warns (``RuntimeWarning``) when a ubatch issued more on gloo than it submitted."""
     ub = _get_ubatch(None)
     if ub is None:
         if work is not None:
@@ -261,7 +267,13 @@ def dbo_submit(work: Any, *, nbytes: int = 0, what: str = "comm", **backend_opti
         return DoneWork(what, nbytes, work)
     if ub.unawaited is not None:
         check_unawaited(ub)
-    handle: CommHandle = ub.run.ext.backend.submit(work, ub.ext, nbytes=nbytes, what=what, **backend_options)
+    lane: Lane = ub.ext
+    lane.submitted += 1
+    if ub.debug is not None:
+        pending = ub.run.ext.unsubmitted
+        if pending:
+            pending.pop(id(work), None)
+    handle: CommHandle = ub.run.ext.backend.submit(work, lane, nbytes=nbytes, what=what, **backend_options)
     return handle
 
 

@@ -291,9 +291,22 @@ async def _run(
         raise
     try:
         results = await dbo.drive()
+    except BaseException as exc:
+        if state.on_finish is not None:
+            _finish(state, exc)
+        raise
     finally:
         backend.detach(dbo, state)
+    if state.on_finish is not None:
+        _finish(state, None)
     return results, dbo, state
+
+
+def _finish(state: RunState, exc: BaseException | None) -> None:
+    """Tell the layers above that the run ended (they warn, or add notes to ``exc``)."""
+    finishers, state.on_finish = state.on_finish or [], None
+    for fn in finishers:
+        fn(exc)
 
 
 def _instrument(opts: DBOOptions) -> Instrument | None:

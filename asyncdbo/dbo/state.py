@@ -32,15 +32,26 @@ class Lane(UBatchStreams):
     wait: Callable[[Any, Any], Signal | None] = field(default=None, repr=False)  # type: ignore[assignment]
     # The run's install, bound once per run; None where it has nothing to install (a host).
     install: Callable[[Any], None] | None = field(default=None, repr=False)
+    # Works this ubatch handed to dbo_submit in this run (asyncdbo.dist counts the collectives
+    # issued on the groups ubatch_group() handed it against this).
+    submitted: int = 0
 
 
 @dataclass(eq=False)
 class RunState(RunStreams):
     """A run's backend state plus its named events (key -> (device event or None, signal set on
-    the record)) and, in debug mode, the steps that blocked the CPU."""
+    the record)), in debug mode the steps that blocked the CPU and the async collectives not yet
+    handed to dbo_submit, and what a layer above wants to hear when the run ends."""
 
     events: dict[Hashable, tuple[Any, Signal]] = field(default_factory=dict)
     blocking: list[Any] = field(default_factory=list)  # debug mode: BlockingStep records
+    # debug mode: id(work) -> asyncdbo.dbo.debug.PendingComm, from its issue until dbo_submit
+    unsubmitted: dict[int, Any] | None = None
+    # Called once when the run ends, with its error or None, outside the ubatches (asyncdbo.dist
+    # adds its count of the collectives on per-ubatch groups that never reached dbo_submit).
+    on_finish: list[Callable[[BaseException | None], None]] | None = None
+    # asyncdbo.dist's count of the collectives on the groups ubatch_group() handed out in this run
+    comm_account: Any = None
 
     def __post_init__(self) -> None:
         for lane in self.lanes:

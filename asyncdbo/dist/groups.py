@@ -29,6 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 from .._core import get_ubatch
+from .unsubmitted import note_handout
 
 __all__ = [
     "clone_group",
@@ -228,7 +229,10 @@ def ubatch_group(group: Any = None) -> Any:
     """The process group the running ubatch must issue its collectives on.
 
     Outside a DBO run this is ``group`` itself (serial code keeps using the base group); inside
-    a run it is the running ubatch's clone, made earlier by :func:`ubatch_groups`."""
+    a run it is the running ubatch's clone, made earlier by :func:`ubatch_groups`. Hand every
+    work of a collective issued on it to :func:`asyncdbo.dbo_submit`: a run whose ubatch issued
+    more collectives on it (gloo) than it submitted warns when it ends
+    (:mod:`asyncdbo.dist.unsubmitted`)."""
     ub = get_ubatch()
     base = _base(group)
     if ub is None:
@@ -240,7 +244,9 @@ def ubatch_group(group: Any = None) -> Any:
             f"call asyncdbo.ubatch_groups({len(ub.run.ubatches)}, group) on every rank before the DBO run "
             "(making groups is a collective, so it cannot happen inside the run)"
         )
-    return clones[ub.id]
+    clone = clones[ub.id]
+    note_handout(ub, clone)  # its collectives are counted against dbo_submit (asyncdbo.dist.unsubmitted)
+    return clone
 
 
 def on_destroy(forget: Callable[[], None]) -> None:
