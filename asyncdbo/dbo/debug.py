@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 from .._core import SWITCH, DBORun, Instrument, UBatch, YieldMismatchError, user_frame
@@ -243,10 +244,10 @@ class CommGuard(Instrument):
       ``async_op=True`` (or an ``isend``/``irecv``) whose work does not reach
       :func:`~asyncdbo.dbo.dbo_submit` before its ubatch next yields, parks or returns fails the
       run there, naming the line that issued it. The scheduler waits only for works it was
-      handed: the output of any other is read before it arrived (measured before this check: 5 of
-      5 DBO steps of such a layer differed from serial, silently). An op that takes such an
-      output as an argument before then fails at once (a ``.tolist()`` is no op the mode sees:
-      an error raised after it gets a note naming the collective instead)."""
+      handed: the output of any other is read before it arrived (before this check, such a layer
+      on 2 gloo ranks differed from serial in 9 of 10 DBO rank-steps, silently). An op that
+      takes such an output as an argument before then fails at once (a ``.tolist()`` is no op
+      the mode sees: an error raised after it gets a note naming the collective instead)."""
 
     def __init__(self) -> None:
         self._mode: Any = None
@@ -353,7 +354,7 @@ def _is_async(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     # The outermost torch.distributed function on the stack says: dist.send/recv wait for the work
     # (they call isend/irecv), dist.isend/irecv and batch_isend_irecv hand it back.
     outermost = None
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if name.endswith("distributed_c10d.py"):
@@ -376,7 +377,7 @@ def _issuing_site() -> str:
         import torch
 
         _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith(_TORCH_DIR) and name != __file__:
