@@ -245,7 +245,8 @@ def ubatch_group(group: Any = None) -> Any:
             "(making groups is a collective, so it cannot happen inside the run)"
         )
     clone = clones[ub.id]
-    note_handout(ub, clone)  # its collectives are counted against dbo_submit (asyncdbo.dist.unsubmitted)
+    if _CLONES[base.group_name].backend == "gloo":  # count its collectives against dbo_submit
+        note_handout(ub, clone)
     return clone
 
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import sys
 import warnings
-from dataclasses import dataclass, field
+from functools import partial
+from types import CodeType
 from typing import Any
 
 from .._core import UBatch
@@ -33,80 +34,75 @@ from ..dbo.state import Lane, RunState
 __all__ = ["note_handout"]
 
 
-@dataclass(eq=False)
-class _Handout:
-    """A clone handed to a ubatch: its sequence number and the ubatch's submitted count then."""
-
-    ub: int
-    lane: Lane
-    group: Any
-    seq0: int
-    submitted0: int
-    site: str
+# A clone handed to a ubatch in a run: the ubatch's lane, the clone, its sequence number and the
+# lane's submitted count then, and the code and line that asked for it (formatted for a warning only).
+_Handout = tuple[Lane, Any, int, int, CodeType, int]
 
 
-@dataclass(eq=False)
-class _Account:
-    """One run's handouts, keyed by (ubatch id, group)."""
+def _finish(handouts: dict[int, _Handout], exc: BaseException | None) -> None:
+    """The end of a run that handed out clones: warn (or note on ``exc``) per ubatch that issued
+    more collectives on them than it submitted."""
+    messages = unsubmitted(handouts)
+    handouts.clear()  # it holds the lanes, which hold the run: no cycle outlives the run
+    for message in messages:
+        if exc is None:
+            # _finish <- dbo.run._finish <- _run <- run_ubatches <- the caller
+            warnings.warn(message, RuntimeWarning, stacklevel=5)
+        elif isinstance(exc, Exception):
+            exc.add_note(f"asyncdbo: {message}")
 
-    handouts: dict[tuple[int, int], _Handout] = field(default_factory=dict)
 
-    def finish(self, exc: BaseException | None) -> None:
-        for message in self.unsubmitted():
-            if exc is None:
-                # finish <- dbo.run._finish <- _run <- run_ubatches <- the caller
-                warnings.warn(message, RuntimeWarning, stacklevel=5)
-            elif isinstance(exc, Exception):
-                exc.add_note(f"asyncdbo: {message}")
-        self.handouts.clear()
-
-    def unsubmitted(self) -> list[str]:
-        """One message per ubatch that issued more collectives on its clones than it submitted."""
-        by_ub: dict[int, list[_Handout]] = {}
-        for h in self.handouts.values():
-            by_ub.setdefault(h.ub, []).append(h)
-        out = []
-        for ub_id, hs in sorted(by_ub.items()):
-            try:
-                issued = sum(h.group._get_sequence_number_for_group() - h.seq0 for h in hs)
-            except Exception:  # noqa: BLE001 - a group torn down by a failure: nothing to count
-                continue
-            submitted = hs[0].lane.submitted - min(h.submitted0 for h in hs)
-            if issued > submitted:
-                sites = ", ".join(sorted({h.site for h in hs}))
-                out.append(
-                    f"ubatch {ub_id} issued {issued} collective(s) on the per-ubatch group(s) asyncdbo.ubatch_group() "
-                    f"handed it at {sites}, but handed only {submitted} work(s) to dbo_submit. The scheduler waits "
-                    "only for submitted works: an async one (async_op=True) it does not know is read before it "
-                    "arrives (wrong numbers), and a synchronous one blocks every ubatch on this thread. Pass each "
-                    "work to asyncdbo.dbo_submit(work, ...) right after issuing it; run_ubatches(..., debug=True) "
-                    "names the line of each collective it was not handed."
-                )
-        return out
+def unsubmitted(handouts: dict[int, _Handout]) -> list[str]:
+    """One message per ubatch that issued more collectives on its clones than it submitted."""
+    counts: dict[int, list[Any]] = {}  # ub id -> [lane, issued, submitted count at the first handout, sites]
+    for lane, group, seq0, submitted0, code, lineno in handouts.values():
+        try:
+            issued = group._get_sequence_number_for_group() - seq0
+        except Exception:  # noqa: BLE001 - a group torn down by a failure: nothing to count
+            continue
+        c = counts.get(lane.ub.id)
+        if c is None:
+            counts[lane.ub.id] = [lane, issued, submitted0, [(code, lineno)]]
+        else:
+            c[1] += issued
+            c[2] = min(c[2], submitted0)
+            c[3].append((code, lineno))
+    out = []
+    for ub_id, (lane, issued, submitted0, sites) in sorted(counts.items()):
+        submitted = lane.submitted - submitted0
+        if issued > submitted:
+            where = ", ".join(sorted({f"{code.co_filename}:{lineno}" for code, lineno in sites}))
+            out.append(
+                f"ubatch {ub_id} issued {issued} collective(s) on the per-ubatch group(s) asyncdbo.ubatch_group() "
+                f"handed it at {where}, but handed only {submitted} work(s) to dbo_submit. The scheduler waits "
+                "only for submitted works: an async one (async_op=True) it does not know is read before it "
+                "arrives (wrong numbers), and a synchronous one blocks every ubatch on this thread. Pass each "
+                "work to asyncdbo.dbo_submit(work, ...) right after issuing it; run_ubatches(..., debug=True) "
+                "names the line of each collective it was not handed."
+            )
+    return out
 
 
 def note_handout(ub: UBatch, group: Any) -> None:
-    """Count the collectives ``ub`` issues on ``group`` from now to the end of its run (see the
-    module docstring); called by :func:`asyncdbo.ubatch_group` inside a run."""
+    """Count the collectives ``ub`` issues on the gloo group ``group`` from now to the end of its
+    run (see the module docstring); called by :func:`asyncdbo.ubatch_group` inside a run.
+
+    Two calls into torch per ubatch and clone and run (the sequence number here and at the end),
+    nothing per yield: ``benchmarks/results/unsubmitted_comm_cpu-2c_2026-12-01.md``."""
     if ub.debug is not None:
         return  # debug mode checks every async collective itself, by its line
     state = ub.run.ext
     if not isinstance(state, RunState):
         return  # a bare kernel run (asyncdbo.lowlevel): no dbo_submit to count against
-    account = state.comm_account
-    key = (ub.id, id(group))
-    if account is not None and key in account.handouts:
-        return
-    import torch.distributed as dist
-
-    if dist.get_backend(group) != "gloo":
-        return
-    if account is None:
-        account = state.comm_account = _Account()
+    handouts = state.comm_account
+    key = id(group)  # a clone serves one ubatch slot
+    if handouts is None:
+        handouts = state.comm_account = {}
         if state.on_finish is None:
             state.on_finish = []
-        state.on_finish.append(account.finish)
+        state.on_finish.append(partial(_finish, handouts))
+    elif key in handouts:
+        return
     lane: Lane = ub.ext
     caller = sys._getframe(2)  # note_handout <- ubatch_group <- the user's line
-    account.handouts[key] = _Handout(ub.id, lane, group, group._get_sequence_number_for_group(), lane.submitted,
-                                     f"{caller.f_code.co_filename}:{caller.f_lineno}")
+    handouts[key] = (lane, group, group._get_sequence_number_for_group(), lane.submitted, caller.f_code, caller.f_lineno)
