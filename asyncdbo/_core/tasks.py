@@ -191,11 +191,17 @@ def _make_factory(previous: TaskFactory | None) -> TaskFactory:
             context.run(current_ubatch.set, None)
             kwargs["context"] = context
             if _may_yield_to_kernel(coro):
-                coro = _detached_main(coro, loop)
+                inner, coro = coro, _detached_main(coro, loop)
                 # The awaitable is handed over, not dropped: its missing-await mark (the latest
                 # primitive's, since each primitive checks the one before) goes, even if the task
                 # is cancelled before it starts (``wait_for(dbo_yield(), 0)``).
                 ub.unawaited = None
+                task = previous(loop, coro, **kwargs) if previous is not None else asyncio.Task(coro, loop=loop, **kwargs)
+                # A task cancelled before its first step never runs ``_detached_main``: close the
+                # awaitable it would have driven (a no-op once it finished), or a native one
+                # (3.12's ``_wrap_awaitable``) warns that it was never awaited.
+                task.add_done_callback(lambda _: inner.close())
+                return task
         if previous is not None:
             return previous(loop, coro, **kwargs)
         return asyncio.Task(coro, loop=loop, **kwargs)
