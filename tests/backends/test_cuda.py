@@ -1,6 +1,7 @@
 """CUDA: real comm/compute overlap on two streams, and one CUDA graph of the interleaved forward.
 
-Skipped without a CUDA device (CI has none); benchmarks/gpu_check.sh runs them on a GPU machine.
+Skipped without a CUDA device (CI has none); benchmarks/first_contact.py runs them on a GPU machine.
+On a CPU the same programs run against the fake device (tests/backends/test_fake_device.py).
 """
 
 from __future__ import annotations

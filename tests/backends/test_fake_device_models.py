@@ -30,28 +30,28 @@ def _split(x_TD: torch.Tensor, n: int) -> list[tuple[torch.Tensor]]:
     return [(x_TD[a:b],) for a, b in zip(cuts, cuts[1:])]
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("schedule", ["ht", "ll"])
-def test_moe_layer_keeps_cuda_rules_and_equals_the_plain_call(schedule: str, policy: str, n: int) -> None:
+def test_moe_layer_keeps_cuda_rules_and_equals_the_plain_call(schedule: str, policy: str) -> None:
+    """N = 2, 3, 4 one run at a time, then two runs of 3 ubatches concurrently (two tasks)."""
     layer = MoELayer(MoEConfig(**DEEPSEEK_LIKE, schedule=schedule), seed=3)
     xs = [torch.randn(24, 32, generator=torch.Generator().manual_seed(k)) for k in range(2)]
 
     async def main() -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
         refs = [await layer(x) for x in xs]  # plain calls
         be = AcceleratorBackend("cuda")
-        one = await asyncdbo.run_ubatches(layer, _split(xs[0], n), backend=be, stream_policy=policy)
-        two = await asyncio.gather(*(asyncdbo.run_ubatches(layer, _split(x, n), backend=be, stream_policy=policy)
+        alone = [await asyncdbo.run_ubatches(layer, _split(xs[0], n), backend=be, stream_policy=policy) for n in (2, 3, 4)]
+        two = await asyncio.gather(*(asyncdbo.run_ubatches(layer, _split(x, 3), backend=be, stream_policy=policy)
                                      for x in xs))
-        return refs, [one, *two]
+        return refs, [*alone, *two]
 
     with FakeDevice():
         refs, runs = asyncdbo.run(main)
-    for ref, outs in zip([refs[0], *refs], runs):
+    for ref, outs in zip([refs[0]] * 3 + refs, runs):
         assert torch.equal(torch.cat(outs), ref)
 
 
-@pytest.mark.parametrize(("policy", "n"), [("role", 2), ("ubatch", 3), ("role", 4)])
+@pytest.mark.parametrize(("policy", "n"), [("role", 4), ("ubatch", 3)])
 def test_runner_steps_keep_cuda_rules_and_equal_the_serial_step(policy: str, n: int) -> None:
     from _model_ranks import ALWAYS, SMALL
 
@@ -73,7 +73,7 @@ def test_runner_steps_keep_cuda_rules_and_equal_the_serial_step(policy: str, n: 
     assert torch.equal(serial.logits_TV, dbo.logits_TV)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "deepseek-v3"])  # ll on role streams; ht on ubatch streams, 3 ubatches
 def test_hf_models_keep_cuda_rules_and_match_their_serial_run(name: str) -> None:
     pytest.importorskip("transformers")
     from _hf_model_ranks import VARIANTS, generate_serial_and_dbo, prompts_for

@@ -1,0 +1,703 @@
+#!/usr/bin/env python3
+"""First contact with a GPU: what asyncdbo's device path does on one, in about five minutes.
+
+Written for the lent machine (one NVIDIA H200, no network, Python 3.12 with torch + CUDA,
+transformers, uvloop, pytest, pytest-timeout and hypothesis; no pytest-asyncio; only files under
+``$OUT`` come back, at most 8). Nothing is fetched: wheels it needs (pytest-asyncio, for the
+``cuda`` tests' conftest) are installed from a carried folder (``--wheels``, default ``.whl``)
+into a private target, and a missing one only narrows the last step.
+
+Every step runs in a child process with its own timeout and writes one JSON line to
+``$OUT/first_contact.jsonl`` as soon as it ends (a step that is killed still leaves what it had
+measured, written as it went), so a later failure never loses an earlier result. Output, three
+files: ``first_contact.jsonl``, ``steps.log`` (each step's stdout and stderr) and ``junit.xml``
+(the ``cuda`` tests). Most informative first; the plan and what each step settles is in
+benchmarks/README.md ("First contact").
+
+    python3 benchmarks/first_contact.py                 # on the GPU machine ($OUT or ./out/first_contact)
+    python3 benchmarks/first_contact.py --dry-run       # on a CPU: every step starts, under the fake device
+    python3 benchmarks/first_contact.py --only headline,syncs
+
+``--dry-run`` runs each step's code under :class:`asyncdbo.testing.fake_device.FakeDevice` (tiny
+sizes, virtual time) instead of CUDA: it checks that every step imports, builds its programs and
+writes its line, not the numbers. Legend: T tokens, D hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+HELPERS = ROOT / "tests" / "helpers"
+
+#: (step, timeout in seconds), in the order they run: most informative first. The budgets add up
+#: to 7 minutes at worst; a step ends early when its work does (a whole run takes about 4).
+STEPS: tuple[tuple[str, int], ...] = (
+    ("env", 40),
+    ("headline", 100),
+    ("invariants", 70),
+    ("syncs", 50),
+    ("graph", 50),
+    ("tests", 120),
+    ("numerics", 60),
+)
+SITE = Path(tempfile.gettempdir()) / "asyncdbo_first_contact_site"
+#: --dry-run runs on a CI machine's CPU, slower than the GPU machine's 16 cores: each limit times this.
+DRY_SLACK = 4
+
+
+# ------------------------------------------------------------------------------------ the driver
+def _install_wheels(wheels: Path, log: Any) -> dict[str, Any]:
+    found = sorted(str(p) for p in wheels.glob("*.whl")) if wheels.is_dir() else []
+    if not found:
+        return {"wheels": [], "installed": False}
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+           "--no-cache-dir", "--upgrade", "--target", str(SITE), *found]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return {"wheels": [Path(w).name for w in found], "installed": False, "error": "pip timed out after 60 s"}
+    log.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
+    return {"wheels": [Path(w).name for w in found], "installed": proc.returncode == 0,
+            **({} if proc.returncode == 0 else {"error": proc.stderr[-2000:]})}
+
+
+def drive(out: Path, dry: bool, only: set[str] | None, wheels: Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    lines, log_path = out / "first_contact.jsonl", out / "steps.log"
+    failed = 0
+    with open(log_path, "a") as log, open(lines, "a") as jl:
+        wheel_info = {"wheels": [], "installed": False} if dry else _install_wheels(wheels, log)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        paths = [str(SITE)] if wheel_info["installed"] else []
+        env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT), str(HELPERS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        for name, limit in STEPS:
+            limit *= DRY_SLACK if dry else 1
+            if only is not None and name not in only:
+                continue
+            with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as tmp:
+                result_path = tmp.name
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--step", name, "--result", result_path,
+                   "--out", str(out), *(["--dry-run"] if dry else [])]
+            log.write(f"\n===== {name} (timeout {limit} s) =====\n")
+            log.flush()
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=limit, cwd=ROOT)
+                rc: int | None = proc.returncode
+            except subprocess.TimeoutExpired:
+                rc = None
+            wall = round(time.perf_counter() - t0, 2)
+            try:
+                result = json.loads(Path(result_path).read_text() or "{}")
+            except (OSError, ValueError):
+                result = {}
+            with contextlib.suppress(OSError):
+                os.unlink(result_path)
+            ok = rc == 0 and bool(result.get("ok"))
+            if rc is None:
+                result["error"] = f"timed out after {limit} s (what it had measured is kept)"
+            elif rc != 0 and "error" not in result:
+                result["error"] = f"exited with status {rc} (see steps.log)"
+            if name == "env":
+                result["carried_wheels"] = wheel_info
+            line = {"step": name, "ok": ok, "dry_run": dry, "wall_s": wall, "timeout_s": limit, **result}
+            line.pop("ok_", None)
+            jl.write(json.dumps(line, default=str) + "\n")
+            jl.flush()
+            failed += not ok
+            print(f"first_contact: {name}: {'ok' if ok else 'FAILED'} in {wall} s", flush=True)
+            if name == "env" and not dry and result.get("cuda_available") is False:
+                print("first_contact: torch sees no CUDA device here; on a CPU run --dry-run", file=sys.stderr)
+                return 2
+    print(f"first_contact: wrote {lines}", flush=True)
+    return 1 if failed else 0
+
+
+# ------------------------------------------------------------------------------ a step's context
+class Step:
+    """A step's result, written to its file after every update (a killed step keeps its part)."""
+
+    def __init__(self, path: str, dry: bool, out: Path) -> None:
+        self.path, self.dry, self.out = path, dry, out
+        self.data: dict[str, Any] = {"ok": False}
+
+    def put(self, **items: Any) -> None:
+        self.data.update(items)
+        Path(self.path).write_text(json.dumps(self.data, default=str))
+
+
+@contextlib.contextmanager
+def device(dry: bool, **fake: Any) -> Iterator[Any]:
+    """CUDA, or under --dry-run the fake device (CPU tensors, virtual time)."""
+    if not dry:
+        yield None
+        return
+    from asyncdbo.testing.fake_device import FakeDevice
+
+    with FakeDevice(**fake) as dev:
+        yield dev
+
+
+def _dev(dry: bool) -> Any:
+    import torch
+
+    return torch.device("cpu" if dry else "cuda")
+
+
+def device_ms(fn: Callable[[], Any], reps: int) -> list[float]:
+    """Device time of each of ``reps`` calls of ``fn`` in ms (CUDA events around it)."""
+    import torch
+
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(round(s.elapsed_time(e), 4))
+    return times
+
+
+def _med(xs: list[float]) -> float:
+    return round(statistics.median(xs), 4)
+
+
+# --------------------------------------------------------------------------------------- 1. env
+def step_env(st: Step) -> None:
+    import torch
+
+    import asyncdbo
+    from asyncdbo._core import kernel
+    from asyncdbo.dbo import primitives
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(), "asyncdbo": getattr(asyncdbo, "__version__", "?"),
+        "c_loop": kernel._spin is not None, "c_primitives": primitives.FAST is not None,
+    }
+    from importlib import metadata
+
+    for dist in ("uvloop", "pytest", "pytest-asyncio", "pytest-timeout", "hypothesis", "transformers"):
+        try:
+            info[dist] = metadata.version(dist)  # without importing it (transformers takes seconds)
+        except metadata.PackageNotFoundError:
+            info[dist] = None
+    try:
+        info["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        info["commit"] = None
+    st.put(**info)
+    if not st.dry:
+        p = torch.cuda.get_device_properties(0)
+        st.put(gpu=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
+               memory_gib=round(p.total_memory / 2**30, 1))
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=15)
+            st.put(nvidia_smi=smi.stdout.strip())
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            st.put(nvidia_smi=f"unavailable: {exc}")
+    st.put(ok=st.dry or bool(info["cuda_available"]))
+
+
+# ---------------------------------------------------------------------------------- 2. headline
+def _sleep_concurrency(st: Step) -> None:
+    """Two torch.cuda._sleep kernels (no memory traffic) on two streams: concurrent or not."""
+    import torch
+
+    probe = 10_000_000
+    (ms,) = device_ms(lambda: torch.cuda._sleep(probe), 1)
+    cycles = int(probe * 10.0 / ms)  # about 10 ms
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def two_streams() -> None:
+        cur = torch.cuda.current_stream()
+        a.wait_stream(cur)
+        b.wait_stream(cur)
+        for s in (a, b):
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(cycles)
+        cur.wait_stream(a)
+        cur.wait_stream(b)
+
+    one = device_ms(lambda: torch.cuda._sleep(cycles), 3)
+    both = device_ms(two_streams, 3)
+    st.put(sleep_concurrency={"one_kernel_ms": one, "two_streams_ms": both, "ratio": round(_med(both) / _med(one), 3)})
+
+
+def _overlap_program(st: Step, be: Any) -> None:
+    """tests/helpers/_device_scenarios.overlap_forward (what test_cuda.py and the fake time)."""
+    import torch
+    from _device_scenarios import overlap_forward
+
+    import asyncdbo
+
+    probe = 10_000_000
+    (ms,) = device_ms(lambda: torch.cuda._sleep(probe), 1)
+    cycles = int(probe * 20.0 / ms)
+
+    def comm() -> None:
+        torch.cuda._sleep(cycles)
+
+    out: dict[str, Any] = {}
+    for policy in ("role", "ubatch"):
+        def dbo(policy: str = policy) -> None:
+            asyncdbo.run(lambda: asyncdbo.run_ubatches(overlap_forward, [(0, comm, comm), (1, comm, comm)],
+                                                       backend=be, stream_policy=policy))
+
+        dbo()
+        serial = device_ms(lambda: (comm(), comm()), 3)
+        overlapped = device_ms(dbo, 3)
+        out[policy] = {"serial_ms": serial, "dbo_ms": overlapped, "ratio": round(_med(overlapped) / _med(serial), 3)}
+    st.put(sleep_overlap_program=out)
+
+
+def _moe_like(st: Step, be: Any, dry: bool) -> None:
+    """A layer stack with a comm stand-in that uses no SMs (a pinned device->host->device copy on
+    the comm stream, the copy engines standing in for the NIC): serial (one ubatch), DBO (two),
+    and the compute-only and comm-only baselines, timed on the device; the tracer's comm-hidden
+    share of the DBO run is measured from device events."""
+    import torch
+
+    import asyncdbo
+    from asyncdbo import dbo_yield_and_switch_from_comm_to_compute, dbo_yield_and_switch_from_compute_to_comm
+    from asyncdbo.observe import Tracer
+
+    dev = _dev(dry)
+    layers, T, D = (4, 4096, 4096) if not dry else (2, 16, 8)
+    dtype = torch.bfloat16 if not dry else torch.float32
+    g = torch.Generator(device=dev).manual_seed(0)
+    w_DD = torch.randn(D, D, device=dev, dtype=dtype, generator=g) / D**0.5
+    x_TD = torch.randn(T, D, device=dev, dtype=dtype, generator=g)
+    pinned: dict[Any, torch.Tensor] = {}
+    reps = {"mm": 1}
+
+    async def stack(x_TD: torch.Tensor, key: int, compute: bool, comm: bool) -> torch.Tensor:
+        for layer in range(layers):
+            h_TD = x_TD
+            if compute:
+                for _ in range(reps["mm"]):
+                    h_TD = torch.relu(h_TD @ w_DD)
+            back_TD = torch.empty_like(h_TD)  # allocated on compute: the comm stream writes it
+            await dbo_yield_and_switch_from_compute_to_comm(f"L{layer}:dispatch")
+            if comm:
+                buf = pinned.get((key, h_TD.shape))
+                if buf is None:
+                    buf = pinned[(key, h_TD.shape)] = torch.empty(h_TD.shape, dtype=dtype, pin_memory=not dry)
+                buf.copy_(h_TD, non_blocking=True)  # device -> host on the comm stream
+                back_TD.copy_(buf, non_blocking=True)  # host -> device
+            else:
+                back_TD.copy_(h_TD)
+            await dbo_yield_and_switch_from_comm_to_compute(f"L{layer}:combine")
+            x_TD = x_TD + back_TD
+        return x_TD
+
+    def run(n: int, compute: bool = True, comm: bool = True, instrument: Any = None) -> None:
+        parts = [(x_TD[k * T // n:(k + 1) * T // n], k, compute, comm) for k in range(n)]
+        asyncdbo.run(lambda: asyncdbo.run_ubatches(stack, parts, backend=be, instrument=instrument))
+
+    run(2)
+    run(1)  # warm-up: cuBLAS, pinned buffers, streams
+    # one layer's compute about its comm: matmul repeats from the two one-ubatch baselines
+    c1, m1 = _med(device_ms(lambda: run(1, comm=False), 3)), _med(device_ms(lambda: run(1, compute=False), 3))
+    reps["mm"] = max(1, min(16, round(m1 / max(c1, 1e-6)))) if not dry else 1
+    st.put(moe_like={"layers": layers, "T": T, "D": D, "dtype": str(dtype), "matmuls_per_layer": reps["mm"],
+                     "calibration_ms": {"compute_1ub": c1, "comm_1ub": m1}})
+    res: dict[str, Any] = {}
+    for label, n, compute, comm in (("serial", 1, True, True), ("dbo", 2, True, True),
+                                    ("compute_only", 2, True, False), ("comm_only", 2, False, True)):
+        res[f"{label}_ms"] = device_ms(lambda n=n, c=compute, m=comm: run(n, c, m), 5 if not dry else 1)
+        st.put(moe_like={**st.data["moe_like"], **res})
+    s, d, c, m = (_med(res[f"{k}_ms"]) for k in ("serial", "dbo", "compute_only", "comm_only"))
+    tracer = Tracer()
+    run(2, instrument=tracer)
+    nums = tracer.numbers()
+    res.update(speedup=round(s / max(d, 1e-9), 3), saved_over_best_possible=round((s - d) / max(min(c, m), 1e-9), 3),
+               tracer_comm_s=nums.comm_s, tracer_compute_s=nums.compute_s, tracer_comm_hidden_share=round(nums.comm_hidden_share, 3),
+               tracer_comm_hidden_by_other_s=nums.comm_hidden_by_other_s)
+    st.put(moe_like={**st.data["moe_like"], **res})
+
+
+def _switch_cost(st: Step, be: Any) -> None:
+    """Host ns per dbo_yield and per compute->comm->compute pair on the device backend."""
+    import asyncdbo
+    from asyncdbo import dbo_yield, dbo_yield_and_switch_from_comm_to_compute, dbo_yield_and_switch_from_compute_to_comm
+
+    K = 4000 if not st.dry else 50
+
+    async def yields(i: int) -> None:
+        for _ in range(K):
+            await dbo_yield("y")
+
+    async def roles(i: int) -> None:
+        for _ in range(K // 2):
+            await dbo_yield_and_switch_from_compute_to_comm("c2m")
+            await dbo_yield_and_switch_from_comm_to_compute("m2c")
+
+    out = {}
+    for name, fn in (("dbo_yield", yields), ("role_switch", roles)):
+        vals = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            asyncdbo.run(lambda fn=fn: asyncdbo.run_ubatches(fn, [(0,), (1,)], backend=be))
+            vals.append(round((time.perf_counter() - t0) / (2 * K) * 1e9))
+        out[f"{name}_host_ns"] = vals
+    st.put(switch_cost=out)
+
+
+def step_headline(st: Step) -> None:
+    from asyncdbo.backends.accelerator import AcceleratorBackend
+
+    import torch
+
+    priced = {torch.ops.aten.mm.default, torch.ops.aten.copy_.default}  # virtual ms under --dry-run
+    with device(st.dry, cost=lambda func, *_: 1.0 if func in priced else 0.0):
+        be = AcceleratorBackend("cuda")
+        _sleep_concurrency(st)
+        _overlap_program(st, be)
+        _moe_like(st, be, st.dry)
+        _switch_cost(st, be)
+    st.put(ok=True)
+
+
+# -------------------------------------------------------------------------------- 3. invariants
+def step_invariants(st: Step) -> None:
+    """The fake device's rules on the real device: the race rule from PyTorch's CUDA sanitizer
+    (CSAN), the wrong-stream rule from StreamDiscipline, the joins and the restored caller's
+    stream read directly. Both policies, N = 2-4, one and two concurrent runs, the MoE layer."""
+    import asyncio
+
+    import torch
+
+    import asyncdbo
+    from asyncdbo import dbo_yield_and_switch_from_comm_to_compute, dbo_yield_and_switch_from_compute_to_comm
+    from asyncdbo.backends.accelerator import AcceleratorBackend
+    from asyncdbo.testing.fake_device import StreamDiscipline
+
+    dev = _dev(st.dry)
+    if not st.dry:
+        import torch.cuda._sanitizer as csan
+
+        csan.enable_cuda_sanitizer()
+
+    async def stage(x_T: torch.Tensor) -> torch.Tensor:
+        y_T = torch.empty_like(x_T)
+        await dbo_yield_and_switch_from_compute_to_comm("dispatch")
+        torch.mul(x_T, 2, out=y_T)
+        await asyncio.sleep(0)  # an event-loop wait: the other run installs its streams here
+        await dbo_yield_and_switch_from_comm_to_compute("combine")
+        return y_T + 1
+
+    cases: list[dict[str, Any]] = []
+    with device(st.dry):
+        be = AcceleratorBackend("cuda")
+        home = torch.cuda.current_stream()
+        grid = [(p, n, r) for p in ("role", "ubatch") for n in (2, 3, 4) for r in (1, 2)]
+        for policy, n, runs in grid if not st.dry else [("role", 2, 1), ("ubatch", 4, 2)]:
+            case: dict[str, Any] = {"policy": policy, "n": n, "runs": runs}
+            xs = [[torch.full((1024,), float(k + r), device=dev) for k in range(n)] for r in range(runs)]
+
+            async def main(xs: list[list[torch.Tensor]] = xs, policy: str = policy) -> list[list[torch.Tensor]]:
+                return list(await asyncio.gather(*(asyncdbo.run_ubatches(stage, [(x,) for x in group], backend=be,
+                                                                         stream_policy=policy) for group in xs)))
+
+            disc = StreamDiscipline()
+            try:
+                with disc:
+                    outs = asyncdbo.run(main)
+                want = [[2 * (k + r) + 1.0] * 1024 for r in range(runs) for k in range(n)]
+                case.update(equal=[o.tolist() for group in outs for o in group] == want,
+                            wrong_stream=disc.violations[:3], ops_checked=disc.ops,
+                            caller_stream_restored=torch.cuda.current_stream() == home)
+            except Exception as exc:  # CSAN reports a race by raising
+                case.update(error=f"{type(exc).__name__}: {str(exc)[:1500]}")
+            cases.append(case)
+            st.put(cases=cases)
+        streams_per_run = []
+        for _ in range(2):
+            asyncdbo.run(lambda: asyncdbo.run_ubatches(stage, [(torch.ones(8, device=dev),)] * 2, backend=be, stream_policy="ubatch"))
+            streams_per_run.append(sorted(str(s) for s in (be._comm_side + be._compute_side)))
+        st.put(streams_reused=streams_per_run[0] == streams_per_run[1])
+        moe = _moe_cases(st, be, dev)
+    good = all(c.get("equal") and not c.get("wrong_stream") and c.get("caller_stream_restored") for c in cases)
+    st.put(moe_layer=moe, ok=good and all(m.get("equal") for m in moe) and bool(st.data["streams_reused"]))
+
+
+def _moe_cases(st: Step, be: Any, dev: Any) -> list[dict[str, Any]]:
+    import torch
+    from _moe_ranks import DEEPSEEK_LIKE
+
+    import asyncdbo
+    from asyncdbo.moe import MoEConfig, MoELayer
+    from asyncdbo.testing.fake_device import StreamDiscipline
+
+    out = []
+    combos = [(s, p) for s in ("ht", "ll") for p in ("role", "ubatch")]
+    for schedule, policy in combos if not st.dry else [("ht", "role"), ("ll", "ubatch")]:
+        case: dict[str, Any] = {"schedule": schedule, "policy": policy}
+        try:
+            layer = MoELayer(MoEConfig(**DEEPSEEK_LIKE, schedule=schedule), seed=3).to(dev)
+            x_TD = torch.randn(24, 32, generator=torch.Generator().manual_seed(1)).to(dev)
+            ref = asyncdbo.run(layer, x_TD)
+            disc = StreamDiscipline()
+            with disc:
+                outs = asyncdbo.run(lambda: asyncdbo.run_ubatches(layer, [(x_TD[:10],), (x_TD[10:],)], backend=be,
+                                                                  stream_policy=policy))
+            got = torch.cat(outs)
+            case.update(equal=bool(torch.equal(got, ref)), max_abs_diff=float((got - ref).abs().max()),
+                        wrong_stream=disc.violations[:3])
+        except Exception as exc:
+            case.update(error=f"{type(exc).__name__}: {str(exc)[:1500]}")
+        out.append(case)
+        st.put(moe_layer=out)
+    return out
+
+
+# ------------------------------------------------------------------------------------- 4. syncs
+def step_syncs(st: Step) -> None:
+    """Host syncs in one DBO step of the MoE layer (EP 1), per schedule and policy: torch's own
+    count (set_sync_debug_mode("warn"), what the GPU really does) beside asyncdbo's HostSyncs."""
+    import warnings
+
+    import torch
+    from _moe_ranks import DEEPSEEK_LIKE
+
+    import asyncdbo
+    from asyncdbo.backends.accelerator import AcceleratorBackend
+    from asyncdbo.backends.syncs import HostSyncs
+    from asyncdbo.moe import MoEConfig, MoELayer
+
+    dev = _dev(st.dry)
+    out = []
+    with device(st.dry):
+        be = AcceleratorBackend("cuda")
+        combos = [(s, p) for s in ("ht", "ll") for p in ("role", "ubatch")]
+        for schedule, policy in combos if not st.dry else [("ht", "role"), ("ll", "ubatch")]:
+            layer = MoELayer(MoEConfig(**DEEPSEEK_LIKE, schedule=schedule), seed=3).to(dev)
+            x_TD = torch.randn(24, 32, generator=torch.Generator().manual_seed(1)).to(dev)
+
+            def step(layer: Any = layer, x_TD: Any = x_TD, policy: str = policy) -> Any:
+                return asyncdbo.run(lambda: asyncdbo.run_ubatches(layer, [(x_TD[:10],), (x_TD[10:],)], backend=be,
+                                                                  stream_policy=policy))
+
+            step()  # warm-up
+            case: dict[str, Any] = {"schedule": schedule, "policy": policy}
+            with warnings.catch_warnings(record=True) as caught, HostSyncs(device_only=not st.dry) as syncs:
+                warnings.simplefilter("always")
+                if not st.dry:
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    step()
+                finally:
+                    if not st.dry:
+                        torch.cuda.set_sync_debug_mode("default")
+            torch_syncs = [str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message)]
+            case.update(torch_sync_count=None if st.dry else len(torch_syncs), torch_syncs=torch_syncs[:5],
+                        hostsyncs_count=syncs.count, hostsyncs_by_op=syncs.by_op())
+            out.append(case)
+            st.put(cases=out)
+    st.put(ok=True)
+
+
+# ------------------------------------------------------------------------------------- 5. graph
+def step_graph(st: Step) -> None:
+    """CUDA-graph capture of a two-ubatch step: a toy interleaved forward (must capture and replay
+    equal) and one DBO step of the MoE layer (captures only once its path is free of host syncs)."""
+    import torch
+    from _moe_ranks import DEEPSEEK_LIKE
+
+    import asyncdbo
+    from asyncdbo import (
+        dbo_switch_to_compute_sync,
+        dbo_yield,
+        dbo_yield_and_switch_from_comm_to_compute,
+        dbo_yield_and_switch_from_compute_to_comm,
+    )
+    from asyncdbo.backends.accelerator import AcceleratorBackend
+    from asyncdbo.moe import MoEConfig, MoELayer
+
+    dev = _dev(st.dry)
+    with device(st.dry, capturable=False) as fake:
+        be = AcceleratorBackend("cuda")
+        w = torch.randn(256, 256, device=dev) / 16
+        x_in = [torch.randn(64, 256, device=dev) for _ in range(2)]
+        outs = [torch.empty(64, 256, device=dev) for _ in range(2)]
+
+        async def toy(i: int) -> None:
+            h = torch.relu(x_in[i] @ w)
+            await dbo_yield_and_switch_from_compute_to_comm("dispatch")
+            h = h * 2
+            await dbo_switch_to_compute_sync()
+            h = h @ w
+            await dbo_yield("combine")
+            await dbo_yield_and_switch_from_compute_to_comm("combine")
+            h = h + 1
+            await dbo_yield_and_switch_from_comm_to_compute("done")
+            outs[i].copy_(h)
+
+        layer = MoELayer(MoEConfig(**DEEPSEEK_LIKE, schedule="ht"), seed=3).to(dev)
+        x_TD = torch.randn(24, 32, generator=torch.Generator().manual_seed(1)).to(dev)
+        moe_out: list[Any] = []
+
+        async def moe_step() -> None:
+            moe_out[:] = await asyncdbo.run_ubatches(layer, [(x_TD[:10],), (x_TD[10:],)], backend=be)
+
+        for name, fn in (("toy", lambda: asyncdbo.run(lambda: asyncdbo.run_ubatches(toy, [(0,), (1,)], backend=be))),
+                         ("moe_ht", lambda: asyncdbo.run(moe_step))):
+            case: dict[str, Any] = {}
+            try:
+                if st.dry:
+                    assert fake is not None
+                    fake.capturable, before = True, len(fake.problems)
+                    fn()
+                    fake.capturable = False
+                    found = fake.problems[before:]
+                    del fake.problems[before:]
+                    syncs = [p for p in found if p.startswith("host sync")]
+                    case.update(captured=not syncs, host_syncs=syncs[:5],
+                                other_problems=[p for p in found if not p.startswith("host sync")][:5])
+                else:
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        fn()  # warm-up outside capture (cuBLAS handles, allocator, the backend's streams)
+                    torch.cuda.current_stream().wait_stream(side)
+                    eager = [o.clone() for o in (outs if name == "toy" else moe_out)]
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        fn()
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    got = outs if name == "toy" else moe_out
+                    case.update(captured=True, replay_equal=all(torch.equal(a, b) for a, b in zip(got, eager)))
+            except Exception as exc:
+                case.update(captured=False, error=f"{type(exc).__name__}: {str(exc)[:1500]}")
+            st.put(**{name: case})
+    st.put(ok=bool(st.data.get("toy", {}).get("captured")))
+
+
+# ------------------------------------------------------------------------------------- 6. tests
+def step_tests(st: Step) -> None:
+    """The ``cuda`` tests with junit output. Without pytest-asyncio (the conftest needs it) only
+    tests/backends/test_cuda.py runs, without the conftest, under a minimal ini."""
+    try:
+        import pytest_asyncio  # noqa: F401
+
+        have_asyncio = True
+    except ImportError:
+        have_asyncio = False
+    junit = st.out / "junit.xml"
+    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", "-m", "cuda"]
+    if have_asyncio:
+        cmd = [*base, "tests/backends/test_cuda.py", "tests/observe/test_trace.py"]
+    else:
+        ini = Path(tempfile.gettempdir()) / "asyncdbo_first_contact.ini"
+        ini.write_text("[pytest]\nmarkers =\n    cuda: needs a CUDA device\n    slow: slow\n    timeout: per-test limit\n")
+        cmd = [*base, "--noconftest", "-c", str(ini), "--rootdir", str(ROOT), "tests/backends/test_cuda.py"]
+    st.put(command=" ".join(cmd[1:]), pytest_asyncio=have_asyncio)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=ROOT)
+    print(proc.stdout[-6000:], proc.stderr[-3000:])
+    st.put(returncode=proc.returncode, summary=(proc.stdout.strip().splitlines() or ["?"])[-1],
+           ok=proc.returncode in (0, 5) if st.dry else proc.returncode == 0)
+
+
+# ---------------------------------------------------------------------------------- 7. numerics
+def step_numerics(st: Step) -> None:
+    """Serial vs DBO logits of the mini model on the GPU (EP 1), deterministic mode off and on,
+    prefill and decode: bitwise equal or the max |diff| (docs/design.md, "Numerics")."""
+    from functools import partial
+
+    import torch
+
+    import asyncdbo
+    from asyncdbo.models import MiniConfig, MiniModel
+    from asyncdbo.plan import ThresholdConfig
+    from asyncdbo.serving import BatchBuilder, DBORunner, RunnerConfig
+
+    dev = _dev(st.dry)
+    always = ThresholdConfig(prefill_threshold=0, decode_threshold=0)
+    lens, reqs, ctx_len = ((300, 170, 42), 96, 40) if not st.dry else ((12, 7, 3), 6, 8)
+    out = []
+    grid = [(sh, det, n, p) for sh in ("prefill", "decode") for det in (False, True) for n, p in ((2, "role"), (3, "ubatch"))]
+    small = dict(vocab_size=1024, hidden_size=64, num_heads=2, head_dim=32, moe_intermediate_size=64) if st.dry else {}
+    with device(st.dry):
+        for shape, det, n, policy in grid if not st.dry else [("prefill", True, 2, "role"), ("decode", False, 3, "ubatch")]:
+            cfg = MiniConfig(num_kv_blocks=512, deterministic=det, **small)  # type: ignore[arg-type]
+            runner = DBORunner(MiniModel(cfg, device=dev), RunnerConfig(thresholds=always, num_ubatches=n,
+                                                                        stream_policy=policy))  # type: ignore[arg-type]
+            builder = BatchBuilder(cfg.kv_cache_config, device=dev)
+            g = torch.Generator().manual_seed(0)
+            if shape == "prefill":
+                chunks = [(r, torch.randint(0, 1024, (k,), generator=g).tolist()) for r, k in enumerate(lens)]
+            else:
+                ctx = builder.build([(r, torch.randint(0, 1024, (ctx_len,), generator=g).tolist()) for r in range(reqs)])
+                asyncdbo.run(partial(runner.step, enabled=False), ctx)
+                chunks = [(r, [int(torch.randint(0, 1024, (1,), generator=g))]) for r in range(reqs)]
+            batch = builder.build(chunks)
+            serial = asyncdbo.run(partial(runner.step, enabled=False), batch).logits_TV
+            if shape == "prefill":
+                builder.reset()
+                batch = builder.build(chunks)
+            dbo = asyncdbo.run(runner.step, batch).logits_TV
+            out.append({"shape": shape, "deterministic": det, "ubatches": n, "policy": policy,
+                        "bitwise_equal": bool(torch.equal(serial, dbo)),
+                        "max_abs_diff": float((serial - dbo).abs().max())})
+            st.put(cases=out)
+    st.put(ok=True)
+
+
+STEP_FUNCS: dict[str, Callable[[Step], None]] = {
+    "env": step_env, "headline": step_headline, "invariants": step_invariants, "syncs": step_syncs,
+    "graph": step_graph, "tests": step_tests, "numerics": step_numerics,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "out" / "first_contact"),
+                    help="where the three output files go (default: $OUT, else out/first_contact)")
+    ap.add_argument("--dry-run", action="store_true", help="run every step on a CPU under the fake device")
+    ap.add_argument("--only", help="comma-separated steps to run (default: all)")
+    ap.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="carried wheels to install first (default: .whl)")
+    ap.add_argument("--step", choices=list(STEP_FUNCS), help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.step is None:
+        only = None
+        if args.only:
+            only = set(args.only.split(","))
+            unknown = sorted(only - set(STEP_FUNCS))
+            if unknown:
+                ap.error(f"--only names unknown steps {unknown}; choose from {list(STEP_FUNCS)}")
+        return drive(args.out, args.dry_run, only, args.wheels)
+    st = Step(args.result, args.dry_run, args.out)
+    st.put()
+    try:
+        STEP_FUNCS[args.step](st)
+    except Exception as exc:
+        traceback.print_exc()
+        st.put(ok=False, error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
