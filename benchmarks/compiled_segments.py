@@ -199,11 +199,14 @@ def table(cases: tuple[Case, ...], per_rank: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import _progress
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round, backend eager, print only (smoke test)")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per case (default 15)")
     parser.add_argument("--backend", default=None, help="torch.compile backend (default inductor; --quick: eager)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results, not with --quick)")
+    _progress.add_quiet_flag(parser)
     args = parser.parse_args(argv)
     from _results import publish_results, results_preamble
 
@@ -214,8 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend or ("eager" if args.quick else "inductor")
     t_start = time.perf_counter()
     # One inductor compile thread: no compile-worker subprocesses next to the ranks on a small machine.
+    _progress.start(args.quiet, "calls on 2 ranks", 1)
+    _progress.step(f"{len(cases)} case(s) x {rounds} round(s), eager and compiled ({backend}), in one call")
     with RankPool(2, timeout_s=1800, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"}) as pool:
         per_rank = pool.run(bench_rank, sizes, cases, rounds, warmup, backend)
+    _progress.done()
     command = "python benchmarks/compiled_segments.py" + (" --quick" if args.quick else "") + (
         f" --backend {args.backend}" if args.backend else "")
     lines, info = results_preamble(f"Compiled segments ({backend}) vs eager: a Qwen3-MoE step on 2 gloo ranks", command)

@@ -248,10 +248,13 @@ QUICK_CASES = [Case(name="decode 16 req/rank, 1 layer", shape="decode", tokens=1
 
 
 def main(argv: list[str] | None = None) -> int:
+    import _progress
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one tiny case, 2 steps, print only (smoke test)")
     parser.add_argument("--steps", type=int, default=11, help="measured steps per case (default 11)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results, not with --quick)")
+    _progress.add_quiet_flag(parser)
     args = parser.parse_args(argv)
     from _results import publish_results, results_preamble
     from asyncdbo.testing import RankPool
@@ -264,12 +267,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     t_start = time.perf_counter()
     results = []
+    _progress.start(args.quiet, "cases on 2 ranks, then the probes", len(cases) + (0 if args.quick else 2))
     with RankPool(2, timeout_s=900) as pool:
         for case in cases:
+            _progress.step(case.name)
             results.append((case, summarize(pool.run(bench_rank, case, steps, warmup))))
-            print(f"{case.name} done", file=sys.stderr)
+    if not args.quick:
+        _progress.step("probes of asyncdbo.moe.batch_invariant, 1 and 2 threads")
     probes = [] if args.quick else [_in_subprocess(f"probe({t})") for t in (1, 2)]
+    if not args.quick:
+        _progress.step("tile sweep")
     sweep = [] if args.quick else _in_subprocess("tile_sweep()")
+    _progress.done()
     lines[-1] = lines[-1].rstrip("\n") + f" ({steps} measured steps after {warmup} warm-up, four designs per step)\n"
     lines.append(
         "Model: asyncdbo.models.MiniModel, hidden 256, 8 experts top-2, 1 shared expert, HT schedule, 2 layers; "

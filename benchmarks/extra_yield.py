@@ -49,10 +49,14 @@ def bench_rank(rank: int, world: int, case: Case, steps: int, warmup: int, extra
 
 
 def main(argv: list[str] | None = None) -> int:
+    import _progress
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    _progress.add_quiet_flag(parser)
     args = parser.parse_args(argv)
+    _progress.start(args.quiet, "runs (case x round x extra yield, each in a fresh pool of 2 ranks)", 4 * len(CASES))
     from _results import publish_results, results_preamble
 
     from asyncdbo.testing import RankPool
@@ -69,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for case in CASES:
         for rnd, extra in ((1, False), (1, True), (2, False), (2, True)):
+            _progress.step(f"{case.name}: round {rnd}, extra yield {'yes' if extra else 'no'}")
             with RankPool(2, timeout_s=600) as pool:
                 per_rank = pool.run(bench_rank, case, args.steps, 2, extra)
             s = moe_step.summarize(case, per_rank)
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{1 / s['paired'][(d, 'serial')]:.2f}x | {x['step_per_bound']:.2f} | {x['replay_per_bound']:.2f} | "
                     f"{x['step_per_replay']:.2f} |"
                 )
-            print(f"{case.name}: round {rnd}, extra yield {extra} done", file=sys.stderr)
+    _progress.done()
     publish_results("\n".join(lines) + "\n", args.out, "extra_yield", info)
     return 0
 

@@ -162,12 +162,15 @@ QUICK = [Cell(shape="decode", tokens=32, layers=1, ubatches=2, schedule="ll", co
 
 
 def main(argv: list[str] | None = None) -> int:
+    import _progress
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one tiny case, 2 steps, print only (smoke test)")
     parser.add_argument("--steps", type=int, default=25, help="measured steps per cell (default 25)")
     parser.add_argument("--cell", action="append", default=[], metavar="SHAPE:TOKENS:LAYERS:N:SCHEDULE",
                         help="run only this cell (repeatable), e.g. decode:64:8:2:ht")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results, not with --quick)")
+    _progress.add_quiet_flag(parser)
     args = parser.parse_args(argv)
     from _results import publish_results, results_preamble
 
@@ -176,8 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     cells = QUICK if args.quick else [parse_cell(c) for c in args.cell] or FULL
     steps, warmup = (2, 1) if args.quick else (args.steps, 2)
     t0 = time.perf_counter()
+    _progress.start(args.quiet, "cells, all in one call on 2 ranks", len(cells))
+    _progress.step(f"{len(cells)} cell(s) of {steps} paired steps each (one call: no per-cell line)")
     with RankPool(2, timeout_s=900) as pool:
         per_rank = pool.run(_rank, cells, steps, warmup)
+    _progress.done()
     lines, info = results_preamble(
         "Fused or split dispatch: a long paired A/B of the two, against mode='auto''s choice",
         f"python benchmarks/fused_choice.py{' --quick' if args.quick else ''}"

@@ -456,10 +456,13 @@ QUICK_CASES = [
 
 
 def main(argv: list[str] | None = None) -> int:
+    import _progress
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one tiny case, 2 steps, print only (smoke test)")
     parser.add_argument("--steps", type=int, default=7, help="measured steps per case (default 7)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results, not with --quick)")
+    _progress.add_quiet_flag(parser)
     args = parser.parse_args(argv)
     # Large tensors through mmap, returned to the OS when freed: RSS then follows live memory.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
@@ -471,11 +474,13 @@ def main(argv: list[str] | None = None) -> int:
     steps, warmup = (2, 1) if args.quick else (args.steps, 2)
     results = []
     t_start = time.perf_counter()
+    _progress.start(args.quiet, "cases on 2 ranks", len(cases))
     with RankPool(2, timeout_s=600) as pool:
         for case in cases:
+            _progress.step(case.name)
             per_rank = pool.run(bench_rank, case, steps, warmup)
             results.append((case, summarize(case, per_rank)))
-            print(f"{case.name} done", file=sys.stderr)
+    _progress.done()
     lines, info = results_preamble(
         "MoE step: serial vs asyncdbo DBO vs vLLM-style thread DBO (three waiting policies), 2 gloo ranks",
         f"python benchmarks/moe_step.py{' --quick' if args.quick else ''}",

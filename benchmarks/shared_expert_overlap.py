@@ -35,34 +35,44 @@ class NoSharedExpert(DemoConfig):
         return dataclasses.replace(super().model_config(), num_shared_experts=0)
 
 
-def measure(steps: int) -> list[tuple[str, str, str, float, float]]:
+def measure(steps: int) -> list[tuple[str, str, str, float, float, str]]:
+    import _progress
+
     from asyncdbo.testing import run_ranks
 
     rows = []
     for link in (None, "ib400"):
         for cls, model in ((DemoConfig, "with shared expert"), (NoSharedExpert, "without")):
+            _progress.step(f"{link or 'loopback gloo'}, {model}")
             per_rank = run_ranks(demo_rank, 2, cls(steps=steps, link=link))
             for mode in ("serial", "dbo"):
                 total = statistics.median(e["hidden_share"] for r in per_rank for e in r[mode])
                 other = statistics.median(e["hidden_by_other_share"] for r in per_rank for e in r[mode])
-                rows.append((link or "loopback gloo", model, mode, total, other))
+                steps_split = sum(all(r[mode][i]["reason"] == "microbatched" for r in per_rank) for i in range(steps))
+                rows.append((link or "loopback gloo", model, mode, total, other, f"{steps_split} of {steps}"))
+    _progress.done()
     return rows
 
 
 def main() -> None:
+    import _progress
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", default=None, help="write the report to the next free file in this folder")
+    _progress.add_quiet_flag(ap)
     args = ap.parse_args()
+    _progress.start(args.quiet, "runs of the demo on 2 ranks", 4)
     cmd = "python benchmarks/shared_expert_overlap.py " + " ".join(sys.argv[1:])
     lines, info = results_preamble("Serial comm hidden: the shared expert", cmd.strip())
     lines += [
         "\nThe machine was shared with other jobs; the shares are medians over steps and both ranks.\n",
-        "| comm | model | run | comm hidden | by another ubatch |",
-        "|---|---|---|---:|---:|",
+        "| comm | model | run | comm hidden | by another ubatch | steps microbatched |",
+        "|---|---|---|---:|---:|---:|",
     ]
-    for link, model, mode, total, other in measure(args.steps):
-        lines.append(f"| {link} | {model} | {'DBO' if mode == 'dbo' else mode} | {total:.0%} | {other:.0%} |")
+    for link, model, mode, total, other, split in measure(args.steps):
+        lines.append(f"| {link} | {model} | {'DBO' if mode == 'dbo' else mode} | {total:.0%} | {other:.0%} | "
+                     f"{split if mode == 'dbo' else '- (serial)'} |")
     publish_results("\n".join(lines) + "\n", args.out, "shared_expert_overlap", info)
 
 

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import _progress
 from _results import publish_results, results_preamble
 from _switch_bench import DESIGNS, check_round_robin, measure, median_table
 
@@ -93,12 +94,12 @@ def run(cfg: dict, log: list[str]) -> None:
     log.append(f"Switches per run: {cfg['plain']}.\n")
     for depth in cfg["depths"]:
         for N in cfg["ns"]:
+            _progress.step(f"plain N={N} depth={depth}")
             s = measure(SWITCH_DESIGNS, N=N, depth=depth, switches=cfg["plain"], rounds=cfg["rounds"])
             med[(N, depth)] = {k: statistics.median(v) for k, v in s.items()}
             log.append(f"### N = {N}, depth {depth}\n")
             log += median_table(s, baselines=("tramp", "tramp_ctx"))
             log.append("")
-            print(f"plain N={N} depth={depth} done", file=sys.stderr)
 
     log.append("## Goals (issue 2), same run\n")
     log.append(
@@ -124,12 +125,12 @@ def run(cfg: dict, log: list[str]) -> None:
     log.append(f"## busy: a busy Python thread in the process, depth 2 ({cfg['busy_rounds']} rounds)\n")
     log.append(f"Switches per run: {cfg['busy']}.\n")
     for N in cfg["busy_ns"]:
+        _progress.step(f"busy thread, N={N}")
         with busy_thread():
             s = measure(SWITCH_DESIGNS, N=N, depth=2, switches=cfg["busy"], rounds=cfg["busy_rounds"])
         log.append(f"### N = {N}\n")
         log += median_table(s)
         log.append("")
-        print(f"busy N={N} done", file=sys.stderr)
 
     import torch
 
@@ -151,12 +152,12 @@ def run(cfg: dict, log: list[str]) -> None:
         )
         log.append(f"Steps per run: {cfg['torch']['fast']}. Times are us per step (matmul + handoff).\n")
         for N in cfg["torch_ns"]:
+            _progress.step(f"torch.mm per step, {threads} thread(s), N={N}")
             s = measure(torch_designs, N=N, depth=2, switches=cfg["torch"], rounds=cfg["busy_rounds"], work=mm)
             s = {k: [v / 1000 for v in vals] for k, vals in s.items()}
             log.append(f"### N = {N}\n")
             log += median_table(s, baselines=("work_only",), speedup_vs=None, unit="us", digits=1)
             log.append("")
-            print(f"torch threads={threads} N={N} done", file=sys.stderr)
     torch.set_num_threads(default_threads)
 
 
@@ -164,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round, print only (smoke test)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: benchmarks/results, not with --quick)")
+    _progress.add_quiet_flag(parser)
     args = parser.parse_args(argv)
+    _progress.start(args.quiet, "switch-cost measurements (plain, busy thread, torch)")
     cfg = QUICK if args.quick else FULL
     log, info = results_preamble(
         "Switch cost: asyncdbo vs trampoline, vLLM thread baton, asyncio",
@@ -177,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     t0 = time.perf_counter()
     run(cfg, log)
+    _progress.done()
     log.append(f"Total benchmark time {time.perf_counter() - t0:.0f} s.")
     text = "\n".join(log) + "\n"
     publish_results(text, args.out if args.out is not None else (None if args.quick else RESULTS), "switch_cost", info)

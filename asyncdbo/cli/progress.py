@@ -1,4 +1,5 @@
-"""Progress lines for commands that run longer than a few seconds (``check``, ``demo``).
+"""Progress lines for commands that run longer than a few seconds (``check``, ``demo``, and the
+benchmarks of the source tree through ``benchmarks/_progress.py``).
 
 On a terminal, a long command first says how much it will run ("5 configurations to run") and
 then keeps one status line up to date ("[2/5] 32 tokens/rank, role streams"), rewritten in place
@@ -27,20 +28,21 @@ class Progress:
     """``total`` units of ``what`` (e.g. "configurations"); :meth:`step` before each unit,
     :meth:`clear` before printing real output, :meth:`done` at the end."""
 
-    def __init__(self, total: int, what: str, *, enabled: bool, stream: TextIO | None = None) -> None:
+    def __init__(self, total: int | None, what: str, *, enabled: bool, stream: TextIO | None = None) -> None:
         self.total = total
         self.what = what
         self.enabled = enabled
         self.stream = sys.stderr if stream is None else stream
         self._shown = False
-        if enabled:
-            self.stream.write(f"{total} {what} to run\n")
+        if enabled:  # total None: not known up front (the steps then show [index] alone)
+            self.stream.write(f"{what} to run\n" if total is None else f"{total} {what} to run\n")
             self.stream.flush()
 
     def step(self, index: int, label: str) -> None:
         """Show ``[index/total] label`` (``index`` counts from 1, as a user counts)."""
         if self.enabled:
-            self.stream.write(f"{_ERASE}[{index}/{self.total}] {label} ...")
+            count = f"[{index}]" if self.total is None else f"[{index}/{self.total}]"
+            self.stream.write(f"{_ERASE}{count} {label} ...")
             self.stream.flush()
             self._shown = True
 

@@ -25,11 +25,12 @@ DEMO = ["demo", "--hidden", "64", "--layers", "1", "--experts", "4", "--steps", 
 ERASE = "\r\x1b[K"
 
 
-def run_in_a_terminal(argv: list[str], timeout_s: float = 100.0) -> tuple[int, str]:
-    """``python -m asyncdbo *argv`` with stdin, stdout and stderr on a pseudo-terminal; its exit
-    status and everything it wrote (a terminal turns "\\n" into "\\r\\n")."""
+def run_in_a_terminal(argv: list[str], timeout_s: float = 100.0, *, script: str | None = None) -> tuple[int, str]:
+    """``python -m asyncdbo *argv`` (or ``python SCRIPT *argv``) with stdin, stdout and stderr on a
+    pseudo-terminal; its exit status and everything it wrote (a terminal turns "\\n" into "\\r\\n")."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "asyncdbo", *argv], stdin=slave, stdout=slave, stderr=slave,
+    head = [script] if script is not None else ["-m", "asyncdbo"]
+    proc = subprocess.Popen([sys.executable, *head, *argv], stdin=slave, stdout=slave, stderr=slave,
                             close_fds=True)
     os.close(slave)
     out = b""
@@ -132,3 +133,18 @@ def test_check_workload_counts_its_steps() -> None:
     assert "\n16 workload steps (each simulated serial and, if it splits, DBO) to run\n" in out
     assert f"{ERASE}[1/16] step 1 of 16 ...{ERASE}[2/16] step 2 of 16 ..." in out
     assert f"[16/16] step 16 of 16 ...{ERASE}throughput, real tokens of all ranks" in out
+
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+
+
+@pytest.mark.timeout(150)
+def test_a_benchmark_shows_its_progress_on_a_terminal_and_not_with_q(tmp_path: "os.PathLike[str]") -> None:
+    script = os.path.join(BENCH, "sim_sweep.py")
+    rc, out = run_in_a_terminal(["--quick", "--out", str(tmp_path)], timeout_s=140, script=script)
+    assert rc == 0, out
+    assert out.startswith("1 points to simulate (serial and DBO in 2 ubatches each) to run\n")
+    assert f"{ERASE}[1/1] decode, 16 tokens/rank, ib400 ...{ERASE}" in out
+    rc, out = run_in_a_terminal(["--quick", "-q", "--out", str(tmp_path)], timeout_s=140, script=script)
+    assert rc == 0, out
+    assert "\x1b[K" not in out and "to run" not in out
