@@ -522,15 +522,10 @@ def step_graph(st: Step) -> None:
     """CUDA-graph capture of a two-ubatch step: a toy interleaved forward (must capture and replay
     equal) and one DBO step of the MoE layer (captures only once its path is free of host syncs)."""
     import torch
+    from _device_scenarios import capture_forward
     from _moe_ranks import DEEPSEEK_LIKE
 
     import asyncdbo
-    from asyncdbo import (
-        dbo_switch_to_compute_sync,
-        dbo_yield,
-        dbo_yield_and_switch_from_comm_to_compute,
-        dbo_yield_and_switch_from_compute_to_comm,
-    )
     from asyncdbo.backends.accelerator import AcceleratorBackend
     from asyncdbo.moe import MoEConfig, MoELayer
 
@@ -542,16 +537,7 @@ def step_graph(st: Step) -> None:
         outs = [torch.empty(64, 256, device=dev) for _ in range(2)]
 
         async def toy(i: int) -> None:
-            h = torch.relu(x_in[i] @ w)
-            await dbo_yield_and_switch_from_compute_to_comm("dispatch")
-            h = h * 2
-            await dbo_switch_to_compute_sync()
-            h = h @ w
-            await dbo_yield("combine")
-            await dbo_yield_and_switch_from_compute_to_comm("combine")
-            h = h + 1
-            await dbo_yield_and_switch_from_comm_to_compute("done")
-            outs[i].copy_(h)
+            await capture_forward(i, x_in, w, outs)  # test_cuda.py's captured program
 
         layer = MoELayer(MoEConfig(**DEEPSEEK_LIKE, schedule="ht"), seed=3).to(dev)
         x_TD = torch.randn(24, 32, generator=torch.Generator().manual_seed(1)).to(dev)

@@ -19,7 +19,7 @@ from asyncdbo import (
 )
 from asyncdbo.lowlevel import get_ubatch
 
-from _device_scenarios import overlap_forward
+from _device_scenarios import capture_forward, overlap_forward
 
 pytestmark = [
     pytest.mark.cuda,
@@ -88,16 +88,7 @@ def test_whole_interleaved_forward_captures_in_one_cuda_graph_and_replays_equal(
     outs = [torch.empty(64, 256, device="cuda") for _ in range(2)]
 
     async def forward(i: int) -> None:
-        h = torch.relu(x_in[i] @ w)
-        await dbo_yield_and_switch_from_compute_to_comm("dispatch")
-        h = h * 2  # stands in for comm work on the comm stream
-        await dbo_switch_to_compute_sync()
-        h = h @ w
-        await dbo_yield("combine")
-        await dbo_yield_and_switch_from_compute_to_comm("combine")
-        h = h + 1
-        await dbo_yield_and_switch_from_comm_to_compute("done")  # comm rejoins compute before capture ends
-        outs[i].copy_(h)
+        await capture_forward(i, x_in, w, outs)
         assert get_ubatch().ext.stream is get_ubatch().ext.streams["compute"]
 
     def step() -> None:

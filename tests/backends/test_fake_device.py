@@ -23,7 +23,7 @@ from asyncdbo.backends.accelerator import AcceleratorBackend
 from asyncdbo.observe import Tracer
 from asyncdbo.testing.fake_device import FakeDevice, StreamRuleError
 
-from _device_scenarios import overlap_forward
+from _device_scenarios import capture_forward, overlap_forward
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -310,3 +310,20 @@ def test_plain_switch_to_comm_still_forks_from_the_caller() -> None:
         xs = [torch.ones(2), torch.ones(2)]
         outs = asyncdbo.run(lambda: run_ubatches(forward, [(x,) for x in xs], backend=AcceleratorBackend("cuda")))
         assert torch.equal(outs[0] + outs[1], torch.full((2,), 4.0))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_captured_program_of_the_cuda_test_keeps_cuda_rules_in_eager_mode(policy: str) -> None:
+    """test_cuda.py warms its captured program up eagerly. As first written, under role streams
+    it let comm-stream results (``h * 2``, ``h + 1``) be freed while the compute stream could
+    still read them (and the other way round): 4 blocks freed while in use over two runs."""
+    w = torch.randn(8, 8) / 4
+    x_in = [torch.randn(4, 8) for _ in range(2)]
+    outs = [torch.empty(4, 8) for _ in range(2)]
+    with FakeDevice():
+        be = AcceleratorBackend("cuda")
+        for _ in range(2):  # the second run allocates where the first freed
+            asyncdbo.run(lambda: run_ubatches(capture_forward, [(i, x_in, w, outs) for i in range(2)], backend=be,
+                                              stream_policy=policy))
+    for x, out in zip(x_in, outs):
+        torch.testing.assert_close(out, (torch.relu(x @ w) * 2) @ w + 1)

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from asyncdbo import dbo_yield_and_switch_from_comm_to_compute, dbo_yield_and_switch_from_compute_to_comm
+import torch
+
+from asyncdbo import (
+    dbo_switch_to_compute_sync,
+    dbo_yield,
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+)
 
 
 async def overlap_forward(i: int, comm: Callable[[], None], compute: Callable[[], None]) -> None:
@@ -28,3 +35,23 @@ async def overlap_forward(i: int, comm: Callable[[], None], compute: Callable[[]
     if i == 0:
         comm()  # on the comm stream (installed by the primitive)
     await dbo_yield_and_switch_from_comm_to_compute("experts")
+
+
+async def capture_forward(i: int, x_in: list[torch.Tensor], w: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    """The interleaved forward test_cuda.py captures in one CUDA graph. What the comm stream
+    writes lives in blocks allocated on the compute stream before the switch (``m``, ``c``), and
+    what it reads stays referenced until compute has waited for it: a block allocated on one
+    stream and freed while the other may still use it goes back to its stream's pool, where the
+    other ubatch's next allocation could take it (the fake device reports it; in eager mode)."""
+    h = torch.relu(x_in[i] @ w)
+    m = torch.empty_like(h)
+    await dbo_yield_and_switch_from_compute_to_comm("dispatch")
+    torch.mul(h, 2, out=m)  # stands in for comm work on the comm stream
+    await dbo_switch_to_compute_sync()
+    h2 = m @ w
+    c = torch.empty_like(h2)
+    await dbo_yield("combine")
+    await dbo_yield_and_switch_from_compute_to_comm("combine")
+    torch.add(h2, 1, out=c)
+    await dbo_yield_and_switch_from_comm_to_compute("done")  # comm rejoins compute before capture ends
+    outs[i].copy_(c)
