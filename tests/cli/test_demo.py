@@ -37,7 +37,8 @@ def test_demo_prints_the_table_on_a_modeled_link_and_writes_a_trace(capsys: pyte
                 "  by its own ubatch", "yields / step", "messages / step"):
         assert re.search(rf"^  {re.escape(row)} ", out, re.MULTILINE), row
     # serial has no other ubatch: none of its comm can be hidden by one
-    assert re.search(r"^    by the other ubatch +0% +\d+%$", out, re.MULTILINE), out
+    assert re.search(r"^    by the other ubatch +0% +\d+%  \(DBO microbatched all of 2 steps\)$", out, re.MULTILINE), out
+    assert re.search(r"^  speedup +\d+\.\d\dx  \(DBO microbatched all of 2 steps\)$", out, re.MULTILINE), out
     assert "\nspeedup = serial step time / DBO step time (above 1x: DBO is faster)\n" in out
     assert "DBO steps: microbatched, every step on every rank (real tokens per ubatch by rank: [256, 256] [256, 256])" in out
     assert "\noutputs serial vs DBO: max |logits diff| = 0 (bitwise equal; deterministic mode)\n" in out
