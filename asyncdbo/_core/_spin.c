@@ -1,66 +1,226 @@
 /* The kernel's fast loop in C (asyncdbo/_core/kernel.py, DBORun._loop_until_done).
  *
- * Why: while every ubatch keeps yielding SWITCH, the Python loop pays its own bytecode and the
- * functools.partial -> Context.run -> coroutine.send chain on every switch. With this loop and
- * the C primitives a switch went from 1.26-1.64x a bare Python coro.send trampoline to 0.73-0.90x
- * (benchmarks/switch_cost.py, N = 2, depth 2-16; results of 2026-11-29 run 6 and 2026-12-01 run 2).
- * This loop does the same steps:
- * pop the next ready ubatch, resume it inside its own context, push it back if it switched; and
- * it stops at anything the Python loop must decide (a park, a finish, an error, a pending timer
- * or wake-up), handing the ubatch and what happened back to it. Python stays the reference: the
- * kernel runs its Python loop where an instrument or an event-loop wait is involved, and under
- * ASYNCDBO_PURE_PYTHON=1.
+ * Why: while every ubatch keeps yielding SWITCH, the Python loop pays its own bytecode for each
+ * switch (pop, install check, resume, compare, push). This loop does the same steps and nothing
+ * else: pop the next ready ubatch, install what it resumes with, call its `resume`, push it back
+ * if it switched; it stops at anything the Python loop must decide (a park, a finish, an error, a
+ * pending timer or wake-up), handing the ubatch and what happened back to it. Python stays the
+ * reference: the kernel runs its Python loop where an instrument or an event-loop wait is
+ * involved, and under ASYNCDBO_PURE_PYTHON=1 / ASYNCDBO_NO_C_KERNEL=1. Measurements of what it
+ * saves are in benchmarks/results/ (benchmarks/host_overhead.py, switch_cost.py).
+ *
+ * It resumes a ubatch exactly as the Python loop does, through `ub.resume()`: a one-shot throw of
+ * a cancellation, or (nearly always) the ubatch's `send`, the prebuilt `ctx.run(coro.send, None)`.
+ * Where this module is loaded, UBatch builds that `send` as a Resume object (below) instead of a
+ * functools.partial: the same call, whose context and coroutine this loop can read, so it runs the
+ * send inline. Either loop drives the coroutine the record was built with.
+ *
+ * Safety: an exact UBatch is read at its slots (offsets taken by configure() from the type's own
+ * member descriptors, asyncdbo/_native/slots.h), a deleted slot raising Python's AttributeError;
+ * any other object (a subclass, asyncdbo.testing's tag logger) is read through its attributes.
+ * Every object used across a call out to Python is held by a strong reference.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
-
-static PyTypeObject *g_ubatch_type;
-static Py_ssize_t ub_resume, ub_send, ub_ctx, ub_coro, ub_resume_with;
-
-#define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
+#include "slots.h"
 
 /* What spin() reports; kernel.py has the same numbers. */
 enum { SWITCHED = 0, PARKED = 1, FINISHED = 2, FAILED = 3, EMPTY = 4 };
 
-static int
-member_offset(PyTypeObject *tp, const char *name, Py_ssize_t *off)
+enum { UB_RESUME, UB_RESUME_WITH, UB_NSLOTS };
+static const char *const ub_names[UB_NSLOTS] = {"resume", "resume_with"};
+
+typedef struct {
+    PyTypeObject *ubatch_type; /* NULL until configure() */
+    Py_ssize_t ub[UB_NSLOTS];
+    PyTypeObject *resume_type;
+} SpinState;
+
+/* ------------------------------------------------------------------ Resume */
+
+/* Resume(ctx, coro)(): ctx.run(coro.send, None), as functools.partial(ctx.run, coro.send, None)
+ * calls it: the send raises StopIteration(value) when the coroutine returns. Immutable. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *ctx, *coro;
+    PyObject *send; /* coro.send, bound when made (so a coroutine without one fails there, as a
+                       partial over coro.send would); called for anything but a native
+                       coroutine or generator, whose send is run by PyIter_Send */
+} ResumeObject;
+
+/* Run the send in the context: PYGEN_NEXT (yielded *result), PYGEN_RETURN (returned *result) or
+ * PYGEN_ERROR (an error set, *result NULL). */
+static PySendResult
+resume_send(ResumeObject *r, PyObject **result)
 {
-    PyObject *d = PyObject_GetAttrString((PyObject *)tp, name);
-    if (d == NULL)
-        return -1;
-    if (!Py_IS_TYPE(d, &PyMemberDescr_Type) || ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
-        PyErr_Format(PyExc_TypeError, "%s.%s is not an object __slots__ field", tp->tp_name, name);
-        Py_DECREF(d);
-        return -1;
+    /* held for the call: what the coroutine runs may drop every other reference */
+    PyObject *ctx = Py_NewRef(r->ctx), *coro = Py_NewRef(r->coro), *send = Py_NewRef(r->send);
+    PySendResult status;
+    *result = NULL;
+    if (PyContext_Enter(ctx) < 0) {
+        status = PYGEN_ERROR;
+        goto done;
     }
-    *off = ((PyMemberDescrObject *)d)->d_member->offset;
-    Py_DECREF(d);
-    return 0;
+    if (PyCoro_CheckExact(coro) || PyGen_CheckExact(coro))
+        status = PyIter_Send(coro, Py_None, result);
+    else {
+        *result = PyObject_CallOneArg(send, Py_None);
+        status = *result != NULL ? PYGEN_NEXT : PYGEN_ERROR;
+    }
+    if (PyContext_Exit(ctx) < 0) {
+        Py_CLEAR(*result);
+        status = PYGEN_ERROR;
+    }
+done:
+    Py_DECREF(ctx);
+    Py_DECREF(coro);
+    Py_DECREF(send);
+    return status;
 }
 
 static PyObject *
+resume_vectorcall(PyObject *self, PyObject *const *Py_UNUSED(args), size_t nargsf, PyObject *kwnames)
+{
+    if (PyVectorcall_NARGS(nargsf) != 0 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "Resume() takes no arguments");
+        return NULL;
+    }
+    PyObject *result;
+    PySendResult status = resume_send((ResumeObject *)self, &result);
+    if (status != PYGEN_RETURN)
+        return result;
+    /* coroutine.send() raises StopIteration(value) on return (a tuple value stays one argument) */
+    PyObject *stop = PyObject_CallOneArg(PyExc_StopIteration, result);
+    Py_DECREF(result);
+    if (stop != NULL)
+        PyErr_SetObject(PyExc_StopIteration, stop);
+    Py_XDECREF(stop);
+    return NULL;
+}
+
+static PyObject *
+resume_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *ctx, *coro;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0) {
+        PyErr_SetString(PyExc_TypeError, "Resume() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "O!O:Resume", &PyContext_Type, &ctx, &coro))
+        return NULL;
+    PyObject *send = PyObject_GetAttrString(coro, "send");
+    if (send == NULL)
+        return NULL;
+    ResumeObject *r = (ResumeObject *)type->tp_alloc(type, 0);
+    if (r == NULL) {
+        Py_DECREF(send);
+        return NULL;
+    }
+    r->vectorcall = resume_vectorcall;
+    r->ctx = Py_NewRef(ctx);
+    r->coro = Py_NewRef(coro);
+    r->send = send;
+    return (PyObject *)r;
+}
+
+static int
+resume_traverse(ResumeObject *r, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(r));
+    Py_VISIT(r->ctx);
+    Py_VISIT(r->coro);
+    Py_VISIT(r->send);
+    return 0;
+}
+
+static int
+resume_clear(ResumeObject *r)
+{
+    Py_CLEAR(r->ctx);
+    Py_CLEAR(r->coro);
+    Py_CLEAR(r->send);
+    return 0;
+}
+
+static void
+resume_dealloc(ResumeObject *r)
+{
+    PyTypeObject *tp = Py_TYPE(r);
+    PyObject_GC_UnTrack(r);
+    resume_clear(r);
+    tp->tp_free((PyObject *)r);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+resume_repr(ResumeObject *r)
+{
+    return PyUnicode_FromFormat("<asyncdbo resume of %R>", r->coro != NULL ? r->coro : Py_None);
+}
+
+static PyMemberDef resume_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(ResumeObject, vectorcall), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot resume_slots[] = {
+    {Py_tp_new, resume_new},
+    {Py_tp_call, PyVectorcall_Call},
+    {Py_tp_traverse, resume_traverse},
+    {Py_tp_clear, resume_clear},
+    {Py_tp_dealloc, resume_dealloc},
+    {Py_tp_repr, resume_repr},
+    {Py_tp_members, resume_members},
+    {Py_tp_doc, "Resume(ctx, coro)(): ctx.run(coro.send, None); what UBatch.send is where this module is loaded."},
+    {0, NULL},
+};
+
+static PyType_Spec resume_spec = {
+    .name = "asyncdbo._core._spin.Resume",
+    .basicsize = sizeof(ResumeObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = resume_slots,
+};
+
+/* ------------------------------------------------------------------ spin */
+
+static inline SpinState *
+get_state(PyObject *module)
+{
+    return (SpinState *)PyModule_GetState(module);
+}
+
+/* ub.<field> as a new reference: at its slot for an exact UBatch, else through the attribute. */
+static inline PyObject *
+ub_get(SpinState *st, PyObject *ub, int field)
+{
+    if (Py_IS_TYPE(ub, st->ubatch_type))
+        return adb_slot_get(ub, st->ub[field], ub_names[field]);
+    return PyObject_GetAttrString(ub, ub_names[field]);
+}
+
+/* (n, ub, status, value); steals ub and value. NULL (with the error) if the tuple can't be made. */
+static PyObject *
 report(Py_ssize_t n, PyObject *ub, int status, PyObject *value)
 {
-    /* steals ub and value */
     PyObject *r = Py_BuildValue("(nOiO)", n, ub, status, value);
     Py_DECREF(ub);
     Py_DECREF(value);
     return r;
 }
 
-/* The error just raised, as an exception object with its traceback. */
+/* The error just raised, as an exception object with its traceback; a SystemError if none was set
+ * (a callee that returned NULL without one), so FAILED always carries an exception. */
 static PyObject *
-fetch_error(void)
+take_error(void)
 {
-    PyObject *typ, *val, *tb;
-    PyErr_Fetch(&typ, &val, &tb);
-    PyErr_NormalizeException(&typ, &val, &tb);
-    if (tb != NULL)
-        PyException_SetTraceback(val, tb);
-    Py_XDECREF(typ);
-    Py_XDECREF(tb);
-    return val;
+    PyObject *exc = adb_take_exception();
+    if (exc == NULL) {
+        PyErr_SetString(PyExc_SystemError, "asyncdbo._core._spin: a call failed without setting an exception");
+        exc = adb_take_exception();
+    }
+    return exc;
 }
 
 /* spin(pop, push, woken, timers, switch, install) -> (switches, ubatch, status, value)
@@ -68,25 +228,28 @@ fetch_error(void)
  * Resume ubatches in ring order while each yields `switch`, counting the switches; before each
  * resume, `install(ubatch.resume_with)` unless `install` is None (the run's install, which does
  * nothing when that stream is current already; an error from it propagates, as from the Python
- * loop). Returns when
- * a ubatch does anything else: PARKED (value: what it yielded), FINISHED (value: its result),
- * FAILED (value: the exception, not raised); or when it switched and `timers` (a list) or `woken`
- * (a deque, or None to ignore it) is not empty: SWITCHED, the ubatch not pushed back yet. EMPTY
- * when the ring is empty. */
+ * loop). Returns when a ubatch does anything else: PARKED (value: what it yielded), FINISHED
+ * (value: its result), FAILED (value: the exception, not raised); or when it switched and `timers`
+ * (a list) or `woken` (a sized container, or None to ignore it) is not empty: SWITCHED, the
+ * ubatch not pushed back yet. EMPTY when the ring is empty. */
 static PyObject *
-spin(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+spin(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 6) {
         PyErr_Format(PyExc_TypeError, "spin() takes 6 arguments (%zd given)", nargs);
         return NULL;
     }
-    PyObject *pop = args[0], *push = args[1], *woken = args[2], *timers = args[3], *switch_ = args[4];
-    PyObject *install = args[5] == Py_None ? NULL : args[5];
-    if (g_ubatch_type == NULL) {
+    SpinState *st = get_state(module);
+    if (st == NULL)
+        return NULL;
+    if (st->ubatch_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "asyncdbo._core._spin.configure() was not called");
         return NULL;
     }
-    if (!PyList_CheckExact(timers)) {
+    /* The arguments are the caller's (alive for the call); `timers` must stay a list. */
+    PyObject *pop = args[0], *push = args[1], *woken = args[2], *timers = args[3], *switch_ = args[4];
+    PyObject *install = args[5] == Py_None ? NULL : args[5];
+    if (!PyList_Check(timers)) {
         PyErr_SetString(PyExc_TypeError, "spin(): timers must be a list");
         return NULL;
     }
@@ -101,11 +264,8 @@ spin(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             PyErr_Clear();
             return report(n, Py_NewRef(Py_None), EMPTY, Py_NewRef(Py_None));
         }
-        /* An exact UBatch is read at its slots; a subclass (asyncdbo.testing's tag logger) through
-         * its attributes, which it may override. */
-        int exact = Py_IS_TYPE(ub, g_ubatch_type);
         if (install != NULL) {
-            PyObject *with = exact ? Py_XNewRef(SLOT(ub, ub_resume_with)) : PyObject_GetAttrString(ub, "resume_with");
+            PyObject *with = ub_get(st, ub, UB_RESUME_WITH);
             PyObject *r = with == NULL ? NULL : PyObject_CallOneArg(install, with);
             Py_XDECREF(with);
             if (r == NULL) {
@@ -114,60 +274,46 @@ spin(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             }
             Py_DECREF(r);
         }
-        PyObject *resume = exact ? Py_XNewRef(SLOT(ub, ub_resume)) : PyObject_GetAttrString(ub, "resume");
-        PyObject *result = NULL;
-        int status;
-        if (resume == NULL && !exact)
-            return report(n, ub, FAILED, fetch_error());
-        if (exact && resume != NULL && resume == SLOT(ub, ub_send)) { /* ctx.run(coro.send, None), inlined */
+        PyObject *resume = ub_get(st, ub, UB_RESUME);
+        if (resume == NULL) /* as the Python loop's `ub.resume()`: the ubatch fails with it */
+            return report(n, ub, FAILED, take_error());
+        PyObject *result;
+        if (Py_IS_TYPE(resume, st->resume_type)) { /* its send, inline */
+            PySendResult r = resume_send((ResumeObject *)resume, &result);
             Py_DECREF(resume);
-            /* held for the call: nothing the ubatch runs may free them under us */
-            PyObject *ctx = Py_XNewRef(SLOT(ub, ub_ctx)), *coro = Py_XNewRef(SLOT(ub, ub_coro));
-            if (ctx == NULL || coro == NULL || PyContext_Enter(ctx) < 0) {
-                if (!PyErr_Occurred())
-                    PyErr_Format(PyExc_RuntimeError, "spin(): ubatch %R has no context or coroutine", ub);
-                Py_XDECREF(ctx);
-                Py_XDECREF(coro);
-                return report(n, ub, FAILED, fetch_error());
-            }
-            PySendResult r = PyIter_Send(coro, Py_None, &result);
-            int exited = PyContext_Exit(ctx);
-            Py_DECREF(ctx);
-            Py_DECREF(coro);
-            if (exited < 0) {
-                Py_XDECREF(result);
-                return report(n, ub, FAILED, fetch_error());
-            }
-            status = r == PYGEN_NEXT ? PARKED : r == PYGEN_RETURN ? FINISHED : FAILED;
+            if (r == PYGEN_ERROR)
+                return report(n, ub, FAILED, take_error());
+            if (r == PYGEN_RETURN)
+                return report(n, ub, FINISHED, result);
         }
-        else { /* a one-shot throw (a cancellation), or a resume set by hand */
-            result = resume == NULL ? NULL : PyObject_CallNoArgs(resume);
-            Py_XDECREF(resume);
-            status = PARKED;
-            if (result == NULL) {
-                if (resume == NULL)
-                    PyErr_Format(PyExc_RuntimeError, "spin(): ubatch %R has no resume", ub);
-                if (PyErr_ExceptionMatches(PyExc_StopIteration)) {
-                    PyObject *stop = fetch_error();
-                    result = PyObject_GetAttrString(stop, "value");
-                    Py_DECREF(stop);
-                    if (result == NULL)
-                        return report(n, ub, FAILED, fetch_error());
-                    status = FINISHED;
-                }
-                else
-                    status = FAILED;
-            }
+        else {
+            result = PyObject_CallNoArgs(resume);
+            Py_DECREF(resume);
         }
-        if (status == FAILED)
-            return report(n, ub, FAILED, fetch_error());
-        if (status == FINISHED)
-            return report(n, ub, FINISHED, result);
+        if (result == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_StopIteration))
+                return report(n, ub, FAILED, take_error());
+            PyObject *stop = adb_take_exception();
+            PyObject *value = PyObject_GetAttrString(stop, "value");
+            Py_DECREF(stop);
+            if (value == NULL)
+                return report(n, ub, FAILED, take_error());
+            return report(n, ub, FINISHED, value);
+        }
         if (result != switch_)
             return report(n, ub, PARKED, result);
         Py_DECREF(result);
         n++;
-        if (PyList_GET_SIZE(timers) > 0 || (woken != NULL && PyObject_Length(woken) > 0))
+        int pending = PyList_GET_SIZE(timers) > 0;
+        if (!pending && woken != NULL) {
+            Py_ssize_t len = PyObject_Length(woken);
+            if (len < 0) {
+                Py_DECREF(ub);
+                return NULL;
+            }
+            pending = len > 0;
+        }
+        if (pending)
             return report(n, ub, SWITCHED, Py_NewRef(Py_None));
         PyObject *r = PyObject_CallOneArg(push, ub);
         Py_DECREF(ub);
@@ -177,19 +323,26 @@ spin(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     }
 }
 
+/* configure(UBatch): the record whose slots spin() reads. All or nothing: a type that lacks a slot
+ * raises TypeError and leaves the previous configuration in place. */
 static PyObject *
-configure(PyObject *Py_UNUSED(module), PyObject *tp)
+configure(PyObject *module, PyObject *tp)
 {
     if (!PyType_Check(tp)) {
         PyErr_Format(PyExc_TypeError, "configure() needs the UBatch type (got %R)", tp);
         return NULL;
     }
-    PyTypeObject *t = (PyTypeObject *)tp;
-    if (member_offset(t, "resume", &ub_resume) || member_offset(t, "send", &ub_send)
-        || member_offset(t, "ctx", &ub_ctx) || member_offset(t, "coro", &ub_coro)
-        || member_offset(t, "resume_with", &ub_resume_with))
+    SpinState *st = get_state(module);
+    if (st == NULL)
         return NULL;
-    Py_XSETREF(g_ubatch_type, (PyTypeObject *)Py_NewRef(tp));
+    Py_ssize_t offs[UB_NSLOTS];
+    if (adb_member_offsets((PyTypeObject *)tp, ub_names, offs, UB_NSLOTS) < 0)
+        return NULL;
+    /* commit: the offsets and the type they belong to, with no call out in between */
+    PyTypeObject *old = st->ubatch_type;
+    memcpy(st->ub, offs, sizeof offs);
+    st->ubatch_type = (PyTypeObject *)Py_NewRef(tp);
+    Py_XDECREF(old);
     Py_RETURN_NONE;
 }
 
@@ -200,25 +353,79 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static int
+module_exec(PyObject *m)
+{
+    SpinState *st = get_state(m);
+    st->resume_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &resume_spec, NULL);
+    if (st->resume_type == NULL || PyModule_AddObjectRef(m, "Resume", (PyObject *)st->resume_type) < 0)
+        return -1;
+    if (PyModule_AddIntConstant(m, "SWITCHED", SWITCHED) || PyModule_AddIntConstant(m, "PARKED", PARKED)
+        || PyModule_AddIntConstant(m, "FINISHED", FINISHED) || PyModule_AddIntConstant(m, "FAILED", FAILED)
+        || PyModule_AddIntConstant(m, "EMPTY", EMPTY))
+        return -1;
+    return 0;
+}
+
+static int
+module_traverse(PyObject *m, visitproc visit, void *arg)
+{
+    SpinState *st = get_state(m);
+    if (st != NULL) {
+        Py_VISIT(st->ubatch_type);
+        Py_VISIT(st->resume_type);
+    }
+    return 0;
+}
+
+static int
+module_clear(PyObject *m)
+{
+    SpinState *st = get_state(m);
+    if (st != NULL) {
+        Py_CLEAR(st->ubatch_type);
+        Py_CLEAR(st->resume_type);
+    }
+    return 0;
+}
+
+static void
+module_free(void *m)
+{
+    module_clear((PyObject *)m);
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+#if PY_VERSION_HEX >= 0x030D0000
+    /* Thread safety: this module relies on the GIL. spin() reads and writes slots of the records
+     * of one run with plain loads and stores, which is safe only while no other thread can touch
+     * them; the kernel drives a run on one thread, but nothing stops a user's thread from
+     * touching a record, which under the GIL is merely wrong and without it could free an object
+     * under us. On a free-threaded build asyncdbo does not load the extensions while the GIL is
+     * disabled (asyncdbo/_core/extensions.py) and runs the Python loop, which is safe there. */
+    {Py_mod_gil, Py_MOD_GIL_USED},
+#endif
+    {0, NULL},
+};
+
 static struct PyModuleDef spin_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "asyncdbo._core._spin",
     .m_doc = "The kernel's fast loop in C; asyncdbo._core.kernel is the reference.",
-    .m_size = -1,
+    .m_size = sizeof(SpinState),
     .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
 };
 
 PyMODINIT_FUNC
 PyInit__spin(void)
 {
-    PyObject *m = PyModule_Create(&spin_module);
-    if (m == NULL)
-        return NULL;
-    if (PyModule_AddIntConstant(m, "SWITCHED", SWITCHED) || PyModule_AddIntConstant(m, "PARKED", PARKED)
-        || PyModule_AddIntConstant(m, "FINISHED", FINISHED) || PyModule_AddIntConstant(m, "FAILED", FAILED)
-        || PyModule_AddIntConstant(m, "EMPTY", EMPTY)) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return PyModuleDef_Init(&spin_module);
 }

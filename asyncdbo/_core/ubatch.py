@@ -20,6 +20,8 @@ import functools
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+from .extensions import load_extension
+
 if TYPE_CHECKING:
     from .kernel import DBORun
 
@@ -28,6 +30,14 @@ __all__ = ["UBatch", "UBatchState", "current_ubatch", "get_ubatch"]
 current_ubatch: contextvars.ContextVar[UBatch | None] = contextvars.ContextVar("asyncdbo_ubatch")
 """The running ubatch in its own context; None (or unset) outside a run, and in a task created
 from a ubatch (such a task is not part of the run)."""
+
+
+_spin = load_extension("asyncdbo._core._spin")
+#: ``Resume(ctx, coro)()`` is ``ctx.run(coro.send, None)`` in C (asyncdbo/_core/_spin.c), which the
+#: kernel's C loop runs inline; the functools.partial where the extension is not loaded.
+_Resume: Callable[[contextvars.Context, Coroutine[Any, Any, Any]], Callable[[], object]] | None = (
+    None if _spin is None else _spin.Resume
+)
 
 
 class UBatchState(enum.Enum):
@@ -49,7 +59,7 @@ class UBatch:
     waits on), ``result``; ``resume_with``: what the run installs before resuming it (a device
     stream; the kernel only compares and passes it on); ``ext``: the upper layer's per-ubatch state;
     ``unawaited``: the upper layer's record of an awaitable it handed out and that was not awaited
-    yet (the DBO layer's missing-await check); ``debug``: the upper layer's debug-mode state (None
+    yet (the DBO layer's missing-await check) and ``unawaited_at``, where it was made; ``debug``: the upper layer's debug-mode state (None
     outside debug mode); ``cancels``: pending cancellation requests (``Task.cancelling()``).
 
     The record is valid while its run is driven: afterwards the run drops the coroutine, context,
@@ -74,6 +84,7 @@ class UBatch:
         "send",
         "waker",
         "unawaited",
+        "unawaited_at",
         "debug",
         "cancels",
         "__weakref__",
@@ -87,7 +98,9 @@ class UBatch:
         self.ctx_run = self.ctx.run
         # coro.send(None) inside this ubatch's context, prebuilt: the kernel's fast path calls it
         # once per switch, with no attribute lookups or argument packing of its own.
-        self.send: Callable[[], object] = functools.partial(self.ctx.run, coro.send, None)
+        self.send: Callable[[], object] = (
+            functools.partial(self.ctx.run, coro.send, None) if _Resume is None else _Resume(self.ctx, coro)
+        )
         self.resume: Callable[[], object] = self.send  # swapped for a one-shot throw by a cancellation
         self.ctx.run(current_ubatch.set, self)
         self.state = UBatchState.READY
@@ -99,6 +112,7 @@ class UBatch:
         self.ext: Any = None
         self.waker: Any = None  # the callback the kernel registered on what it is parked on
         self.unawaited: object = None
+        self.unawaited_at: object = None  # where that awaitable was made: (code, lasti) of its caller
         self.debug: Any = None
         self.cancels = 0
 

@@ -1,72 +1,97 @@
 /* C fast paths of the DBO yield and switch primitives (asyncdbo/dbo/primitives.py).
  *
  * Why: a yield primitive in Python is a call, a generator object and two frames per yield; the
- * `ht` layer calls six of them for its three yields. In pure Python its eager step took 0.6-1.5 us
- * of host time per yield, with these paths and the kernel's C loop 148-250 ns
- * (benchmarks/host_overhead.py, results of 2026-12-01 runs 5-6). Here each primitive is a
- * vectorcall object and the awaitable it returns is a small iterator with a state machine instead
- * of a generator frame.
+ * `ht` layer calls six of them for its three yields. Here each primitive is a vectorcall object
+ * and the awaitable it returns is a small iterator with a state machine instead of a generator
+ * frame. What that saves is measured by benchmarks/host_overhead.py (benchmarks/results/).
  *
  * The contract: Python stays the reference. A Primitive handles only the common case (a plain
  * positional call inside a run, nothing pending, not in debug mode, the ubatch on the expected
- * role, a known tag) and before it changes anything it checks all of that; anything else (a
- * keyword other than tag=, a missing await to report, debug mode, a wrong role, an unknown tag, a
- * lane of another type) calls the Python implementation with the same arguments, which raises the
- * same errors as always. tests/dbo/test_speedups.py runs the same programs on both and compares
- * whole traces.
+ * role, a known tag, exact UBatch and Lane records with every slot it checks present) and it
+ * checks all of that before it changes anything; anything else calls the Python implementation
+ * with the same arguments, which raises the same errors as always. Past that point it does what
+ * the Python code does, in the same order, and raises what it raises (a deleted slot:
+ * AttributeError; a missing key: KeyError). tests/dbo/test_speedups.py and tests/native/ run the
+ * same programs on both and compare whole traces, errors and what is left alive.
  *
- * The records it touches (UBatch, Lane) are __slots__ classes: their fields are read and written
- * at the slot offsets read off the member descriptors at configure() time, for exact instances of
- * the configured types only.
+ * Safety rules (each has a test in tests/native/): slots are read through asyncdbo/_native/slots.h
+ * (offsets from the configured type's own member descriptors, committed all at once; the exact
+ * type re-checked at every access, since a call out may reassign __class__); every object used
+ * across a call out to Python is held by a strong reference; a Step is not re-entered while it
+ * runs (ValueError, as a generator's "already executing").
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
+#include "slots.h"
 
-/* ------------------------------------------------------------------ configuration */
+/* ------------------------------------------------------------------ module state */
 
-static PyObject *g_current_ubatch; /* the contextvar holding the running UBatch */
-static PyTypeObject *g_ubatch_type, *g_lane_type;
-static PyObject *g_switch;    /* the kernel's SWITCH request */
-static PyObject *g_completed; /* the shared done awaitable */
-static Py_ssize_t ub_unawaited, ub_debug, ub_ext, ub_tag, ub_resume_with;
-static Py_ssize_t lane_role, lane_stream, lane_streams, lane_events, lane_record, lane_wait, lane_install;
-static PyObject *s_await, *s_throw, *s_close;
+enum { UB_UNAWAITED, UB_UNAWAITED_AT, UB_DEBUG, UB_EXT, UB_TAG, UB_RESUME_WITH, UB_NSLOTS };
+static const char *const ub_names[UB_NSLOTS] = {"unawaited", "unawaited_at", "debug", "ext", "tag", "resume_with"};
+enum { L_ROLE, L_STREAM, L_STREAMS, L_EVENTS, L_RECORD, L_WAIT, L_INSTALL, L_NSLOTS };
+static const char *const lane_names[L_NSLOTS] = {"role", "stream", "streams", "events", "record", "wait", "install"};
 
-#define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
+typedef struct {
+    PyTypeObject *step_type, *primitive_type;
+    /* set by configure(), all together */
+    PyObject *current_ubatch;               /* the contextvar holding the running UBatch */
+    PyTypeObject *ubatch_type, *lane_type;
+    PyObject *switch_;                      /* the kernel's SWITCH request */
+    PyObject *completed;                    /* the shared done awaitable */
+    Py_ssize_t ub[UB_NSLOTS], lane[L_NSLOTS];
+} State;
 
-static inline void
-slot_set(PyObject *obj, Py_ssize_t off, PyObject *value)
+static inline State *
+state_of_type(PyTypeObject *tp)
 {
-    PyObject *old = SLOT(obj, off);
-    Py_INCREF(value);
-    SLOT(obj, off) = value;
-    Py_XDECREF(old);
+    return (State *)PyType_GetModuleState(tp);
 }
 
-static int
-member_offset(PyTypeObject *tp, const char *name, Py_ssize_t *off)
+/* Field access: at the slot for an exact instance of the configured type, else the attribute. */
+static inline PyObject *
+ub_get(State *st, PyObject *ub, int f)
 {
-    PyObject *d = PyObject_GetAttrString((PyObject *)tp, name);
-    if (d == NULL)
-        return -1;
-    if (!Py_IS_TYPE(d, &PyMemberDescr_Type)) {
-        PyErr_Format(PyExc_TypeError, "%s.%s is not a __slots__ field", tp->tp_name, name);
-        Py_DECREF(d);
-        return -1;
-    }
-    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-    if (m->type != T_OBJECT_EX) {
-        PyErr_Format(PyExc_TypeError, "%s.%s is not an object slot", tp->tp_name, name);
-        Py_DECREF(d);
-        return -1;
-    }
-    *off = m->offset;
-    Py_DECREF(d);
-    return 0;
+    if (Py_IS_TYPE(ub, st->ubatch_type))
+        return adb_slot_get(ub, st->ub[f], ub_names[f]);
+    return PyObject_GetAttrString(ub, ub_names[f]);
 }
 
-/* fn(a, b) by vectorcall (the backend's record and wait). */
+static inline int
+ub_set(State *st, PyObject *ub, int f, PyObject *v)
+{
+    if (Py_IS_TYPE(ub, st->ubatch_type)) {
+        adb_slot_set(ub, st->ub[f], v);
+        return 0;
+    }
+    return PyObject_SetAttrString(ub, ub_names[f], v);
+}
+
+static inline PyObject *
+lane_get(State *st, PyObject *lane, int f)
+{
+    if (Py_IS_TYPE(lane, st->lane_type))
+        return adb_slot_get(lane, st->lane[f], lane_names[f]);
+    return PyObject_GetAttrString(lane, lane_names[f]);
+}
+
+static inline int
+lane_set(State *st, PyObject *lane, int f, PyObject *v)
+{
+    if (Py_IS_TYPE(lane, st->lane_type)) {
+        adb_slot_set(lane, st->lane[f], v);
+        return 0;
+    }
+    return PyObject_SetAttrString(lane, lane_names[f], v);
+}
+
+/* A slot's value, borrowed, for the checks made before anything changes (NULL: deleted). */
+static inline PyObject *
+peek(PyObject *obj, Py_ssize_t off)
+{
+    return ADB_SLOT(obj, off);
+}
+
+/* fn(a, b) by vectorcall; the caller holds fn, a and b. */
 static inline PyObject *
 call2(PyObject *fn, PyObject *a, PyObject *b)
 {
@@ -74,16 +99,17 @@ call2(PyObject *fn, PyObject *a, PyObject *b)
     return PyObject_Vectorcall(fn, args + 1, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
 }
 
-/* mapping[key] as a new reference; a plain dict without the generic call. */
-static inline PyObject *
-dict_item(PyObject *mapping, PyObject *key)
+/* mapping[key] as a new reference (a plain dict without the generic call; KeyError(key) as
+ * Python raises it, even for a tuple key). */
+static PyObject *
+get_item(PyObject *mapping, PyObject *key)
 {
     if (PyDict_CheckExact(mapping)) {
         PyObject *v = PyDict_GetItemWithError(mapping, key);
         if (v != NULL)
             return Py_NewRef(v);
         if (!PyErr_Occurred()) {
-            PyObject *args = PyTuple_Pack(1, key); /* KeyError(key), even for a tuple key */
+            PyObject *args = PyTuple_Pack(1, key);
             if (args != NULL) {
                 PyErr_SetObject(PyExc_KeyError, args);
                 Py_DECREF(args);
@@ -94,43 +120,83 @@ dict_item(PyObject *mapping, PyObject *key)
     return PyObject_GetItem(mapping, key);
 }
 
-/* The run's install(stream), bound on the lane once per run (None: nothing to install). */
-static int
-install_stream(PyObject *lane, PyObject *stream)
+/* lane.<f>[key], evaluated as Python does (the attribute, then the subscript). */
+static PyObject *
+lane_item(State *st, PyObject *lane, int f, PyObject *key)
 {
-    PyObject *install = SLOT(lane, lane_install);
-    if (install == NULL || install == Py_None)
-        return 0;
-    PyObject *r = PyObject_CallOneArg(install, stream);
-    if (r == NULL)
-        return -1;
-    Py_DECREF(r);
-    return 0;
+    PyObject *mapping = lane_get(st, lane, f);
+    if (mapping == NULL)
+        return NULL;
+    PyObject *v = get_item(mapping, key);
+    Py_DECREF(mapping);
+    return v;
+}
+
+/* Where the calling Python code is: (code, lasti) of the frame that called the primitive, what
+ * the missing-await report turns into file:line (asyncdbo.dbo.awaits). None without a frame. */
+static PyObject *
+caller_site(void)
+{
+    PyFrameObject *f = PyEval_GetFrame(); /* borrowed */
+    if (f == NULL)
+        return Py_NewRef(Py_None);
+    PyCodeObject *code = PyFrame_GetCode(f);
+    return Py_BuildValue("(Ni)", (PyObject *)code, PyFrame_GetLasti(f));
+}
+
+/* Python's: lane.role = role; lane.stream = ub.resume_with = stream = lane.streams[role];
+ * if lane.install is not None: lane.install(stream). Returns the stream (new reference). */
+static PyObject *
+enter_role(State *st, PyObject *ub, PyObject *lane, PyObject *role)
+{
+    if (lane_set(st, lane, L_ROLE, role) < 0)
+        return NULL;
+    PyObject *stream = lane_item(st, lane, L_STREAMS, role);
+    if (stream == NULL)
+        return NULL;
+    if (lane_set(st, lane, L_STREAM, stream) < 0 || ub_set(st, ub, UB_RESUME_WITH, stream) < 0)
+        goto fail;
+    PyObject *install = lane_get(st, lane, L_INSTALL);
+    if (install == NULL)
+        goto fail;
+    if (install != Py_None) {
+        PyObject *r = PyObject_CallOneArg(install, stream);
+        if (r == NULL) {
+            Py_DECREF(install);
+            goto fail;
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(install);
+    return stream;
+fail:
+    Py_DECREF(stream);
+    return NULL;
 }
 
 /* ------------------------------------------------------------------ the awaitable */
 
-enum { K_SWITCH, K_ROLE, K_WAIT };        /* dbo_yield, a yield-and-switch, a sync switch's wait */
+enum { K_SWITCH, K_ROLE, K_WAIT }; /* traps.switch, primitives._yield_and_switch, ._then_wait */
 enum { S_START, S_YIELDED, S_WAITING, S_DONE };
 
 typedef struct {
     PyObject_HEAD
-    int kind, state;
+    int kind, state, running;
     PyObject *ub, *lane, *tag, *src, *dst;
-    PyObject *event; /* K_ROLE: the src done-event (after the yield); K_WAIT: the signal or NULL */
+    PyObject *event; /* K_ROLE: the src done-event (after the yield); K_WAIT: the signal or None */
     PyObject *sub;   /* S_WAITING: the signal's __await__ iterator */
 } StepObject;
 
-static PyTypeObject Step_Type;
-
 static PyObject *
-step_new(int kind, PyObject *ub, PyObject *lane, PyObject *tag, PyObject *src, PyObject *dst, PyObject *event)
+step_new(State *st, int kind, PyObject *ub, PyObject *lane, PyObject *tag, PyObject *src, PyObject *dst,
+         PyObject *event)
 {
-    StepObject *s = PyObject_GC_New(StepObject, &Step_Type);
+    StepObject *s = PyObject_GC_New(StepObject, st->step_type);
     if (s == NULL)
         return NULL;
     s->kind = kind;
     s->state = S_START;
+    s->running = 0;
     s->ub = Py_XNewRef(ub);
     s->lane = Py_XNewRef(lane);
     s->tag = Py_XNewRef(tag);
@@ -145,6 +211,7 @@ step_new(int kind, PyObject *ub, PyObject *lane, PyObject *tag, PyObject *src, P
 static int
 step_traverse(StepObject *s, visitproc visit, void *arg)
 {
+    Py_VISIT(Py_TYPE(s));
     Py_VISIT(s->ub);
     Py_VISIT(s->lane);
     Py_VISIT(s->tag);
@@ -171,141 +238,198 @@ step_clear(StepObject *s)
 static void
 step_dealloc(StepObject *s)
 {
+    PyTypeObject *tp = Py_TYPE(s);
     PyObject_GC_UnTrack(s);
     step_clear(s);
     PyObject_GC_Del(s);
+    Py_DECREF(tp);
 }
 
-/* Start waiting on `signal` (its __await__ iterator), then run it with `value`. */
-static PyObject *step_delegate(StepObject *s, PyObject *value);
-
-static PyObject *
-step_wait_on(StepObject *s, PyObject *signal)
-{
-    PyObject *sub = PyObject_CallMethodNoArgs(signal, s_await);
-    if (sub == NULL) {
-        s->state = S_DONE;
-        return NULL;
-    }
-    s->sub = sub;
-    s->state = S_WAITING;
-    return step_delegate(s, Py_None);
-}
-
+/* Send `value` into the wait: the next value to yield, or NULL (finished: no error; failed). */
 static PyObject *
 step_delegate(StepObject *s, PyObject *value)
 {
-    PyObject *res = NULL;
-    PySendResult r = PyIter_Send(s->sub, value, &res);
+    PyObject *sub = Py_NewRef(s->sub), *res = NULL;
+    PySendResult r = PyIter_Send(sub, value, &res);
+    Py_DECREF(sub);
     if (r == PYGEN_NEXT)
         return res;
     s->state = S_DONE;
     Py_CLEAR(s->sub);
     if (r == PYGEN_RETURN)
-        Py_DECREF(res); /* the signal's await returns None; so does this awaitable */
+        Py_DECREF(res); /* `yield from signal.__await__()` is a statement: its value is dropped */
     return NULL;
 }
 
-/* Resume: what the Python generators do (_yield_and_switch, switch, _then_wait). Returns the
- * value to yield, or NULL: finished (no error set) or failed (error set). */
+/* Start waiting on `signal` (Python: `yield from signal.__await__()`). */
 static PyObject *
-step_advance(StepObject *s, PyObject *value)
+step_wait_on(StepObject *s, PyObject *signal)
+{
+    PyObject *sub = PyObject_CallMethod(signal, "__await__", NULL);
+    if (sub == NULL) {
+        s->state = S_DONE;
+        return NULL;
+    }
+    PyObject *it = PyObject_GetIter(sub); /* what `yield from` iterates */
+    Py_DECREF(sub);
+    if (it == NULL) {
+        s->state = S_DONE;
+        return NULL;
+    }
+    Py_XSETREF(s->sub, it);
+    s->state = S_WAITING;
+    return step_delegate(s, Py_None);
+}
+
+/* K_ROLE, up to the yield: ub.unawaited = None; event = lane.events[src]; if event is not None:
+ * lane.record(event, lane.streams[src]); ub.tag = tag. 0 or -1. */
+static int
+role_start(State *st, StepObject *s)
+{
+    PyObject *event = lane_item(st, s->lane, L_EVENTS, s->src);
+    if (event == NULL)
+        return -1;
+    if (event != Py_None) { /* record before the yield: covers only this ubatch's work */
+        PyObject *record = lane_get(st, s->lane, L_RECORD);
+        PyObject *stream = record == NULL ? NULL : lane_item(st, s->lane, L_STREAMS, s->src);
+        PyObject *r = stream == NULL ? NULL : call2(record, event, stream);
+        Py_XDECREF(record);
+        Py_XDECREF(stream);
+        if (r == NULL) {
+            Py_DECREF(event);
+            return -1;
+        }
+        Py_DECREF(r);
+    }
+    Py_XSETREF(s->event, event);
+    return ub_set(st, s->ub, UB_TAG, s->tag);
+}
+
+/* K_ROLE, after the yield: enter dst, then wait on the done-event from the stream entered. */
+static PyObject *
+role_resume(State *st, StepObject *s)
+{
+    PyObject *stream = enter_role(st, s->ub, s->lane, s->dst);
+    if (stream == NULL || s->event == NULL || s->event == Py_None) {
+        Py_XDECREF(stream);
+        s->state = S_DONE;
+        return NULL;
+    }
+    PyObject *wait = lane_get(st, s->lane, L_WAIT);
+    PyObject *event = Py_NewRef(s->event);
+    PyObject *signal = wait == NULL ? NULL : call2(wait, stream, event); /* after the resume */
+    Py_XDECREF(wait);
+    Py_DECREF(event);
+    Py_DECREF(stream);
+    if (signal == NULL || signal == Py_None) {
+        Py_XDECREF(signal);
+        s->state = S_DONE;
+        return NULL;
+    }
+    PyObject *r = step_wait_on(s, signal);
+    Py_DECREF(signal);
+    return r;
+}
+
+/* One resume: what the Python generators do. Returns the value to yield, or NULL: finished (no
+ * error set) or failed (error set). */
+static PyObject *
+step_advance(State *st, StepObject *s, PyObject *value)
 {
     switch (s->state) {
     case S_START:
-        slot_set(s->ub, ub_unawaited, Py_None);
+        if (value != Py_None) { /* as a generator: the mark stays, nothing ran */
+            PyErr_SetString(PyExc_TypeError, "can't send non-None value to a just-started generator");
+            return NULL;
+        }
+        if (ub_set(st, s->ub, UB_UNAWAITED, Py_None) < 0)
+            goto fail;
         if (s->kind == K_WAIT) {
-            if (s->event == NULL || s->event == Py_None) {
+            if (s->event == Py_None) {
                 s->state = S_DONE;
                 return NULL;
             }
-            return step_wait_on(s, s->event);
+            PyObject *signal = Py_NewRef(s->event);
+            PyObject *r = step_wait_on(s, signal);
+            Py_DECREF(signal);
+            return r;
         }
-        if (s->kind == K_ROLE) {
-            PyObject *event = dict_item(SLOT(s->lane, lane_events), s->src);
-            if (event == NULL) {
-                s->state = S_DONE;
-                return NULL;
-            }
-            if (event != Py_None) { /* record before the yield: covers only this ubatch's work */
-                PyObject *stream = dict_item(SLOT(s->lane, lane_streams), s->src);
-                PyObject *r = stream == NULL ? NULL
-                    : call2(SLOT(s->lane, lane_record), event, stream);
-                Py_XDECREF(stream);
-                if (r == NULL) {
-                    Py_DECREF(event);
-                    s->state = S_DONE;
-                    return NULL;
-                }
-                Py_DECREF(r);
-            }
-            Py_XSETREF(s->event, event);
-            if (Py_IS_TYPE(s->ub, g_ubatch_type))
-                slot_set(s->ub, ub_tag, s->tag);
-            else if (PyObject_SetAttrString(s->ub, "tag", s->tag) < 0) { /* its class was switched since */
-                s->state = S_DONE;
-                return NULL;
-            }
-        }
+        if (s->kind == K_ROLE && role_start(st, s) < 0)
+            goto fail;
         s->state = S_YIELDED;
-        return Py_NewRef(g_switch);
-    case S_YIELDED: {
+        return Py_NewRef(st->switch_);
+    case S_YIELDED:
         if (s->kind == K_SWITCH) {
             s->state = S_DONE;
             return NULL;
         }
-        PyObject *lane = s->lane, *ub = s->ub;
-        slot_set(lane, lane_role, s->dst);
-        PyObject *stream = dict_item(SLOT(lane, lane_streams), s->dst);
-        if (stream == NULL) {
-            s->state = S_DONE;
-            return NULL;
-        }
-        slot_set(lane, lane_stream, stream);
-        slot_set(ub, ub_resume_with, stream);
-        if (install_stream(lane, stream) < 0) {
-            Py_DECREF(stream);
-            s->state = S_DONE;
-            return NULL;
-        }
-        if (s->event == NULL || s->event == Py_None) {
-            Py_DECREF(stream);
-            s->state = S_DONE;
-            return NULL;
-        }
-        /* after the resume: the stream it enters waits on the done-event */
-        PyObject *signal = call2(SLOT(lane, lane_wait), stream, s->event);
-        Py_DECREF(stream);
-        if (signal == NULL) {
-            s->state = S_DONE;
-            return NULL;
-        }
-        if (signal == Py_None) {
-            Py_DECREF(signal);
-            s->state = S_DONE;
-            return NULL;
-        }
-        PyObject *r = step_wait_on(s, signal);
-        Py_DECREF(signal);
-        return r;
-    }
+        return role_resume(st, s);
     case S_WAITING:
         return step_delegate(s, value);
     default:
         return NULL;
     }
+fail:
+    s->state = S_DONE;
+    return NULL;
+}
+
+static int
+step_enter(StepObject *s)
+{
+    if (s->running) {
+        PyErr_SetString(PyExc_ValueError, "generator already executing");
+        return -1;
+    }
+    s->running = 1;
+    return 0;
+}
+
+/* A StopIteration that escapes a running generator becomes RuntimeError (PEP 479); so it does
+ * here, for one raised by what the awaitable calls (a finished wait is not an error). */
+static void
+pep479(void)
+{
+    if (!PyErr_Occurred() || !PyErr_ExceptionMatches(PyExc_StopIteration))
+        return;
+    PyObject *stop = adb_take_exception();
+    PyErr_SetString(PyExc_RuntimeError, "generator raised StopIteration");
+    PyObject *err = adb_take_exception();
+    if (err == NULL) {
+        Py_XDECREF(stop);
+        return;
+    }
+    PyException_SetCause(err, Py_NewRef(stop));
+    PyException_SetContext(err, stop);
+    adb_restore_exception(err);
+}
+
+/* send / __next__ / the await protocol's send: one resume under the running guard. */
+static PyObject *
+step_run(StepObject *s, PyObject *value)
+{
+    if (step_enter(s) < 0)
+        return NULL;
+    Py_INCREF(s); /* whatever the resume runs may drop the last other reference */
+    int live = s->state != S_DONE;
+    PyObject *r = step_advance(state_of_type(Py_TYPE(s)), s, value);
+    if (r == NULL && live)
+        pep479();
+    s->running = 0;
+    Py_DECREF(s);
+    return r;
 }
 
 static PyObject *
 step_iternext(StepObject *s)
 {
-    return step_advance(s, Py_None);
+    return step_run(s, Py_None);
 }
 
 static PySendResult
 step_am_send(PyObject *self, PyObject *arg, PyObject **result)
 {
-    PyObject *r = step_advance((StepObject *)self, arg);
+    PyObject *r = step_run((StepObject *)self, arg);
     if (r != NULL) {
         *result = r;
         return PYGEN_NEXT;
@@ -321,13 +445,13 @@ step_am_send(PyObject *self, PyObject *arg, PyObject **result)
 static PyObject *
 step_send(StepObject *s, PyObject *arg)
 {
-    PyObject *r = step_advance(s, arg);
+    PyObject *r = step_run(s, arg);
     if (r == NULL && !PyErr_Occurred())
         PyErr_SetNone(PyExc_StopIteration);
     return r;
 }
 
-/* Raise what generator.throw(typ[, val[, tb]]) would raise at the suspension point. */
+/* Raise what generator.throw(typ[, val[, tb]]) raises at the suspension point. */
 static void
 set_thrown(PyObject *const *args, Py_ssize_t nargs)
 {
@@ -339,13 +463,28 @@ set_thrown(PyObject *const *args, Py_ssize_t nargs)
         return;
     }
     if (PyExceptionClass_Check(typ)) {
-        Py_INCREF(typ);
-        Py_XINCREF(val);
-        Py_XINCREF(tb);
-        PyErr_NormalizeException(&typ, &val, &tb);
-        if (tb != NULL && val != NULL)
-            PyException_SetTraceback(val, tb);
-        PyErr_Restore(typ, val, tb);
+        PyObject *exc;
+        if (val != NULL && PyObject_TypeCheck(val, (PyTypeObject *)typ))
+            exc = Py_NewRef(val);
+        else if (val == NULL)
+            exc = PyObject_CallNoArgs(typ);
+        else if (PyTuple_Check(val))
+            exc = PyObject_Call(typ, val, NULL);
+        else
+            exc = PyObject_CallOneArg(typ, val);
+        if (exc == NULL)
+            return;
+        if (!PyExceptionInstance_Check(exc)) {
+            PyErr_Format(PyExc_TypeError, "calling %R should have returned an instance of BaseException, not %s",
+                         typ, Py_TYPE(exc)->tp_name);
+            Py_DECREF(exc);
+            return;
+        }
+        if (tb != NULL && PyException_SetTraceback(exc, tb) < 0) {
+            Py_DECREF(exc);
+            return;
+        }
+        adb_restore_exception(exc);
         return;
     }
     if (PyExceptionInstance_Check(typ)) {
@@ -353,32 +492,70 @@ set_thrown(PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_TypeError, "instance exception may not have a separate value");
             return;
         }
-        val = typ;
-        typ = (PyObject *)Py_TYPE(val);
-        tb = tb != NULL ? Py_NewRef(tb) : PyException_GetTraceback(val);
-        PyErr_Restore(Py_NewRef(typ), Py_NewRef(val), tb);
+        if (tb != NULL && PyException_SetTraceback(typ, tb) < 0)
+            return;
+        adb_restore_exception(Py_NewRef(typ));
         return;
     }
     PyErr_Format(PyExc_TypeError, "exceptions must be classes or instances deriving from BaseException, not %s",
                  Py_TYPE(typ)->tp_name);
 }
 
-static PyObject *
-step_throw(StepObject *s, PyObject *const *args, Py_ssize_t nargs)
+/* Close the wait's iterator (its close(), if it has one), as a generator closes its delegate. */
+static int
+close_sub(PyObject *sub)
 {
-    if (nargs < 1 || nargs > 3) {
-        PyErr_Format(PyExc_TypeError, "throw expected 1 to 3 arguments, got %zd", nargs);
-        return NULL;
-    }
+    PyObject *meth;
+    if (adb_optional_attr(sub, "close", &meth) < 0)
+        return -1;
+    if (meth == NULL)
+        return 0;
+    PyObject *r = PyObject_CallNoArgs(meth);
+    Py_DECREF(meth);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static PyObject *
+step_throw_running(StepObject *s, PyObject *const *args, Py_ssize_t nargs)
+{
     if (s->state == S_WAITING) {
-        PyObject *meth = PyObject_GetAttr(s->sub, s_throw);
-        PyObject *r = meth == NULL ? NULL : PyObject_Vectorcall(meth, args, nargs, NULL);
-        Py_XDECREF(meth);
-        if (r != NULL)
-            return r;
-        s->state = S_DONE; /* StopIteration: the wait finished, and so did this awaitable */
+        PyObject *sub = Py_NewRef(s->sub);
+        if (PyExceptionClass_Check(args[0]) && PyErr_GivenExceptionMatches(args[0], PyExc_GeneratorExit)) {
+            /* a generator closes its delegate, then raises GeneratorExit here */
+            s->state = S_DONE;
+            Py_CLEAR(s->sub);
+            int closed = close_sub(sub);
+            Py_DECREF(sub);
+            if (closed < 0)
+                return NULL;
+            set_thrown(args, nargs);
+            return NULL;
+        }
+        PyObject *meth;
+        if (adb_optional_attr(sub, "throw", &meth) < 0) {
+            Py_DECREF(sub);
+            s->state = S_DONE;
+            Py_CLEAR(s->sub);
+            return NULL;
+        }
+        Py_DECREF(sub);
+        if (meth != NULL) {
+            PyObject *r = PyObject_Vectorcall(meth, args, nargs, NULL);
+            Py_DECREF(meth);
+            if (r != NULL)
+                return r;
+            /* the wait ended (StopIteration: finished, so does this awaitable) or raised */
+            s->state = S_DONE;
+            Py_CLEAR(s->sub);
+            if (PyErr_ExceptionMatches(PyExc_StopIteration))
+                PyErr_Clear();
+            return NULL;
+        }
+        /* no throw(): raised here, as a generator does */
         Py_CLEAR(s->sub);
-        return NULL;
     }
     s->state = S_DONE; /* raised at the yield (or before the start), as a generator would */
     set_thrown(args, nargs);
@@ -386,18 +563,41 @@ step_throw(StepObject *s, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
+step_throw(StepObject *s, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 3) {
+        PyErr_Format(PyExc_TypeError, "throw expected at least 1 argument, got %zd", nargs);
+        return NULL;
+    }
+    if (step_enter(s) < 0)
+        return NULL;
+    Py_INCREF(s);
+    int live = s->state != S_DONE;
+    PyObject *r = step_throw_running(s, args, nargs);
+    if (r == NULL && live)
+        pep479();
+    s->running = 0;
+    if (r == NULL && !PyErr_Occurred())
+        PyErr_SetNone(PyExc_StopIteration);
+    Py_DECREF(s);
+    return r;
+}
+
+static PyObject *
 step_close(StepObject *s, PyObject *Py_UNUSED(ignored))
 {
+    if (step_enter(s) < 0)
+        return NULL;
+    Py_INCREF(s);
     PyObject *sub = s->sub;
     s->sub = NULL;
     s->state = S_DONE;
-    if (sub != NULL) {
-        PyObject *r = PyObject_CallMethodNoArgs(sub, s_close);
-        Py_DECREF(sub);
-        if (r == NULL)
-            return NULL;
-        Py_DECREF(r);
-    }
+    int closed = sub == NULL ? 0 : close_sub(sub);
+    Py_XDECREF(sub);
+    s->running = 0;
+    Py_DECREF(s);
+    if (closed < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -411,6 +611,12 @@ static PyObject *
 step_get_yieldfrom(StepObject *s, void *Py_UNUSED(closure))
 {
     return Py_NewRef(s->sub != NULL ? s->sub : Py_None);
+}
+
+static PyObject *
+step_get_running(StepObject *s, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(s->running);
 }
 
 static PyObject *
@@ -431,29 +637,30 @@ static PyMethodDef step_methods[] = {
 
 static PyGetSetDef step_getset[] = {
     {"gi_yieldfrom", (getter)step_get_yieldfrom, NULL, "what this awaitable waits on now, or None", NULL},
+    {"gi_running", (getter)step_get_running, NULL, "whether it is running now", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyAsyncMethods step_as_async = {
-    .am_await = step_self,
-    .am_send = step_am_send,
+static PyType_Slot step_slots[] = {
+    {Py_tp_dealloc, step_dealloc},
+    {Py_am_await, step_self},
+    {Py_am_send, step_am_send},
+    {Py_tp_repr, step_repr},
+    {Py_tp_doc, "The awaitable a DBO primitive returns (a state machine instead of a generator)."},
+    {Py_tp_traverse, step_traverse},
+    {Py_tp_clear, step_clear},
+    {Py_tp_iter, step_self},
+    {Py_tp_iternext, step_iternext},
+    {Py_tp_methods, step_methods},
+    {Py_tp_getset, step_getset},
+    {0, NULL},
 };
 
-static PyTypeObject Step_Type = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "asyncdbo.dbo._speedups.Step",
-    .tp_basicsize = sizeof(StepObject),
-    .tp_dealloc = (destructor)step_dealloc,
-    .tp_as_async = &step_as_async,
-    .tp_repr = (reprfunc)step_repr,
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "The awaitable a DBO primitive returns (a state machine instead of a generator).",
-    .tp_traverse = (traverseproc)step_traverse,
-    .tp_clear = (inquiry)step_clear,
-    .tp_iter = step_self,
-    .tp_iternext = (iternextfunc)step_iternext,
-    .tp_methods = step_methods,
-    .tp_getset = step_getset,
+static PyType_Spec step_spec = {
+    .name = "asyncdbo.dbo._speedups.Step",
+    .basicsize = sizeof(StepObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = step_slots,
 };
 
 /* ------------------------------------------------------------------ the primitives */
@@ -471,35 +678,87 @@ typedef struct {
     Py_ssize_t fallbacks; /* calls that the Python version handled */
 } PrimitiveObject;
 
-/* The stream `role` of `lane` after the checks of the caller; NULL (no error) if it has none. */
-static PyObject *
-lane_stream_of(PyObject *lane, PyObject *role)
+/* The checks made before anything changes: an exact UBatch with nothing pending and (where
+ * `nodebug`) not in debug mode, whose ext is an exact Lane. Returns the lane (borrowed) or NULL. */
+static inline int
+fast_ub(State *st, PyObject *ub, int nodebug)
 {
-    PyObject *streams = SLOT(lane, lane_streams);
-    if (streams == NULL || !PyDict_CheckExact(streams))
-        return NULL;
-    PyObject *stream = PyDict_GetItemWithError(streams, role);
-    if (stream == NULL)
-        PyErr_Clear();
-    return stream;
+    return peek(ub, st->ub[UB_UNAWAITED]) == Py_None && (!nodebug || peek(ub, st->ub[UB_DEBUG]) == Py_None)
+        && peek(ub, st->ub[UB_UNAWAITED_AT]) != NULL && peek(ub, st->ub[UB_TAG]) != NULL
+        && peek(ub, st->ub[UB_RESUME_WITH]) != NULL;
 }
 
-/* Make `stream` the lane's current stream (Lane.set_stream, with lane.role = role). 0 or -1. */
-static int
-enter_stream(PyObject *ub, PyObject *lane, PyObject *role, PyObject *stream)
+static PyObject *
+fast_lane(State *st, PyObject *ub, int nodebug)
 {
-    slot_set(lane, lane_role, role);
-    slot_set(lane, lane_stream, stream);
-    slot_set(ub, ub_resume_with, stream);
-    return install_stream(lane, stream);
+    PyObject *lane = peek(ub, st->ub[UB_EXT]);
+    if (!fast_ub(st, ub, nodebug) || lane == NULL || !Py_IS_TYPE(lane, st->lane_type))
+        return NULL;
+    return lane;
+}
+
+/* ub.unawaited = mark; ub.unawaited_at = (code, lasti) of the caller. 0 or -1. */
+static int
+mark(State *st, PyObject *ub, PyObject *mark_)
+{
+    PyObject *site = caller_site();
+    if (site == NULL)
+        return -1;
+    adb_slot_set(ub, st->ub[UB_UNAWAITED], mark_);
+    PyObject *old = ADB_SLOT(ub, st->ub[UB_UNAWAITED_AT]);
+    ADB_SLOT(ub, st->ub[UB_UNAWAITED_AT]) = site;
+    Py_XDECREF(old);
+    return 0;
+}
+
+/* Python's _sync_switch past its checks (the mark is set): record on the stream left, enter dst,
+ * then the awaitable that waits on the event from the stream entered. */
+static PyObject *
+sync_switch(State *st, PyObject *ub, PyObject *lane, PyObject *dst)
+{
+    PyObject *role = lane_get(st, lane, L_ROLE);
+    PyObject *event = role == NULL ? NULL : lane_item(st, lane, L_EVENTS, role);
+    Py_XDECREF(role);
+    if (event == NULL)
+        return NULL;
+    PyObject *signal = NULL, *stream = NULL, *result = NULL;
+    if (event != Py_None) {
+        PyObject *record = lane_get(st, lane, L_RECORD);
+        PyObject *from = record == NULL ? NULL : lane_get(st, lane, L_STREAM);
+        PyObject *r = from == NULL ? NULL : call2(record, event, from);
+        Py_XDECREF(record);
+        Py_XDECREF(from);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    stream = enter_role(st, ub, lane, dst);
+    if (stream == NULL)
+        goto done;
+    if (event == Py_None)
+        signal = Py_NewRef(Py_None);
+    else {
+        PyObject *wait = lane_get(st, lane, L_WAIT);
+        signal = wait == NULL ? NULL : call2(wait, stream, event); /* a failed comm raises when awaited */
+        Py_XDECREF(wait);
+        if (signal == NULL)
+            goto done;
+    }
+    result = step_new(st, K_WAIT, ub, NULL, NULL, NULL, NULL, signal);
+done:
+    Py_XDECREF(signal);
+    Py_XDECREF(stream);
+    Py_DECREF(event);
+    return result;
 }
 
 static PyObject *
 primitive_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     PrimitiveObject *self = (PrimitiveObject *)self_;
+    State *st = state_of_type(Py_TYPE(self_));
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *ub = NULL, *result = NULL;
+    PyObject *ub = NULL, *result = NULL, *lane;
     int tagged = self->kind == P_YIELD || self->kind == P_ROLE;
     PyObject *tag = tagged && nargs ? args[0] : self->deftag;
     if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) { /* only tag=... */
@@ -510,88 +769,70 @@ primitive_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *
     }
     else if (nargs > (tagged ? 1 : 0))
         goto fallback;
-    if (PyContextVar_Get(g_current_ubatch, NULL, &ub) < 0)
+    if (PyContextVar_Get(st->current_ubatch, NULL, &ub) < 0)
         return NULL;
     if (ub == NULL || ub == Py_None) { /* outside a run: every primitive is a no-op */
         Py_XDECREF(ub);
-        return Py_NewRef(g_completed);
+        return Py_NewRef(st->completed);
     }
-    if (!Py_IS_TYPE(ub, g_ubatch_type) || SLOT(ub, ub_unawaited) != Py_None)
+    if (!Py_IS_TYPE(ub, st->ubatch_type))
         goto fallback;
-    PyObject *lane = SLOT(ub, ub_ext);
+    Py_INCREF(tag); /* the caller's, but held like everything else used across a call out */
 
     switch (self->kind) {
-    case P_YIELD:
-        if (SLOT(ub, ub_debug) != Py_None)
-            goto fallback;
-        slot_set(ub, ub_unawaited, tag);
-        slot_set(ub, ub_tag, tag);
-        result = step_new(K_SWITCH, ub, NULL, NULL, NULL, NULL, NULL);
+    case P_YIELD: /* Python: ub.unawaited = tag; ub.tag = tag; return switch(ub) */
+        if (!fast_ub(st, ub, 1))
+            goto fallback_tag;
+        if (mark(st, ub, tag) < 0)
+            break;
+        adb_slot_set(ub, st->ub[UB_TAG], tag);
+        result = step_new(st, K_SWITCH, ub, NULL, NULL, NULL, NULL, NULL);
         break;
     case P_ROLE: {
-        if (SLOT(ub, ub_debug) != Py_None || lane == NULL || !Py_IS_TYPE(lane, g_lane_type)
-            || SLOT(lane, lane_role) != self->src || !PyDict_CheckExact(SLOT(lane, lane_events)))
-            goto fallback;
-        PyObject *mark = PyDict_GetItemWithError(self->marks, tag);
-        if (mark == NULL) { /* not made yet (or unhashable): Python makes it (or raises) */
+        if ((lane = fast_lane(st, ub, 1)) == NULL)
+            goto fallback_tag;
+        PyObject *role = peek(lane, st->lane[L_ROLE]);
+        if (role != self->src) /* a wrong role (or one equal but not the same object): Python checks */
+            goto fallback_tag;
+        PyObject *m = PyDict_GetItemWithError(self->marks, tag);
+        if (m == NULL) { /* not made yet (or unhashable): Python makes it (or raises) */
             PyErr_Clear();
-            goto fallback;
+            goto fallback_tag;
         }
-        slot_set(ub, ub_unawaited, mark);
-        result = step_new(K_ROLE, ub, lane, tag, self->src, self->dst, NULL);
-        break;
-    }
-    case P_SYNC: {
-        if (SLOT(ub, ub_debug) != Py_None || lane == NULL || !Py_IS_TYPE(lane, g_lane_type))
-            goto fallback;
-        PyObject *events = SLOT(lane, lane_events), *role = SLOT(lane, lane_role), *from = SLOT(lane, lane_stream);
-        if (events == NULL || !PyDict_CheckExact(events) || role == NULL || from == NULL)
-            goto fallback;
-        PyObject *event = PyDict_GetItemWithError(events, role);
-        PyObject *stream = lane_stream_of(lane, self->dst);
-        if (event == NULL || stream == NULL) {
-            PyErr_Clear();
-            goto fallback;
-        }
-        Py_INCREF(event);
-        Py_INCREF(stream);
-        slot_set(ub, ub_unawaited, self->marks);
-        PyObject *signal = NULL;
-        int ok = 1;
-        if (event != Py_None) {
-            PyObject *r = call2(SLOT(lane, lane_record), event, from);
-            ok = r != NULL;
-            Py_XDECREF(r);
-        }
+        Py_INCREF(m);
+        int ok = mark(st, ub, m) == 0;
+        Py_DECREF(m);
         if (ok)
-            ok = enter_stream(ub, lane, self->dst, stream) == 0;
-        if (ok && event != Py_None) {
-            signal = call2(SLOT(lane, lane_wait), stream, event);
-            ok = signal != NULL;
+            result = step_new(st, K_ROLE, ub, lane, tag, self->src, self->dst, NULL);
+        break;
+    }
+    case P_SYNC:
+        if ((lane = fast_lane(st, ub, 1)) == NULL)
+            goto fallback_tag;
+        Py_INCREF(lane);
+        if (mark(st, ub, self->marks) == 0)
+            result = sync_switch(st, ub, lane, self->dst);
+        Py_DECREF(lane);
+        break;
+    case P_PLAIN: { /* Python: lane.role = dst; ...; return COMPLETED (no mark, no debug check) */
+        if ((lane = fast_lane(st, ub, 0)) == NULL)
+            goto fallback_tag;
+        Py_INCREF(lane);
+        PyObject *stream = enter_role(st, ub, lane, self->dst);
+        Py_DECREF(lane);
+        if (stream != NULL) {
+            Py_DECREF(stream);
+            result = Py_NewRef(st->completed);
         }
-        if (ok)
-            result = step_new(K_WAIT, ub, NULL, NULL, NULL, NULL, signal);
-        Py_XDECREF(signal);
-        Py_DECREF(event);
-        Py_DECREF(stream);
-        break;
-    }
-    case P_PLAIN: {
-        if (lane == NULL || !Py_IS_TYPE(lane, g_lane_type))
-            goto fallback;
-        PyObject *stream = lane_stream_of(lane, self->dst);
-        if (stream == NULL)
-            goto fallback;
-        Py_INCREF(stream);
-        if (enter_stream(ub, lane, self->dst, stream) == 0)
-            result = Py_NewRef(g_completed);
-        Py_DECREF(stream);
         break;
     }
     }
+    Py_DECREF(tag);
     Py_DECREF(ub);
     return result;
 
+fallback_tag:
+    Py_DECREF(tag);
 fallback:
     self->fallbacks++;
     Py_XDECREF(ub);
@@ -616,12 +857,16 @@ primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     else if (strcmp(kind, "plain") == 0)
         k = P_PLAIN;
     else
-        return PyErr_Format(PyExc_ValueError, "Primitive kind must be yield, role, sync or plain (got %R)", PyTuple_GET_ITEM(args, 1));
+        return PyErr_Format(PyExc_ValueError, "Primitive kind must be yield, role, sync or plain (got %R)",
+                            PyTuple_GET_ITEM(args, 1));
     if (!PyCallable_Check(pyfunc))
         return PyErr_Format(PyExc_TypeError, "Primitive needs a callable Python implementation (got %R)", pyfunc);
     if (k == P_ROLE && !PyDict_CheckExact(marks))
         return PyErr_Format(PyExc_TypeError, "a role primitive needs its marks dict (got %R)", marks);
-    if (g_current_ubatch == NULL)
+    State *st = state_of_type(type);
+    if (st == NULL)
+        return NULL;
+    if (st->current_ubatch == NULL)
         return PyErr_Format(PyExc_RuntimeError, "asyncdbo.dbo._speedups.configure() was not called");
     PrimitiveObject *p = (PrimitiveObject *)type->tp_alloc(type, 0);
     if (p == NULL)
@@ -640,6 +885,7 @@ primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static int
 primitive_traverse(PrimitiveObject *p, visitproc visit, void *arg)
 {
+    Py_VISIT(Py_TYPE(p));
     Py_VISIT(p->pyfunc);
     Py_VISIT(p->deftag);
     Py_VISIT(p->src);
@@ -662,9 +908,11 @@ primitive_clear(PrimitiveObject *p)
 static void
 primitive_dealloc(PrimitiveObject *p)
 {
+    PyTypeObject *tp = Py_TYPE(p);
     PyObject_GC_UnTrack(p);
     primitive_clear(p);
-    Py_TYPE(p)->tp_free((PyObject *)p);
+    tp->tp_free((PyObject *)p);
+    Py_DECREF(tp);
 }
 
 /* Introspection reads the Python implementation: its name, docstring, signature (through
@@ -672,11 +920,27 @@ primitive_dealloc(PrimitiveObject *p)
 static PyObject *
 primitive_getattro(PyObject *self, PyObject *name)
 {
-    PyObject *r = PyObject_GenericGetAttr(self, name);
+    /* the type's own __module__ (a heap type's, in its dict) would shadow the function's */
+    int is_module = PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "__module__") == 0;
+    PyObject *r = is_module ? NULL : PyObject_GenericGetAttr(self, name);
+    if (is_module)
+        PyErr_SetNone(PyExc_AttributeError);
     if (r != NULL || !PyErr_ExceptionMatches(PyExc_AttributeError))
         return r;
     PyErr_Clear();
-    return PyObject_GetAttr(((PrimitiveObject *)self)->pyfunc, name);
+    PyObject *pyfunc = Py_NewRef(((PrimitiveObject *)self)->pyfunc);
+    r = PyObject_GetAttr(pyfunc, name);
+    Py_DECREF(pyfunc);
+    return r;
+}
+
+/* Stored as a class attribute, it binds like the Python function it stands for. */
+static PyObject *
+primitive_descr_get(PyObject *self, PyObject *obj, PyObject *Py_UNUSED(type))
+{
+    if (obj == NULL || obj == Py_None)
+        return Py_NewRef(self);
+    return PyMethod_New(self, obj);
 }
 
 static PyObject *
@@ -688,7 +952,10 @@ primitive_get_wrapped(PrimitiveObject *p, void *Py_UNUSED(closure))
 static PyObject *
 primitive_get_doc(PrimitiveObject *p, void *Py_UNUSED(closure))
 {
-    return PyObject_GetAttrString(p->pyfunc, "__doc__");
+    PyObject *pyfunc = Py_NewRef(p->pyfunc);
+    PyObject *r = PyObject_GetAttrString(pyfunc, "__doc__");
+    Py_DECREF(pyfunc);
+    return r;
 }
 
 static PyObject *
@@ -706,49 +973,61 @@ static PyGetSetDef primitive_getset[] = {
 static PyMemberDef primitive_members[] = {
     {"fallbacks", T_PYSSIZET, offsetof(PrimitiveObject, fallbacks), 0,
      "calls that the Python version handled (a pending mark, debug mode, a tag used for the first time, ...)"},
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(PrimitiveObject, vectorcall), READONLY, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
-static PyTypeObject Primitive_Type = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "asyncdbo.dbo._speedups.Primitive",
-    .tp_basicsize = sizeof(PrimitiveObject),
-    .tp_dealloc = (destructor)primitive_dealloc,
-    .tp_vectorcall_offset = offsetof(PrimitiveObject, vectorcall),
-    .tp_repr = (reprfunc)primitive_repr,
-    .tp_call = PyVectorcall_Call,
-    .tp_getattro = primitive_getattro,
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_traverse = (traverseproc)primitive_traverse,
-    .tp_clear = (inquiry)primitive_clear,
-    .tp_getset = primitive_getset,
-    .tp_members = primitive_members,
-    .tp_new = primitive_new,
+static PyType_Slot primitive_slots[] = {
+    {Py_tp_dealloc, primitive_dealloc},
+    {Py_tp_repr, primitive_repr},
+    {Py_tp_call, PyVectorcall_Call},
+    {Py_tp_getattro, primitive_getattro},
+    {Py_tp_descr_get, primitive_descr_get},
+    {Py_tp_traverse, primitive_traverse},
+    {Py_tp_clear, primitive_clear},
+    {Py_tp_getset, primitive_getset},
+    {Py_tp_members, primitive_members},
+    {Py_tp_new, primitive_new},
+    {0, NULL},
+};
+
+static PyType_Spec primitive_spec = {
+    .name = "asyncdbo.dbo._speedups.Primitive",
+    .basicsize = sizeof(PrimitiveObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = primitive_slots,
 };
 
 /* ------------------------------------------------------------------ module */
 
+/* configure(current_ubatch, UBatch, Lane, SWITCH, COMPLETED). All or nothing: any error leaves the
+ * previous configuration (or none) in place. */
 static PyObject *
-configure(PyObject *Py_UNUSED(module), PyObject *args)
+configure(PyObject *module, PyObject *args)
 {
     PyObject *var, *switch_, *completed;
     PyTypeObject *ubt, *lanet;
     if (!PyArg_ParseTuple(args, "O!O!O!OO:configure", &PyContextVar_Type, &var, &PyType_Type, &ubt, &PyType_Type,
                           &lanet, &switch_, &completed))
         return NULL;
-    if (member_offset(ubt, "unawaited", &ub_unawaited) || member_offset(ubt, "debug", &ub_debug)
-        || member_offset(ubt, "ext", &ub_ext) || member_offset(ubt, "tag", &ub_tag)
-        || member_offset(ubt, "resume_with", &ub_resume_with)
-        || member_offset(lanet, "role", &lane_role) || member_offset(lanet, "stream", &lane_stream)
-        || member_offset(lanet, "streams", &lane_streams) || member_offset(lanet, "events", &lane_events)
-        || member_offset(lanet, "record", &lane_record) || member_offset(lanet, "wait", &lane_wait)
-        || member_offset(lanet, "install", &lane_install))
+    State *st = PyModule_GetState(module);
+    if (st == NULL)
         return NULL;
-    Py_XSETREF(g_current_ubatch, Py_NewRef(var));
-    Py_XSETREF(g_ubatch_type, (PyTypeObject *)Py_NewRef(ubt));
-    Py_XSETREF(g_lane_type, (PyTypeObject *)Py_NewRef(lanet));
-    Py_XSETREF(g_switch, Py_NewRef(switch_));
-    Py_XSETREF(g_completed, Py_NewRef(completed));
+    Py_ssize_t ub[UB_NSLOTS], lane[L_NSLOTS];
+    if (adb_member_offsets(ubt, ub_names, ub, UB_NSLOTS) < 0 || adb_member_offsets(lanet, lane_names, lane, L_NSLOTS) < 0)
+        return NULL;
+    /* commit, with no call out in between (the old references are dropped after) */
+    PyObject *old[5] = {st->current_ubatch, (PyObject *)st->ubatch_type, (PyObject *)st->lane_type, st->switch_,
+                        st->completed};
+    memcpy(st->ub, ub, sizeof ub);
+    memcpy(st->lane, lane, sizeof lane);
+    st->current_ubatch = Py_NewRef(var);
+    st->ubatch_type = (PyTypeObject *)Py_NewRef(ubt);
+    st->lane_type = (PyTypeObject *)Py_NewRef(lanet);
+    st->switch_ = Py_NewRef(switch_);
+    st->completed = Py_NewRef(completed);
+    for (int i = 0; i < 5; i++)
+        Py_XDECREF(old[i]);
     Py_RETURN_NONE;
 }
 
@@ -758,30 +1037,89 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static int
+module_exec(PyObject *m)
+{
+    State *st = PyModule_GetState(m);
+    st->step_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &step_spec, NULL);
+    if (st->step_type == NULL || PyModule_AddObjectRef(m, "Step", (PyObject *)st->step_type) < 0)
+        return -1;
+    st->primitive_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &primitive_spec, NULL);
+    if (st->primitive_type == NULL || PyModule_AddObjectRef(m, "Primitive", (PyObject *)st->primitive_type) < 0)
+        return -1;
+    return 0;
+}
+
+static int
+module_traverse(PyObject *m, visitproc visit, void *arg)
+{
+    State *st = PyModule_GetState(m);
+    if (st == NULL)
+        return 0;
+    Py_VISIT(st->step_type);
+    Py_VISIT(st->primitive_type);
+    Py_VISIT(st->current_ubatch);
+    Py_VISIT(st->ubatch_type);
+    Py_VISIT(st->lane_type);
+    Py_VISIT(st->switch_);
+    Py_VISIT(st->completed);
+    return 0;
+}
+
+static int
+module_clear(PyObject *m)
+{
+    State *st = PyModule_GetState(m);
+    if (st == NULL)
+        return 0;
+    Py_CLEAR(st->step_type);
+    Py_CLEAR(st->primitive_type);
+    Py_CLEAR(st->current_ubatch);
+    Py_CLEAR(st->ubatch_type);
+    Py_CLEAR(st->lane_type);
+    Py_CLEAR(st->switch_);
+    Py_CLEAR(st->completed);
+    return 0;
+}
+
+static void
+module_free(void *m)
+{
+    module_clear((PyObject *)m);
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+#if PY_VERSION_HEX >= 0x030C0000
+    {Py_mod_multiple_interpreters, Py_MOD_PER_INTERPRETER_GIL_SUPPORTED},
+#endif
+#if PY_VERSION_HEX >= 0x030D0000
+    /* Thread safety: this module relies on the GIL. The primitives and their awaitables read and
+     * write slots of a run's records (UBatch, Lane) with plain loads and stores and keep borrowed
+     * pointers between a check and its use; that is safe only while no other thread can touch
+     * those records at the same time. The kernel drives a run on one thread, but a user's thread
+     * may still touch a record: under the GIL that is merely wrong, without it it could free an
+     * object under us. On a free-threaded build asyncdbo does not load the extensions while the
+     * GIL is disabled (asyncdbo/_core/extensions.py), so the Python primitives run there. */
+    {Py_mod_gil, Py_MOD_GIL_USED},
+#endif
+    {0, NULL},
+};
+
 static struct PyModuleDef speedups_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "asyncdbo.dbo._speedups",
     .m_doc = "C fast paths of the DBO primitives; asyncdbo.dbo.primitives is the reference.",
-    .m_size = -1,
+    .m_size = sizeof(State),
     .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
 };
 
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
-    if (PyType_Ready(&Step_Type) < 0 || PyType_Ready(&Primitive_Type) < 0)
-        return NULL;
-    if ((s_await = PyUnicode_InternFromString("__await__")) == NULL
-        || (s_throw = PyUnicode_InternFromString("throw")) == NULL
-        || (s_close = PyUnicode_InternFromString("close")) == NULL)
-        return NULL;
-    PyObject *m = PyModule_Create(&speedups_module);
-    if (m == NULL)
-        return NULL;
-    if (PyModule_AddObjectRef(m, "Step", (PyObject *)&Step_Type) < 0
-        || PyModule_AddObjectRef(m, "Primitive", (PyObject *)&Primitive_Type) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return PyModuleDef_Init(&speedups_module);
 }

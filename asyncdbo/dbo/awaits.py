@@ -13,8 +13,11 @@ awaited" warning from Python, so the DBO layer checks itself, at no cost to an a
   - a dropped switch or event wait is a data hazard (the stream switch or its wait did not happen,
     so the ubatch may read comm output that has not arrived): :class:`~asyncdbo.dbo.MissingAwaitError`
     (a ``RuntimeError``), always;
-  - in debug mode (``debug=True``) every kind is an error and names the file:line that created the
-    awaitable (the call sites are recorded; outside debug mode that costs too much per yield).
+  - in debug mode (``debug=True``) every kind is an error.
+
+Every report names the file:line that created the awaitable: each primitive records its caller's
+code object and instruction offset (``ub.unawaited_at``, no frame kept alive, no line computed)
+and the report turns them into a line. In debug mode the site is the first frame outside asyncdbo.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from types import FrameType
+from types import CodeType, FrameType
 
 from .._core import MissingAwaitError, UBatch
 
-__all__ = ["Marks", "Unawaited", "check_unawaited", "mark_unawaited", "marks"]
+__all__ = ["Marks", "Unawaited", "check_unawaited", "made_at", "mark_unawaited", "marks", "site_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,26 @@ def _site(depth: int) -> str:
     return f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_qualname}"
 
 
+_getframe = sys._getframe
+
+
+def made_at(depth: int) -> tuple[CodeType, int]:
+    """(code, instruction offset) of the frame ``depth`` above the caller: where an awaitable is
+    made, cheap to record (the C primitives record the same pair) and turned into a line only
+    when it is reported."""
+    f = _getframe(depth + 1)
+    return f.f_code, f.f_lasti
+
+
+def site_of(at: object) -> str | None:
+    """``file:line in function`` of a :func:`made_at` record (None for anything else)."""
+    if not isinstance(at, tuple) or len(at) != 2 or not isinstance(at[0], CodeType):
+        return None
+    code, lasti = at
+    line = next((ln for start, end, ln in code.co_lines() if start <= lasti < end and ln is not None), None)
+    return f"{code.co_filename}:{line if line is not None else code.co_firstlineno} in {code.co_qualname}"
+
+
 def check_unawaited(ub: UBatch) -> None:
     """Report the awaitable ``ub`` left unawaited, if any (see the module docstring)."""
     pending = ub.unawaited
@@ -74,6 +97,10 @@ def check_unawaited(ub: UBatch) -> None:
         return
     ub.unawaited = None
     record = pending if isinstance(pending, Unawaited) else Unawaited("dbo_yield", str(pending), hazard=False)
+    if record.site is None:
+        site = site_of(ub.unawaited_at)
+        if site is not None:
+            record = Unawaited(record.primitive, record.tag, record.hazard, site)
     message = record.describe(ub.id)
     if record.hazard or ub.debug is not None:
         raise MissingAwaitError(message)
@@ -118,12 +145,14 @@ def marks(primitive: str, *, hazard: bool = True) -> Marks:
     return found
 
 
-def mark_unawaited(ub: UBatch, primitive: str, tag: str | None, *, hazard: bool) -> None:
-    """Called by an awaitable primitive (from its caller's frame + 1): report a previous one left
-    unawaited, then mark this one (with its call site in debug mode)."""
+def mark_unawaited(ub: UBatch, primitive: str, tag: str | None, *, hazard: bool, depth: int = 1) -> None:
+    """Called by an awaitable primitive, ``depth`` frames below the code that called it: report a
+    previous one left unawaited, then mark this one with where it was made (and the first frame
+    outside asyncdbo in debug mode)."""
     if ub.unawaited is not None:
         check_unawaited(ub)
     if ub.debug is None:
         ub.unawaited = marks(primitive, hazard=hazard).of(tag)
     else:
         ub.unawaited = Unawaited(primitive, tag, hazard, _site(3))
+    ub.unawaited_at = made_at(depth + 1)

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from .._core import SWITCH, Signal, UBatch, WrongStreamError, current_ubatch, load_extension, switch
 from ..backends import COMPLETED, CommHandle, DoneWork, Role, StreamPolicy
-from .awaits import Unawaited, _site, check_unawaited, mark_unawaited, marks
+from .awaits import Unawaited, _site, check_unawaited, made_at, mark_unawaited, marks
 from .state import Lane
 
 __all__ = [
@@ -85,6 +85,7 @@ def dbo_yield(tag: str = "yield") -> Awaitable[None]:
         _mark_yield(ub, tag)
     else:
         ub.unawaited = tag
+    ub.unawaited_at = made_at(1)
     ub.tag = tag
     return switch(ub)
 
@@ -148,6 +149,7 @@ def dbo_yield_and_switch_from_compute_to_comm(tag: str = "compute->comm") -> Awa
         mark_unawaited(ub, "dbo_yield_and_switch_from_compute_to_comm", tag, hazard=True)
     else:
         ub.unawaited = _to_comm_mark(tag) or _TO_COMM_MARKS.make(tag)
+        ub.unawaited_at = made_at(1)
     lane = ub.ext
     if lane.role != "compute":
         _check_role(ub, lane, "compute", "dbo_yield_and_switch_from_compute_to_comm")
@@ -165,6 +167,7 @@ def dbo_yield_and_switch_from_comm_to_compute(tag: str = "comm->compute") -> Awa
         mark_unawaited(ub, "dbo_yield_and_switch_from_comm_to_compute", tag, hazard=True)
     else:
         ub.unawaited = _to_compute_mark(tag) or _TO_COMPUTE_MARKS.make(tag)
+        ub.unawaited_at = made_at(1)
     lane = ub.ext
     if lane.role != "comm":
         _check_role(ub, lane, "comm", "dbo_yield_and_switch_from_comm_to_compute")
@@ -194,9 +197,10 @@ def _sync_switch(role: Role, name: str) -> Awaitable[None]:
         return COMPLETED
     lane: Lane = ub.ext
     if ub.unawaited is not None or ub.debug is not None:
-        mark_unawaited(ub, name, None, hazard=True)
+        mark_unawaited(ub, name, None, hazard=True, depth=2)
     else:
         ub.unawaited = _SYNC_MARKS[name]
+        ub.unawaited_at = made_at(2)
     event = lane.events[lane.role]  # None: a synchronous role, nothing to record or wait on
     if event is not None:
         lane.record(event, lane.stream)

@@ -3,6 +3,7 @@
 Each program below runs once on the pure-Python primitives (``primitives.PURE``) and once on the C
 ones (``primitives.FAST``) and must leave the same whole trace, the same results and the same
 errors, word for word: the C versions handle the common case and call the Python ones for the rest.
+Every spec runs on both kernel loops (the C loop, asyncdbo/_core/_spin.c, and the Python loop).
 """
 
 from __future__ import annotations
@@ -24,11 +25,21 @@ from _recording_backend import RecordingBackend
 
 import asyncdbo
 from asyncdbo import DeadlockError, run_ubatches
+from asyncdbo._core import kernel
 from asyncdbo.backends import COMPLETED
 from asyncdbo.dbo import primitives
 from asyncdbo.lowlevel import Signal, get_ubatch
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
+
+KERNEL_LOOPS = ["c", "python"] if kernel._spin is not None else ["python"]
+
+
+@pytest.fixture(autouse=True, params=KERNEL_LOOPS)
+def kernel_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "python":
+        monkeypatch.setattr(kernel, "_spin", None)
+    return str(request.param)
 
 IMPLS = {"python": primitives.PURE, "c": primitives.FAST}
 
@@ -103,11 +114,37 @@ async def test_pure_python_on_request() -> None:
 
 
 async def test_they_introspect_as_their_python_versions() -> None:
-    for name, fast in (primitives.FAST or {}).items():
+    if primitives.FAST is None:
+        pytest.skip("the C extension is not built here (or ASYNCDBO_PURE_PYTHON is set)")
+    for name, fast in primitives.FAST.items():
         pure = primitives.PURE[name]
         assert (fast.__name__, fast.__qualname__, fast.__module__) == (name, name, "asyncdbo.dbo.primitives")
         assert fast.__doc__ == pure.__doc__
         assert inspect.signature(fast) == inspect.signature(pure)
+
+
+async def test_both_are_awaitable_and_asyncio_iscoroutine_differs_by_design() -> None:
+    """A deliberate difference: the C awaitable has ``send``, ``throw``, ``close`` and ``__await__``,
+    so it is a ``collections.abc.Coroutine`` and ``asyncio.iscoroutine`` says True; the Python one
+    is a generator-based coroutine, which ``asyncio.iscoroutine`` counts on 3.11 only. Hiding one
+    of those methods would break the await protocol (throw and close reach the awaitable through
+    them), so the difference stays. Both are awaitable, which is what DBO code relies on; neither
+    belongs in an asyncio task (their yields are the DBO kernel's)."""
+
+    async def program(P: SimpleNamespace) -> list[tuple[bool, bool]]:
+        seen: list[tuple[bool, bool]] = []
+
+        async def forward(i: int) -> None:
+            aw = P.dbo_yield()
+            seen.append((inspect.isawaitable(aw), asyncio.iscoroutine(aw)))
+            await aw
+
+        await run_ubatches(forward, [(0,), (1,)])
+        return seen
+
+    py, c = await both(program)
+    assert c == [(True, True)] * 2
+    assert py == [(True, sys.version_info < (3, 12))] * 2
 
 
 @pytest.mark.parametrize("name", ["python", "c"])

@@ -1,0 +1,269 @@
+"""Adversarial programs for the C extensions, run in a subprocess by test_adversarial.py.
+
+``python _adversarial.py GROUP...`` runs every case of each group on each kernel loop this process
+has (the C loop, if loaded, and the Python loop) and prints one JSON object: case -> the outcome
+on each loop (the run's result, or its exception's type, message and notes, and the warnings it
+gave). Under ``ASYNCDBO_PURE_PYTHON=1`` that is the reference every C outcome must equal; a crash
+of the process is a failed test of its group only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import warnings
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+
+from _recording_backend import RecordingBackend  # noqa: E402
+
+import asyncdbo  # noqa: E402
+from asyncdbo import run_ubatches  # noqa: E402
+from asyncdbo._core import kernel  # noqa: E402
+from asyncdbo.lowlevel import Signal, get_ubatch  # noqa: E402
+
+UB_FIELDS = ["unawaited", "unawaited_at", "debug", "ext", "tag", "resume_with"]
+KERNEL_FIELDS = ["resume", "send", "coro", "ctx", "resume_with"]
+LANE_FIELDS = ["role", "stream", "streams", "events", "record", "wait", "install"]
+
+
+def call(name: str) -> Callable[[], Any]:
+    """The public primitive, looked up at call time (C or Python, whichever this process runs)."""
+    return lambda: getattr(asyncdbo, name)()
+
+
+PRIMS = {
+    "yield": call("dbo_yield"),
+    "to_comm": call("dbo_yield_and_switch_from_compute_to_comm"),
+    "sync": call("dbo_switch_to_compute_sync"),
+    "plain": call("dbo_switch_to_comm"),
+}
+
+
+async def use(prim: str) -> None:
+    aw = PRIMS[prim]()
+    if prim != "plain":
+        await aw
+
+
+def deleted(owner: str, field: str, prim: str, *, after_call: bool) -> Callable[[int], Awaitable[Any]]:
+    """Ubatch 0 deletes ``field`` of its UBatch or Lane, before calling ``prim`` or between the
+    call and the await."""
+
+    async def program(i: int) -> int:
+        await asyncdbo.dbo_yield("first")
+        ub = get_ubatch()
+        target = ub if owner == "ub" else ub.ext
+        if i == 0 and not after_call:
+            delattr(target, field)
+        aw = PRIMS[prim]()
+        if i == 0 and after_call:
+            delattr(target, field)
+        if prim != "plain":
+            await aw
+        await asyncdbo.dbo_yield("last")
+        return i
+
+    return program
+
+
+class ReentrantBackend(RecordingBackend):
+    """Its install, or the signal its wait returns, sends into the running ubatch's own awaitable
+    (the one whose resume or wait called it)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__([])
+        self.where = where
+        self.held: dict[int, Any] = {}
+
+    def reenter(self) -> None:
+        ub = get_ubatch()  # None: the kernel's install before a resume, outside any ubatch
+        aw = None if ub is None else self.held.pop(ub.id, None)
+        if aw is not None:
+            aw.send(None)
+
+    @property
+    def install_stream(self) -> Any:
+        def install(stream: Any) -> None:
+            if self.where == "install":
+                self.reenter()
+
+        return install
+
+    def wait(self, stream: Any, event: Any) -> Any:
+        if self.where != "wait":
+            return None
+        backend = self
+
+        class Reenter:
+            def __await__(self) -> Any:
+                backend.reenter()  # into the awaitable whose wait this is
+                yield from ()
+
+        return Reenter()
+
+
+def reentrant(backend: ReentrantBackend, prim: str) -> Callable[[int], Awaitable[Any]]:
+    async def program(i: int) -> int:
+        await asyncdbo.dbo_yield_and_switch_from_compute_to_comm("dispatch")
+        aw = (asyncdbo.dbo_yield_and_switch_from_comm_to_compute if prim == "role" else asyncdbo.dbo_switch_to_compute_sync)()
+        backend.held[i] = aw
+        await aw
+        return i
+
+    return program
+
+
+def by_hand(kind: str) -> Callable[[int], Awaitable[Any]]:
+    async def program(i: int) -> Any:
+        if kind == "send_value":
+            aw = asyncdbo.dbo_yield("by hand")
+            try:
+                aw.send(1)  # type: ignore[attr-defined]
+            except TypeError as exc:
+                return f"TypeError: {exc}"
+            return "accepted"
+        if kind == "class_attribute":
+
+            class Model:
+                hand_over = asyncdbo.dbo_yield
+
+                def __repr__(self) -> str:
+                    return "<Model>"
+
+            await Model().hand_over()
+            return repr(get_ubatch().tag)
+        if kind == "replace_coro":
+
+            async def other() -> str:
+                return "the replacement ran"
+
+            ub = get_ubatch()
+            replacement = other()
+            ub.coro = replacement
+            await asyncdbo.dbo_yield()
+            replacement.close()
+            return "the original ran"
+        if kind == "throw_into_fresh":
+            aw = asyncdbo.dbo_yield("thrown")
+            try:
+                aw.throw(KeyError("k"))  # type: ignore[attr-defined]
+            except KeyError as exc:
+                return f"KeyError: {exc}"
+            return "nothing"
+        if kind == "close_then_send":
+            aw = asyncdbo.dbo_yield_and_switch_from_compute_to_comm("closed")
+            aw.close()  # type: ignore[attr-defined]
+            try:
+                aw.send(None)  # type: ignore[attr-defined]
+            except StopIteration:
+                return "StopIteration"
+            return "sent"
+        raise AssertionError(kind)
+
+    return program
+
+
+def cases(group: str) -> dict[str, tuple[Callable[[int], Awaitable[Any]], dict[str, Any]]]:
+    """The cases of a group: name -> (program, run_ubatches options)."""
+    out: dict[str, tuple[Callable[[int], Awaitable[Any]], dict[str, Any]]] = {}
+    if group.startswith("ub.") or group.startswith("lane."):
+        owner, field = group.split(".")
+        for prim in PRIMS:
+            for after in (False, True):
+                for backend in ("host", "recording"):
+                    opts = {"backend": RecordingBackend([]) if backend == "recording" else "host"}
+                    out[f"{prim} {'after' if after else 'before'} the call, {backend}"] = (
+                        deleted(owner, field, prim, after_call=after), opts)
+    elif group.startswith("kernel."):
+        field = group.split(".")[1]
+        out["yield"] = (deleted("ub", field, "yield", after_call=False), {"backend": "host"})
+    elif group == "reentry":
+        for where, prim in (("install", "role"), ("wait", "role"), ("wait", "sync")):
+            if True:
+                backend = ReentrantBackend(where)
+                out[f"{prim} from {where}"] = (reentrant(backend, prim), {"backend": backend})
+    elif group == "by_hand":
+        for kind in ("send_value", "class_attribute", "replace_coro", "throw_into_fresh", "close_then_send"):
+            out[kind] = (by_hand(kind), {"backend": "host"})
+    elif group == "configure":
+        out["after a failed configure"] = (configure_misuse(), {"backend": RecordingBackend([])})
+    else:
+        raise SystemExit(f"unknown group {group!r}")
+    return out
+
+
+class NoSlots:
+    pass
+
+
+class Foreign:
+    """Borrows the real classes' member descriptors: its own instances have no such slots."""
+
+
+def configure_misuse() -> Callable[[int], Awaitable[Any]]:
+    """Every kind of bad configure() is refused and leaves the extensions working."""
+    from asyncdbo._core import SWITCH, UBatch, current_ubatch
+    from asyncdbo.backends import COMPLETED
+    from asyncdbo.dbo import primitives
+    from asyncdbo.dbo.state import Lane
+
+    for name in ("resume", "resume_with", "unawaited", "unawaited_at", "debug", "ext", "tag"):
+        setattr(Foreign, name, getattr(UBatch, name))
+    for name in LANE_FIELDS:
+        setattr(Foreign, name, getattr(Lane, name))
+    refused = []
+    spin = kernel._spin or sys.modules.get("asyncdbo._core._spin")
+    if spin is not None:
+        for bad in (NoSlots, Foreign, 3):
+            try:
+                spin.configure(bad)
+            except (TypeError, AttributeError) as exc:
+                refused.append(str(exc))
+    speedups = sys.modules.get("asyncdbo.dbo._speedups")
+    if speedups is not None:
+        for ubt, lanet in ((UBatch, Foreign), (Foreign, Lane), (UBatch, NoSlots)):
+            try:
+                speedups.configure(current_ubatch, ubt, lanet, SWITCH, COMPLETED)
+            except (TypeError, AttributeError) as exc:
+                refused.append(str(exc))
+    assert primitives.FAST is None or len(refused) == (6 if spin is not None else 3), refused
+
+    async def program(i: int) -> int:
+        for _ in range(3):
+            await asyncdbo.dbo_yield_and_switch_from_compute_to_comm("dispatch")
+            await asyncdbo.dbo_switch_to_compute_sync()
+            await asyncdbo.dbo_yield()
+        return i
+
+    return program
+
+
+def outcome(program: Callable[[int], Awaitable[Any]], opts: dict[str, Any]) -> dict[str, Any]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result: Any = {"result": repr(asyncio.run(run_ubatches(program, [(0,), (1,)], **opts)))}
+        except BaseException as exc:  # noqa: BLE001 - the outcome is what we compare
+            result = {"raised": f"{type(exc).__name__}: {exc}", "notes": getattr(exc, "__notes__", [])}
+    result["warnings"] = sorted(f"{w.category.__name__}: {w.message}" for w in caught)
+    return result
+
+
+def main(groups: list[str]) -> None:
+    loops = {"c": kernel._spin, "python": None} if kernel._spin is not None else {"python": None}
+    report: dict[str, dict[str, Any]] = {}
+    for group in groups:
+        for loop, spin in loops.items():
+            kernel._spin = spin
+            for name, (program, opts) in cases(group).items():
+                report.setdefault(f"{group}: {name}", {})[loop] = outcome(program, opts)
+    json.dump(report, sys.stdout, indent=1, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

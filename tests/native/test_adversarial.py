@@ -1,0 +1,85 @@
+"""The C extensions under attack behave as the pure-Python code does, and never crash.
+
+Each group of cases (tests/native/_adversarial.py) runs in its own subprocess on the C extensions,
+on both kernel loops, so a crash fails that group only; its outcomes (results, exceptions with
+their messages and notes, warnings) must equal those of the pure-Python reference
+(``ASYNCDBO_PURE_PYTHON=1``), which one subprocess computes for every group. The cases: every slot
+of the UBatch and Lane records deleted before a primitive's call or between the call and its
+await; an awaitable re-entered from a backend's install and from the signal it waits on; values
+sent and exceptions thrown into it by hand; a primitive stored as a class attribute; a replaced
+``ub.coro``; and configure() of each extension given types without those slots or with another
+class's member descriptors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncdbo._core import kernel
+from asyncdbo.dbo import primitives
+
+from _adversarial import KERNEL_FIELDS, LANE_FIELDS, UB_FIELDS  # noqa: I001  (tests/native is on sys.path)
+
+SCRIPT = Path(__file__).resolve().parent / "_adversarial.py"
+GROUPS = (
+    [f"ub.{f}" for f in UB_FIELDS]
+    + [f"lane.{f}" for f in LANE_FIELDS]
+    + [f"kernel.{f}" for f in KERNEL_FIELDS]
+    + ["reentry", "by_hand", "configure"]
+)
+TIMEOUT_S = 240
+
+pytestmark = pytest.mark.timeout(2 * TIMEOUT_S)
+
+
+def run(groups: list[str], **env: str) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *groups],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stderr[-3000:]}"
+    report: dict[str, Any] = json.loads(proc.stdout)
+    return report
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    """Every group's outcomes on the pure-Python kernel loop and primitives."""
+    return run(GROUPS, ASYNCDBO_PURE_PYTHON="1")
+
+
+@pytest.mark.skipif(primitives.FAST is None or kernel._spin is None, reason="the C extensions are not loaded here")
+@pytest.mark.parametrize("group", GROUPS)
+def test_the_c_extensions_behave_as_python(group: str, reference: dict[str, Any]) -> None:
+    c = run([group])
+    assert c, f"no case ran for {group}"
+    for case, by_loop in c.items():
+        assert set(by_loop) == {"c", "python"}, case
+        expected = reference[case]["python"]
+        for loop, got in by_loop.items():
+            assert got == expected, f"{case} on the {loop} kernel loop"
+
+
+def test_the_reference_is_what_python_says(reference: dict[str, Any]) -> None:
+    """A few reference outcomes spelled out, so the comparison above compares something real."""
+    reentry = reference["reentry: role from install"]["python"]
+    assert reentry["raised"] == "ValueError: generator already executing"
+    assert reference["reentry: sync from wait"]["python"]["raised"] == "ValueError: generator already executing"
+    deleted = reference["lane.streams: to_comm after the call, host"]["python"]
+    assert deleted["raised"] == "AttributeError: 'Lane' object has no attribute 'streams'"
+    by_hand = {k.split(": ")[1]: v["python"] for k, v in reference.items() if k.startswith("by_hand")}
+    assert by_hand["send_value"]["result"] == repr(["TypeError: can't send non-None value to a just-started generator"] * 2)
+    assert any("dbo_yield('by hand') in ubatch 0 was never awaited" in w for w in by_hand["send_value"]["warnings"])
+    assert by_hand["class_attribute"]["result"] == repr(["<Model>", "<Model>"])
+    assert by_hand["replace_coro"]["result"] == repr(["the original ran"] * 2)
+    assert reference["configure: after a failed configure"]["python"]["result"] == "[0, 1]"
