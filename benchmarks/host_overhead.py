@@ -40,8 +40,16 @@ the process's CPU time are reported (the machine may be shared: CPU time is stea
 thread design wall time also counts the OS's wake-up latency, which CPU time does not).
 ``--base REV`` (repeatable) adds ``asyncdbo`` at an earlier commit as another design, in the
 same rounds (exported with ``git archive``, see ``compare_commits.py``: Python files only, so it
-runs without its C extensions; ``--base HEAD`` measures this commit's pure-Python paths). The
-current package runs its C fast paths where they were built (``(C)`` in the tables).
+runs without its C extensions; ``--base HEAD`` measures this commit's pure-Python paths).
+
+Each C extension's share: where they were built, the current package runs as four designs in the
+same rounds, ``(Python)``, ``(C kernel)`` (the kernel's switch loop in C, asyncdbo/_core/_spin.c),
+``(C primitives)`` (the primitives in C, asyncdbo/dbo/_speedups.c, the Python loop) and
+``(C kernel + C primitives)`` (what an install runs). Users pick the same configurations with
+``ASYNCDBO_PURE_PYTHON=1``, ``ASYNCDBO_NO_C_PRIMITIVES=1`` and ``ASYNCDBO_NO_C_KERNEL=1`` at import
+(asyncdbo/_core/extensions.py); here one process swaps the same module attributes around each
+step instead (the kernel's loop module and UBatch's resume type; the primitives from
+``primitives.PURE`` or ``primitives.FAST``), so the four run interleaved on the same machine state.
 
     python benchmarks/host_overhead.py                 # writes benchmarks/results/host_overhead_<hw>_<date>.md
     python benchmarks/host_overhead.py --base 6e15bd5 --base HEAD  # also 6e15bd5 and HEAD in pure Python
@@ -72,7 +80,7 @@ ROOT = Path(__file__).resolve().parent.parent
 YIELDS_PER_LAYER = 3
 
 
-def make_forward(pkg: ModuleType, layers: int) -> Callable[[int], Any]:
+def make_forward(pkg: Any, layers: int) -> Callable[[int], Any]:
     """The ``ht`` layer's host-side primitive sequence, ``layers`` times (see the module doc)."""
     to_comm = pkg.dbo_yield_and_switch_from_compute_to_comm
     to_compute = pkg.dbo_yield_and_switch_from_comm_to_compute
@@ -219,7 +227,7 @@ def _times(design: Design, repeat: int, runner: asyncio.Runner) -> tuple[float, 
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def designs(pkgs: dict[str, ModuleType], layers: int, N: int) -> dict[str, Design]:
+def designs(pkgs: dict[str, Any], layers: int, N: int) -> dict[str, Design]:
     """One step of each design: a plain call, or an :class:`Awaited` step."""
     import asyncdbo
     from asyncdbo.backends.host import HostBackend
@@ -236,7 +244,7 @@ def designs(pkgs: dict[str, ModuleType], layers: int, N: int) -> dict[str, Desig
     for name, pkg in pkgs.items():
         f = make_forward(pkg, layers)
 
-        def step(pkg: ModuleType = pkg, f: Callable[[int], Any] = f) -> Any:
+        def step(pkg: Any = pkg, f: Callable[[int], Any] = f) -> Any:
             return pkg.run_ubatches(f, args, backend="host")
 
         out[name] = Awaited(step)
@@ -260,7 +268,7 @@ def designs(pkgs: dict[str, ModuleType], layers: int, N: int) -> dict[str, Desig
 Samples = dict[str, dict[str, list[float]]]
 
 
-def measure(pkgs: dict[str, ModuleType], layers: int, N: int, rounds: int, runner: asyncio.Runner) -> Samples:
+def measure(pkgs: dict[str, Any], layers: int, N: int, rounds: int, runner: asyncio.Runner) -> Samples:
     """Per design: ``wall``/``cpu`` seconds per step, one sample per round (designs interleaved),
     and under ``"<design> baseline"`` its baseline (:data:`BASELINES`, else no DBO) measured right
     before it in the same round: each difference is taken between neighbouring samples, so a
@@ -297,6 +305,38 @@ def per_yield(samples: Samples, design: str, key: str, yields: int) -> tuple[flo
     return statistics.median(vals), min(vals), max(vals)
 
 
+def variants(label: str) -> dict[str, Any]:
+    """The current package under each extension configuration (module doc), by design name: an
+    object with the primitives and a ``run_ubatches`` that runs under that configuration."""
+    import asyncdbo
+    from asyncdbo._core import kernel, ubatch
+    from asyncdbo.dbo import primitives
+
+    spin, resume = kernel._spin, ubatch._Resume
+    configs = {"Python": (False, False)}
+    if spin is not None:
+        configs["C kernel"] = (True, False)
+    if primitives.FAST is not None:
+        configs["C primitives"] = (False, True)
+    if spin is not None and primitives.FAST is not None:
+        configs["C kernel + C primitives"] = (True, True)
+    out: dict[str, Any] = {}
+    for config, (c_kernel, c_prims) in configs.items():
+        table = primitives.FAST if c_prims else primitives.PURE
+        assert table is not None
+
+        async def run(fn: Callable[..., Any], args: Any, c_kernel: bool = c_kernel, **kw: Any) -> Any:
+            saved = kernel._spin, ubatch._Resume
+            kernel._spin, ubatch._Resume = (spin, resume) if c_kernel else (None, None)
+            try:
+                return await asyncdbo.run_ubatches(fn, args, **kw)
+            finally:
+                kernel._spin, ubatch._Resume = saved
+
+        out[f"asyncdbo {label} ({config})"] = types.SimpleNamespace(**table, run_ubatches=run)
+    return out
+
+
 def export_base(rev: str, into: Path, name: str) -> ModuleType:
     from compare_commits import export_base as export
 
@@ -325,10 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
     head, dirty = git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain", "asyncdbo"))
-    from asyncdbo.dbo.primitives import FAST
-
-    now_name = f"asyncdbo {head}{'+changes' if dirty else ''} ({'Python' if FAST is None else 'C'})"
-    pkgs: dict[str, ModuleType] = {now_name: asyncdbo}
+    pkgs: dict[str, Any] = variants(f"{head}{'+changes' if dirty else ''}")
     command = "python benchmarks/host_overhead.py" + (" --quick" if args.quick else "")
     command += "".join(f" --base {b}" for b in args.base)
     with tempfile.TemporaryDirectory() as tmp, asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
