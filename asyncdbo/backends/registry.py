@@ -45,8 +45,10 @@ def get_backend(name: str | StreamBackend | None = "auto", **options: Any) -> St
     if isinstance(name, StreamBackend):
         return name
     if name is None or name == "auto":
-        import torch
-
+        try:
+            import torch
+        except ImportError:  # no torch, no accelerator: the kernel and primitives still run on the host
+            torch = None
         acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
         name = "host" if acc is None else acc.type
     factory = _REGISTRY.get(name) if isinstance(name, str) else None

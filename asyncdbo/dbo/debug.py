@@ -254,7 +254,10 @@ class CommGuard(Instrument):
         self._pending: dict[int, PendingComm] = {}
 
     def run_started(self, run: DBORun) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode as _Mode
+        try:
+            from torch.utils._python_dispatch import TorchDispatchMode as _Mode
+        except ImportError:  # no torch, no collectives to check (the kernel and primitives run without it)
+            return
 
         from .._core import get_ubatch
 

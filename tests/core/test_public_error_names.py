@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 
 def test_errors_print_their_public_names() -> None:
     """A traceback's last line names the class by the path users import, not a private module."""
@@ -9,23 +11,33 @@ def test_errors_print_their_public_names() -> None:
 
     import asyncdbo
     import asyncdbo.dbo
-    from asyncdbo.dist import StepAborted
-    from asyncdbo.sim import SimCheckError
     from asyncdbo.testing import RankError
 
-    for cls, public in ((asyncdbo.DeadlockError, "asyncdbo.DeadlockError"),
-                        (asyncdbo.WatchdogTimeout, "asyncdbo.WatchdogTimeout"),
-                        (asyncdbo.YieldMismatchError, "asyncdbo.YieldMismatchError"),
-                        (asyncdbo.AsyncDBOError, "asyncdbo.AsyncDBOError"),
-                        (asyncdbo.NoOverlapWarning, "asyncdbo.NoOverlapWarning"),
-                        (asyncdbo.DBOUsageError, "asyncdbo.DBOUsageError"),
-                        (asyncdbo.dbo.MissingAwaitError, "asyncdbo.dbo.MissingAwaitError"),
-                        (asyncdbo.dbo.WrongStreamError, "asyncdbo.dbo.WrongStreamError"),
-                        (asyncdbo.dbo.DuplicateEventError, "asyncdbo.dbo.DuplicateEventError"),
-                        (asyncdbo.dbo.RecvHookOverwriteError, "asyncdbo.dbo.RecvHookOverwriteError"),
-                        (StepAborted, "asyncdbo.dist.StepAborted"),
-                        (SimCheckError, "asyncdbo.sim.SimCheckError"),
-                        (RankError, "asyncdbo.testing.RankError")):
+    errors = [(asyncdbo.DeadlockError, "asyncdbo.DeadlockError"),
+              (asyncdbo.WatchdogTimeout, "asyncdbo.WatchdogTimeout"),
+              (asyncdbo.YieldMismatchError, "asyncdbo.YieldMismatchError"),
+              (asyncdbo.AsyncDBOError, "asyncdbo.AsyncDBOError"),
+              (asyncdbo.NoOverlapWarning, "asyncdbo.NoOverlapWarning"),
+              (asyncdbo.DBOUsageError, "asyncdbo.DBOUsageError"),
+              (asyncdbo.dbo.MissingAwaitError, "asyncdbo.dbo.MissingAwaitError"),
+              (asyncdbo.dbo.WrongStreamError, "asyncdbo.dbo.WrongStreamError"),
+              (asyncdbo.dbo.DuplicateEventError, "asyncdbo.dbo.DuplicateEventError"),
+              (asyncdbo.dbo.RecvHookOverwriteError, "asyncdbo.dbo.RecvHookOverwriteError"),
+              (RankError, "asyncdbo.testing.RankError")]
+    check(errors)
+    pytest.importorskip("torch", reason="asyncdbo.dist and asyncdbo.sim need torch (CI runs tests/core without it too)")
+    from asyncdbo.dist import StepAborted
+    from asyncdbo.sim import SimCheckError
+
+    check([(StepAborted, "asyncdbo.dist.StepAborted"), (SimCheckError, "asyncdbo.sim.SimCheckError")])
+
+
+def check(errors: list[tuple[type, str]]) -> None:
+    import traceback
+
+    import asyncdbo
+
+    for cls, public in errors:
         assert f"{cls.__module__}.{cls.__qualname__}" == public
         if cls in (asyncdbo.DeadlockError, asyncdbo.YieldMismatchError):
             line = traceback.format_exception_only(cls("boom"))[-1]
