@@ -7,8 +7,6 @@ import pytest
 
 def test_errors_print_their_public_names() -> None:
     """A traceback's last line names the class by the path users import, not a private module."""
-    import traceback
-
     import asyncdbo
     import asyncdbo.dbo
     from asyncdbo.testing import RankError
