@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import re
-import sys
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -181,25 +180,13 @@ def test_generated_programs_behave_the_same_on_every_path(program: tuple[Any, ..
         gc.enable()
     reference = outcomes.pop("python")
     for name, got in outcomes.items():
-        expected = reference
-        if KNOWN_C_LOOP_CYCLE and CONFIGS[name][1] == "c" and "raised" in got:
-            got, expected = {**got, "alive": None}, {**reference, "alive": None}
-        assert got == expected, name
-
-
-#: Issue 22 item 5: a run that raises leaves its inputs in a reference cycle on the C kernel loop
-#: (the C-loop branch of DBORun._loop_until_done re-raises the exception from a local: exception
-#: -> traceback -> frame), seen on Python 3.11 (3.12 and 3.13 free them). The fix belongs to
-#: kernel.py's owner; until it lands the comparison above leaves out what is alive after a raising
-#: run on the C loop on 3.11, and the strict xfail below turns into a failure the day it is fixed,
-#: so this exemption is then removed.
-KNOWN_C_LOOP_CYCLE = sys.version_info < (3, 12)
+        assert got == reference, name
 
 
 @pytest.mark.skipif(SPIN is None, reason="the C kernel loop is not loaded here")
-@pytest.mark.xfail(KNOWN_C_LOOP_CYCLE, strict=True,
-                   reason="issue 22 item 5: a raising run leaves a reference cycle on the C loop (3.11)")
-def test_a_raising_run_leaves_its_inputs_alive_on_the_c_loop_only_until_issue_22_item_5_is_fixed() -> None:
+def test_a_raising_run_frees_its_inputs_on_the_c_loop_too() -> None:
+    """Issue 22 item 5 (a reference cycle through the exception of a raising run on the C loop):
+    the comparison above covers it; this pins the plain case by itself."""
     program = (2, [[("yield", 0, True), ("raise", 1, True)], [("yield", 0, True)]], "host", "role", False)
     gc.disable()
     try:
