@@ -48,8 +48,9 @@ def get_backend(name: str | StreamBackend | None = "auto", **options: Any) -> St
         try:
             import torch
         except ImportError:  # no torch, no accelerator: the kernel and primitives still run on the host
-            torch = None
-        acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+            acc = None
+        else:
+            acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
         name = "host" if acc is None else acc.type
     factory = _REGISTRY.get(name) if isinstance(name, str) else None
     if factory is None:
