@@ -21,6 +21,7 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -122,8 +123,15 @@ async def step(P: SimpleNamespace, log: list[str], i: int, role: list[str], name
         await aw
 
 
+_INTERNAL_FRAME = re.compile(r'  File "' + re.escape(str(Path(asyncdbo.__file__).parent)) + r'[^"]*", line \d+, in [^\n]*\n    [^\n]*(\n|$)')
+
+
 def no_address(text: str) -> str:
-    """``text`` without what differs from run to run: object addresses, run names."""
+    """``text`` without what differs from run to run (object addresses, run names), and without
+    asyncdbo's own frames in stack reports: the Python primitives are generators, whose frames an
+    await chain shows, where the C awaitables have none (a known, deliberate difference: the
+    user's frames, which the reports are for, are the same)."""
+    text = _INTERNAL_FRAME.sub("", text)
     return re.sub(r"dbo-run-\d+", "dbo-run-N", re.sub(r" at 0x[0-9a-f]+", " at 0x...", text))
 
 
