@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--switches", type=int, default=100_000, help="switches per run")
     parser.add_argument("--out", type=Path, default=None)
+    import _progress
+
+    _progress.add_quiet_flag(parser)
     args = parser.parse_args(argv)
     rounds, switches = (1, 2_000) if args.quick else (args.rounds, args.switches)
     rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
@@ -105,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"medians of {rounds} interleaved rounds [min..max].\n")
         lines.append("| N | depth | " + " | ".join(pkgs) + " | now / base |")
         lines.append("|---:|---:|" + "---:|" * (len(pkgs) + 1))
+        _progress.start(args.quiet, "cells (N x depth), both packages each", 1 if args.quick else 9)
         for depth in (2, 8, 16) if not args.quick else (2,):
             for N in (2, 4, 8) if not args.quick else (2,):
+                _progress.step(f"N={N} depth={depth}")
                 K = max(1, switches // N)
                 for pkg in pkgs.values():  # warm-up
                     one_run(pkg, N, 2, depth)
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells = [f"{med[k]:.0f} [{min(v):.0f}..{max(v):.0f}]" for k, v in samples.items()]
                 names = list(pkgs)
                 lines.append(f"| {N} | {depth} | " + " | ".join(cells) + f" | {med[names[1]] / med[names[0]]:.3f} |")
-                print(f"N={N} depth={depth} done", file=sys.stderr)
+    _progress.done()
     publish_results("\n".join(lines) + "\n", args.out if args.out is not None else (None if args.quick else RESULTS),
                     "compare_commits", info)
     return 0

@@ -33,6 +33,7 @@ RESULTS = HERE / "results"
 
 from asyncdbo import dbo_yield, run_ubatches  # noqa: E402
 from asyncdbo._core import kernel  # noqa: E402
+import _progress  # noqa: E402
 
 DESIGNS = ("blocking sleep 0.1 ms", "loop timer 0.1 ms", "loop timer 1 ms", "none")
 
@@ -95,12 +96,12 @@ def measure(reps: int, cap_s: float) -> dict[tuple[str, str], list[tuple[float, 
     out: dict[tuple[str, str], list[tuple[float, float]]] = {key: [] for key in runners}
     try:
         for rnd in range(reps + 1):  # round 0 warms up (the executor's thread starts)
+            _progress.step("warm-up round" if rnd == 0 else f"round {rnd} of {reps}")
             for (lp, d), runner in runners.items():
                 with design(d):
                     got = runner.run(one_run(cap_s))
                 if rnd:
                     out[(lp, d)].append(got)
-            print(f"round {rnd} done", file=sys.stderr)
     finally:
         for runner in runners.values():
             runner.close()
@@ -113,9 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap-s", type=float, default=3.0)
     parser.add_argument("--out", type=Path, default=None, help="write the report here (e.g. benchmarks/results)")
     parser.add_argument("--quick", action="store_true", help="1 round, 0.3 s cap: a smoke run")
+    _progress.add_quiet_flag(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.reps, args.cap_s = 1, 0.3
+    _progress.start(args.quiet, "rounds (the first a warm-up)", args.reps + 1)
     from _results import publish_results, results_preamble
 
     lines, info = results_preamble("GIL hand-over while ubatches switch: blocking sleep, loop timer, none",

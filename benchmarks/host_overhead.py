@@ -75,6 +75,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import _progress
+
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 YIELDS_PER_LAYER = 3
@@ -353,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also measure asyncdbo at this git revision (pure Python: its C extensions are not "
                              "built), same rounds; may be given more than once")
     parser.add_argument("--out", type=Path, default=None)
+    _progress.add_quiet_flag(parser)
     args = parser.parse_args(argv)
     import uvloop
 
@@ -387,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
                     + " | ".join(f"{n} ns/yield CPU" for n in names) + " |")
         lines += [head_row, "|---:|---:|---:|" + "---:|" * (2 * len(names))]
         extra: dict[tuple[int, int, str, str], float] = {}  # (layers, N, design, key) -> median s/step over no DBO
+        _progress.start(args.quiet, "cells (layers x N)", len(cells))
         for layers, N in cells:
+            _progress.step(f"{layers} layers, N={N}")
             samples = measure(pkgs, layers, N, rounds, runner)
             yields = layers * YIELDS_PER_LAYER * N
             base_us = statistics.median(samples["no DBO"]["wall"]) * 1e6
