@@ -250,7 +250,8 @@ class Parking:
                     format_run(
                         self.ubatches,
                         f"asyncdbo watchdog: run {self.name!r} made no progress for {self.watchdog_s:g} s "
-                        "(every ubatch is parked on an outside event). Ubatch stacks:",
+                        "(every ubatch is parked on an outside event; watchdog_s bounds such a wait: raise it to wait "
+                        "longer, None for no bound). Ubatch stacks:",
                     )
                 )
             )

@@ -10,12 +10,41 @@ until it wakes, and the owner may be waiting for exactly that receive.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, Protocol
 
 from .._core import RecvHookOverwriteError, Signal, UBatch, UBatchState, current_ubatch
 from .awaits import check_unawaited
 
-__all__ = ["RecvHookHandle", "dbo_maybe_run_recv_hook", "dbo_register_recv_hook", "on_exit", "run_pending_hook"]
+__all__ = [
+    "RUN_GUARD",
+    "RecvHookHandle",
+    "RunGuard",
+    "dbo_maybe_run_recv_hook",
+    "dbo_register_recv_hook",
+    "on_exit",
+    "run_pending_hook",
+    "set_run_guard",
+]
+
+
+class RunGuard(Protocol):
+    """What the layer that owns the process groups does around every run (:mod:`asyncdbo.dist`,
+    which this layer may not import: it registers itself with :func:`set_run_guard`)."""
+
+    async def drive(self, run: Any) -> list[Any]:
+        """Drive ``run`` (a kernel run) to its results; on a failure tell the other ranks."""
+        ...
+
+
+#: The registered guard factory, if any: called before each run, it returns None (nothing to
+#: guard, e.g. no per-ubatch process groups) or the :class:`RunGuard` to drive the run with,
+#: after making sure the run starts on groups with nothing of a failed run in flight.
+RUN_GUARD: list[Callable[[], RunGuard | None]] = []
+
+
+def set_run_guard(guard: Callable[[], RunGuard | None]) -> None:
+    """Register the guard factory every :func:`asyncdbo.run_ubatches` calls before it runs."""
+    RUN_GUARD[:] = [guard]
 
 
 class RecvHookHandle:

@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar
 from .._core import LOOP_POLL_S, Clock, DBORun, Fanout, Instrument, from_the_ubatch
 from ..backends import CommRecord, StreamBackend, StreamPolicy, get_backend
 from .debug import DebugMode, debug_instruments
-from .hooks import on_exit, run_pending_hook
+from .hooks import RUN_GUARD, on_exit, run_pending_hook
 from .state import Lane, RunState
 
 __all__ = ["DBOOptions", "RunStats", "run", "run_ubatches", "run_ubatches_with_stats"]
@@ -35,7 +35,8 @@ class DBOOptions:
     backend: a :class:`StreamBackend` or its name (``auto``: the accelerator if torch has one, else
         ``host``). stream_policy: ``role`` (vLLM: shared compute + comm streams) or ``ubatch`` (CANN:
         a stream per ubatch). watchdog_s: fail with the ubatch stacks when every ubatch stays parked
-        this long (None: no watchdog). instrument: scheduler hooks (tracing, checks), one or a
+        this long (default 300 s, so that no wait inside a run is unbounded; a rank that fails
+        tells its peers at once anyway, see :mod:`asyncdbo.dist.recovery`; None: no bound). instrument: scheduler hooks (tracing, checks), one or a
         sequence. debug: also run the yield-discipline checker (asyncdbo.dbo.debug.YieldChecker), which
         reports the first place the ubatches' yield-tag sequences diverge. name: shows in errors
         and traces. clock: the time source of timers and the watchdog (default: real monotonic
@@ -48,7 +49,7 @@ class DBOOptions:
 
     backend: str | StreamBackend | None = "auto"
     stream_policy: StreamPolicy = "role"
-    watchdog_s: float | None = None
+    watchdog_s: float | None = 300.0
     instrument: Instrument | Sequence[Instrument] | None = None
     debug: bool = False
     name: str | None = None
@@ -254,6 +255,8 @@ async def _run(
 ) -> tuple[list[T], DBORun, RunState]:
     """One run: its results, the finished kernel run and its DBO state (for the stats)."""
     opts = _options(options)
+    # asyncdbo.dist: renews the per-ubatch groups if a run failed on any rank, then watches this one
+    guard = RUN_GUARD[0]() if RUN_GUARD else None
     coros = _make_coros(fn, ubatch_args)
     try:
         backend = get_backend(opts.backend)
@@ -290,7 +293,7 @@ async def _run(
             c.close()
         raise
     try:
-        results = await dbo.drive()
+        results = await (dbo.drive() if guard is None else guard.drive(dbo))
     except BaseException as exc:
         if state.on_finish is not None:
             _finish(state, exc)

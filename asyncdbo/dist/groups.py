@@ -11,10 +11,11 @@ one ubatch the program order is the same on every rank, and that is all gloo/NCC
 Creating a group is itself a collective, so the clones are made up front, on every rank, outside
 any DBO run (:func:`ubatch_groups`), and looked up inside a run (:func:`ubatch_group`).
 
-A step that fails or is cancelled half-way leaves collectives in flight on some clones and not on
-others; the next collective on such a clone would pair with a stale one of the failed step. So
-after a failed step every clone is replaced (:func:`renew_ubatch_groups`, driven by
-:mod:`asyncdbo.dist.recovery`): look clones up when you issue (``ubatch_group``), do not keep them.
+A run that fails or is cancelled half-way leaves collectives in flight on some clones and not on
+others; the next collective on such a clone would pair with a stale one of the failed run. So
+after a failed run every clone is replaced (:func:`renew_ubatch_groups`, which the next
+``run_ubatches`` calls on every rank: :mod:`asyncdbo.dist.recovery`): look clones up when you issue
+(``ubatch_group``), do not keep them.
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ def _make_clone(spec: _Clones) -> Any:
     import torch.distributed as dist
 
     if not spec.local:  # named by torch's group counter, never reused
+        with _NAMING:
+            key = tuple(sorted(spec.ranks))
+            _MADE[key] = _MADE.get(key, 0) + 1
         return dist.new_group(spec.ranks, backend=spec.backend, timeout=spec.timeout)
     # torch (2.13) names a group made with local synchronization by a hash of its ranks and the
     # number of live groups. A renewal makes new clones while the old ones live, then destroys
@@ -144,11 +148,56 @@ def ubatch_groups(num_ubatches: int, group: Any = None) -> tuple[Any, ...]:
     if clones is None:
         clones = _CLONES[base.group_name] = _spec(base)
     if len(clones.groups) < num_ubatches:
+        _agree_on_count(clones, base.group_name, num_ubatches)
         while len(clones.groups) < num_ubatches:
             clones.groups.append(_make_clone(clones))
         log.debug("%d per-ubatch %s clones of group %s over ranks %s", len(clones.groups), clones.backend,
                   base.group_name, clones.ranks)
     return tuple(clones.groups[:num_ubatches])
+
+
+def _agree_on_count(clones: _Clones, name: str, num_ubatches: int) -> None:
+    """Before making clones (a collective), check through the rendezvous store that every member of
+    the group asks for as many: ranks built with different ``max_ubatches`` would otherwise wait
+    inside ``new_group`` until the group timeout, with no cause given. Costs one store write and a
+    read per member, at set-up only. Raises ValueError naming each rank's count, or RuntimeError
+    naming the ranks that did not ask at all within the group timeout."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if dist.get_backend() == "fake":  # the sim's fake world has one process and no real store
+        return
+    store = c10d._get_default_store()
+    ranks = sorted(clones.ranks)
+    # The group's name and the clones made over its ranks so far (the same number on every member:
+    # each clone was made by all of them) name one round of making; a group made later has another
+    # name, so a round that failed leaves no key a later one reads.
+    prefix = f"asyncdbo/ubatch-groups/{name}/{_MADE.get(tuple(ranks), 0)}/"
+    store.set(prefix + str(dist.get_rank()), str(num_ubatches))
+    keys = [prefix + str(r) for r in ranks]
+    try:
+        if clones.timeout is None:
+            store.wait(keys)
+        else:
+            store.wait(keys, clones.timeout)
+    except Exception:  # the store's own timeout error (its type varies across torch versions)
+        missing = [r for r in ranks if not store.check([prefix + str(r)])]
+        waited = f"{clones.timeout.total_seconds():g} s" if clones.timeout is not None else "the store timeout"
+        raise RuntimeError(
+            f"ubatch_groups({num_ubatches}) on process group {name!r}: rank(s) {missing} did not ask for per-ubatch "
+            f"clones of it within {waited} (the group timeout), so they would never take part in making them. Every "
+            "rank of the group must call ubatch_groups(n, group) with the same n at the same point (build every "
+            "rank's model with the same max_ubatches)"
+        ) from None
+    counts = [int(store.get(k)) for k in keys]
+    if len(set(counts)) > 1:
+        by_rank = ", ".join(f"rank {r}: {n}" for r, n in zip(ranks, counts))
+        raise ValueError(
+            f"ranks ask for different numbers of per-ubatch clones of process group {name!r} ({by_rank}); making "
+            "a clone is a collective, so the ranks that ask for more would wait for the others until the group "
+            "timeout. Build every rank's model with the same max_ubatches (call ubatch_groups(n, group) with one n "
+            "on every rank)"
+        )
 
 
 def forget_group(group: Any) -> None:
@@ -170,7 +219,7 @@ def renew_ubatch_groups() -> int:
     """Replace every per-ubatch clone of every group with a new one; return how many.
 
     A collective over every group that has clones: all their ranks call it together, outside any
-    DBO run (:mod:`asyncdbo.dist.recovery` does, after a failed step). The new groups start with
+    DBO run (the next ``run_ubatches`` does, after a failed run: :mod:`asyncdbo.dist.recovery`). The new groups start with
     no collective in flight, so nothing of the failed step can pair with the next one. The old
     ones are aborted (NCCL ends their kernels in flight; for gloo ``abort()`` is a no-op in torch
     2.13), unregistered, and released by a background thread: a gloo group's destructor waits for

@@ -1,35 +1,48 @@
-"""Step recovery: after a step fails or is cancelled on any rank, at any point, every rank can run
-the next one.
+"""Run recovery: after a run fails, is cancelled or times out on any rank, at any point, every rank
+can run the next one; and the ranks that were waiting for the failed one learn which it was.
 
-Why a failed step poisons the next one: gloo pairs the collectives of a group by their sequence
-number on that group. A step cancelled on rank 0 after its third all-to-all on a per-ubatch group
-and on rank 1 after its fifth leaves rank 1's fourth and fifth in flight; rank 0's next step issues
+Why a failed run poisons the next one: gloo pairs the collectives of a group by their sequence
+number on that group. A run cancelled on rank 0 after its third all-to-all on a per-ubatch group
+and on rank 1 after its fifth leaves rank 1's fourth and fifth in flight; rank 0's next run issues
 its fourth there, which receives rank 1's stale data, and gloo's transport thread aborts the
 process ("Received data size doesn't match expected size"; reproduced with two ranks cancelling a
-step at different yields: exit -6 at the next step).
+run at different yields, and with ``asyncio.wait_for(run_ubatches(...), 0.3)`` followed by a
+normal run: exit -6 at the next run, 3 of 3 tries).
 
 What torch offers does not help on gloo (torch 2.13, measured with two ranks): ``abort()`` of a
 gloo group is a no-op (a pending all-to-all on the aborting rank and on its peer kept waiting until
 the group timeout, and the group stayed usable), and ``shrink_group`` needs a backend that supports
 shrinking, which gloo does not (and drops ranks, where every rank is still alive here). So the
-groups are replaced instead, with an agreement on when:
+per-ubatch groups are replaced instead, and every rank of the job agrees on when, through the
+rendezvous store the ranks already share (no collective that a failed run could leave half-done).
 
-1. Every step's DP vote (:func:`asyncdbo.plan.agree_across_dp`) runs on a clone of the DP group
-   that only votes (:attr:`StepSync.group`), so its sequence stays in step on every rank: a vote is
-   synchronous and cannot be left half-done.
-2. A rank whose step fails after its vote, by an exception, a cancellation, or a peer's failure,
-   posts a notice in the rendezvous store (the first poster names the failing rank) and remembers
-   that it must recover (:meth:`StepSync.post_failure`).
-3. A rank parked in a step polls the notice every :data:`POLL_S` seconds while it waits (nothing
-   while it computes), cancels its run on one and raises :class:`StepAborted` naming the rank.
-4. At its next step, a rank that must recover votes *recover* instead of a plan. Every rank of that
-   vote, the recovering ones and any that had finished the failed step and were voting on the next,
-   replaces every per-ubatch clone (:func:`asyncdbo.dist.renew_ubatch_groups`), so the next step
-   starts on groups with nothing in flight; the ranks that voted a plan vote again.
+:func:`asyncdbo.run_ubatches` runs this protocol itself (:func:`_guard`, registered with the DBO
+layer below, which may not import this one), as soon as per-ubatch groups exist:
 
-:class:`asyncdbo.serving.DBORunner` runs this protocol, so after a failed step there is nothing
-to do but call ``step()`` again on every rank. A rank that died cannot be recovered this way (its
-peers' collectives fail with a closed connection or time out): restart every rank.
+1. A rank whose run ends by an exception, a cancellation or a timeout posts a notice under the
+   current *epoch* in the store (the first poster of an epoch is the one everybody names) and
+   remembers that it must recover (:meth:`RunSync.post_failure`).
+2. While a run waits (the event loop runs only when every ubatch is parked, or between polls), it
+   looks at the notice every :data:`POLL_S` seconds; on one it cancels its ubatches and raises
+   :class:`StepAborted`, naming the rank and its exception's line. No watchdog is needed for that.
+3. A run whose wait bound ran out (``watchdog_s``) cannot tell whether it is the culprit: it posts
+   a *timeout* notice, and every rank that sees one checks in to a roll call
+   (:func:`roll_call`); the ranks that do not check in within :data:`ROLL_CALL_S` (stopped, hung or
+   dead) are the ones named, on every survivor alike.
+4. Before its first ubatch step, every run looks at the notice of the current epoch (one store
+   read; :file:`benchmarks/results/run_guard_*.md` measures it). If there is one, or this rank
+   must recover, every per-ubatch clone is replaced (:func:`asyncdbo.dist.renew_ubatch_groups`)
+   and the epoch advances. Every rank renews exactly once per epoch that has a notice, so the
+   renewals (collectives) pair up; the new groups have nothing in flight, so nothing of the
+   failed run can be consumed by the next one.
+
+A rank that finished the failed run cleanly and starts the next one before the failing rank's
+notice lands (a race of a few microseconds) issues its first collective on an old group, parks,
+sees the notice at its next poll and raises :class:`StepAborted`; its next run recovers. A rank that
+died cannot be recovered this way (its peers' collectives fail with a closed connection or time
+out): restart every rank. The notice is job-wide: a failure on any rank ends the waiting runs of
+every rank, which is coarser than needed when disjoint groups do not talk to each other, but
+always consistent.
 """
 
 from __future__ import annotations
@@ -39,22 +52,28 @@ import logging
 import time
 from typing import Any
 
-from .groups import _base, clone_group, on_destroy, renew_ubatch_groups
+from .._core import WatchdogTimeout
+from ..dbo.hooks import set_run_guard
+from .groups import _CLONES, _base, clone_group, on_destroy, renew_ubatch_groups
 
-__all__ = ["POLL_S", "StepAborted", "StepSync", "roll_call", "step_sync"]
+__all__ = ["POLL_S", "ROLL_CALL_S", "RunSync", "StepAborted", "StepSync", "roll_call", "run_sync", "step_sync"]
 
 log = logging.getLogger("asyncdbo.recovery")
 
-#: Seconds between two looks at the failure notice while a step waits for comm.
+#: Seconds between two looks at the failure notice while a run waits.
 POLL_S = 0.05
+#: After a wait bound ran out, seconds every rank waits for the others to check in to the roll
+#: call; the ranks that do not are named as the cause (stopped, hung or dead).
+ROLL_CALL_S = 5.0
 
-_SYNCS: dict[str, StepSync] = {}
-on_destroy(_SYNCS.clear)
+_FAILED = "F"  # notice kinds: a rank's run failed (raised, was cancelled)
+_TIMEOUT = "T"  # a rank's wait bound ran out: a roll call names the silent ranks
 
 
 class StepAborted(RuntimeError):
     """This rank's step was ended because rank ``rank`` failed the same step (``reason``: its
-    exception line, or ``cancelled``). Call ``step()`` again: the ranks recover first."""
+    exception line, ``cancelled``, or why it is silent). Call the next step (``run_ubatches`` or
+    ``DBORunner.step()``) on every rank: the ranks recover first."""
 
     def __init__(self, rank: int, reason: str) -> None:
         self.rank = rank
@@ -63,6 +82,7 @@ class StepAborted(RuntimeError):
 
 
 def _describe(exc: BaseException) -> str:
+    """The line peers print for this rank's failure: ``Type: first line of the message``."""
     if isinstance(exc, asyncio.CancelledError):
         return "cancelled"
     if isinstance(exc, StepAborted):
@@ -71,47 +91,78 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-class StepSync:
-    """Step recovery state of one DP group on this rank; get it with :func:`step_sync`.
+class RunSync:
+    """The recovery state of this process: one for every group, since a renewal replaces every
+    per-ubatch clone. Get it with :func:`run_sync`.
 
-    ``group``: the clone of the DP group that carries the step votes. ``epoch``: recoveries so far
-    (the same on every rank). ``failure``: why this rank must recover before its next step, or
-    None."""
+    ``epoch``: recoveries so far (the same on every rank once each has run again). ``failure``:
+    why this rank must recover before its next run, or None."""
 
-    def __init__(self, base: Any) -> None:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
-
-        self.group = clone_group(base)
-        self.rank = dist.get_rank()
+    def __init__(self, store: Any, rank: int, world: int) -> None:
+        self.store = store
+        self.rank = rank
+        self.world = world
         self.epoch = 0
         self.failure: str | None = None
-        self._store = c10d._get_default_store()
 
     @property
     def must_recover(self) -> bool:
         return self.failure is not None
 
     def _key(self) -> str:
-        return f"asyncdbo/step-failed/{self.group.group_name}/{self.epoch}"
+        return f"asyncdbo/run-failed/{self.epoch}"
+
+    def heal(self) -> None:
+        """Before a run: if this rank or another failed a run in this epoch, renew every group."""
+        while self.failure is not None or self.store.check([self._key()]):
+            self.renew()
+
+    def renew(self, ranks: tuple[int, ...] = ()) -> None:
+        """Replace every per-ubatch group and start the next epoch (every rank does, once per
+        epoch with a notice). ``ranks``: deprecated, ignored (the ranks of an old recover vote)."""
+        notice = self.store.get(self._key()).decode() if self.store.check([self._key()]) else "none"
+        count = renew_ubatch_groups()
+        log.info("recovered from a failed run (notice %r): %d per-ubatch groups replaced, epoch %d",
+                 notice, count, self.epoch + 1)
+        self.epoch += 1
+        self.failure = None
 
     def post_failure(self, exc: BaseException) -> None:
-        """This rank's step failed after its vote: remember to recover, and tell the other ranks
-        (the first rank to post in an epoch is the one they name)."""
+        """This rank's run failed: remember to recover, and tell the other ranks (the first rank to
+        post in an epoch is the one they name)."""
         if self.failure is None:
             self.failure = _describe(exc)
+        kind = _TIMEOUT if isinstance(exc, WatchdogTimeout) else _FAILED
         try:
-            self._store.compare_set(self._key(), "", f"{self.rank}:{self.failure}")
-        except Exception as post_exc:  # a store that is gone: the peers fail by their own timeouts
-            log.warning("could not post the failed step to the store: %s", post_exc)
+            self.store.compare_set(self._key(), "", f"{kind}{self.rank}:{self.failure}")
+        except Exception as post_exc:  # a store that is gone: the peers fail by their own bounds
+            log.warning("could not post the failed run to the store: %s", post_exc)
+
+    def _notice(self) -> tuple[str, int, str] | None:
+        key = self._key()
+        if not self.store.check([key]):
+            return None
+        head, _, reason = self.store.get(key).decode().partition(":")
+        return head[0], int(head[1:]), reason
 
     def peer_failure(self) -> StepAborted | None:
-        """A :class:`StepAborted` for the rank that posted a failure in this epoch, if another did."""
-        key = self._key()
-        if not self._store.check([key]):
+        """A :class:`StepAborted` for the rank that posted a failure in this epoch, if another did
+        (after a timeout notice: the ranks that miss the roll call, see :data:`ROLL_CALL_S`)."""
+        notice = self._notice()
+        if notice is None:
             return None
-        rank, _, reason = self._store.get(key).decode().partition(":")
-        return None if int(rank) == self.rank else StepAborted(int(rank), reason)
+        kind, rank, reason = notice
+        if kind == _TIMEOUT:
+            return self._roll_call(rank, reason)
+        return None if rank == self.rank else StepAborted(rank, reason)
+
+    def _roll_call(self, poster: int, reason: str) -> StepAborted | None:
+        silent = roll_call(f"run/{self.epoch}", ROLL_CALL_S)
+        if silent:
+            return StepAborted(silent[0], f"silent: no answer to a roll call within {ROLL_CALL_S:g} s after rank "
+                                          f"{poster}'s wait ran out, so it is stopped, hung or dead; "
+                                          f"silent rank(s) {silent}")
+        return None if poster == self.rank else StepAborted(poster, reason)
 
     async def watch(self, run: asyncio.Future[Any]) -> StepAborted | None:
         """Poll the notice until a peer posts one, then cancel ``run`` and return it."""
@@ -122,13 +173,155 @@ class StepSync:
                 run.cancel()
                 return aborted
 
-    def renew(self, ranks: tuple[int, ...]) -> None:
-        """A vote asked to recover (``ranks`` voted recover): replace every per-ubatch group."""
-        count = renew_ubatch_groups()
-        log.info("recovered from a failed step (ranks %s voted recover): %d per-ubatch groups replaced, epoch %d",
-                 list(ranks), count, self.epoch + 1)
-        self.epoch += 1
-        self.failure = None
+    async def drive(self, run: Any) -> list[Any]:
+        """Drive the DBO run ``run`` (a :class:`asyncdbo.lowlevel.DBORun`) while polling the notice;
+        on a failure, post it, or turn the ending a peer caused into :class:`StepAborted`."""
+        loop = asyncio.get_running_loop()
+        watch = _Watch(self, run, loop)
+        try:
+            return await run.drive()
+        except BaseException as exc:
+            raise_instead = self._ended(exc, watch.aborted)
+            if raise_instead is None:
+                raise
+            for note in getattr(exc, "__notes__", ()):  # where each ubatch was
+                raise_instead.add_note(note)
+            raise raise_instead from (None if isinstance(exc, asyncio.CancelledError) else exc)
+        finally:
+            watch.stop()
+
+    def _ended(self, exc: BaseException, aborted: StepAborted | None) -> StepAborted | None:
+        """The run ended by ``exc``: post it; return the error to raise instead, if a peer caused it."""
+        task = asyncio.current_task()
+        if aborted is not None and isinstance(exc, asyncio.CancelledError) and not (task and task.cancelling()):
+            self.failure = _describe(aborted)  # the notice is there already
+            return aborted
+        self.post_failure(exc)
+        if isinstance(exc, WatchdogTimeout):  # whoever posted first: name the silent ranks
+            try:
+                return self.peer_failure()
+            except Exception as call_exc:  # the store is gone too: the watchdog's stacks are all we have
+                log.warning("roll call after a timeout failed: %s", call_exc)
+        return None
+
+
+class _Watch:
+    """Polls the failure notice on the event loop every :data:`POLL_S` while one run lasts (a loop
+    timer, not a task: it costs nothing between polls); on a notice, cancels every ubatch."""
+
+    __slots__ = ("sync", "run", "loop", "handle", "aborted")
+
+    def __init__(self, sync: RunSync, run: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.sync, self.run, self.loop = sync, run, loop
+        self.aborted: StepAborted | None = None
+        self.handle: asyncio.TimerHandle | None = loop.call_later(POLL_S, self.poll)
+
+    def poll(self) -> None:
+        self.handle = None
+        try:
+            aborted = self.sync.peer_failure()
+        except Exception as exc:  # a store that is gone: the run's own bounds end it
+            log.warning("could not read the failure notice: %s", exc)
+            return
+        if aborted is None:
+            self.handle = self.loop.call_later(POLL_S, self.poll)
+            return
+        self.aborted = aborted
+        for ub in self.run.ubatches:
+            self.run.cancel_ubatch(ub, f"asyncdbo: {aborted}")
+
+    def stop(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+        self.run = None
+
+
+_SYNC: list[RunSync] = []  # this process's RunSync, made on first use
+
+
+def _forget() -> None:
+    _SYNC.clear()
+    _SYNCS.clear()
+
+
+def run_sync() -> RunSync | None:
+    """This process's :class:`RunSync`, made on first use; None without an initialised process
+    group of more than one rank (or in the simulator's fake world, which has no real store)."""
+    if _SYNC:
+        return _SYNC[0]
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    if dist.get_backend() == "fake":
+        return None
+    from torch.distributed import distributed_c10d as c10d
+
+    sync = RunSync(c10d._get_default_store(), dist.get_rank(), dist.get_world_size())
+    _SYNC.append(sync)
+    return sync
+
+
+def _guard() -> RunSync | None:
+    """Called by every ``run_ubatches`` before its first step: nothing without per-ubatch groups;
+    else heal (renew the groups if a run failed in this epoch) and return the sync to drive with."""
+    if not _CLONES:
+        return None
+    sync = run_sync()
+    if sync is not None:
+        sync.heal()
+    return sync
+
+
+class StepSync:
+    """The DP vote group of a :class:`asyncdbo.serving.DBORunner` on this rank, and (delegated to
+    :func:`run_sync`) the recovery state; get it with :func:`step_sync`.
+
+    ``group``: the clone of the DP group that carries the step votes (a vote is synchronous, so it
+    cannot be left half-done). ``epoch``: recoveries so far. ``failure``: why this rank must
+    recover before its next step, or None."""
+
+    def __init__(self, base: Any) -> None:
+        import torch.distributed as dist
+
+        self.group = clone_group(base)
+        self.rank = dist.get_rank()
+        sync = run_sync()
+        assert sync is not None, "a StepSync needs a process group of more than one rank"
+        self.run = sync
+
+    @property
+    def epoch(self) -> int:
+        return self.run.epoch
+
+    @property
+    def failure(self) -> str | None:
+        return self.run.failure
+
+    @property
+    def must_recover(self) -> bool:
+        return self.run.must_recover
+
+    def post_failure(self, exc: BaseException) -> None:
+        """This rank's step failed: remember to recover, and tell the other ranks."""
+        self.run.post_failure(exc)
+
+    def peer_failure(self) -> StepAborted | None:
+        """A :class:`StepAborted` for the rank that posted a failure in this epoch, if another did."""
+        return self.run.peer_failure()
+
+    async def watch(self, run: asyncio.Future[Any]) -> StepAborted | None:
+        """Poll the notice until a peer posts one, then cancel ``run`` and return it."""
+        return await self.run.watch(run)
+
+    def renew(self, ranks: tuple[int, ...] = ()) -> None:
+        """Replace every per-ubatch group and start the next epoch."""
+        self.run.renew(ranks)
+
+
+_SYNCS: dict[str, StepSync] = {}
+on_destroy(_forget)
 
 
 def step_sync(group: Any = None) -> StepSync | None:
@@ -140,7 +333,7 @@ def step_sync(group: Any = None) -> StepSync | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     base = _base(group)
-    if dist.get_world_size(base) == 1:
+    if dist.get_world_size(base) == 1 or run_sync() is None:
         return None
     sync = _SYNCS.get(base.group_name)
     if sync is None:
@@ -173,5 +366,7 @@ def roll_call(tag: str, wait_s: float) -> list[int] | None:
         log.warning("roll call %r failed: %s", tag, exc)
         return None
 
+
+set_run_guard(_guard)
 
 StepAborted.__module__ = "asyncdbo.dist"  # tracebacks print the public path, not this private module

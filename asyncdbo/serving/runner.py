@@ -12,11 +12,12 @@ Per step, every rank of the DP group:
 3. merges the per-ubatch logits, dropping padding.
 
 A step that fails or is cancelled on any rank, at any point, leaves every rank able to run the
-next one: call ``step()`` again on every rank (:mod:`asyncdbo.dist.recovery`). The DP vote runs on
-a clone of the DP group made at construction (a collective, like building the model); a rank whose
-step failed tells the others through the rendezvous store, a rank waiting in the step gives up
-with :class:`~asyncdbo.dist.StepAborted` naming the failing rank, and the next step's vote renews
-every per-ubatch group first.
+next one: call ``step()`` again on every rank. :func:`asyncdbo.run_ubatches` itself does the work
+(:mod:`asyncdbo.dist.recovery`): a rank whose run failed tells the others through the rendezvous
+store, a rank waiting in the step gives up with :class:`~asyncdbo.dist.StepAborted` naming the
+failing rank, and the next run renews every per-ubatch group first. The DP vote runs on a clone of
+the DP group made at construction (a collective, like building the model), which only votes: a
+vote is synchronous, so it cannot be left half-done.
 
 The fall-back path runs the whole batch as a *single ubatch* under the same backend, so it issues
 exactly the collectives one ubatch issues (an empty batch still joins every all-to-all) and its
@@ -39,7 +40,6 @@ decode steps over a 512-token context; ``benchmarks/results/deterministic_*.md``
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
 import logging
@@ -56,15 +56,12 @@ from ..dist.fused import DISPATCH_MODES, DispatchMode, dispatch_options
 from ..dist.recovery import StepSync, step_sync
 from ..plan import (
     AttentionMetadata,
-    LocalStepInfo,
     PlanStats,
-    RecoveryVote,
     SplitPolicy,
     StepPlan,
     StepRecord,
     ThresholdConfig,
     UBatchSlice,
-    agree_across_dp,
     check_max_ubatches,
     merge_outputs,
     plan_step,
@@ -202,48 +199,31 @@ class DBORunner:
         cfg = self.cfg
         t0 = time.perf_counter()
         sync = self.sync
-        if sync is not None and sync.must_recover:
-            self._recover(sync)
         plan = self._plan(batch, cfg.enabled if enabled is None else enabled)
         try:
             return await self._run(batch, plan, instrument, t0)
         except BaseException as exc:
-            if sync is not None:  # the others may wait for this rank's comm: tell them
+            if sync is not None:  # a run's failure is posted already; this also posts the merge's
                 sync.post_failure(exc)
             raise
 
-    def _recover(self, sync: StepSync) -> None:
-        """This rank's last step failed: vote *recover*; every rank of the vote renews its groups."""
-        local = LocalStepInfo(num_tokens_unpadded=0, wants_ubatch=False)
-        try:
-            agree_across_dp(local, self.cfg.num_ubatches, sync.group, device=self.device, recover=True)
-        except RecoveryVote as vote:
-            sync.renew(vote.ranks)
-        else:  # pragma: no cover - a recover vote always raises
-            raise AssertionError("a recover vote returned a plan")
-
     def _plan(self, batch: Batch, enabled: bool) -> StepPlan:
         cfg, sync = self.cfg, self.sync
-        while True:
-            try:
-                return plan_step(
-                    batch.attn.query_start_loc_cpu,
-                    num_ubatches=cfg.num_ubatches,
-                    policy=cfg.policy,
-                    thresholds=cfg.thresholds,
-                    enabled=enabled,
-                    is_idle=batch.num_tokens == 0,
-                    attn_metadata=batch.attn,
-                    dp_group=self.dp_group if sync is None else sync.group,
-                    device=self.device,
-                    max_imbalance=cfg.max_imbalance,
-                    min_share=cfg.min_share,
-                    stats=self.stats,
-                    max_ubatches=getattr(self.model, "max_ubatches", None),
-                )
-            except RecoveryVote as vote:  # another rank failed the last step: renew, vote again
-                assert sync is not None, "a recover vote needs a StepSync"
-                sync.renew(vote.ranks)
+        return plan_step(
+            batch.attn.query_start_loc_cpu,
+            num_ubatches=cfg.num_ubatches,
+            policy=cfg.policy,
+            thresholds=cfg.thresholds,
+            enabled=enabled,
+            is_idle=batch.num_tokens == 0,
+            attn_metadata=batch.attn,
+            dp_group=self.dp_group if sync is None else sync.group,
+            device=self.device,
+            max_imbalance=cfg.max_imbalance,
+            min_share=cfg.min_share,
+            stats=self.stats,
+            max_ubatches=getattr(self.model, "max_ubatches", None),
+        )
 
     async def _run(self, batch: Batch, plan: StepPlan, instrument: Instrument | None, t0: float) -> StepResult:
         cfg = self.cfg
@@ -277,7 +257,7 @@ class DBORunner:
             name=f"step{plan.record.step}",
         )
         with _dispatch_block(plan, cfg):
-            outputs, stats = await (run if self.sync is None else _watched(run, self.sync))
+            outputs, stats = await run
         logits_TV = merge_outputs(outputs, plan.slices, batch.num_tokens)
         assert isinstance(logits_TV, torch.Tensor), type(logits_TV)  # one tensor in, one out
         return StepResult(logits_TV=logits_TV, plan=plan, step_s=time.perf_counter() - t0, stats=stats)
@@ -295,19 +275,3 @@ def _dispatch_block(plan: StepPlan, cfg: RunnerConfig) -> contextlib.AbstractCon
         bound = max(s.num_tokens_padded for s in plan.slices)
     return dispatch_options(max(bound, 1), cfg.dispatch)
 
-
-async def _watched(coro: Any, sync: StepSync) -> Any:
-    """Await ``coro`` in its own task while polling for a peer's failure notice; on one, cancel
-    the task and raise :class:`~asyncdbo.dist.StepAborted` naming that rank."""
-    run = asyncio.ensure_future(coro)
-    watch = asyncio.ensure_future(sync.watch(run))
-    try:
-        return await run
-    except asyncio.CancelledError:
-        me = asyncio.current_task()
-        aborted = watch.result() if watch.done() and not watch.cancelled() else None
-        if aborted is not None and (me is None or not me.cancelling()):
-            raise aborted from None
-        raise
-    finally:
-        watch.cancel()
