@@ -32,9 +32,10 @@ layer below, which may not import this one), as soon as per-ubatch groups exist:
 4. Before its first ubatch step, every run looks at the notice of the current epoch (one store
    read; :file:`benchmarks/results/run_guard_*.md` measures it). If there is one, or this rank
    must recover, every per-ubatch clone is replaced (:func:`asyncdbo.dist.renew_ubatch_groups`)
-   and the epoch advances. Every rank renews exactly once per epoch that has a notice, so the
-   renewals (collectives) pair up; the new groups have nothing in flight, so nothing of the
-   failed run can be consumed by the next one.
+   and the epoch advances, once per run. Every rank renews exactly once per epoch that has a
+   notice (seen at a run's start, or by its poll, which fails that run and leaves the renewal to
+   the next), so the renewals (collectives) pair up; the new groups have nothing in flight, so
+   nothing of the failed run can be consumed by the next one.
 
 A rank that finished the failed run cleanly and starts the next one before the failing rank's
 notice lands (a race of a few microseconds) issues its first collective on an old group, parks,
@@ -113,8 +114,12 @@ class RunSync:
         return f"asyncdbo/run-failed/{self.epoch}"
 
     def heal(self) -> None:
-        """Before a run: if this rank or another failed a run in this epoch, renew every group."""
-        while self.failure is not None or self.store.check([self._key()]):
+        """Before a run: if this rank or another failed a run in this epoch, renew every group.
+
+        Once, not until no notice is left: a peer that renewed with this rank may have failed its
+        next run already (a notice in the new epoch), and renewing again now would wait for that
+        peer's next run. This run's poll finds that notice instead, and the next run renews."""
+        if self.failure is not None or self.store.check([self._key()]):
             self.renew()
 
     def renew(self, ranks: tuple[int, ...] = ()) -> None:

@@ -33,7 +33,7 @@ class Failure:
     """How the failed step fails: ``cancel_after[rank]`` scheduler steps into it, rank ``rank``'s
     task is cancelled (None: not by its own hand); ``raise_on``: this rank's ubatch 1 raises;
     ``late_on``: this rank fails after the step's last collective (the others finish the step
-    and wait in the next step's vote), as the runner records a failure of its merge."""
+    and go on to the next one), as the runner records a failure of its merge."""
 
     cancel_after: tuple[int | None, ...] = ()
     raise_on: int | None = None
