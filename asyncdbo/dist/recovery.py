@@ -187,6 +187,15 @@ class RunSync:
             return await run.drive()
         except BaseException as exc:
             raise_instead = self._ended(exc, watch.aborted)
+            task = asyncio.current_task()
+            if raise_instead is None and task is not None and task.cancelling():
+                # Our task was cancelled, but the run may have ended by another error before the
+                # request reached an await (a ubatch the poll cancelled): take it here, or Python
+                # 3.11 (whose uncancel() leaves it pending) raises it at the caller's next await.
+                try:
+                    await asyncio.sleep(0)
+                except asyncio.CancelledError:
+                    pass
             if raise_instead is None:
                 raise
             for note in getattr(exc, "__notes__", ()):  # where each ubatch was
