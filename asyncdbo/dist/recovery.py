@@ -35,7 +35,10 @@ layer below, which may not import this one), as soon as per-ubatch groups exist:
    and the epoch advances, once per run. Every rank renews exactly once per epoch that has a
    notice (seen at a run's start, or by its poll, which fails that run and leaves the renewal to
    the next), so the renewals (collectives) pair up; the new groups have nothing in flight, so
-   nothing of the failed run can be consumed by the next one.
+   nothing of the failed run can be consumed by the next one. A notice carries the number of the
+   failed run within its epoch (every rank counts its runs alike): a rank that starts that same
+   run after the notice landed fails it at once with :class:`StepAborted`, so every rank fails
+   the same run and renews at the same next one.
 
 A rank that finished the failed run cleanly and starts the next one before the failing rank's
 notice lands (a race of a few microseconds) issues its first collective on an old group, parks,
@@ -104,6 +107,7 @@ class RunSync:
         self.rank = rank
         self.world = world
         self.epoch = 0
+        self.seq = 0  # runs this rank started in this epoch: the same count on every rank
         self.failure: str | None = None
 
     @property
@@ -114,13 +118,28 @@ class RunSync:
         return f"asyncdbo/run-failed/{self.epoch}"
 
     def heal(self) -> None:
-        """Before a run: if this rank or another failed a run in this epoch, renew every group.
+        """Before a run: if this rank or another failed a run in this epoch, renew every group;
+        if a peer failed *this* run (its notice names this run's number) before this rank started
+        it, raise :class:`StepAborted` instead, so that every rank fails the same run and renews at
+        the same next one.
 
         Once, not until no notice is left: a peer that renewed with this rank may have failed its
         next run already (a notice in the new epoch), and renewing again now would wait for that
         peer's next run. This run's poll finds that notice instead, and the next run renews."""
-        if self.failure is not None or self.store.check([self._key()]):
-            self.renew()
+        self.seq += 1
+        if self.failure is None:
+            if not self.store.check([self._key()]):
+                return
+            notice = self._notice()
+            assert notice is not None
+            kind, rank, seq, reason = notice
+            if seq >= self.seq and rank != self.rank:  # the run a peer failed: fail it here too
+                aborted = self._roll_call(rank, reason) if kind == _TIMEOUT else StepAborted(rank, reason)
+                aborted = aborted or StepAborted(rank, reason)
+                self.failure = _describe(aborted)
+                raise aborted
+        self.renew()
+        self.seq = 1
 
     def renew(self, ranks: tuple[int, ...] = ()) -> None:
         """Replace every per-ubatch group and start the next epoch (every rank does, once per
@@ -130,6 +149,7 @@ class RunSync:
         log.info("recovered from a failed run (notice %r): %d per-ubatch groups replaced, epoch %d",
                  notice, count, self.epoch + 1)
         self.epoch += 1
+        self.seq = 0
         self.failure = None
 
     def post_failure(self, exc: BaseException) -> None:
@@ -139,16 +159,18 @@ class RunSync:
             self.failure = _describe(exc)
         kind = _TIMEOUT if isinstance(exc, WatchdogTimeout) else _FAILED
         try:
-            self.store.compare_set(self._key(), "", f"{kind}{self.rank}:{self.failure}")
+            self.store.compare_set(self._key(), "", f"{kind}{self.rank}:{self.seq}:{self.failure}")
         except Exception as post_exc:  # a store that is gone: the peers fail by their own bounds
             log.warning("could not post the failed run to the store: %s", post_exc)
 
-    def _notice(self) -> tuple[str, int, str] | None:
+    def _notice(self) -> tuple[str, int, int, str] | None:
+        """The notice of this epoch: kind, rank, the number of its failed run, reason; or None."""
         key = self._key()
         if not self.store.check([key]):
             return None
-        head, _, reason = self.store.get(key).decode().partition(":")
-        return head[0], int(head[1:]), reason
+        head, _, rest = self.store.get(key).decode().partition(":")
+        seq, _, reason = rest.partition(":")
+        return head[0], int(head[1:]), int(seq), reason
 
     def peer_failure(self) -> StepAborted | None:
         """A :class:`StepAborted` for the rank that posted a failure in this epoch, if another did
@@ -156,7 +178,7 @@ class RunSync:
         notice = self._notice()
         if notice is None:
             return None
-        kind, rank, reason = notice
+        kind, rank, _, reason = notice
         if kind == _TIMEOUT:
             return self._roll_call(rank, reason)
         return None if rank == self.rank else StepAborted(rank, reason)
@@ -181,12 +203,12 @@ class RunSync:
     async def drive(self, run: Any) -> list[Any]:
         """Drive the DBO run ``run`` (a :class:`asyncdbo.lowlevel.DBORun`) while polling the notice;
         on a failure, post it, or turn the ending a peer caused into :class:`StepAborted`."""
-        loop = asyncio.get_running_loop()
-        watch = _Watch(self, run, loop)
+        watch = _watch(self, asyncio.get_running_loop())
+        watch.start(run)
         try:
             return await run.drive()
         except BaseException as exc:
-            raise_instead = self._ended(exc, watch.aborted)
+            raise_instead = self._ended(exc, watch.stop(run))
             task = asyncio.current_task()
             if raise_instead is None and task is not None and task.cancelling():
                 # Our task was cancelled, but the run may have ended by another error before the
@@ -202,7 +224,7 @@ class RunSync:
                 raise_instead.add_note(note)
             raise raise_instead from (None if isinstance(exc, asyncio.CancelledError) else exc)
         finally:
-            watch.stop()
+            watch.stop(run)
 
     def _ended(self, exc: BaseException, aborted: StepAborted | None) -> StepAborted | None:
         """The run ended by ``exc``: post it; return the error to raise instead, if a peer caused it."""
@@ -220,35 +242,59 @@ class RunSync:
 
 
 class _Watch:
-    """Polls the failure notice on the event loop every :data:`POLL_S` while one run lasts (a loop
-    timer, not a task: it costs nothing between polls); on a notice, cancels every ubatch."""
+    """Polls the failure notice every :data:`POLL_S` while runs of this event loop last; on a
+    notice, cancels every ubatch of each. One loop timer serves every run of the loop: armed when a
+    run starts and none is armed, re-armed by its callback only while runs are live, so back-to-back
+    runs arm no timer each (a timer per run cost more than the poll: uvloop releases a cancelled
+    timer only at the loop's next turn, which runs that never park do not reach)."""
 
-    __slots__ = ("sync", "run", "loop", "handle", "aborted")
+    __slots__ = ("sync", "loop", "runs", "armed")
 
-    def __init__(self, sync: RunSync, run: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self.sync, self.run, self.loop = sync, run, loop
-        self.aborted: StepAborted | None = None
-        self.handle: asyncio.TimerHandle | None = loop.call_later(POLL_S, self.poll)
+    def __init__(self, sync: RunSync, loop: asyncio.AbstractEventLoop) -> None:
+        self.sync, self.loop = sync, loop
+        self.runs: dict[Any, StepAborted | None] = {}  # live runs -> the notice that ended them
+        self.armed = False
+
+    def start(self, run: Any) -> None:
+        self.runs[run] = None
+        if not self.armed:
+            self.armed = True
+            self.loop.call_later(POLL_S, self.poll)
+
+    def stop(self, run: Any) -> StepAborted | None:
+        return self.runs.pop(run, None)
 
     def poll(self) -> None:
-        self.handle = None
+        self.armed = False
+        live = [run for run, aborted in self.runs.items() if aborted is None]
+        if not live:
+            return
         try:
             aborted = self.sync.peer_failure()
-        except Exception as exc:  # a store that is gone: the run's own bounds end it
+        except Exception as exc:  # a store that is gone: the runs' own bounds end them
             log.warning("could not read the failure notice: %s", exc)
-            return
+            aborted = None
         if aborted is None:
-            self.handle = self.loop.call_later(POLL_S, self.poll)
+            self.armed = True
+            self.loop.call_later(POLL_S, self.poll)
             return
-        self.aborted = aborted
-        for ub in self.run.ubatches:
-            self.run.cancel_ubatch(ub, f"asyncdbo: {aborted}")
+        for run in live:
+            self.runs[run] = aborted
+            for ub in run.ubatches:
+                run.cancel_ubatch(ub, f"asyncdbo: {aborted}")
 
-    def stop(self) -> None:
-        if self.handle is not None:
-            self.handle.cancel()
-            self.handle = None
-        self.run = None
+
+_WATCHES: dict[asyncio.AbstractEventLoop, _Watch] = {}
+
+
+def _watch(sync: RunSync, loop: asyncio.AbstractEventLoop) -> _Watch:
+    watch = _WATCHES.get(loop)
+    if watch is None or watch.sync is not sync:
+        if len(_WATCHES) > 16:  # loops come and go (asyncdbo.run makes one per call)
+            for old in [lp for lp in _WATCHES if lp.is_closed()]:
+                del _WATCHES[old]
+        watch = _WATCHES[loop] = _Watch(sync, loop)
+    return watch
 
 
 _SYNC: list[RunSync] = []  # this process's RunSync, made on first use
@@ -257,6 +303,7 @@ _SYNC: list[RunSync] = []  # this process's RunSync, made on first use
 def _forget() -> None:
     _SYNC.clear()
     _SYNCS.clear()
+    _WATCHES.clear()
 
 
 def run_sync() -> RunSync | None:
