@@ -24,6 +24,20 @@ and looks the current clone up at every call: a failed step replaces them all
 (:mod:`asyncdbo.dist.recovery`).
 
 All state of one call lives in a :class:`DispatchPlan` the caller keeps in a local variable.
+
+**The sync-free (padded) layout.** The split dispatch above reads the counts on the host (to size
+the receive buffer and the splits), and so does the exact unpacking of a fused one: on an
+accelerator each read drains the stream. A plan made with ``window=(C, M)`` keeps every count on
+the device, as DeepEP's low-latency mode and vLLM's batched experts do: each destination gets a
+block of ``C`` rows (its rows first, the rest never read), the rows travel as one equal-split
+all_to_all of ``P * C`` rows, the counts as a device tensor (their own equal-split message, or the
+fused header), and the experts read each (source, local expert) group through a window of ``M``
+rows (``M`` bounds the rows one source sends one expert: a token picks an expert at most once, so
+``M`` is the most tokens a rank's call carries). The combine sends the same blocks back, and each
+sender picks its rows out by the slot it put them in. Both bounds come from what every rank
+knows (:func:`asyncdbo.dist.fused.padded_window`), so they cannot be exceeded by a well-formed
+routing; a routing that picks one expert twice for a token is refused on the device
+(``torch._assert_async``).
 """
 
 from __future__ import annotations
@@ -145,6 +159,13 @@ class DispatchPlan:
     fused_x_TD: torch.Tensor | None = None
     packed_PCD: torch.Tensor | None = None
     fused_done: Any = COMPLETED
+    sorted_N: torch.Tensor | None = None  # the expert ids in sorted order
+    starts_E1: torch.Tensor | None = None  # where each expert's rows start among them (E + 1)
+    # The sync-free layout (module doc), set by plan_dispatch(window=(C, M)): every count stays
+    # on the device; C rows per destination block, M rows per (source, local expert) window.
+    padded: bool = False
+    block_rows: int = 0
+    window: int = 0
 
     def fuse(self, x_TD: torch.Tensor, capacity: int) -> None:
         """Send counts and rows as one message of ``capacity`` rows per rank: :meth:`start_counts`
@@ -184,6 +205,10 @@ class DispatchPlan:
         send_x_ND = x_TD[self.order_N // self.top_k]
         if self.comm.size == 1:
             return send_x_ND, COMPLETED
+        if self.padded:  # equal splits of C rows: no count needed on the host
+            send_PCD = self._blocks(send_x_ND, 0, self.block_rows)
+            recv_PCD = torch.empty_like(send_PCD)
+            return recv_PCD, _all_to_all(recv_PCD, send_PCD, None, None, group=self.group, what="dispatch")
         recv_x_RD = send_x_ND.new_empty((int(self.recv_PL.sum()), x_TD.shape[1]))
         handle = _all_to_all(
             recv_x_RD, send_x_ND, self.recv_splits, self.send_splits, group=self.group, what="dispatch"
@@ -195,26 +220,40 @@ class DispatchPlan:
         buffer per rank, each destination's block a header row of counts then its rows, padded to
         ``capacity`` rows. Returns (the receive buffer, handle); :meth:`finish_fused` unpacks it."""
         P, L = self.send_PL.shape
-        D = x_TD.shape[1]
-        send_x_ND = x_TD[self.order_N // self.top_k]
-        rows_P = self.send_PL.sum(dim=1)
-        if int(rows_P.max()) > capacity:
-            raise ValueError(
-                f"fused dispatch: {int(rows_P.max())} rows for one rank exceed the capacity {capacity}; the "
-                "dispatch_options max_tokens is below this call's tokens"
-            )
-        send_PCD = x_TD.new_zeros((P, 1 + capacity, D))
+        send_PCD = self._blocks(x_TD[self.order_N // self.top_k], 1, capacity)
         send_PCD[:, 0].view(torch.uint8)[:, : L * 8].copy_(self.send_PL.view(torch.uint8).view(P, L * 8))
-        start = 0
-        for p, n in enumerate(rows_P.tolist()):
-            send_PCD[p, 1 : 1 + n] = send_x_ND[start : start + n]
-            start += n
         recv_PCD = torch.empty_like(send_PCD)
         return recv_PCD, _all_to_all(recv_PCD, send_PCD, None, None, group=self.group, what="dispatch+counts")
 
+    def _blocks(self, send_x_ND: torch.Tensor, header: int, capacity: int) -> torch.Tensor:
+        """``[P, header + C, D]``: each destination's rows at the top of its block, after
+        ``header`` rows (one scatter by place; the rows below them are zeros and never read)."""
+        P, D, B = self.comm.size, send_x_ND.shape[1], header + capacity
+        send_PBD = send_x_ND.new_zeros((P, B, D))
+        dest_N, place_N = self._places()
+        send_PBD.view(P * B, D)[dest_N * B + header + place_N] = send_x_ND
+        return send_PBD
+
+    def _places(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each expert-sorted row's destination rank and its place among the rows sent there."""
+        assert self.sorted_N is not None and self.starts_E1 is not None
+        dest_N = self.sorted_N // self.experts_per_rank
+        place_N = torch.arange(self.order_N.numel(), device=dest_N.device) - self.starts_E1[dest_N * self.experts_per_rank]
+        return dest_N, place_N
+
     def received(self, recv_x_RD: torch.Tensor) -> torch.Tensor:
-        """The received rows: as they came (split), or out of the fused buffer once it arrived."""
-        if self.packed_PCD is not None and recv_x_RD is self.packed_PCD:
+        """The received rows: as they came (split), or out of the fused buffer once it arrived.
+        Padded plans keep the buffer (the rows of ``[P, C, D]``, a fused one's headers dropped) and
+        read ``recv_PL`` out of a fused one's headers, on the device."""
+        fused = self.packed_PCD is not None and recv_x_RD is self.packed_PCD
+        if self.padded and self.comm.size > 1:
+            if not fused:
+                return recv_x_RD
+            P, L = self.recv_PL.shape
+            header = recv_x_RD[:, 0].view(torch.uint8)[:, : L * 8].contiguous()
+            self.recv_PL = header.view(torch.int64).view(P, L)
+            return recv_x_RD[:, 1:]
+        if fused:
             return self.finish_fused(recv_x_RD)
         return recv_x_RD
 
@@ -233,9 +272,13 @@ class DispatchPlan:
         return torch.repeat_interleave(ids_PL, self.recv_PL.reshape(-1))
 
     def start_combine(self, y_RD: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Send expert outputs back to their tokens' ranks. Returns (back_ND, handle)."""
+        """Send expert outputs back to their tokens' ranks. Returns (back_ND, handle); a padded
+        plan sends (and returns) the ``[P, C, D]`` blocks, which :meth:`finish` reads by slot."""
         if self.comm.size == 1:
             return y_RD, COMPLETED
+        if self.padded:
+            back_PCD = torch.empty_like(y_RD)
+            return back_PCD, _all_to_all(back_PCD, y_RD, None, None, group=self.group, what="combine")
         back_ND = y_RD.new_empty((self.order_N.numel(), y_RD.shape[1]))
         handle = _all_to_all(back_ND, y_RD, self.send_splits, self.recv_splits, group=self.group, what="combine")
         return back_ND, handle
@@ -253,6 +296,9 @@ class DispatchPlan:
         if T == 0:
             return out_TD
         N = T * K
+        if self.padded and self.comm.size > 1:  # each sent row picked out of the block it went to
+            dest_N, place_N = self._places()
+            back_ND = back_ND.reshape(-1, back_ND.shape[-1])[dest_N * self.block_rows + place_N]
         pos_N = torch.empty_like(self.order_N)
         pos_N[self.order_N] = torch.arange(N, device=self.order_N.device)
         # Rows of back_ND are sorted by expert (stably), so a token's rows in ascending position
@@ -265,20 +311,39 @@ class DispatchPlan:
         return out_TD
 
 
-def plan_dispatch(topk_ids_TK: torch.Tensor, *, num_experts: int, comm: EPComm, ub_id: int | None) -> DispatchPlan:
-    """Sort this ubatch's routed pairs by expert and count rows per (rank, local expert)."""
+def plan_dispatch(topk_ids_TK: torch.Tensor, *, num_experts: int, comm: EPComm, ub_id: int | None,
+                  window: tuple[int, int] | None = None) -> DispatchPlan:
+    """Sort this ubatch's routed pairs by expert and count rows per (rank, local expert).
+    ``window=(C, M)``: the sync-free layout (module doc) with ``C`` rows per destination block
+    and ``M`` rows per (source, local expert) window; every count stays on the device."""
     P = comm.size
     L = num_experts // P
     ids_N = topk_ids_TK.reshape(-1)
-    order_N = torch.sort(ids_N, stable=True).indices
-    send_PL = torch.bincount(ids_N, minlength=num_experts).view(P, L).to(torch.int64)
+    sorted_N, order_N = torch.sort(ids_N, stable=True)
+    # Counts from the sorted ids (where each expert's run starts): bincount would read the ids'
+    # min and max to the host on a device.
+    starts_E1 = torch.searchsorted(sorted_N, torch.arange(num_experts + 1, device=ids_N.device))
+    send_PL = (starts_E1[1:] - starts_E1[:-1]).view(P, L)
+    T, K = topk_ids_TK.shape
+    C, M = window if window is not None else (0, 0)
+    if window is not None:
+        # Well-formed routing cannot exceed the windows (module doc); a repeated expert could.
+        torch._assert_async(send_PL.max() <= T,
+                            f"MoE dispatch: a token picked one expert twice, so an expert got more rows than the "
+                            f"{T} tokens of the call; the sync-free layout holds at most {M} rows per "
+                            f"(rank, expert) and {C} per rank")
     return DispatchPlan(
         comm=comm,
         group=comm.group_for(ub_id),
-        num_tokens=topk_ids_TK.shape[0],
-        top_k=topk_ids_TK.shape[1],
+        num_tokens=T,
+        top_k=K,
         experts_per_rank=L,
         order_N=order_N,
         send_PL=send_PL,
         recv_PL=torch.empty_like(send_PL),
+        sorted_N=sorted_N,
+        starts_E1=starts_E1,
+        padded=window is not None,
+        block_rows=C,
+        window=M,
     )

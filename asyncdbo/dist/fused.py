@@ -47,7 +47,7 @@ from .._core import get_ubatch
 from ..backends.links import LinkSpec
 
 __all__ = ["DispatchChoice", "DispatchOptions", "choose_dispatch", "current_dispatch_options", "dispatch_options",
-           "fused_capacity", "fused_rows"]
+           "fused_capacity", "fused_rows", "padded_window"]
 
 DispatchMode = Literal["auto", "fused", "split"]
 DISPATCH_MODES: tuple[DispatchMode, ...] = ("auto", "fused", "split")
@@ -131,6 +131,36 @@ def choose_dispatch(
         f"fusing {verdict} time on {link.name}: one latency {saved_s * 1e6:.0f} us vs {padded_rows} padded rows "
         f"{padding_s * 1e6:.0f} us",
     )
+
+
+def padded_window(layer: str, tokens: int, *, top_k: int, experts_per_rank: int, ranks: int,
+                  required: bool) -> tuple[int, int] | None:
+    """``(C, M)`` of the sync-free layout (:mod:`asyncdbo.dist.ep`) for a call of ``tokens``
+    tokens: ``C`` rows per destination block, ``M`` rows per (source, local expert) window.
+
+    On one rank they come from the call itself (its ``T * K`` rows, and at most ``T`` per expert:
+    a token picks an expert once). Under EP the blocks travel in one equal-split message, so every
+    rank must size them alike, from the bound :func:`dispatch_options` declares: ``M = max_tokens``
+    and ``C = max_tokens * min(K, L)``, as the fused dispatch does. Neither can overflow: a call
+    above ``max_tokens`` is refused here, before anything is sent. Without the bound: None (the
+    exact splits), or with ``required`` a ValueError naming the fix."""
+    if ranks == 1:
+        return tokens * top_k, tokens
+    opts = _OPTIONS.get()
+    if opts is None:
+        if required:
+            raise ValueError(
+                f"MoE layer {layer}: sync_free=True under expert parallelism ({ranks} ranks) needs the most tokens any "
+                "rank's call carries, to size the blocks alike on every rank: run it inside "
+                "asyncdbo.dist.dispatch_options(max_tokens=...)"
+            )
+        return None
+    if tokens > opts.max_tokens:
+        raise ValueError(
+            f"MoE layer {layer}: a call of {tokens} tokens inside dispatch_options(max_tokens={opts.max_tokens}); "
+            "raise max_tokens to the most tokens any rank's call carries"
+        )
+    return fused_capacity(opts.max_tokens, top_k, experts_per_rank), opts.max_tokens
 
 
 def fused_rows(layer: str, tokens: int, *, top_k: int, experts_per_rank: int, ranks: int, hidden: int,

@@ -31,6 +31,15 @@ class MoEConfig:
     silu/sigmoid, see :mod:`asyncdbo.moe.batch_invariant`), so a DBO run equals the serial one
     bit for bit. None (the default) turns it on for CPU inputs and off on accelerators; True or
     False force it.
+
+    ``sync_free`` keeps every count, offset and split of the dispatch on the device, so a forward
+    issues no host sync between its yields (fixed-size blocks and windows, see
+    :mod:`asyncdbo.dist.ep`); under expert parallelism it needs the bound that
+    :func:`asyncdbo.dist.dispatch_options` declares. None (the default) turns it on for
+    accelerator inputs (without that bound, EP > 1 keeps the exact splits) and off for CPU inputs,
+    where nothing waits for a sync and the exact sizes compute fewer rows; True or False force it
+    (True under EP > 1 without the bound is an error). The numbers are the same either way in
+    deterministic mode.
     """
 
     hidden_size: int
@@ -45,6 +54,7 @@ class MoEConfig:
     num_shared_experts: int = 0
     schedule: Schedule = "ht"
     deterministic: bool | None = None
+    sync_free: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "n_group", "topk_group"):
@@ -67,6 +77,10 @@ class MoEConfig:
         if not (self.deterministic is None or isinstance(self.deterministic, bool)):
             raise ValueError(
                 f"MoEConfig.deterministic must be True, False or None (on for CPU inputs) (got {self.deterministic!r})"
+            )
+        if not (self.sync_free is None or isinstance(self.sync_free, bool)):
+            raise ValueError(
+                f"MoEConfig.sync_free must be True, False or None (on for accelerator inputs) (got {self.sync_free!r})"
             )
         if self.num_experts % self.n_group != 0:
             raise ValueError(

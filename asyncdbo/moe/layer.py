@@ -33,6 +33,14 @@ Inside :func:`asyncdbo.dist.dispatch_options` either schedule may send the count
 one message (a header row in a fixed-capacity buffer) where the run's link model says it pays
 (:mod:`asyncdbo.dist.fused`); the numbers are the same bit for bit.
 
+**Host syncs.** On an accelerator the layer runs sync-free by default (``MoEConfig.sync_free``):
+counts, offsets and splits stay on the device in fixed-size blocks and windows
+(:mod:`asyncdbo.dist.ep`), so nothing between two yields makes the host wait for the device (under
+EP > 1 inside :func:`asyncdbo.dist.dispatch_options`, which gives every rank the same bound).
+On a CPU it keeps the exact sizes: nothing waits for a sync there, and the fixed windows compute
+``E / K`` times the expert rows on one rank, more under EP (``benchmarks/sync_free.py``
+measures both paths on a CPU).
+
 Every ubatch takes part in every collective even with T = 0: the other ranks' same ubatch waits
 for it. So under EP every rank must run the same number of ubatches through the same layers in
 a DBO run (pad with empty ubatches); a rank that runs fewer leaves its peers waiting until the
@@ -64,10 +72,10 @@ from ..dbo import (
     dbo_yield_and_switch_from_compute_to_comm,
 )
 from ..dist.ep import DispatchPlan, EPComm, ep_comm, plan_dispatch
-from ..dist.fused import fused_rows
+from ..dist.fused import fused_rows, padded_window
 from .batch_invariant import ROW_TILE, is_deterministic, swiglu
 from .config import MoEConfig
-from .experts import expert_init, router_init, run_experts, shared_init
+from .experts import expert_init, router_init, run_experts, run_experts_padded, shared_init
 from .router import route
 
 __all__ = ["MoELayer"]
@@ -290,6 +298,10 @@ class MoELayer(nn.Module):
     def _experts(self, plan: DispatchPlan, recv_x_RD: torch.Tensor) -> torch.Tensor:
         recv_x_RD = plan.received(recv_x_RD)  # a fused dispatch's buffer: the rows out of it
         tile = ROW_TILE if is_deterministic(self.cfg.deterministic, recv_x_RD) else None
+        if plan.padded:  # the sync-free layout: [P, C, D] blocks (one block of N rows on one rank)
+            x_PCD = recv_x_RD.view(1, -1, recv_x_RD.shape[-1]) if recv_x_RD.dim() == 2 else recv_x_RD
+            return run_experts_padded(x_PCD, plan.recv_PL, plan.window, self.gate_LFD, self.up_LFD, self.down_LDF,
+                                      tile, mlp=self._mlp)
         return run_experts(recv_x_RD, plan.local_expert_ids(), self.gate_LFD, self.up_LFD, self.down_LDF, tile,
                            mlp=self._mlp)
 
@@ -343,12 +355,24 @@ class MoELayer(nn.Module):
                           ranks=self.comm.size, hidden=self.cfg.hidden_size, itemsize=x_TD.element_size(),
                           schedule=self.cfg.schedule)
 
+    def _window(self, x_TD: torch.Tensor) -> tuple[int, int] | None:
+        """The sync-free layout's ``(C, M)`` for this call, or None for the exact splits
+        (``MoEConfig.sync_free``; :func:`asyncdbo.dist.fused.padded_window`)."""
+        on = self.cfg.sync_free
+        if on is None:
+            on = x_TD.device.type not in ("cpu", "meta")
+        if not on:
+            return None
+        return padded_window(self.name, x_TD.shape[0], top_k=self.cfg.top_k, experts_per_rank=self.experts_per_rank,
+                             ranks=self.comm.size, required=self.cfg.sync_free is True)
+
     def _prepare(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, DispatchPlan]:
         topk_w_TK, topk_ids_TK = self._route(x_TD, self.router_ED, self.cfg, bias_E=self.bias_E,
                                              deterministic=is_deterministic(self.cfg.deterministic, x_TD))
         ub = get_ubatch()
         plan = plan_dispatch(
-            topk_ids_TK, num_experts=self.cfg.num_experts, comm=self.comm, ub_id=None if ub is None else ub.id
+            topk_ids_TK, num_experts=self.cfg.num_experts, comm=self.comm, ub_id=None if ub is None else ub.id,
+            window=self._window(x_TD),
         )
         capacity = self._fused_capacity(x_TD)
         if capacity:  # one message: start_counts() sends the rows too, start_tokens() hands it over
@@ -394,7 +418,7 @@ class MoELayer(nn.Module):
     async def _forward_ll(self, x_TD: torch.Tensor) -> torch.Tensor:
         dbo_maybe_run_recv_hook()  # launch the previous ubatch's pending receive
         topk_w_TK, plan = self._prepare(x_TD)
-        await plan.start_counts()  # the rows' sizes (device: a stream wait, then a host read)
+        await plan.start_counts()  # the rows' sizes (exact path on a device: a stream wait, then a host read)
         recv_x_RD, dispatched = plan.start_tokens(x_TD)  # the send half, issued before the yield
         received = dbo_register_recv_hook(_receive(dispatched))
         await dbo_yield("dispatch_send")

@@ -38,6 +38,7 @@ import torch
 from .._core import SWITCH, Instrument, get_ubatch
 from .._core.stacks import await_chain
 from ..backends import LinkSpec, RunStreams, StreamBackend, UBatchStreams, link_spec
+from ..backends.syncs import HostSyncs, SyncRecord
 from .clock import Engine, Span, Timeline, VEvent, VStream
 from .comm import CommSpec, comm_spec
 from .cost import CostModel
@@ -151,6 +152,7 @@ class SimBackend(Transfers, StreamBackend):
         self.report: SimReport | None = None
         self._run: DBORun | None = None
         self._mode: SimMode | None = None
+        self._syncs: HostSyncs | None = None
 
     def describe(self) -> str:
         return f"sim ({self.device.name}, {self.link.name})"
@@ -191,6 +193,7 @@ class SimBackend(Transfers, StreamBackend):
         self._seg_seq: dict[tuple[int, int, int], int] = {}
         self._last_ub: dict[int, int] = {}  # stream id -> ubatch of its last op
         self._device_counts: set[int] = set()  # storages holding counts that never reach the host
+        self._sync_ops: dict[str, int] = {}  # host syncs charged, by op
         self._dispatch_done: dict[int, float] = {}  # ubatch -> end of its last dispatch
         self.report = SimReport(self.device.name, self.link.name, state.policy, len(run.ubatches))
         shared = {"compute": VStream("compute"), "comm": VStream("comm")}
@@ -206,10 +209,17 @@ class SimBackend(Transfers, StreamBackend):
         run.instrument = hooks if run.instrument is None else Fanout(run.instrument, hooks)
         self._mode = SimMode(self)
         self._mode.__enter__()
+        # Entered after the sim's mode, so it sees each op first, lets the sim price it, then
+        # charges the host's wait once the op is on its stream (asyncdbo.backends.syncs).
+        self._syncs = HostSyncs(on_sync=self._on_sync)
+        self._syncs.__enter__()
 
     def detach(self, run: DBORun, state: RunStreams) -> None:
         if SimBackend._active is run:
             SimBackend._active = None
+        if self._syncs is not None:
+            self._syncs.__exit__(None, None, None)
+            self._syncs = None
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
@@ -224,6 +234,7 @@ class SimBackend(Transfers, StreamBackend):
         rep.compute_busy_s = self._compute.busy_s
         rep.comm_busy_s = sum(sp.end - sp.start for sp in rep.spans if sp.kind == "comm")
         rep.host_blocked_s, rep.host_syncs = self._host.blocked_s, self._host.syncs
+        rep.host_sync_ops = dict(self._sync_ops)
         rep.lost_overlaps = self._lost
         rep.races = list(self._clocks.races)
         rep.dead_waits = [DeadWait(site) for ev, site in self._waits_unrecorded if not ev.recorded]
@@ -310,12 +321,6 @@ class SimBackend(Transfers, StreamBackend):
             self._c10d_op(ub, stream, func, args, kwargs)
             return
         self._flush_c10d()
-        if func is torch.ops.aten._local_scalar_dense.default:
-            if storage_key(args[0]) in self._device_counts:
-                return  # counts the comm library keeps on the device: no host read
-            self._host.sync(stream.t)  # .item(): the CPU waits for this stream
-            self._clocks.sync_all_to(stream.id)
-            return
         cost = self.cost.op_cost(func, args, kwargs, out)
         if cost.seconds > 0:
             # Ops a ubatch issues in its comm role (packing rows for a dispatch, say) run on the SMs
@@ -342,6 +347,21 @@ class SimBackend(Transfers, StreamBackend):
                     self._seg_of[k] = seg
                 return
         self._tick(ub, stream)
+
+    def _on_sync(self, record: SyncRecord, args: tuple[Any, ...]) -> None:
+        """An op that makes the host wait (:mod:`asyncdbo.backends.syncs`: a read to the host, or
+        an output sized by the data): the CPU waits for the end of the work queued on the stream
+        it reads, and later work on every stream follows it."""
+        ub = get_ubatch()
+        if ub is None or ub.run is not self._run:
+            return
+        keys = {k for t in tensor_items(list(args)) if (k := storage_key(t)) is not None}
+        if keys & self._device_counts:
+            return  # counts the comm library keeps on the device (and what they size): no host read
+        stream = ub.ext.stream
+        self._host.sync(stream.t)
+        self._clocks.sync_all_to(stream.id)
+        self._sync_ops[record.op] = self._sync_ops.get(record.op, 0) + 1
 
     def _accesses(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> tuple[set[int], set[int]]:
         schema = func._schema

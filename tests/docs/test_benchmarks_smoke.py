@@ -186,6 +186,21 @@ def test_deterministic_quick() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_sync_free_quick() -> None:
+    """One small layer on both MoE paths: the sync-free one issues no host sync, computes the
+    padding rows, and gives the exact path's output bit for bit (else the script exits 1)."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "sync_free.py"), "--quick"], capture_output=True, text=True, timeout=110,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {ln.split(" | ")[1]: ln.split(" | ") for ln in proc.stdout.splitlines() if ln.startswith("| decode T=16 |")}
+    # host syncs, torch ops, expert rows, equal: 16 tokens, top-2 of 8 experts
+    assert rows["exact"][5] == "21" and rows["exact"][7] == "32" and rows["exact"][8] == "True |"
+    assert rows["sync-free"][5] == "0" and rows["sync-free"][7] == "128" and rows["sync-free"][8] == "True |"
+
+
+@pytest.mark.timeout(120)
 def test_sim_sweep_quick_writes_table_and_plot(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(BENCH / "sim_sweep.py"), "--quick", "--out", str(tmp_path)],

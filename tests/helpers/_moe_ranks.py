@@ -359,3 +359,47 @@ def renew_sub_group_clones(rank: int, world_size: int, renewals: int) -> list[fl
     finally:
         forget_group(base)
     return sums
+
+
+def moe_sync_free_vs_exact(
+    rank: int,
+    world_size: int,
+    cfg_kwargs: dict[str, Any],
+    sizes_per_rank: list[list[int]],
+    policy: str,
+    mode: str,
+) -> dict[str, Any]:
+    """This rank's whole batch serially on the exact path (CPU default), and its ubatches under DBO
+    with ``sync_free=True`` inside ``dispatch_options(max_tokens, mode)`` under a forbidding
+    :class:`HostSyncs`: whether the outputs are bitwise equal, the syncs seen, and the messages."""
+    from asyncdbo.backends.syncs import HostSyncs
+    from asyncdbo.dist import dispatch_options
+
+    exact = MoELayer(MoEConfig(**cfg_kwargs), seed=7)
+    free = MoELayer(MoEConfig(**cfg_kwargs, sync_free=True), seed=7)
+    x_TD = rank_input(rank, sum(sizes_per_rank[rank]), exact.cfg.hidden_size)
+    ref_TD = asyncdbo.run(exact, x_TD)
+    max_tokens = max(max(s) for s in sizes_per_rank)
+    sent: list[str] = []
+
+    class Sent(Instrument):
+        def run_finished(self, run: Any, exc: BaseException | None) -> None:
+            sent.extend(w.what for w in run.ext.comm_records())
+
+    async def dbo() -> tuple[torch.Tensor, int]:
+        with dispatch_options(max_tokens, mode), HostSyncs(forbid=True) as syncs:  # type: ignore[arg-type]
+            outs = await asyncdbo.run_ubatches(free, cut(x_TD, sizes_per_rank[rank]), backend="host",
+                                               stream_policy=policy, instrument=Sent())
+        return torch.cat(outs), syncs.count
+
+    out_TD, syncs = asyncdbo.run(dbo)
+    return {"equal": torch.equal(out_TD, ref_TD), "syncs": syncs, "sent": sorted(sent)}
+
+
+def moe_sync_free_without_bound(rank: int, world_size: int) -> str:
+    layer = MoELayer(MoEConfig(**MIXTRAL_LIKE, sync_free=True), seed=7, name="sf")
+    try:
+        asyncdbo.run(layer, rank_input(rank, 4, 32))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
