@@ -119,6 +119,6 @@ def run_experts_padded(
     p_PM = torch.arange(P, device=dev)[:, None].expand(P, window)
     dst_LX = torch.where(valid_LPM, p_PM * C + c_LPM, P * C).view(L, P * window)
     for expert in range(L):
-        rows_XD = x_PCD[p_PM, c_LPM[expert]].view(P * window, D)
+        rows_XD = x_PCD[p_PM, c_LPM[expert]].reshape(P * window, D)  # index may pick its own strides
         y_RD[dst_LX[expert]] = mlp(rows_XD, gate_LFD[expert], up_LFD[expert], down_LDF[expert], tile)
     return y_RD[: P * C]
