@@ -117,7 +117,7 @@ def run_experts_padded(
     valid_LPM = j_M < recv_PL.t()[:, :, None]
     c_LPM = torch.where(valid_LPM, start_PL.t()[:, :, None] + j_M, 0)  # a padding row reads row 0
     p_PM = torch.arange(P, device=dev)[:, None].expand(P, window)
-    dst_LX = torch.where(valid_LPM, p_PM * C + c_LPM, P * C).view(L, P * window)
+    dst_LX = torch.where(valid_LPM, p_PM * C + c_LPM, P * C).reshape(L, P * window)  # broadcasting picks strides
     for expert in range(L):
         rows_XD = x_PCD[p_PM, c_LPM[expert]].reshape(P * window, D)  # index may pick its own strides
         y_RD[dst_LX[expert]] = mlp(rows_XD, gate_LFD[expert], up_LFD[expert], down_LDF[expert], tile)

@@ -299,7 +299,7 @@ class MoELayer(nn.Module):
         recv_x_RD = plan.received(recv_x_RD)  # a fused dispatch's buffer: the rows out of it
         tile = ROW_TILE if is_deterministic(self.cfg.deterministic, recv_x_RD) else None
         if plan.padded:  # the sync-free layout: [P, C, D] blocks (one block of N rows on one rank)
-            x_PCD = recv_x_RD.view(1, -1, recv_x_RD.shape[-1]) if recv_x_RD.dim() == 2 else recv_x_RD
+            x_PCD = recv_x_RD.reshape(1, -1, recv_x_RD.shape[-1]) if recv_x_RD.dim() == 2 else recv_x_RD
             return run_experts_padded(x_PCD, plan.recv_PL, plan.window, self.gate_LFD, self.up_LFD, self.down_LDF,
                                       tile, mlp=self._mlp)
         return run_experts(recv_x_RD, plan.local_expert_ids(), self.gate_LFD, self.up_LFD, self.down_LDF, tile,
