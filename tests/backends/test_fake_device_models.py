@@ -87,3 +87,28 @@ def test_hf_models_keep_cuda_rules_and_match_their_serial_run(name: str) -> None
         runs = asyncdbo.run(generate_serial_and_dbo, model, v, prompts_for(0), None)
     assert runs["dbo"].greedy == runs["serial"].greedy
     assert all(rec.microbatched for rec in runs["dbo"].records)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("schedule", ["ht", "ll"])
+def test_moe_layer_dbo_step_issues_no_host_sync_under_capturable_mode(schedule: str, policy: str) -> None:
+    """Issue 28's bar for CUDA-graph capture: on the sync-free path (``sync_free=True``, what a
+    device input gets by default) one DBO step of the MoE layer, N = 2 and 3 (one ubatch empty),
+    makes the host wait for the device nowhere: the capturable fake fails on any host sync and on
+    any stream rule; the numbers equal the plain call on the exact path."""
+    exact = MoELayer(MoEConfig(**DEEPSEEK_LIKE, schedule=schedule), seed=3)
+    free = MoELayer(MoEConfig(**DEEPSEEK_LIKE, schedule=schedule, sync_free=True), seed=3)
+    x_TD = torch.randn(40, 32, generator=torch.Generator().manual_seed(5))
+
+    async def main() -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        ref_TD = await exact(x_TD)  # outside the fake: the exact path syncs by design
+        with FakeDevice(capturable=True) as fake:
+            be = AcceleratorBackend("cuda")
+            runs = [await asyncdbo.run_ubatches(free, args, backend=be, stream_policy=policy)
+                    for args in (_split(x_TD, 2), [(x_TD[:17],), (x_TD[17:17],), (x_TD[17:],)])]
+        assert fake.host_syncs == []
+        return ref_TD, runs
+
+    ref_TD, runs = asyncdbo.run(main)
+    for outs in runs:
+        assert torch.equal(torch.cat(outs), ref_TD)
