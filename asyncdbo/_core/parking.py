@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,6 +35,44 @@ _now = time.perf_counter
 
 
 _UNKNOWN = object()  # what is installed after an event-loop wait: whatever another task left
+
+
+#: ``asyncio.wait_for``'s code from 3.12, where it awaits its argument in the caller (a ubatch)
+#: under an ``asyncio.timeout`` instead of in a task of its own as 3.11 does (see _TimedSignal)
+_WAIT_FOR_CODE = asyncio.tasks.wait_for.__code__ if sys.version_info >= (3, 12) else None
+
+
+def _under_wait_for(coro: Any) -> bool:
+    """Whether ``coro``'s await chain passes through ``asyncio.wait_for`` (3.12+ only)."""
+    while coro is not None:
+        code = getattr(coro, "cr_code", None) or getattr(coro, "gi_code", None)
+        if code is _WAIT_FOR_CODE:
+            return True
+        coro = getattr(coro, "cr_await", None) if hasattr(coro, "cr_await") else getattr(coro, "gi_yieldfrom", None)
+    return False
+
+
+class _TimedSignal:
+    """What a ubatch is parked on when it waits on ``signal`` inside ``asyncio.wait_for`` (3.12+).
+
+    On 3.11 ``wait_for`` runs a primitive in a task of its own (:mod:`asyncdbo._core.tasks`), so
+    the ubatch waits on the event loop: the kernel polls the loop while the others switch, the
+    timeout's timer fires and cancels the ubatch. From 3.12 ``wait_for`` awaits the primitive in
+    the ubatch itself, which would park on the bare signal, and the loop (hence the timer) would
+    not run until every ubatch parked. This token makes such a wait count as a wait on the loop
+    as well, so ``wait_for`` around any primitive behaves the same on every version."""
+
+    __slots__ = ("signal",)
+
+    def __init__(self, signal: Signal) -> None:
+        self.signal = signal
+
+    @property
+    def what(self) -> Any:
+        return getattr(self.signal, "what", None)
+
+    def __repr__(self) -> str:
+        return f"asyncio.wait_for({self.signal!r})"
 
 
 class _LoopTurn:
@@ -94,8 +133,12 @@ class Parking:
         self.num_parks += 1
         self._num_parked += 1
         if isinstance(request, Signal):
-            ub.parked_on = request
-            ub.waker = waker = lambda: self.wake(ub, request)
+            token: object = request
+            if _WAIT_FOR_CODE is not None and _under_wait_for(ub.coro):
+                token = _TimedSignal(request)
+                self._loop_parked()
+            ub.parked_on = token
+            ub.waker = waker = lambda: self.wake(ub, token)
             request.add_waiter(waker)
             return
         if request is None:  # a bare `yield` (asyncio.sleep(0)): let the loop run once
@@ -162,6 +205,10 @@ class Parking:
                 parked.remove_waiter(waker)
             return
         self._loop_waits -= 1
+        if isinstance(parked, _TimedSignal):
+            if waker is not None:
+                parked.signal.remove_waiter(waker)
+            return
         if is_future(parked) and not parked.done():
             if waker is not None:
                 parked.remove_done_callback(waker)

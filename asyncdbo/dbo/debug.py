@@ -480,12 +480,17 @@ def prepare_dispatch_mode() -> float:
     that is resolved on its first call by importing torch._dynamo: about 2.3 s of CPU time on a
     2-core machine, once per process. :class:`CommGuard` is such a mode, so without this
     the first debug run's first ubatch step paid it, and a Tracer counted it as that step's
-    compute. :func:`debug_instruments` calls this before the run starts, outside every step."""
+    compute. :func:`debug_instruments` calls this before the run starts, outside every step.
+    Without torch there is no dispatch mode to prepare (the guard checks nothing then): 0."""
     global _dispatch_mode_ready
     if _dispatch_mode_ready:
         return 0.0
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    try:
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError:  # no torch: CommGuard is inert, and so is this (the kernel and primitives run without it)
+        _dispatch_mode_ready = True
+        return 0.0
 
     t0 = time.perf_counter()
 
