@@ -220,9 +220,9 @@ async def run_ubatches(
         results, _, _ = await _run(fn, ubatch_args, options)
     except BaseException as exc:
         tb = from_the_ubatch(exc.__traceback__, _ENTRY_FILES)
-        if tb is exc.__traceback__:
-            raise
         try:
+            if tb is exc.__traceback__:
+                raise
             raise exc.with_traceback(tb)  # the ubatch's own frames, without the kernel's (see _ENTRY_FILES)
         finally:
             # The traceback holds this frame, so the local would make a cycle (frame -> tb -> ...
@@ -242,9 +242,9 @@ async def run_ubatches_with_stats(
         results, dbo, state = await _run(fn, ubatch_args, options)
     except BaseException as exc:
         tb = from_the_ubatch(exc.__traceback__, _ENTRY_FILES)
-        if tb is exc.__traceback__:
-            raise
         try:
+            if tb is exc.__traceback__:
+                raise
             raise exc.with_traceback(tb)
         finally:
             del tb  # see run_ubatches
