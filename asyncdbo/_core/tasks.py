@@ -21,7 +21,9 @@ on that whole task; this module makes each of them act on the ubatch instead:
   it under :func:`_detached` instead, which turns each request into its asyncio equivalent: a
   switch lets the loop go round once, a :class:`Signal` becomes a future set when it is. So
   ``wait_for`` around any primitive behaves as around an asyncio awaitable: the ubatch waits on
-  the loop, the others go on, and it gets the result or ``TimeoutError``.
+  the loop, the others go on, and it gets the result or ``TimeoutError``. (From 3.12 ``wait_for``
+  awaits its argument in the ubatch; the kernel treats a signal wait under it as a wait on the
+  loop instead: ``asyncdbo._core.parking._TimedSignal``.)
 * Nothing here touches the fast path of a switch.
 """
 
