@@ -28,6 +28,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = next((a for a in argv if not a.startswith("-")), None)
     if chosen != "demo":
         return _main(argv, chosen)
+    if as_program and _launched_by_torchrun(argv):
+        # First of all, before the stack-dump handler that marks a rank as started: a torchrun
+        # worker ends with its agent. Armed later, an agent killed meanwhile (during the imports)
+        # leaves the worker orphaned: its parent pid is then the reaper's, which looks alive.
+        from ..testing.process import exit_with_parent
+
+        exit_with_parent()
     # Before the demo imports torch or starts a rank: from here to exit, SIGUSR1 prints this
     # process's stacks instead of ending it (a torchrun worker is a rank itself).
     from ..observe.stacks import install_stack_dump_signal
@@ -38,6 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if not as_program:
             uninstall()
+
+
+def _launched_by_torchrun(argv: list[str]) -> bool:
+    """``demo --launcher env`` (one rank of a torchrun job), read before argparse runs."""
+    return "--launcher=env" in argv or any(a == "--launcher" and b == "env" for a, b in zip(argv, argv[1:]))
 
 
 def _main(argv: list[str], chosen: str | None) -> int:
