@@ -34,6 +34,8 @@ def check_token_ids(ids_T: torch.Tensor, vocab_size: int | None = None, *, what:
                          "build it with torch.tensor(ids, dtype=torch.int64)")
     if vocab_size is None or ids_T.device.type != "cpu" or ids_T.numel() == 0:
         return
+    if torch.compiler.is_compiling():  # Dynamo cannot break a graph inside a coroutine's body
+        return
     bad_T = (ids_T < 0) | (ids_T >= vocab_size)
     if bool(bad_T.any()):
         first = int(bad_T.nonzero()[0, 0]) if ids_T.dim() == 1 else tuple(bad_T.nonzero()[0].tolist())
