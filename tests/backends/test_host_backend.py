@@ -23,6 +23,8 @@ from asyncdbo.dist.groups import forget_group, ubatch_group, ubatch_groups
 from asyncdbo.lowlevel import MonotonicClock, get_ubatch
 from asyncdbo.testing import RankPool
 
+from _step_errors import error_line
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
@@ -167,7 +169,7 @@ def _group_misuse_rank(rank: int, world_size: int) -> str:
     try:
         asyncdbo.run(main)
     except RuntimeError as exc:
-        return str(exc)
+        return error_line(exc)  # this rank's error, or the same one from the peer that posted it first
     finally:
         forget_group(base)  # later tests in this pool renew clones after failed steps: not these
     return "no error"

@@ -19,6 +19,8 @@ from asyncdbo.dist.ep import ep_comm, plan_dispatch
 from asyncdbo.lowlevel import Instrument
 from asyncdbo.moe import MoEConfig, MoELayer
 
+from _step_errors import error_line
+
 MIXTRAL_LIKE = dict(hidden_size=32, intermediate_size=16, num_experts=8, top_k=2)
 DEEPSEEK_LIKE = dict(
     hidden_size=32, intermediate_size=16, num_experts=8, top_k=3, scoring="sigmoid", n_group=4, topk_group=2,
@@ -275,7 +277,7 @@ def ubatches_share_the_default_group(rank: int, world_size: int, debug: bool) ->
     try:
         asyncdbo.run(main)
     except RuntimeError as exc:
-        return str(exc).split("\n")[0]
+        return error_line(exc)
     return "no error"
 
 
@@ -292,7 +294,7 @@ def ubatch_group_without_clones(rank: int, world_size: int) -> str:
     try:
         asyncdbo.run(main)
     except RuntimeError as exc:
-        return str(exc).split("\n")[0]
+        return error_line(exc)
     return "no error"
 
 

@@ -1,0 +1,20 @@
+"""What a rank's failed step says, for tests where every rank runs the same failing program.
+
+Each rank fails the step with its own error, unless a faster peer posted the same failure first:
+then this rank's next poll or its run's start raises :class:`StepAborted`, whose reason is the
+peer's error line (see ``asyncdbo/dist/recovery.py``). Which rank posts first is timing (a loaded
+machine decides it), so a test of the error's text reads it through :func:`error_line`.
+"""
+
+from __future__ import annotations
+
+from asyncdbo.dist.recovery import StepAborted
+
+
+def error_line(exc: BaseException) -> str:
+    """The first line of the step's error: this rank's own, or the peer's that ``exc`` names."""
+    if isinstance(exc, StepAborted):
+        kind, sep, line = exc.reason.partition(": ")
+        assert sep and kind == "RuntimeError", f"the peer failed differently: {exc.reason!r}"
+        return line
+    return str(exc).split("\n")[0]
