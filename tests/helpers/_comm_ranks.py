@@ -29,6 +29,7 @@ from asyncdbo import (
     ubatch_group,
     ubatch_groups,
 )
+from asyncdbo.dist.recovery import StepAborted
 
 ROWS, D = 8, 4
 
@@ -61,7 +62,10 @@ async def layer(x_TD: torch.Tensor, variant: str) -> torch.Tensor:
 
 def steps(rank: int, world_size: int, variant: str, debug: bool, num_steps: int) -> list[dict[str, Any]]:
     """``num_steps`` DBO steps of ``layer`` (2 ubatches); each one's error (its first line, and
-    its notes), the warnings it gave and whether it equals the serial run of the same halves."""
+    its notes), the warnings it gave and whether it equals the serial run of the same halves.
+
+    Every rank runs the same failing program, so a rank whose peer posted the failure first gets
+    :class:`StepAborted` with the peer's error line instead of its own (``notes`` None then)."""
     ubatch_groups(2)
     g = torch.Generator().manual_seed(rank)
     out = []
@@ -79,6 +83,9 @@ def steps(rank: int, world_size: int, variant: str, debug: bool, num_steps: int)
             try:
                 serial_TD, dbo_TD = asyncdbo.run(serial_and_dbo)
                 record["equal"] = serial_TD is not None and torch.equal(serial_TD, dbo_TD)
+            except StepAborted as exc:  # the peer posted the same failure first (timing): its line
+                record["error"] = exc.reason
+                record["notes"] = None  # the peer's notes stayed with the peer
             except (RuntimeError, ValueError) as exc:
                 record["error"] = f"{type(exc).__name__}: {exc}"
                 record["notes"] = list(getattr(exc, "__notes__", []))
