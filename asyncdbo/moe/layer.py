@@ -141,15 +141,18 @@ async def _to_compute(st: Any, *, after: str) -> None:
         await st.wait(after)
 
 
-def _empty_weights(cfg: MoEConfig, local: int) -> tuple[Any, ...]:
+def _empty_weights(cfg: MoEConfig, local: int, dtype: torch.dtype) -> tuple[Any, ...]:
     """Uninitialised weights of the shapes :func:`router_init`, :func:`expert_init` and
-    :func:`shared_init` give (the correction bias zeroed: a checkpoint may lack it)."""
+    :func:`shared_init` give (the correction bias zeroed: a checkpoint may lack it), allocated in
+    the dtype they are kept in: no float32 twin of a bf16 layer's experts is made on the way (at
+    Mixtral's width that twin would be 2.8 GB per layer and rank)."""
     E, D, Fi, S = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.shared_intermediate_size
     bias_E = torch.zeros(E) if cfg.scoring == "sigmoid" else None
-    shared = None if S == 0 else {"gate_proj": torch.empty(S, D), "up_proj": torch.empty(S, D),
-                                  "down_proj": torch.empty(D, S)}
-    return (torch.empty(E, D), bias_E, torch.empty(local, Fi, D), torch.empty(local, Fi, D),
-            torch.empty(local, D, Fi), shared)
+    router_dtype = dtype if cfg.scoring == "softmax" else torch.float32
+    shared = None if S == 0 else {"gate_proj": torch.empty(S, D, dtype=dtype), "up_proj": torch.empty(S, D, dtype=dtype),
+                                  "down_proj": torch.empty(D, S, dtype=dtype)}
+    return (torch.empty(E, D, dtype=router_dtype), bias_E, torch.empty(local, Fi, D, dtype=dtype),
+            torch.empty(local, Fi, D, dtype=dtype), torch.empty(local, D, Fi, dtype=dtype), shared)
 
 
 class MoELayer(nn.Module):
@@ -196,7 +199,7 @@ class MoELayer(nn.Module):
             down_LDF = torch.stack([w[2] for w in local])
             shared = shared_init(cfg, seed)
         else:
-            router_ED, bias_E, gate_LFD, up_LFD, down_LDF, shared = _empty_weights(cfg, self.experts_per_rank)
+            router_ED, bias_E, gate_LFD, up_LFD, down_LDF, shared = _empty_weights(cfg, self.experts_per_rank, dtype)
         # Each routing rule keeps its reference's router dtype: Mixtral's gate is a Linear of the
         # model's dtype (logits in that dtype), DeepSeek-V3 keeps its gate and correction bias in
         # float32 in a bf16 model (see asyncdbo.moe.router).

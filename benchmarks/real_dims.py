@@ -1,0 +1,472 @@
+"""Real widths: Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 at their released hidden size, heads,
+KV heads (MLA ranks), experts, top-k, shared experts, intermediate sizes and vocabulary, cut to a
+few layers, on 2 gloo ranks (DP + EP): prefill and decode, serial and DBO, over real loopback
+comm and over a modeled link.
+
+For each architecture, in this order, before the next one starts:
+
+1. its config (``asyncdbo.models.hf.real_dims.real_config``: ``--layers`` layers; DeepSeek-V3's
+   256 routed experts cut to ``--deepseek-experts``, groups and top-8 kept) and a memory estimate
+   per rank (``asyncdbo.models.hf.memory.estimate_memory``).  Every architecture's estimate is
+   checked against the memory available (``MemAvailable``, or ``--memory-limit``) before anything
+   is written or any rank starts: a run that would not fit is refused with its estimate (exit 2);
+2. a random checkpoint written to a temporary directory (sharded safetensors in the Hub layout,
+   ``write_random_checkpoint``; deleted afterwards unless ``--keep``);
+3. 2 ranks load it through ``asyncdbo.models.hf.checkpoint.load_checkpoint`` (each reads its own
+   experts), then, for each link (none: gloo over loopback; then ``--link`` scaled by
+   ``--link-scale``, the demo's modeled link) and shape, ``--warmup`` untimed and ``--steps``
+   timed steps, each run serially and then with DBO (2 ubatches, token split, thresholds 1 so
+   that every step microbatches) on the same batch:
+
+   * prefill: ``--prefill-tokens`` new tokens per rank in 2 requests (fresh KV cache each step);
+   * decode: ``--decode-requests`` requests per rank, one new token each, after one untimed step
+     that fills ``--context`` tokens of context for each.
+
+Per rank and timed step: the step's wall time; the main thread's CPU time (``time.thread_time``;
+torch runs one intra-op thread per rank, so that is the rank's compute and Python); the time
+inside torch ops (``torch.profiler``, CPU activity: the union of the op intervals on the main
+thread, comm calls ``c10d``/``gloo`` apart); the time every ubatch was parked (the tracer's
+``idle_s``: waiting for comm); the host time, what is left of the wall time outside torch ops,
+comm calls and idle waits (Python: the model's code, the runner, the scheduler; and the time this
+thread waited for a core on a shared machine); and the tracer's comm hidden share (comm time
+during which some ubatch computed) and the part hidden by another ubatch.  Memory per rank: peak
+RSS while loading and while stepping (``VmHWM``, reset after loading through
+``/proc/self/clear_refs``), the parameter bytes the model holds, and the estimate.
+
+    python benchmarks/real_dims.py                       # all three, writes benchmarks/results/real_dims_<hw>_<date>.md
+    python benchmarks/real_dims.py --model mixtral       # one
+    python benchmarks/real_dims.py --quick               # tiny widths of the same structure, prints only
+"""
+
+# Legend: T tokens, V vocab.
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODELS = ("qwen3-moe", "mixtral", "deepseek-v3")
+MODES = ("serial", "dbo")
+SHAPES = ("prefill", "decode")
+BLOCK = 16
+
+#: --quick: the same structure at a tiny width (heads, experts, groups and top-k kept where they fit).
+QUICK: dict[str, dict[str, Any]] = {
+    "qwen3-moe": dict(hidden_size=64, moe_intermediate_size=32, vocab_size=512, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=16, num_experts=16),
+    "mixtral": dict(hidden_size=64, intermediate_size=96, vocab_size=512, num_attention_heads=8,
+                    num_key_value_heads=2, head_dim=16),
+    "deepseek-v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, vocab_size=512,
+                        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=32, kv_lora_rank=16,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    """One architecture's run, identical on every rank."""
+
+    model: str
+    ckpt: str
+    dtype: str
+    prefill_tokens: int
+    decode_requests: int
+    context: int
+    steps: int
+    warmup: int
+    link: str
+    link_scale: float
+    num_kv_blocks: int
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def kv_blocks(prefill_tokens: int, decode_requests: int, context: int, steps: int, warmup: int) -> int:
+    """Blocks for the larger of the two shapes (they never hold the cache at once)."""
+    prefill = 2 * (-(-prefill_tokens // BLOCK) + 1)
+    decode = decode_requests * -(-(context + warmup + steps + 1) // BLOCK)
+    return max(prefill, decode) + 2
+
+
+# ------------------------------------------------------------------------------------------ rank
+def _hwm_and_rss() -> tuple[int, int]:
+    """(peak RSS since the last reset, RSS now) in bytes, from /proc/self/status."""
+    values = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmHWM:", "VmRSS:")):
+                key, kb = line.split()[:2]
+                values[key] = int(kb) * 1024
+    return values["VmHWM:"], values["VmRSS:"]
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def _param_bytes(model: Any) -> int:
+    seen: dict[int, int] = {}
+    for name in model.slots.names():
+        t = model.slots._slots[name]
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def _union_s(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _profile_split(prof: Any) -> tuple[float, float]:
+    """(torch op seconds, comm call seconds) on the thread that ran the most ops."""
+    events = list(prof.events())
+    if not events:
+        return 0.0, 0.0
+    main = Counter(e.thread for e in events).most_common(1)[0][0]
+    ops, comm = [], []
+    for e in events:
+        if e.thread != main:
+            continue
+        span = (e.time_range.start / 1e6, e.time_range.end / 1e6)
+        if e.name.startswith(("c10d", "gloo", "record_param_comms")):
+            comm.append(span)
+        elif e.name.startswith("aten::"):
+            ops.append(span)
+    return _union_s(ops), _union_s(comm)
+
+
+def _chunks(spec: Spec, rank: int, vocab: int) -> tuple[list[tuple[int, list[int]]], list[tuple[int, list[int]]]]:
+    """(the prefill step's 2 requests, the decode requests' contexts), seeded per rank."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    T = spec.prefill_tokens
+    ids = torch.randint(0, vocab, (T,), generator=g).tolist()
+    cut = max(1, T * 2 // 5)
+    prefill = [(0, ids[:cut]), (1, ids[cut:])] if T > 1 else [(0, ids)]
+    ctx = torch.randint(0, vocab, (spec.decode_requests, spec.context), generator=g).tolist()
+    return prefill, [(100 + r, ctx[r]) for r in range(spec.decode_requests)]
+
+
+async def _rank_async(rank: int, spec: Spec) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from asyncdbo.backends import link_spec
+    from asyncdbo.models.hf.checkpoint import load_checkpoint
+    from asyncdbo.observe import Tracer
+    from asyncdbo.plan import ThresholdConfig
+    from asyncdbo.serving import BatchBuilder, DBORunner, RunnerConfig
+
+    group = dist.group.WORLD
+    reset_ok = _reset_peak()
+    t0 = time.perf_counter()
+    model, report = load_checkpoint(spec.ckpt, model=spec.model, ep_group=group, dtype=_dtype(spec.dtype),
+                                    max_ubatches=2, block_size=BLOCK, num_kv_blocks=spec.num_kv_blocks)
+    out: dict[str, Any] = {"rank": rank, "load_s": time.perf_counter() - t0, "param_bytes": _param_bytes(model),
+                           "kv_bytes": sum(t.numel() * t.element_size() for t in
+                                           (*model.kv_cache.k_cache_LNZHK, *model.kv_cache.v_cache_LNZHK)),
+                           "tensors_read": len(report.tensors_read), "shards": len(report.shards)}
+    out["load_peak"], out["rss_after_load"] = _hwm_and_rss()
+    out["peak_reset"] = reset_ok and _reset_peak()
+    base = link_spec(spec.link)
+    links = {"none": None, spec.link: link_spec(base, latency_s=base.latency_s * spec.link_scale,
+                                                bandwidth_Bps=base.bandwidth_Bps / spec.link_scale)}
+    thresholds = ThresholdConfig(prefill_threshold=1, decode_threshold=1)
+    runners = {name: DBORunner(model, RunnerConfig(thresholds=thresholds, backend="host" if link else "auto", link=link),
+                               dp_group=group) for name, link in links.items()}
+    prefill_chunks, context_chunks = _chunks(spec, rank, model.hf.vocab_size)
+    rows: list[dict[str, Any]] = []
+    for link_name, runner in runners.items():
+        for shape in SHAPES:
+            model.kv_cache.reset()
+            builder = BatchBuilder(model.kv_cache_config)
+            if shape == "decode":  # untimed: every request's context
+                await runner.step(builder.build(context_chunks), enabled=False)
+                next_ids = {r: 1 + r % 7 for r, _ in context_chunks}
+            for i in range(spec.warmup + spec.steps):
+                if shape == "prefill":
+                    model.kv_cache.reset()
+                    builder.reset()
+                    batch = builder.build(prefill_chunks)
+                else:
+                    batch = builder.build([(r, [next_ids[r]]) for r, _ in context_chunks])
+                for mode in MODES:
+                    tracer = Tracer(rank=rank)
+                    dist.barrier()
+                    timed = i >= spec.warmup
+                    with profile(activities=[ProfilerActivity.CPU]) if timed else _nothing() as prof:
+                        c0, w0 = time.thread_time(), time.perf_counter()
+                        res = await runner.step(batch, enabled=(mode == "dbo"), instrument=tracer)
+                        wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
+                    if not timed:
+                        continue
+                    torch_s, comm_call_s = _profile_split(prof)
+                    n = tracer.numbers()
+                    rows.append({
+                        "link": link_name, "shape": shape, "mode": mode, "step": i - spec.warmup, "tokens": batch.num_tokens,
+                        "wall_s": wall, "cpu_s": cpu, "torch_s": torch_s, "comm_call_s": comm_call_s, "idle_s": n.idle_s,
+                        "host_s": max(0.0, wall - torch_s - comm_call_s - n.idle_s), "comm_s": n.comm_s,
+                        "hidden": n.comm_hidden_share, "hidden_by_other": n.comm_hidden_by_other_share,
+                        "microbatched": res.record.microbatched, "reason": res.record.reason.value,
+                        "detail": res.record.detail, "switches": res.num_switches,
+                    })
+                if shape == "decode":
+                    next_ids = {r: int(res.logits_TV[j].argmax()) for j, (r, _) in enumerate(context_chunks)}
+    out["rows"] = rows
+    out["step_peak"], out["rss_end"] = _hwm_and_rss()
+    return out
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def bench_rank(rank: int, world: int, spec: Spec) -> dict[str, Any]:
+    import asyncdbo
+
+    return asyncdbo.run(_rank_async, rank, spec)
+
+
+# ---------------------------------------------------------------------------------------- parent
+def _parse_bytes(text: str) -> int:
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(float(t))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 12GiB, 512MiB or a number of bytes") from None
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, Any, Any]]:
+    """(name, config, estimate) of every architecture asked for, or ValueError."""
+    from asyncdbo.cli.inputs import PROCESS_BASE_BYTES
+    from asyncdbo.models.hf.memory import estimate_memory
+    from asyncdbo.models.hf.real_dims import real_config
+
+    out = []
+    for name in args.model:
+        overrides = QUICK[name] if args.quick else {}
+        experts = args.deepseek_experts if name == "deepseek-v3" else None
+        config = real_config(name, layers=args.layers, experts=experts, **overrides)
+        steps = args.warmup + args.steps
+        est = estimate_memory(config, ranks=2, dtype=_dtype(args.dtype),
+                              num_kv_blocks=kv_blocks(args.prefill_tokens, args.decode_requests, args.context,
+                                                      args.steps, args.warmup), block_size=BLOCK,
+                              step_tokens=max(args.prefill_tokens, args.decode_requests * args.context),
+                              longest_context=max(args.prefill_tokens, args.context + 2 * steps + 1),
+                              base=PROCESS_BASE_BYTES)
+        out.append((name, config, est))
+    return out
+
+
+def check_memory(planned: list[tuple[str, Any, Any]], available: int | None, args: argparse.Namespace) -> None:
+    from asyncdbo.models.hf.memory import check_fits
+
+    if available is None:
+        return
+    for name, _, est in planned:
+        check_fits(est, available, what=f"{name} ({args.layers} layers, {args.dtype}) on 2 ranks",
+                   fix="use fewer --layers, fewer --deepseek-experts or fewer tokens, or run it on a machine with more "
+                       "memory (--memory-limit sets the limit checked against)")
+
+
+def run_one(name: str, config: Any, est: Any, args: argparse.Namespace, ckpt_root: Path) -> dict[str, Any]:
+    from asyncdbo.models.hf.real_dims import write_random_checkpoint
+    from asyncdbo.testing import RankPool
+
+    ckpt = ckpt_root / name
+    t0 = time.perf_counter()
+    specs = write_random_checkpoint(config, ckpt, seed=0, max_shard_bytes=2 << 30)
+    write_s = time.perf_counter() - t0
+    spec = Spec(model=name, ckpt=str(ckpt), dtype=args.dtype, prefill_tokens=args.prefill_tokens,
+                decode_requests=args.decode_requests, context=args.context, steps=args.steps, warmup=args.warmup,
+                link=args.link, link_scale=args.link_scale,
+                num_kv_blocks=kv_blocks(args.prefill_tokens, args.decode_requests, args.context, args.steps, args.warmup))
+    t0 = time.perf_counter()
+    try:
+        with RankPool(2, timeout_s=args.timeout) as pool:
+            per_rank = pool.run(bench_rank, spec, timeout_s=args.timeout)
+    finally:
+        if not args.keep:
+            shutil.rmtree(ckpt, ignore_errors=True)
+    return {"name": name, "config": config, "estimate": est, "per_rank": per_rank, "write_s": write_s,
+            "run_s": time.perf_counter() - t0, "checkpoint_bytes": sum(s.nbytes for s in specs),
+            "checkpoint_tensors": len(specs), "spec": asdict(spec)}
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.1f}"
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.0f}"
+
+
+def describe_config(name: str, c: Any) -> str:
+    if name == "deepseek-v3":
+        return (f"hidden {c.hidden_size}, {c.num_attention_heads} heads MLA (q_lora_rank {c.q_lora_rank}, kv_lora_rank "
+                f"{c.kv_lora_rank}, qk {c.qk_nope_head_dim}+{c.qk_rope_head_dim}, v {c.v_head_dim}), "
+                f"{c.n_routed_experts} routed experts (released: 256) of intermediate {c.moe_intermediate_size} in "
+                f"{c.n_group} groups ({c.topk_group} kept), top-{c.num_experts_per_tok}, {c.n_shared_experts} shared, "
+                f"dense intermediate {c.intermediate_size} (first {c.first_k_dense_replace} layer(s)), vocab "
+                f"{c.vocab_size}, {c.num_hidden_layers} layers")
+    experts = c.num_experts if name == "qwen3-moe" else c.num_local_experts
+    inter = c.moe_intermediate_size if name == "qwen3-moe" else c.intermediate_size
+    return (f"hidden {c.hidden_size}, {c.num_attention_heads} heads / {c.num_key_value_heads} KV heads of {c.head_dim}, "
+            f"{experts} experts of intermediate {inter}, top-{c.num_experts_per_tok}, vocab {c.vocab_size}, "
+            f"{c.num_hidden_layers} layers (all MoE)")
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    lines: list[str] = []
+    for r in results:
+        name, est, per_rank = r["name"], r["estimate"], r["per_rank"]
+        lines += [f"\n## {name}\n", f"Config: {describe_config(name, r['config'])}; weights {args.dtype}, checkpoint "
+                  f"bf16: {r['checkpoint_tensors']} tensors, {r['checkpoint_bytes'] / 2**30:.2f} GiB, written in "
+                  f"{r['write_s']:.0f} s; the 2-rank run took {r['run_s']:.0f} s.\n",
+                  f"Estimate before the run: {est.describe()}.\n",
+                  "| rank | load s | params MiB (estimate) | KV cache MiB (estimate) | peak RSS loading MiB | "
+                  "peak RSS stepping MiB | estimate per rank MiB |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        for pr in per_rank:
+            step_peak = _mib(pr["step_peak"]) if pr["peak_reset"] else "n/a (no clear_refs)"
+            lines.append(f"| {pr['rank']} | {pr['load_s']:.1f} | {_mib(pr['param_bytes'])} ({_mib(est.weights)}) | "
+                         f"{_mib(pr['kv_bytes'])} ({_mib(est.kv_cache)}) | {_mib(pr['load_peak'])} | {step_peak} | "
+                         f"{_mib(est.per_rank)} |")
+        lines += ["", "Medians over the timed steps, per rank (ms): wall, main-thread CPU, inside torch ops, in comm "
+                  "calls, idle (every ubatch parked), host (the rest: Python, and waiting for a core); comm hidden: "
+                  "share of comm time during which some ubatch computed (by another ubatch in brackets).", "",
+                  "| link | shape | rank | tokens | mode | wall | CPU | torch | comm calls | idle | host | host share "
+                  "| comm | comm hidden | DBO / serial wall | microbatched |",
+                  "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        links = list(dict.fromkeys(row["link"] for row in per_rank[0]["rows"]))
+        for link in links:
+            for shape in SHAPES:
+                for pr in per_rank:
+                    med: dict[str, dict[str, float]] = {}
+                    for mode in MODES:
+                        rs = [x for x in pr["rows"] if x["link"] == link and x["shape"] == shape and x["mode"] == mode]
+                        med[mode] = {k: statistics.median(x[k] for x in rs) for k in
+                                     ("wall_s", "cpu_s", "torch_s", "comm_call_s", "idle_s", "host_s", "comm_s",
+                                      "hidden", "hidden_by_other", "tokens")}
+                        med[mode]["split"] = sum(x["microbatched"] for x in rs)
+                        med[mode]["n"] = len(rs)
+                        med[mode]["reasons"] = ", ".join(sorted({x["reason"] for x in rs if not x["microbatched"]}))
+                    for mode in MODES:
+                        m = med[mode]
+                        ratio = f"{med['dbo']['wall_s'] / med['serial']['wall_s']:.2f}" if mode == "dbo" else ""
+                        mb = f"{m['split']:.0f}/{m['n']:.0f}" + (f" ({m['reasons']})" if m["reasons"] else "")
+                        lines.append(
+                            f"| {link} | {shape} | {pr['rank']} | {m['tokens']:.0f} | {mode} | {_ms(m['wall_s'])} | "
+                            f"{_ms(m['cpu_s'])} | {_ms(m['torch_s'])} | {_ms(m['comm_call_s'])} | {_ms(m['idle_s'])} | "
+                            f"{_ms(m['host_s'])} | {m['host_s'] / m['wall_s']:.0%} | {_ms(m['comm_s'])} | "
+                            f"{m['hidden']:.0%} ({m['hidden_by_other']:.0%}) | {ratio} | {mb} |")
+        lines.append("")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _progress
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", action="append", choices=MODELS, help="an architecture (repeatable; default all three)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    p.add_argument("--deepseek-experts", type=int, default=32, help="DeepSeek-V3's routed experts (released 256; default 32)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the ranks' weights and compute (default bf16)")
+    p.add_argument("--prefill-tokens", type=int, default=16, help="new tokens per rank in a prefill step (default 16)")
+    p.add_argument("--decode-requests", type=int, default=8, help="requests per rank in a decode step (default 8)")
+    p.add_argument("--context", type=int, default=16, help="context tokens of each decode request (default 16)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per case (default 2)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per case first (default 1)")
+    p.add_argument("--link", default="ib400", help="the modeled link (default ib400)")
+    p.add_argument("--link-scale", type=float, default=1000.0,
+                   help="multiply its latency and divide its bandwidth by this, as asyncdbo demo does (default 1000)")
+    p.add_argument("--memory-limit", type=_parse_bytes, default=None,
+                   help="refuse a run whose estimate exceeds this (e.g. 12GiB; default: MemAvailable)")
+    p.add_argument("--ckpt-dir", type=Path, default=None, help="where the checkpoints are written (default a temporary directory)")
+    p.add_argument("--keep", action="store_true", help="keep the written checkpoints")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds for each architecture's ranks (default 1800)")
+    p.add_argument("--quick", action="store_true", help="tiny widths of the same structure, print only (a smoke test)")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results, not with --quick)")
+    _progress.add_quiet_flag(p)
+    args = p.parse_args(argv)
+    args.model = args.model or list(MODELS)
+    for flag in ("layers", "prefill_tokens", "decode_requests", "context", "steps"):
+        if getattr(args, flag) < 1:
+            print(f"real_dims: error: --{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})", file=sys.stderr)
+            return 2
+    from _results import publish_results, results_preamble
+
+    from asyncdbo.cli.inputs import available_bytes
+
+    try:
+        planned = plan(args)
+        check_memory(planned, args.memory_limit if args.memory_limit is not None else available_bytes(), args)
+        ckpt_root = args.ckpt_dir or Path(tempfile.mkdtemp(prefix="asyncdbo-real-dims-"))
+        need = max(est.weights for _, _, est in planned) * 4  # a checkpoint is at most ~2x one rank's weights
+        free = shutil.disk_usage(ckpt_root if ckpt_root.exists() else ckpt_root.parent).free
+        if free < need:
+            raise ValueError(f"{ckpt_root} has {free / 2**30:.1f} GiB free, and the largest checkpoint needs up to "
+                             f"{need / 2**30:.1f} GiB; give --ckpt-dir on a disk with more space")
+    except ValueError as exc:
+        print(f"real_dims: error: {exc}", file=sys.stderr)
+        return 2
+    command = "python benchmarks/real_dims.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines, info = results_preamble("Real widths, truncated depth: prefill and decode on 2 gloo ranks", command.strip())
+    _progress.start(args.quiet, "architectures", len(planned))
+    results = []
+    t_start = time.perf_counter()
+    try:
+        for name, config, est in planned:
+            _progress.step(f"{name}: write the checkpoint, load it on 2 ranks, run")
+            results.append(run_one(name, config, est, args, ckpt_root))
+    finally:
+        if args.ckpt_dir is None and not args.keep:
+            shutil.rmtree(ckpt_root, ignore_errors=True)
+        _progress.done()
+    lines.append(f"Runs: {', '.join(args.model)}; {args.layers} layers; weights and compute {args.dtype} (checkpoint "
+                 f"bf16); prefill {args.prefill_tokens} tokens per rank in 2 requests; decode {args.decode_requests} "
+                 f"requests per rank with {args.context} tokens of context; {args.warmup} untimed + {args.steps} timed "
+                 f"steps per case, each serial then DBO (2 ubatches, token split); links: none (gloo over loopback) and "
+                 f"{args.link} x{args.link_scale:g} (modeled). See the module docstring of benchmarks/real_dims.py for "
+                 "what each column measures.\n")
+    lines += report(results, args)
+    load_end = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    lines.append(f"Total {time.perf_counter() - t_start:.0f} s; load average at the end {load_end}. The machine's cores "
+                 "are shared with other jobs: the wall, torch and host times include time spent waiting for a core.")
+    publish_results("\n".join(lines) + "\n", args.out if args.out is not None else (None if args.quick else RESULTS),
+                    "real_dims", info)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
