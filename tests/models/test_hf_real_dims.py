@@ -171,3 +171,23 @@ def test_the_benchmark_refuses_before_writing_or_starting_a_rank(tmp_path: Path,
                                                  steps=2, warmup=1))
     assert f"needs about {quick[0][2].describe()}" in err
     assert math.isclose(quick[0][2].total, 2 * quick[0][2].per_rank)
+
+
+def test_a_large_tensor_is_read_in_blocks_of_rows_into_its_slot() -> None:
+    from asyncdbo.models.hf.common import WeightSlots
+
+    slots = WeightSlots()
+    slot = slots.new("w", 10, 4, dtype=torch.bfloat16, device="cpu")
+    source = torch.arange(40, dtype=torch.float32).view(10, 4)
+    reads: list[tuple[int, int]] = []
+
+    def read(a: int, b: int) -> torch.Tensor:
+        reads.append((a, b))
+        return source[a:b]
+
+    assert slots.fill_rows("w", (10, 4), read, origin="f", block_rows=3)
+    assert reads == [(0, 3), (3, 6), (6, 9), (9, 10)] and torch.equal(slot, source.to(torch.bfloat16))
+    assert slots.missing() == [] and not slots.fill_rows("x", (1,), read, origin="f", block_rows=3)
+    with pytest.raises(ValueError, match=r"^f: tensor 'w' has shape \(10, 5\), but the model built from the config "
+                                         r"expects \(10, 4\); the checkpoint does not match its config.json$"):
+        slots.fill_rows("w", (10, 5), read, origin="f", block_rows=3)

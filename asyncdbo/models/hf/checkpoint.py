@@ -5,7 +5,8 @@ Nothing is downloaded: the directory must already hold the files.  The model is 
 config first, so it knows exactly which tensors this rank needs (every replicated tensor, and the
 routed experts this rank owns); then each shard is opened once, in order, and only the tensors
 with a slot on this rank are read from it (safetensors reads a tensor without reading the rest of
-the file).  Another rank's experts are never read.  Expert tensors stored fused (transformers 5's
+the file), in blocks of rows of at most ``READ_BLOCK_BYTES``: a rank never holds a second copy of
+a large tensor beside its slot.  Another rank's experts are never read.  Expert tensors stored fused (transformers 5's
 in-memory layout, ``experts.gate_up_proj``) are read as row slices of this rank's experts.
 
 Every failure names the file and the tensor: no config.json, an index that points at a missing
@@ -15,6 +16,7 @@ shard, a tensor the config needs that no shard holds, or one whose shape disagre
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,9 @@ from .registry import architecture_for
 __all__ = ["LoadReport", "load_checkpoint", "read_config", "shard_map"]
 
 INDEX = "model.safetensors.index.json"
+#: A tensor is read in blocks of rows of about this size: the loader never holds a whole large
+#: tensor beside the slot it fills (see WeightSlots.fill_rows).
+READ_BLOCK_BYTES = 64 << 20
 SINGLE = "model.safetensors"
 
 
@@ -105,7 +110,14 @@ def load_checkpoint(directory: str | Path, *, model: str | None = None, **kwargs
                     raise ValueError(f"{path / file}: no tensor {name!r}, though {INDEX} lists it in this shard")
                 hub = arch.hub_name(name)
                 if net.slots.wants(hub):
-                    net.slots.fill(hub, f.get_tensor(name), origin=str(path / file))
+                    tensor_slice = f.get_slice(name)
+                    shape = tuple(tensor_slice.get_shape())
+                    if not shape:
+                        net.slots.fill(hub, f.get_tensor(name), origin=str(path / file))
+                    else:
+                        row_bytes = math.prod(shape[1:]) * 4  # at most 4 bytes a value (float32)
+                        net.slots.fill_rows(hub, shape, lambda a, b, s=tensor_slice: s[a:b], origin=str(path / file),
+                                            block_rows=READ_BLOCK_BYTES // max(1, row_bytes))
                     taken.append(name)
                 elif FUSED_EXPERTS.match(hub) and _read_fused(net, arch, hub, f.get_slice(name), origin=str(path / file)):
                     taken.append(name)

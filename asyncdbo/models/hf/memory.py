@@ -7,8 +7,9 @@ alone, before any rank starts or reads a weight; and the refusal of a run that w
   keeps in float32 too; routed experts count once per EP rank that owns them (``experts / ranks``).
 * **KV cache**: exact, the :class:`~asyncdbo.serving.kv_cache.PagedKVCache` the model allocates
   (keys and values per head for GQA, one latent row per token for MLA).
-* **loading**: the largest checkpoint tensor, which the loader holds as read before copying it
-  into its slot.
+* **loading**: the block of rows the loader holds as read before copying it into its slot: the
+  largest checkpoint tensor, or ``READ_BLOCK_BYTES`` if that is smaller
+  (:mod:`~asyncdbo.models.hf.checkpoint`).
 * **activations**: the largest step's tensors, added up as if all were alive at once (errs
   high): logits, the residual stream, one request's attention (its context keys and values and
   its score matrices), the MoE rows a rank can receive from every rank, a dense MLP's hidden.
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .checkpoint import READ_BLOCK_BYTES
 from .real_dims import checkpoint_tensors
 
 __all__ = ["MemoryEstimate", "check_fits", "estimate_memory", "gib"]
@@ -86,7 +88,7 @@ def estimate_memory(config: Any, *, ranks: int, dtype: torch.dtype, num_kv_block
     weights = replicated + experts // ranks  # every rank owns the same number of experts
     return MemoryEstimate(
         ranks=ranks, weights=weights, kv_cache=_kv_cache_bytes(config, dtype, num_kv_blocks, block_size),
-        loading=max(s.nbytes for s in specs),
+        loading=min(max(s.nbytes for s in specs), READ_BLOCK_BYTES),
         activations=_activation_bytes(config, dtype, ranks, step_tokens, longest_context), base=base,
     )
 
