@@ -120,6 +120,11 @@ def _describe_failure(exc: BaseException, wait_s: float) -> str:
     silent = roll_call("demo-failed", wait_s)
     if silent:
         return f"rank(s) {silent} did not answer within {wait_s:g} s after this rank failed (stopped, hung or dead); here: {line}"
+    if silent is None:  # the store itself is gone: under torchrun, rank 0's agent hosts it
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        where = f" at {addr}:{port}" if addr and port else ""
+        return (f"{line}; the rendezvous store{where} cannot be reached either, so the node that hosts it is lost "
+                "(under torchrun, rank 0's agent hosts it)")
     return line
 
 

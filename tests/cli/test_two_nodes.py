@@ -14,7 +14,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -54,3 +57,97 @@ def test_the_demo_runs_across_two_torchrun_agents_with_a_c10d_rendezvous() -> No
     (table,) = [out for out, _ in results if "DBO steps:" in out]
     assert "DBO steps: microbatched, every step on every rank" in table, table
     assert "outputs serial vs DBO: max |logits diff| = 0 (bitwise equal; deterministic mode)" in table, table
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(env[b"RANK"]) if b"RANK" in env else None
+
+
+def _catches_sigusr1(pid: int) -> bool:
+    """Whether ``pid`` has a SIGUSR1 handler (its ``SigCgt`` mask): before it does, the signal's
+    default action would end the process."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (FileNotFoundError, ProcessLookupError, StopIteration):
+        return False
+    return bool(caught >> (signal.SIGUSR1 - 1) & 1)
+
+
+def _read_into(stream: Any, lines: list[str]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: lines.extend(iter(stream.readline, "")), daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(600)
+def test_killing_one_agent_mid_step_ends_the_other_nodes_rank_with_an_error_naming_the_lost_rank() -> None:
+    """SIGKILL to the agent of rank 1 (its worker dies with it: PR_SET_PDEATHSIG) while rank 1 is
+    inside a DBO step. Rank 0's all-to-all fails (connection reset), its roll call finds rank 1
+    silent, and its agent exits with status 1 and the error naming rank 1 in torchrun's summary.
+
+    The moment is found, not slept for: the test asks rank 1 for its stacks (SIGUSR1, only once
+    its handler is in place) until the dump shows a live run. Rank 1 is the victim because rank
+    0's agent hosts the rendezvous store (killed, the survivor's error says the store is gone)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    argv = _agent(store.port)
+    argv[argv.index("--steps") + 1] = "100000"  # still stepping when the agent is killed
+    agents = [subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True) for _ in range(2)]
+    errs: list[list[str]] = [[], []]
+    readers = [_read_into(agent.stderr, out) for agent, out in zip(agents, errs)]
+    try:
+        victim = survivor = None
+        deadline = time.monotonic() + 400
+        while victim is None and time.monotonic() < deadline:  # which agent's worker is rank 1
+            workers = [_children(a.pid) for a in agents]
+            ranks = [_rank_of(w[0]) if w else None for w in workers]
+            if None not in ranks:
+                victim = ranks.index(1)
+                survivor = 1 - victim
+            time.sleep(0.2)
+        assert victim is not None and survivor is not None, errs
+        worker = _children(agents[victim].pid)[0]
+        live = False
+        while not live and time.monotonic() < deadline:
+            time.sleep(0.5)
+            if agents[survivor].poll() is not None or agents[victim].poll() is not None:
+                break
+            if _catches_sigusr1(worker):
+                os.kill(worker, signal.SIGUSR1)
+                time.sleep(0.5)
+                live = any(line.startswith("asyncdbo run '") for line in errs[victim])
+        assert live, ("rank 1 never showed a live DBO run", errs)
+        os.killpg(agents[victim].pid, signal.SIGKILL)
+        code = agents[survivor].wait(timeout=180)
+    finally:
+        for agent in agents:
+            try:
+                os.killpg(agent.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            agent.wait()
+        for agent, reader in zip(agents, readers):
+            reader.join(timeout=10)
+            agent.stderr.close()  # type: ignore[union-attr]
+    text = "".join(errs[survivor])
+    assert code == 1, text
+    assert "rank      : 0 (local_rank: 0)" in text, text  # torchrun's summary: the survivor is rank 0
+    assert "RuntimeError: rank(s) [1] did not answer within 10 s after this rank failed (stopped, hung or dead); " \
+           "here: RuntimeError: comm work '" in text, text
