@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,7 +117,7 @@ def load_checkpoint(directory: str | Path, *, model: str | None = None, **kwargs
                         net.slots.fill(hub, f.get_tensor(name), origin=str(path / file))
                     else:
                         row_bytes = math.prod(shape[1:]) * 4  # at most 4 bytes a value (float32)
-                        net.slots.fill_rows(hub, shape, lambda a, b, s=tensor_slice: s[a:b], origin=str(path / file),
+                        net.slots.fill_rows(hub, shape, _rows_of(tensor_slice), origin=str(path / file),
                                             block_rows=READ_BLOCK_BYTES // max(1, row_bytes))
                     taken.append(name)
                 elif FUSED_EXPERTS.match(hub) and _read_fused(net, arch, hub, f.get_slice(name), origin=str(path / file)):
@@ -124,6 +125,11 @@ def load_checkpoint(directory: str | Path, *, model: str | None = None, **kwargs
         read[file] = tuple(taken)
     net.check_loaded(str(path / (INDEX if (path / INDEX).is_file() else SINGLE)))
     return net, LoadReport(directory=str(path), shards=tuple(sorted(per_shard)), read=read)
+
+
+def _rows_of(tensor_slice: Any) -> Callable[[int, int], Any]:
+    """Rows ``a:b`` of a safetensors slice, read from the file."""
+    return lambda a, b: tensor_slice[a:b]
 
 
 def _read_fused(net: HFMoEModel, arch: Any, hub: str, tensor_slice: Any, *, origin: str) -> bool:
