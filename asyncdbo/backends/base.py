@@ -90,8 +90,10 @@ the primitives outside a run return."""
 class CommRecord:
     """One comm work a backend tracked in a run, for the tools that report comm time: the ubatch
     that issued it, what it was, its bytes, when it was issued, when the transport completed it
-    (``t_done``, None while in flight) and when a modeled link released it (``t_release``, None
-    without one); all on the run's clock."""
+    (``t_done``, None while in flight), when a modeled link released it (``t_release``, None
+    without one) and when a ubatch first waited for it while it was still in flight (``t_wait``,
+    None if it was done before anyone waited: the issuing ubatch's own compute hid it); all on the
+    run's clock."""
 
     ub: int
     what: str
@@ -99,6 +101,7 @@ class CommRecord:
     t_issue: float
     t_done: float | None
     t_release: float | None = None
+    t_wait: float | None = None
 
     @property
     def t_end(self) -> float | None:

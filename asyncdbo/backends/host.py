@@ -67,9 +67,10 @@ class HostEvent:
 class HostWork:
     """One async comm work. ``await work`` parks the ubatch until it completes; ``wait()`` blocks
     (outside a DBO run). ``t_issue``/``t_done``/``t_release`` (the run's clock) feed the trace
-    numbers; ``ub`` is the issuing ubatch (None outside a run)."""
+    numbers, ``t_wait`` (the first wait on it while in flight) the runner's per-step overlap
+    measure (:mod:`asyncdbo.serving.measure`); ``ub`` is the issuing ubatch (None outside a run)."""
 
-    __slots__ = ("what", "nbytes", "signal", "t_issue", "t_done", "t_release", "work", "ub", "clock")
+    __slots__ = ("what", "nbytes", "signal", "t_issue", "t_done", "t_release", "t_wait", "work", "ub", "clock")
 
     def __init__(self, what: str, nbytes: int, work: Any, arrivals: int, clock: Clock, ub: int | None) -> None:
         self.what = what
@@ -81,6 +82,7 @@ class HostWork:
         self.t_issue = clock.now()
         self.t_done: float | None = None
         self.t_release: float | None = None
+        self.t_wait: float | None = None
 
     def done(self) -> bool:
         return self.signal.done()
@@ -99,6 +101,8 @@ class HostWork:
         self.signal.set(exc)
 
     def __await__(self) -> Any:
+        if self.t_wait is None and not self.signal.done():
+            self.t_wait = self.clock.now()
         return self.signal.__await__()
 
     def stream_wait(self) -> None:
@@ -178,6 +182,12 @@ class HostBackend(StreamBackend):
         pending = [w for w in event.works if not w.succeeded()]
         if not pending:
             return None
+        # The first wait on a work in flight: from here until it completes the waiting ubatch is
+        # parked, so the comm is hidden only if another ubatch computes (serving.measure reads it).
+        now = pending[0].clock.now()
+        for w in pending:
+            if w.t_wait is None:
+                w.t_wait = now
         if len(pending) == 1:
             return pending[0].signal  # awaiting it raises if the work failed
         # named by the works ("ub0 dispatch + ub1 dispatch": under the role policy one ubatch's
@@ -228,4 +238,5 @@ class HostBackend(StreamBackend):
     def comm_record(self, handle: Any) -> CommRecord:
         assert isinstance(handle, HostWork), handle
         return CommRecord(ub=-1 if handle.ub is None else handle.ub, what=handle.what, nbytes=handle.nbytes,
-                          t_issue=handle.t_issue, t_done=handle.t_done, t_release=handle.t_release)
+                          t_issue=handle.t_issue, t_done=handle.t_done, t_release=handle.t_release,
+                          t_wait=handle.t_wait)

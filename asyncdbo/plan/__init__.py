@@ -30,6 +30,7 @@ from .records import (
     PlanStats as PlanStats,
     RankVote as RankVote,
     StepRecord as StepRecord,
+    StepTiming as StepTiming,
     log_record as log_record,
 )
 from .slices import (
@@ -57,6 +58,7 @@ __all__ = (
     "SplitPolicy",
     "StepPlan",
     "StepRecord",
+    "StepTiming",
     "ThresholdConfig",
     "UBatchSlice",
     "agree_across_dp",

@@ -13,7 +13,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
-__all__ = ["PlanReason", "PlanStats", "RankVote", "StepRecord", "log_record"]
+__all__ = ["PlanReason", "PlanStats", "RankVote", "StepRecord", "StepTiming", "log_record"]
 
 logger = logging.getLogger("asyncdbo.plan")
 
@@ -29,6 +29,7 @@ class PlanReason(enum.Enum):
     RANK_DECLINED = "rank_declined"  # another busy DP rank voted no
     IMBALANCE = "imbalance"  # busy DP ranks differ more than the allowed ratio
     ALL_IDLE = "all_idle"  # no rank has real tokens
+    AUTO_OFF = "auto_off"  # the "auto" policy measured (or, before measuring, its prior says) DBO loses on this shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +44,49 @@ class RankVote:
 
 
 @dataclass(frozen=True, slots=True)
+class StepTiming:
+    """What one step cost, measured as it ran (seconds, on the runner's clock).
+
+    ``step_s``: the step's wall time on this rank (plan, run, merge). The comm numbers come from
+    the host backend's works (``source="host"``; None where the backend tracks none, e.g. an
+    accelerator, ``source=""``):
+
+    * ``comm_s``: time some comm work was in flight (the union of issue-to-ready intervals);
+    * ``exposed_s``: time every ubatch was parked on it, the CPU idle: the comm on the step's
+      critical path (``RunStats.time_asleep_s``, at most ``comm_s``);
+    * ``hidden_by_others_s``: time a ubatch was parked on its comm while another ubatch computed:
+      what the overlap bought;
+    * ``hidden_own_s``: the rest of ``comm_s``: in flight while the issuing ubatch itself still
+      computed, before it waited (what a serial step hides too).
+    """
+
+    step_s: float
+    num_ubatches: int
+    comm_s: float | None = None
+    exposed_s: float | None = None
+    hidden_by_others_s: float | None = None
+    hidden_own_s: float | None = None
+    source: str = ""
+
+    def describe(self) -> str:
+        """One line, e.g. ``'step 4.10 ms, comm 2.00 ms (0.30 exposed, 1.50 hidden by other ubatches,
+        0.20 by its own)'``."""
+        head = f"step {self.step_s * 1e3:.2f} ms"
+        if self.comm_s is None:
+            return head
+        ms = [1e3 * (v or 0.0) for v in (self.exposed_s, self.hidden_by_others_s, self.hidden_own_s)]
+        return (f"{head}, comm {self.comm_s * 1e3:.2f} ms ({ms[0]:.2f} exposed, {ms[1]:.2f} hidden by other "
+                f"ubatches, {ms[2]:.2f} by its own)")
+
+
+@dataclass(frozen=True, slots=True)
 class StepRecord:
-    """What planning decided for one step and why."""
+    """What planning decided for one step and why; after the step, what it cost.
+
+    ``config`` names the configuration the step ran (e.g. ``'N=2 token auto'``, ``'off'``),
+    ``timing`` its measured cost (None until the runner fills it in), ``evidence`` why the
+    ``"auto"`` policy chose it (empty under a fixed configuration).
+    """
 
     step: int
     microbatched: bool
@@ -55,6 +97,9 @@ class StepRecord:
     num_tokens_padded: int = 0
     policy: str = ""
     ranks: tuple[RankVote, ...] = ()  # empty without a DP group
+    config: str = ""
+    timing: StepTiming | None = None
+    evidence: str = ""
 
 
 def log_record(rec: StepRecord) -> None:

@@ -42,14 +42,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .._core import Instrument
+from .._core import Clock, Instrument, MonotonicClock
 from ..backends import CommRecord, LinkSpec, StreamBackend, StreamPolicy, get_backend
 from ..dbo import DBOOptions, RunStats, run_ubatches_with_stats
 from ..dist.fused import DISPATCH_MODES, DispatchMode, dispatch_options
@@ -63,10 +63,12 @@ from ..plan import (
     ThresholdConfig,
     UBatchSlice,
     check_max_ubatches,
+    is_uniform_decode,
     merge_outputs,
     plan_step,
 )
 from .batch import Batch
+from .measure import OverlapLedger, host_timing, shape_bucket
 
 __all__ = ["DBORunner", "RunnerConfig", "StepResult", "current_slice"]
 
@@ -178,10 +180,16 @@ class DBORunner:
     on every rank in the same order.
     A model with a ``max_ubatches`` attribute (:class:`~asyncdbo.models.MiniModel`) must allow
     ``cfg.num_ubatches``: checked here and at every plan.
+
+    Every step is measured (:mod:`asyncdbo.serving.measure`): its record carries the configuration
+    it ran and a :class:`~asyncdbo.plan.StepTiming` (step time on ``clock``, a
+    :class:`~asyncdbo.Clock`, real monotonic time unless a test injects one; comm exposed and hidden
+    from the host backend), and :meth:`report` sums them up.
     """
 
     def __init__(self, model: Any, cfg: RunnerConfig = RunnerConfig(), *, dp_group: Any = None,
-                 device: torch.device | str | None = None, instrument: Instrument | None = None) -> None:
+                 device: torch.device | str | None = None, instrument: Instrument | None = None,
+                 clock: Clock | None = None) -> None:
         check_max_ubatches(cfg.num_ubatches, getattr(model, "max_ubatches", None))
         self.model = model
         self.cfg = cfg
@@ -190,14 +198,23 @@ class DBORunner:
         self.instrument = instrument
         self.backend = cfg.make_backend()
         self.stats = PlanStats()
+        self.ledger = OverlapLedger()
+        self.clock: Clock = MonotonicClock() if clock is None else clock
         self.sync: StepSync | None = step_sync(dp_group) if dp_group is not None else None
+
+    def report(self) -> str:
+        """One line over the steps so far: per configuration the steps, time per real token, the
+        comm exposed on the critical path and hidden by other ubatches; DBO's speed-up over the
+        serial steps of the same shape where both ran; why steps fell out
+        (:meth:`OverlapLedger.summary`)."""
+        return self.ledger.summary()
 
     async def step(self, batch: Batch, *, enabled: bool | None = None,
                    instrument: Instrument | None = None) -> StepResult:
         """Plan, run and merge one step.  ``enabled`` overrides the config for this step;
         ``instrument`` adds scheduler hooks for this step (e.g. a tracer)."""
         cfg = self.cfg
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         sync = self.sync
         plan = self._plan(batch, cfg.enabled if enabled is None else enabled)
         try:
@@ -260,7 +277,22 @@ class DBORunner:
             outputs, stats = await run
         logits_TV = merge_outputs(outputs, plan.slices, batch.num_tokens)
         assert isinstance(logits_TV, torch.Tensor), type(logits_TV)  # one tensor in, one out
-        return StepResult(logits_TV=logits_TV, plan=plan, step_s=time.perf_counter() - t0, stats=stats)
+        step_s = self.clock.now() - t0
+        plan = self._measured(batch, plan, host_timing(stats, step_s))
+        return StepResult(logits_TV=logits_TV, plan=plan, step_s=step_s, stats=stats)
+
+    def _measured(self, batch: Batch, plan: StepPlan, timing: Any) -> StepPlan:
+        """The plan with its record carrying the configuration it ran and ``timing``; counted in
+        the ledger under the step's shape bucket (from the DP vote where there is one)."""
+        cfg = self.cfg
+        config = plan.record.config or (
+            f"N={len(plan.slices)} {cfg.policy} {cfg.dispatch}" if plan.microbatched else "off")
+        record = dataclasses.replace(plan.record, config=config, timing=timing)
+        qsl = batch.attn.query_start_loc_cpu.tolist()
+        tokens = max(plan.decision.num_tokens_across_dp) if plan.decision is not None else batch.num_tokens
+        uniform = is_uniform_decode(qsl, cfg.thresholds.num_spec_tokens)
+        self.ledger.add(record, batch.num_tokens, shape_bucket(tokens, uniform))
+        return dataclasses.replace(plan, record=record)
 
 
 def _dispatch_block(plan: StepPlan, cfg: RunnerConfig) -> contextlib.AbstractContextManager[Any]:

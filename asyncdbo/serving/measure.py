@@ -1,0 +1,157 @@
+"""What each step's overlap bought, measured as it ran, and the running account of it.
+
+:func:`host_timing` turns a run's :class:`~asyncdbo.dbo.RunStats` into a
+:class:`~asyncdbo.plan.StepTiming` from what the host backend already tracks per comm work (issue,
+first wait while in flight, ready) and the kernel's time with every ubatch parked: a few list
+operations per step over the step's works, nothing per yield (see "Measuring every step" in
+``docs/auto.md`` for the cost). :class:`OverlapLedger` keeps the account over the steps so far,
+per configuration, and :meth:`OverlapLedger.summary` says in one line what DBO paid and why steps
+fell out (``DBORunner.report()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ..backends import CommRecord
+from ..dbo import RunStats
+from ..plan import PlanReason, StepRecord, StepTiming
+
+__all__ = ["OverlapLedger", "host_timing", "shape_bucket", "union_s"]
+
+
+def union_s(intervals: Iterable[tuple[float, float]]) -> float:
+    """Seconds covered by the union of ``(start, end)`` intervals (empty ones count nothing)."""
+    total = cur_start = cur_end = 0.0
+    first = True
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if first or start > cur_end:
+            total += cur_end - cur_start
+            cur_start, cur_end, first = start, end, False
+        elif end > cur_end:
+            cur_end = end
+    return total + (cur_end - cur_start)
+
+
+def host_timing(stats: RunStats, step_s: float) -> StepTiming:
+    """The step's :class:`~asyncdbo.plan.StepTiming` from the host backend's comm records (a
+    backend that tracks none, an accelerator's, gives the step time alone).
+
+    comm = union of [issue, ready]; waited = union of [first wait, ready] (a ubatch parked on the
+    work); exposed = the kernel's time with every ubatch parked (capped at comm); hidden by other
+    ubatches = waited - exposed (parked, but another ubatch ran); hidden by its own ubatch = comm
+    - waited."""
+    comm: tuple[CommRecord, ...] = stats.comm
+    if not comm:
+        if stats.time_asleep_s > 0:  # parked on something the backend does not track
+            return StepTiming(step_s=step_s, num_ubatches=stats.num_ubatches)
+        return StepTiming(step_s=step_s, num_ubatches=stats.num_ubatches, comm_s=0.0, exposed_s=0.0,
+                          hidden_by_others_s=0.0, hidden_own_s=0.0, source="host")
+    flight = [(c.t_issue, c.t_end) for c in comm if c.t_done is not None]
+    waits = [(c.t_wait, end) for c, (_, end) in zip((c for c in comm if c.t_done is not None), flight)
+             if c.t_wait is not None]
+    comm_s = union_s(flight)
+    waited = min(union_s(waits), comm_s)
+    exposed = min(stats.time_asleep_s, waited)
+    return StepTiming(step_s=step_s, num_ubatches=stats.num_ubatches, comm_s=comm_s, exposed_s=exposed,
+                      hidden_by_others_s=waited - exposed, hidden_own_s=comm_s - waited, source="host")
+
+
+@dataclass
+class _Account:
+    steps: int = 0
+    step_s: float = 0.0
+    tokens: int = 0
+    comm_s: float = 0.0
+    exposed_s: float = 0.0
+    hidden_by_others_s: float = 0.0
+    measured: int = 0  # steps with comm numbers
+
+
+def shape_bucket(num_tokens: int, uniform_decode: bool) -> str:
+    """The step-shape bucket of a step whose largest DP rank has ``num_tokens`` real tokens: its
+    kind and power-of-two range, e.g. ``'decode 64-127'``, ``'mixed 512-1023'`` (``uniform_decode``:
+    every busy rank runs only one-token requests)."""
+    if num_tokens < 1:
+        return "idle"
+    lo = 1 << (num_tokens.bit_length() - 1)
+    return f"{'decode' if uniform_decode else 'mixed'} {lo}-{2 * lo - 1}"
+
+
+@dataclass
+class OverlapLedger:
+    """The account of the steps so far: per step-shape bucket and configuration the steps, their
+    time, tokens and comm split, and the reasons steps fell out. Fed one record per step (with its
+    ``timing``)."""
+
+    accounts: dict[tuple[str, str], _Account] = field(default_factory=dict)
+    fell_out: dict[str, int] = field(default_factory=dict)
+    num_steps: int = 0
+
+    def add(self, record: StepRecord, num_tokens: int, bucket: str) -> None:
+        """Count one step's ``record`` (``num_tokens``: its real tokens on this rank; ``bucket``:
+        its :func:`shape_bucket`)."""
+        self.num_steps += 1
+        key = record.config or ("off" if not record.microbatched else f"N={len(record.ubatch_num_tokens)}")
+        acc = self.accounts.setdefault((bucket, key), _Account())
+        acc.steps += 1
+        acc.tokens += num_tokens
+        if not record.microbatched:
+            self.fell_out[record.reason.value] = self.fell_out.get(record.reason.value, 0) + 1
+        t = record.timing
+        if t is None:
+            return
+        acc.step_s += t.step_s
+        if t.comm_s is not None:
+            acc.measured += 1
+            acc.comm_s += t.comm_s
+            acc.exposed_s += t.exposed_s or 0.0
+            acc.hidden_by_others_s += t.hidden_by_others_s or 0.0
+
+    def per_config(self) -> dict[str, _Account]:
+        """The accounts summed over buckets, per configuration."""
+        out: dict[str, _Account] = {}
+        for (_, key), acc in self.accounts.items():
+            tot = out.setdefault(key, _Account())
+            for name in ("steps", "step_s", "tokens", "comm_s", "exposed_s", "hidden_by_others_s", "measured"):
+                setattr(tot, name, getattr(tot, name) + getattr(acc, name))
+        return out
+
+    def speedups(self) -> list[tuple[str, str, float]]:
+        """``(bucket, config, off time per token / config time per token)`` for every bucket where
+        both a microbatched configuration and ``off`` ran (above 1: DBO won there)."""
+        out = []
+        for (bucket, key), acc in sorted(self.accounts.items()):
+            off = self.accounts.get((bucket, "off"))
+            if key == "off" or off is None or not (off.tokens and off.step_s and acc.tokens and acc.step_s):
+                continue
+            out.append((bucket, key, (off.step_s / off.tokens) / (acc.step_s / acc.tokens)))
+        return out
+
+    def summary(self) -> str:
+        """One line: per configuration the steps, time per real token, the comm exposed and hidden
+        by other ubatches; DBO's speed-up over ``off`` in each bucket where both ran; why steps
+        fell out. E.g. ``'12 steps: N=2 token 8 steps 41.2 us/token, comm 0.52 ms/step 30% exposed
+        61% hidden by other ubatches; off 4 steps 48.0 us/token, comm 0.50 ms/step 92% exposed 0%
+        hidden by other ubatches; vs off: decode 64-127 N=2 token 1.12x; fell out: auto_off=4'``."""
+        if not self.num_steps:
+            return "0 steps"
+        parts = []
+        for key, acc in sorted(self.per_config().items(), key=lambda kv: (-kv[1].steps, kv[0])):
+            text = f"{key} {acc.steps} steps"
+            if acc.tokens and acc.step_s:
+                text += f" {acc.step_s / acc.tokens * 1e6:.1f} us/token"
+            if acc.measured and acc.comm_s > 0:
+                text += (f", comm {acc.comm_s / acc.measured * 1e3:.2f} ms/step {acc.exposed_s / acc.comm_s:.0%} "
+                         f"exposed {acc.hidden_by_others_s / acc.comm_s:.0%} hidden by other ubatches")
+            parts.append(text)
+        line = f"{self.num_steps} steps: " + "; ".join(parts)
+        wins = self.speedups()
+        if wins:
+            line += "; vs off: " + ", ".join(f"{b} {k} {x:.2f}x" for b, k, x in wins)
+        if self.fell_out:
+            line += "; fell out: " + ", ".join(f"{k}={n}" for k, n in sorted(self.fell_out.items()))
+        return line

@@ -1,0 +1,94 @@
+"""Every runner step is measured: the comm it exposed on the critical path, the comm other
+ubatches hid, the comm its own ubatch hid, its time, and the configuration it ran; the runner's
+report sums them up in one line (issue 26, item 1)."""
+
+from __future__ import annotations
+
+import pytest
+from _measure_ranks import timed_steps
+
+from asyncdbo.backends import CommRecord
+from asyncdbo.dbo import RunStats
+from asyncdbo.plan import PlanReason, StepRecord, StepTiming
+from asyncdbo.serving.measure import OverlapLedger, host_timing, shape_bucket, union_s
+from asyncdbo.testing import RankPool
+
+
+def _stats(comm: tuple[CommRecord, ...], asleep: float, n: int = 2) -> RunStats:
+    return RunStats(num_ubatches=n, num_switches=0, num_parks=0, time_asleep_s=asleep, comm=comm)
+
+
+def test_union_counts_overlapping_intervals_once() -> None:
+    assert union_s([]) == 0.0
+    assert union_s([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.5, 3.6), (5.0, 5.0)]) == 3.0
+
+
+def test_host_timing_splits_comm_into_exposed_hidden_by_others_and_own() -> None:
+    # ub0's dispatch flies 0..4; ub0 computes until 1, then parks on it; ub1 computes 1..3, then
+    # parks on its own work (issued at 2, ready at 5): everything parked 3..4 (exposed), then ub0
+    # runs while ub1 waits for 4..5 (hidden by the other ubatch).
+    comm = (
+        CommRecord(ub=0, what="dispatch", nbytes=8, t_issue=0.0, t_done=4.0, t_wait=1.0),
+        CommRecord(ub=1, what="dispatch", nbytes=8, t_issue=2.0, t_done=3.0, t_release=5.0, t_wait=3.0),
+        CommRecord(ub=1, what="counts", nbytes=8, t_issue=0.5, t_done=0.75),  # done before any wait
+    )
+    t = host_timing(_stats(comm, asleep=1.0), step_s=6.0)
+    assert t == StepTiming(step_s=6.0, num_ubatches=2, comm_s=5.0, exposed_s=1.0, hidden_by_others_s=3.0,
+                           hidden_own_s=1.0, source="host")
+    assert t.describe() == "step 6000.00 ms, comm 5000.00 ms (1000.00 exposed, 3000.00 hidden by other ubatches, 1000.00 by its own)"
+
+
+def test_host_timing_without_comm() -> None:
+    assert host_timing(_stats((), asleep=0.0, n=1), 0.5) == StepTiming(
+        step_s=0.5, num_ubatches=1, comm_s=0.0, exposed_s=0.0, hidden_by_others_s=0.0, hidden_own_s=0.0, source="host")
+    # parked on something no backend tracked (an accelerator's run): the step time alone
+    assert host_timing(_stats((), asleep=0.1), 0.5) == StepTiming(step_s=0.5, num_ubatches=2)
+
+
+def test_shape_buckets() -> None:
+    assert [shape_bucket(n, True) for n in (0, 1, 63, 64, 127, 128)] == [
+        "idle", "decode 1-1", "decode 32-63", "decode 64-127", "decode 64-127", "decode 128-255"]
+    assert shape_bucket(600, False) == "mixed 512-1023"
+
+
+def _rec(step: int, config: str, step_s: float, microbatched: bool, reason: PlanReason = PlanReason.MICROBATCHED,
+         comm: tuple[float, float, float] | None = None) -> StepRecord:
+    timing = StepTiming(step_s=step_s, num_ubatches=2 if microbatched else 1)
+    if comm is not None:
+        timing = StepTiming(step_s=step_s, num_ubatches=timing.num_ubatches, comm_s=comm[0], exposed_s=comm[1],
+                            hidden_by_others_s=comm[2], hidden_own_s=comm[0] - comm[1] - comm[2], source="host")
+    return StepRecord(step=step, microbatched=microbatched, reason=reason, config=config, timing=timing)
+
+
+def test_ledger_says_in_one_line_what_dbo_paid_and_why_steps_fell_out() -> None:
+    ledger = OverlapLedger()
+    assert ledger.summary() == "0 steps"
+    ledger.add(_rec(0, "N=2 token auto", 0.010, True, comm=(0.004, 0.001, 0.003)), 100, "decode 64-127")
+    ledger.add(_rec(1, "N=2 token auto", 0.010, True, comm=(0.004, 0.001, 0.003)), 100, "decode 64-127")
+    ledger.add(_rec(2, "off", 0.012, False, PlanReason.DISABLED, comm=(0.004, 0.004, 0.0)), 100, "decode 64-127")
+    ledger.add(_rec(3, "off", 0.002, False, PlanReason.BELOW_THRESHOLD, comm=(0.001, 0.001, 0.0)), 10, "decode 8-15")
+    assert ledger.speedups() == [("decode 64-127", "N=2 token auto", pytest.approx(1.2))]
+    assert ledger.summary() == (
+        "4 steps: N=2 token auto 2 steps 100.0 us/token, comm 4.00 ms/step 25% exposed 75% hidden by other ubatches; "
+        "off 2 steps 127.3 us/token, comm 2.50 ms/step 100% exposed 0% hidden by other ubatches; "
+        "vs off: decode 64-127 N=2 token auto 1.20x; fell out: below_threshold=1, disabled=1")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_runner_records_what_each_step_exposed_and_hid_on_a_modeled_link(pool: RankPool) -> None:
+    for r in pool.run(timed_steps, timeout_s=150.0):
+        for rec in r["dbo"] + r["off"]:
+            t = rec.timing
+            assert t is not None and t.source == "host" and t.comm_s > 0 and t.step_s > t.exposed_s
+            parts = t.exposed_s + t.hidden_by_others_s + t.hidden_own_s
+            assert parts == pytest.approx(t.comm_s, rel=1e-9), t
+        for rec in r["dbo"]:
+            assert rec.microbatched and rec.config == "N=2 token split" and rec.timing.num_ubatches == 2
+            assert rec.timing.hidden_by_others_s > 0  # one ubatch computed while the other waited
+        for rec in r["off"]:
+            assert not rec.microbatched and rec.config == "off" and rec.timing.num_ubatches == 1
+            assert rec.timing.hidden_by_others_s == 0.0  # one ubatch: nobody else to hide it
+        assert r["report"].startswith("4 steps: ")
+        assert "N=2 token split 2 steps" in r["report"] and "off 2 steps" in r["report"]
+        assert r["report"].endswith("fell out: rank_declined=2")  # disabled on every rank: the vote says so
