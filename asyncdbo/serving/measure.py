@@ -50,9 +50,14 @@ def host_timing(stats: RunStats, step_s: float) -> StepTiming:
             return StepTiming(step_s=step_s, num_ubatches=stats.num_ubatches)
         return StepTiming(step_s=step_s, num_ubatches=stats.num_ubatches, comm_s=0.0, exposed_s=0.0,
                           hidden_by_others_s=0.0, hidden_own_s=0.0, source="host")
-    flight = [(c.t_issue, c.t_end) for c in comm if c.t_done is not None]
-    waits = [(c.t_wait, end) for c, (_, end) in zip((c for c in comm if c.t_done is not None), flight)
-             if c.t_wait is not None]
+    flight: list[tuple[float, float]] = []
+    waits: list[tuple[float, float]] = []
+    for c in comm:
+        end = c.t_end
+        if end is not None:
+            flight.append((c.t_issue, end))
+            if c.t_wait is not None:
+                waits.append((c.t_wait, end))
     comm_s = union_s(flight)
     waited = min(union_s(waits), comm_s)
     exposed = min(stats.time_asleep_s, waited)
