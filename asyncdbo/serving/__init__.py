@@ -1,24 +1,34 @@
 """Serving: the runner that plans a step, runs its ubatches under DBO and merges them (vLLM's
-``UBatchWrapper`` and the model-runner code around it), the batch it takes, and the paged KV cache.
+``UBatchWrapper`` and the model-runner code around it), the batch it takes, the paged KV cache,
+and a continuous-batching engine with sampling over the runner.
 
 The runner knows no model: it takes anything with ``async forward(input_ids_T, positions_T,
 attn)``.
 """
 
 from .batch import Batch, BatchBuilder, check_token_ids
+from .engine import Engine, EngineReport, Request, RequestOutput, trace_requests
 from .kv_cache import PAD_SLOT_ID, KVCacheConfig, PagedKVCache, slots_for
 from .runner import DBORunner, RunnerConfig, StepResult, current_slice
+from .sampling import SamplingParams, sample_tokens
 
 __all__ = [
     "PAD_SLOT_ID",
     "Batch",
     "BatchBuilder",
     "DBORunner",
+    "Engine",
+    "EngineReport",
     "KVCacheConfig",
     "PagedKVCache",
+    "Request",
+    "RequestOutput",
     "RunnerConfig",
+    "SamplingParams",
     "StepResult",
     "check_token_ids",
     "current_slice",
+    "sample_tokens",
     "slots_for",
+    "trace_requests",
 ]

@@ -74,8 +74,10 @@ class BatchBuilder:
 
     ``add(request_id, token_ids)`` appends new tokens to a request (a prefill chunk, or one decode
     token); the builder keeps how many tokens each request already has in the cache, so a later
-    chunk attends over the earlier ones.  Blocks are handed out in order and never freed (demo and
-    test workloads fit the cache; :meth:`reset` starts over). Token ids must be integers; with
+    chunk attends over the earlier ones.  Blocks come from a free list, lowest id first;
+    :meth:`free` returns a finished request's blocks to it (a later request reuses them: attention
+    reads a slot only below its request's ``seq_len``, so what a freed block still holds is never
+    seen), and :meth:`reset` starts over. Token ids must be integers; with
     ``vocab_size`` they are also checked against the vocabulary here, on the host, where it costs
     no device wait.
     """
@@ -90,9 +92,26 @@ class BatchBuilder:
         self.reset()
 
     def reset(self) -> None:
-        self._next_block = 0
+        # Popped from the end: reversed, so a fresh builder hands out blocks 0, 1, 2, ... in order.
+        self._free: list[int] = list(range(self.cache_cfg.num_blocks - 1, -1, -1))
         self.blocks: dict[int, list[int]] = {}
         self.num_computed: dict[int, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds."""
+        return len(self._free)
+
+    def free(self, request_id: int) -> int:
+        """Forget a finished request and return its blocks to the free list; returns how many.
+        An unknown id is a ValueError (freeing twice would hand a block to two requests)."""
+        if request_id not in self.num_computed:
+            raise ValueError(f"request {request_id} holds no KV blocks (never built, or freed already)")
+        blocks = self.blocks.pop(request_id, [])
+        del self.num_computed[request_id]
+        self._free.extend(sorted(blocks, reverse=True))
+        self._free.sort(reverse=True)  # lowest id next: reuse stays predictable
+        return len(blocks)
 
     def _token_ids(self, rid: int, tokens: Sequence[int]) -> list[int]:
         """``tokens`` as ints, refusing a float (``int()`` would truncate it), a bool and, with
@@ -115,9 +134,8 @@ class BatchBuilder:
         blocks = self.blocks.setdefault(request_id, [])
         needed = -(-num_tokens // self.cache_cfg.block_size)
         while len(blocks) < needed:
-            assert self._next_block < self.cache_cfg.num_blocks, "build() checks the capacity first"
-            blocks.append(self._next_block)
-            self._next_block += 1
+            assert self._free, "build() checks the capacity first"
+            blocks.append(self._free.pop())
         return blocks
 
     def build(self, chunks: Sequence[tuple[int, Sequence[int]]]) -> Batch:
@@ -141,10 +159,11 @@ class BatchBuilder:
             ids_per_chunk.append(self._token_ids(rid, tokens))
             have = len(self.blocks.get(rid, ()))
             new_blocks += max(0, -(-(self.num_computed.get(rid, 0) + len(tokens)) // bs) - have)
-        if self._next_block + new_blocks > self.cache_cfg.num_blocks:
+        if new_blocks > len(self._free):
             raise ValueError(
-                f"the KV cache is full ({self.cache_cfg.num_blocks} blocks of {bs}); "
-                f"raise MiniConfig.num_kv_blocks or use fewer/shorter requests"
+                f"the KV cache is full ({self.cache_cfg.num_blocks} blocks of {bs}, {len(self._free)} free, "
+                f"this batch needs {new_blocks} more); raise MiniConfig.num_kv_blocks, use fewer/shorter "
+                f"requests, or free finished ones (BatchBuilder.free)"
             )
         for (rid, tokens), chunk_ids in zip(chunks, ids_per_chunk):
             start = self.num_computed.get(rid, 0)

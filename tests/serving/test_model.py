@@ -97,10 +97,27 @@ def test_batch_builder_tracks_context_blocks_and_slots() -> None:
     assert second.attn.slot_mapping.tolist() == [9, 3]
     idle = builder.build([])
     assert idle.num_tokens == 0 and idle.attn.num_reqs == 0
-    with pytest.raises(ValueError, match=r"the KV cache is full \(4 blocks of 4\); raise MiniConfig.num_kv_blocks"):
+    with pytest.raises(ValueError, match=r"the KV cache is full \(4 blocks of 4, 1 free, this batch needs 3 more\); "
+                                          r"raise MiniConfig.num_kv_blocks"):
         builder.build([(1, list(range(9)))])
     with pytest.raises(ValueError, match="request 2 appears twice in one batch"):
         builder.build([(2, [1]), (2, [2])])
+
+
+def test_batch_builder_frees_a_finished_requests_blocks_for_the_next() -> None:
+    builder = BatchBuilder(KVCacheConfig(num_layers=1, num_blocks=4, block_size=4, num_heads=1, head_dim=2))
+    builder.build([(5, [1, 2, 3]), (9, [4, 5, 6, 7, 8])])  # 5 holds block 0, 9 holds 1 and 2
+    assert builder.num_free_blocks == 1
+    assert builder.free(9) == 2 and builder.num_free_blocks == 3
+    with pytest.raises(ValueError, match=r"request 9 holds no KV blocks \(never built, or freed already\)"):
+        builder.free(9)
+    again = builder.build([(9, [1, 2, 3, 4, 5, 6, 7, 8, 9])])  # a new request 9 from position 0, lowest blocks first
+    assert again.positions_T.tolist() == list(range(9))
+    assert again.attn.block_table.tolist() == [[1, 2, 3]]
+    assert builder.num_free_blocks == 0
+    builder.free(5)
+    builder.free(9)
+    assert builder.num_free_blocks == 4 and builder.blocks == {} and builder.num_computed == {}
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,209 @@
+"""The engine: requests join and leave between steps, greedy output is transformers' ``generate()``
+per request, finished requests give their KV blocks back, seeded sampling is reproducible and the
+same serial or DBO, and a replayed trace is timed on an injected clock.
+
+One rank, the tiny random Qwen3-MoE (layer 0 MoE, layer 1 dense) of
+:mod:`asyncdbo.models.hf.reference`; the 2-rank path (an idle rank stepping while the other works)
+runs as ``examples/05_engine_integration.py`` (tests/docs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from asyncdbo.models.hf import from_hf_model  # noqa: E402
+from asyncdbo.models.hf.reference import tiny_hf_model  # noqa: E402
+from asyncdbo.plan import PlanReason, ThresholdConfig  # noqa: E402
+from asyncdbo.serving import (  # noqa: E402
+    BatchBuilder,
+    DBORunner,
+    Engine,
+    Request,
+    RunnerConfig,
+    SamplingParams,
+    sample_tokens,
+    trace_requests,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+ALWAYS = ThresholdConfig(decode_threshold=1, prefill_threshold=1)
+
+
+class StepClock:
+    """Advances 0.5 s at every read: the engine reads it twice per step (admission, after
+    sampling), so every step lasts exactly 1 s; an idle wait adds its own time."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 0.5
+        return self.t
+
+    async def sleep(self, dt: float) -> None:
+        self.t += dt
+
+
+@pytest.fixture(scope="module")
+def hf_models() -> dict[str, Any]:
+    return {name: tiny_hf_model(name) for name in ("qwen3-moe",)}
+
+
+def prompts(*lengths: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 96, (n,), generator=g).tolist() for n in lengths]
+
+
+def engine(model: Any, *, enabled: bool, clock: StepClock | None = None, **kw: Any) -> Engine:
+    clock = clock or StepClock()
+    runner = DBORunner(model, RunnerConfig(thresholds=ALWAYS))
+    return Engine(runner, BatchBuilder(model.kv_cache_config, vocab_size=96), enabled=enabled, clock=clock, sleep=clock.sleep, **kw)
+
+
+def hf_generate(hf_model: Any, prompt: list[int], params: SamplingParams) -> list[int]:
+    stops = [*params.stop_token_ids, *([] if params.eos_token_id is None else [params.eos_token_id])]
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_tokens,
+                            do_sample=False, eos_token_id=stops or None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.asyncio
+async def test_greedy_output_is_transformers_generate_per_request_as_requests_join_and_leave(
+        hf_models: dict[str, Any]) -> None:
+    hf = hf_models["qwen3-moe"]
+    ps = prompts(7, 11, 4, 9, 5)
+    # Request 1 stops at an EOS, request 3 at a stop token: each the token transformers' greedy
+    # run gives at that request's third output position (so generate() stops there too).
+    free_run = {i: hf_generate(hf, ps[i], SamplingParams(max_tokens=3)) for i in (1, 3)}
+    params = [SamplingParams(max_tokens=5), SamplingParams(max_tokens=6, eos_token_id=free_run[1][2]),
+              SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, stop_token_ids=(free_run[3][2], 95)),
+              SamplingParams(max_tokens=1)]
+    trace = trace_requests(ps, [0.0, 0.0, 2.0, 3.0, 5.0], params)
+    for enabled in (False, True):
+        model = from_hf_model(hf, block_size=4, num_kv_blocks=32, max_ubatches=2)
+        report = await engine(model, enabled=enabled).run(trace)
+        for i, p in enumerate(ps):
+            out = report.outputs[i]
+            assert list(out.output_ids) == hf_generate(hf, p, params[i]), (enabled, i)
+        assert [report.outputs[i].finish_reason for i in range(5)] == ["length", "stop", "length", "stop", "length"]
+        # Joining and leaving: step 2 (t = 2 s) prefills request 2 beside the decodes of 0 and 1.
+        assert [r.microbatched for r in report.records] == [enabled] * len(report.records)
+        if enabled:
+            assert report.records[2].reason is PlanReason.MICROBATCHED
+            assert sum(report.records[2].ubatch_num_tokens) == 1 + 1 + 4
+
+
+@pytest.mark.asyncio
+async def test_finished_requests_give_their_blocks_back_and_a_waiting_request_reuses_them(
+        hf_models: dict[str, Any]) -> None:
+    model = from_hf_model(hf_models["qwen3-moe"], block_size=4, num_kv_blocks=4, max_ubatches=2)
+    eng = engine(model, enabled=True)
+    a, b = prompts(7, 5)
+    # a: 7 + 6 - 1 = 12 cached tokens, 3 blocks; b: 5 + 4 - 1 = 8, 2 blocks: b waits for a.
+    eng.add_request(Request(request_id=0, prompt=tuple(a), params=SamplingParams(max_tokens=6)))
+    eng.add_request(Request(request_id=1, prompt=tuple(b), params=SamplingParams(max_tokens=4)))
+    held: list[dict[int, list[int]]] = []
+    while eng.num_unfinished:
+        finished = await eng.step()
+        held.append({rid: list(blocks) for rid, blocks in eng.builder.blocks.items()})
+        assert eng.builder.num_free_blocks == 4 - sum(len(v) for v in held[-1].values())
+        if finished and finished[0].request_id == 0:
+            assert 0 not in eng.builder.blocks
+    assert held[:5] == [{0: [0, 1]}, {0: [0, 1]}, {0: [0, 1, 2]}, {0: [0, 1, 2]}, {0: [0, 1, 2]}]
+    assert held[5] == {}  # a finished in step 5: every block back
+    assert held[6] == {1: [0, 1]}  # b admitted next step, on a's old blocks
+    assert eng.builder.num_free_blocks == 4 and eng.builder.blocks == {}
+    assert [len(eng.outputs[0].output_ids), len(eng.outputs[1].output_ids)] == [6, 4]
+
+
+@pytest.mark.asyncio
+async def test_seeded_sampling_is_reproducible_and_the_same_serial_or_dbo(hf_models: dict[str, Any]) -> None:
+    hf = hf_models["qwen3-moe"]
+    ps = prompts(6, 9, 3, seed=1)
+    params = [SamplingParams(max_tokens=5, temperature=1.3, top_p=0.9, seed=s) for s in (11, 12, 13)]
+    runs = {}
+    for label, enabled, arrivals in (("serial", False, [0.0, 0.0, 0.0]), ("dbo", True, [0.0, 0.0, 0.0]),
+                                     ("dbo, other arrivals", True, [3.0, 0.0, 1.0])):
+        model = from_hf_model(hf, block_size=4, num_kv_blocks=32, max_ubatches=2)
+        report = await engine(model, enabled=enabled).run(trace_requests(ps, arrivals, params))
+        runs[label] = {i: o.output_ids for i, o in report.outputs.items()}
+    assert runs["serial"] == runs["dbo"] == runs["dbo, other arrivals"]
+    greedy = {i: tuple(hf_generate(hf, p, SamplingParams(max_tokens=5))) for i, p in enumerate(ps)}
+    assert runs["serial"] != greedy  # it did sample
+
+
+@pytest.mark.asyncio
+async def test_a_replayed_trace_reports_ttft_tpot_and_tokens_per_second(hf_models: dict[str, Any]) -> None:
+    model = from_hf_model(hf_models["qwen3-moe"], block_size=4, num_kv_blocks=32, max_ubatches=2)
+    clock = StepClock()
+    # Request 1 arrives at 10 s, long after request 0 finished: the engine waits (sleep) for it.
+    trace = trace_requests(prompts(5, 6), [0.0, 10.0], [SamplingParams(max_tokens=3), SamplingParams(max_tokens=2)])
+    report = await engine(model, enabled=True, clock=clock).run(trace)
+    r0, r1 = report.outputs[0], report.outputs[1]
+    # run starts at clock 0.5 (t = 0); step k reads the clock at t = 1 + 2k - 0.5 ... every step lasts 1 s
+    assert (r0.first_token_s, r0.finish_s, r0.ttft_s, r0.tpot_s) == (1.0, 3.0, 1.0, 1.0)
+    assert (r1.first_token_s, r1.finish_s, r1.ttft_s, r1.tpot_s) == (11.0, 12.0, 1.0, 1.0)
+    assert report.makespan_s == 12.0 and report.output_tokens == 5
+    assert report.tokens_per_s == 5 / 12.0 and report.mean_ttft_s == 1.0 and report.mean_tpot_s == 1.0
+    assert len(report.records) == 5 and "5 tokens in 5 steps (5 microbatched)" in report.summary()
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p_and_a_seed_repeats_its_draws() -> None:
+    logits_RV = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).log()
+    def draws(top_p: float, seed: int) -> set[int]:
+        g = torch.Generator().manual_seed(seed)
+        p = SamplingParams(temperature=1.0, top_p=top_p, seed=seed)
+        return {sample_tokens(logits_RV, [p], [g])[0] for _ in range(200)}
+    assert draws(0.5, 0) == {0}
+    assert draws(0.6, 0) == {0, 1}
+    assert draws(1.0, 0) == {0, 1, 2}
+    seq = [sample_tokens(logits_RV, [SamplingParams(temperature=1.0, seed=3)], [g])[0]
+           for g in [torch.Generator().manual_seed(3)] for _ in range(20)]
+    again = [sample_tokens(logits_RV, [SamplingParams(temperature=1.0, seed=3)], [g])[0]
+             for g in [torch.Generator().manual_seed(3)] for _ in range(20)]
+    assert seq == again
+    assert sample_tokens(torch.tensor([[0.0, 2.0, 1.0]]), [SamplingParams()], [None]) == [1]  # greedy
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_tokens": 0}, r"max_tokens must be an int >= 1 \(got 0\)"),
+    ({"temperature": -1.0}, r"temperature must be a finite number >= 0, 0 for greedy \(got -1.0\)"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\], 1.0 keeping every token \(got 0.0\)"),
+    ({"seed": -2}, r"seed must be an int >= 0 or None \(got -2\)"),
+    ({"stop_token_ids": (3, -1)}, r"stop_token_ids and eos_token_id must be token ids \(ints >= 0\), got -1"),
+])
+def test_bad_sampling_params_are_refused(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.asyncio
+async def test_bad_requests_are_refused_before_any_step(hf_models: dict[str, Any]) -> None:
+    model = from_hf_model(hf_models["qwen3-moe"], block_size=4, num_kv_blocks=4, max_ubatches=2)
+    eng = engine(model, enabled=True, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match=r"request 7: the prompt is empty; give at least one token id"):
+        Request(request_id=7, prompt=())
+    with pytest.raises(ValueError, match=r"request 1: arrival_s must be a time >= 0 in seconds \(got -1.0\)"):
+        Request(request_id=1, prompt=(1,), arrival_s=-1.0)
+    with pytest.raises(ValueError, match=r"request 2: 10 prompt tokens \+ max_tokens 8 need 5 KV blocks of 4, "
+                                         r"the cache has 4; lower max_tokens or raise num_kv_blocks"):
+        eng.add_request(Request(request_id=2, prompt=(1,) * 10, params=SamplingParams(max_tokens=8)))
+    with pytest.raises(ValueError, match=r"request 3: token 1 is 96, not a token id of a vocabulary of 96"):
+        eng.add_request(Request(request_id=3, prompt=(1, 96), params=SamplingParams(max_tokens=2)))
+    with pytest.raises(ValueError, match=r"request 5: a prompt of 9 tokens exceeds max_num_batched_tokens \(8\); raise it"):
+        eng.add_request(Request(request_id=5, prompt=(1,) * 9, params=SamplingParams(max_tokens=1)))
+    eng.add_request(Request(request_id=4, prompt=(1, 2), params=SamplingParams(max_tokens=2)))
+    with pytest.raises(ValueError, match=r"request 4 was added already; request ids must be unique"):
+        eng.add_request(Request(request_id=4, prompt=(1, 2)))
+    assert eng.num_unfinished == 1 and not eng.records
+    builder = BatchBuilder(model.kv_cache_config)
+    builder.build([(0, [1])])
+    with pytest.raises(ValueError, match=r"the builder already holds requests \[0\]; give the engine a fresh"):
+        Engine(eng.runner, builder)
