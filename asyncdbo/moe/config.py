@@ -21,6 +21,10 @@ class MoEConfig:
     scaled by ``routed_scaling_factor``, plus ``num_shared_experts`` always-on experts fused into
     one MLP of ``num_shared_experts * intermediate_size``).
 
+    ``round_topk_weights`` rounds the chosen experts' weights to the router logits' dtype after
+    renormalising, as Qwen3-MoE's router does (``router_top_value.to(router_logits.dtype)``: bf16
+    weights in a bf16 model); Mixtral and DeepSeek-V3 keep them in float32 (the default).
+
     ``schedule`` picks where the layer yields under DBO: ``ht`` (high-throughput: dispatch and
     combine on the comm stream, three yields per layer) or ``ll`` (low-latency: send/receive
     halves with the receive launched by the next ubatch's recv hook, two yields per layer). Both
@@ -52,6 +56,7 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     num_shared_experts: int = 0
+    round_topk_weights: bool = False
     schedule: Schedule = "ht"
     deterministic: bool | None = None
     sync_free: bool | None = None
@@ -68,6 +73,8 @@ class MoEConfig:
                 f"MoEConfig.top_k ({self.top_k}) is larger than num_experts ({self.num_experts}); "
                 "a token cannot pick more experts than exist: lower top_k"
             )
+        if not isinstance(self.round_topk_weights, bool):
+            raise ValueError(f"MoEConfig.round_topk_weights must be True or False (got {self.round_topk_weights!r})")
         if self.scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"MoEConfig.scoring must be 'softmax' or 'sigmoid' (got {self.scoring!r})")
         if self.schedule not in ("ht", "ll"):

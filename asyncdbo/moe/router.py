@@ -8,8 +8,16 @@ reference model does, because in bf16 the dtype of the logits decides ties:
 * Mixtral (``softmax``): logits in the activations' dtype (the gate is a Linear of the model's
   dtype), softmax in float32, ``topk`` on the probabilities. Computing the logits in float32
   instead sends the tokens whose bf16 logits tie to other experts.
+* Qwen3-MoE (``softmax`` with ``round_topk_weights``): Mixtral's rule, then the chosen weights
+  rounded to the logits' dtype (``router_top_value.to(router_logits.dtype)``); they are kept as
+  float32 holding bf16 values, so the combine's float32 product is the bf16 product exactly
+  (two bf16 mantissas multiply exactly in float32, one rounding either way).
 * DeepSeek-V3 (``sigmoid``): logits and sigmoid in float32 (its gate weight and correction bias
   stay float32 in a bf16 model), the bias added for the choice only.
+
+The renormalisation adds 1e-20 to the sum (DeepSeek-V3's guard); Mixtral and Qwen3-MoE add
+nothing, which gives the same bits: the top-k probabilities of a softmax sum to at least
+``top_k / num_experts``, whose float32 ulp is far above 1e-20.
 
 With ``deterministic`` the logits GEMM runs in fixed row tiles and the sigmoid is composed from
 lane-independent ops (:mod:`asyncdbo.moe.batch_invariant`), so a token gets the same experts and
@@ -34,7 +42,8 @@ def route(
     bias_E: torch.Tensor | None = None,
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(topk_w_TK, topk_ids_TK)``: float32 weights and int64 expert ids per token.
+    """Return ``(topk_w_TK, topk_ids_TK)``: float32 weights (holding values of the logits' dtype
+    with ``cfg.round_topk_weights``) and int64 expert ids per token.
 
     ``bias_E`` (DeepSeek's ``e_score_correction_bias``) shifts the scores used to *choose*
     experts only; the weights come from the unshifted scores."""
@@ -61,4 +70,6 @@ def route(
         topk_w_TK = topk_w_TK / (topk_w_TK.sum(dim=-1, keepdim=True) + 1e-20)
     if cfg.routed_scaling_factor != 1.0:
         topk_w_TK = topk_w_TK * cfg.routed_scaling_factor
+    if cfg.round_topk_weights:
+        topk_w_TK = topk_w_TK.to(logits_TE.dtype).float()
     return topk_w_TK, topk_ids_TK

@@ -1,6 +1,6 @@
 """Qwen3-MoE (``Qwen3MoeForCausalLM``): grouped-query attention with a per-head RMSNorm on queries
 and keys before RoPE, an explicit ``head_dim``, softmax top-k routing renormalised only with
-``norm_topk_prob``, and dense MLP layers where ``mlp_only_layers`` or ``decoder_sparse_step`` say
+``norm_topk_prob`` and then rounded to the model's dtype (``MoEConfig.round_topk_weights``), and dense MLP layers where ``mlp_only_layers`` or ``decoder_sparse_step`` say
 so.  No shared expert.
 """
 
@@ -37,7 +37,7 @@ class Qwen3Moe(Architecture):
         hf = self.hf
         return MoEConfig(hidden_size=hf.hidden_size, intermediate_size=hf.moe_intermediate_size,
                          num_experts=hf.num_experts, top_k=hf.num_experts_per_tok, scoring="softmax",
-                         norm_topk_prob=bool(hf.norm_topk_prob), schedule=schedule)
+                         norm_topk_prob=bool(hf.norm_topk_prob), round_topk_weights=True, schedule=schedule)
 
     def make_attention(self, prefix: str, slots: WeightSlots, *, dtype: torch.dtype, device: Any) -> GQAttention:
         hf = self.hf
