@@ -3,7 +3,7 @@
 transformers is the oracle: tiny random models built the way ``from_pretrained(..., dtype=bf16)``
 builds them (:func:`~asyncdbo.models.hf.reference.tiny_hf_model` with ``dtype``: what transformers
 keeps in float32 stays float32), their eager forward over each request's fed tokens.  asyncdbo's
-model on one rank runs a prefill of three uneven requests and three greedy decode steps, serially
+model on one rank runs a prefill of three uneven requests and two greedy decode steps, serially
 and with DBO (a request cut between ubatches); every logits row of both runs must be
 ``torch.equal`` to transformers'.  Besides the project's tiny configs, four of our own change the
 routing (top-1 to top-4, odd expert counts, grouped and ungrouped sigmoid routing, shared experts,
@@ -66,7 +66,7 @@ async def _serial_and_dbo(hf: Any, v: Variant, prompts: dict[int, list[int]]) ->
     for mode, net in (("serial", model), ("dbo", model.with_fresh_cache())):
         runner = DBORunner(net, v.runner_config(), dp_group=None)
         (out[mode],) = await greedy_generate([(runner, mode == "dbo")], BatchBuilder(net.kv_cache_config), prompts,
-                                             decode_steps=3)
+                                             decode_steps=2)
     return out
 
 
@@ -80,7 +80,7 @@ def test_bf16_logits_equal_transformers_bit_for_bit(case: str) -> None:
     assert all(rec.microbatched for rec in runs["dbo"].records)
     for r in prompts:
         fed = runs["serial"].fed[r]
-        assert runs["dbo"].fed[r] == fed and len(fed) == len(prompts[r]) + 3
+        assert runs["dbo"].fed[r] == fed and len(fed) == len(prompts[r]) + 2
         ref_SV = hf_logits(hf, fed)
         for mode, gen in runs.items():
             assert gen.logits[r].dtype == torch.bfloat16
@@ -116,3 +116,10 @@ def test_qwen3_router_rounds_the_topk_weights_to_bf16_like_transformers(norm: bo
         assert torch.equal(ids_TK, ref_ids_TK) and torch.equal(w_TK, ref_w_TK.float())
     unrounded_TK, _ = route(x_TD, gate.weight.detach(), cfg.__class__(**{**cfg.__dict__, "round_topk_weights": False}))
     assert not torch.equal(unrounded_TK, ref_w_TK.float())  # the rounding is what makes them equal
+
+
+def test_round_topk_weights_must_be_a_bool() -> None:
+    from asyncdbo.moe import MoEConfig
+
+    with pytest.raises(ValueError, match=r"^MoEConfig\.round_topk_weights must be True or False \(got 'yes'\)$"):
+        MoEConfig(hidden_size=8, intermediate_size=8, num_experts=4, top_k=2, round_topk_weights="yes")  # type: ignore[arg-type]
