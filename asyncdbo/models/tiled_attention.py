@@ -1,6 +1,7 @@
 """Causal attention whose result for a query depends only on its position: the deterministic path.
 
-Shape legend: T = tokens, H = heads, K = head dim, R = requests, I = query items (QUERY_TILE rows
+Shape legend: T = tokens, H = heads, K = head dim, V = value head dim, G = cached heads, C' = cached
+row width, N = gathered cache rows, R = requests, I = query items (QUERY_TILE rows
 of one request), Q = QUERY_TILE, J = key tiles, C = KEY_TILE, X = rows of a chunk's items (n*Q),
 S = key positions of a chunk (J*C).
 
@@ -24,9 +25,16 @@ nor the operand strides change a row's bits (``tests/test_batch_invariant.py`` c
 32 to 128; at 1-2 rows they do). Elementwise ops and per-row reductions give a row the same bits
 wherever it sits. Items are processed in chunks whose score block stays under ``CHUNK_SCORES``
 elements, which bounds memory and, each item being computed on its own, changes no bits.
+
+A cache that stores something other than per-head keys and values (grouped KV heads, MLA's
+compressed latent) passes a ``context`` that turns the gathered cache rows into them; it is called
+on every row of a request's key tiles, so it must itself give a row the same bits whatever rows
+share the call (a repeat, or a GEMM in fixed row tiles: :func:`asyncdbo.moe.batch_invariant.linear`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -42,15 +50,23 @@ KEY_TILE = 64
 CHUNK_SCORES = 1 << 22
 
 
+#: Cache rows ``(k_NGC', v_NGC' or None)`` -> per-head ``(k_HNK, v_HNV)`` (module docstring).
+Context = Callable[[torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
+
+
 def tiled_causal_attention(q_THK: torch.Tensor, positions_T: torch.Tensor, k_flat: torch.Tensor,
-                           v_flat: torch.Tensor, attn: AttentionMetadata, block_size: int,
-                           scale: float) -> torch.Tensor:
+                           v_flat: torch.Tensor | None, attn: AttentionMetadata, block_size: int,
+                           scale: float, *, context: Context | None = None,
+                           v_dim: int | None = None) -> torch.Tensor:
     """Attention of the new queries over their cached context (K/V already written), causal by
-    position. ``k_flat``/``v_flat`` are the layer's cache as ``[slots, H, K]``. Returns
-    ``[num_actual_tokens, H, K]``; half types are computed in float32."""
+    position. ``k_flat``/``v_flat`` are the layer's cache as ``[slots, H, K]``, or as stored
+    (``[slots, G, C']``, values possibly None) with a ``context`` that expands gathered rows to
+    per-head keys and ``v_dim``-wide values. Returns ``[num_actual_tokens, H, V]``; half types
+    are computed in float32."""
     H, K = q_THK.shape[1], q_THK.shape[2]
+    V = K if v_dim is None else v_dim
     T = attn.num_actual_tokens
-    out_THK = q_THK.new_zeros((T, H, K))
+    out_THK = q_THK.new_zeros((T, H, V))
     if T == 0:
         return out_THK
     Q, C = QUERY_TILE, KEY_TILE
@@ -74,20 +90,20 @@ def tiled_causal_attention(q_THK: torch.Tensor, positions_T: torch.Tensor, k_fla
             J = max(J, tiles[last])
             last += 1
         _attend_chunk(out_THK, q_THK, positions_T, k_flat, v_flat, attn, block_size, scale, work,
-                      req_I[first:last], rows_IQ[first:last], real_IQ[first:last], tiles_I[first:last], J)
+                      req_I[first:last], rows_IQ[first:last], real_IQ[first:last], tiles_I[first:last], J, context)
         first = last
     return out_THK
 
 
 def _attend_chunk(out_THK: torch.Tensor, q_THK: torch.Tensor, positions_T: torch.Tensor, k_flat: torch.Tensor,
-                  v_flat: torch.Tensor, attn: AttentionMetadata, block_size: int, scale: float, work: torch.dtype,
-                  req_I: torch.Tensor, rows_IQ: torch.Tensor, real_IQ: torch.Tensor, tiles_I: torch.Tensor,
-                  J: int) -> None:
+                  v_flat: torch.Tensor | None, attn: AttentionMetadata, block_size: int, scale: float,
+                  work: torch.dtype, req_I: torch.Tensor, rows_IQ: torch.Tensor, real_IQ: torch.Tensor,
+                  tiles_I: torch.Tensor, J: int, context: Context | None) -> None:
     """Items ``req_I``/``rows_IQ`` against key tiles ``0..J-1``: the scores of every (item, tile)
     pair the item needs (the others stay -inf), one exact max, then the tile sums in order. Writes
     the items' real rows of ``out_THK``."""
     dev = q_THK.device
-    H, K = q_THK.shape[1], q_THK.shape[2]
+    H, K, V = q_THK.shape[1], q_THK.shape[2], out_THK.shape[2]
     Q, C = QUERY_TILE, KEY_TILE
     # Order: items alone in their request first (one batch), then each shared request's items.
     reqs, per_req = torch.unique_consecutive(req_I, return_counts=True)
@@ -103,18 +119,23 @@ def _attend_chunk(out_THK: torch.Tensor, q_THK: torch.Tensor, positions_T: torch
     kpos_RS = kpos_S[None, :].where(kpos_S[None, :] < _seq_of(attn, reqs)[:, None], 0).to(table.device)
     table_RB = table.index_select(0, reqs.to(table.device)).long()
     slots = (table_RB.gather(1, kpos_RS // block_size) * block_size + kpos_RS % block_size).flatten().to(dev)
-    k_RSHK = k_flat.index_select(0, slots).view(-1, S, H, K).to(work)
-    v_RSHK = v_flat.index_select(0, slots).view(-1, S, H, K).to(work)
+    k_rows, v_rows = k_flat.index_select(0, slots), None if v_flat is None else v_flat.index_select(0, slots)
+    if context is not None:
+        k_HNK, v_HNV = context(k_rows, v_rows)
+        k_rows, v_rows = k_HNK.transpose(0, 1), v_HNV.transpose(0, 1)
+    assert v_rows is not None, "a keys-only cache needs a context that makes the values"
+    k_RSHK = k_rows.reshape(-1, S, H, K).to(work)
+    v_RSHV = v_rows.reshape(-1, S, H, V).to(work)
     # Groups of items that share one bmm: (first item, count, keys [count or 1, S, H, K], values).
     groups: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
     if num_alone == reqs.numel():  # every request has one item (decode): the keys are per item already
-        groups.append((0, num_alone, k_RSHK, v_RSHK))
+        groups.append((0, num_alone, k_RSHK, v_RSHV))
     elif num_alone:
         idx = (per_req == 1).nonzero().squeeze(1).to(dev)
-        groups.append((0, num_alone, k_RSHK.index_select(0, idx), v_RSHK.index_select(0, idx)))
+        groups.append((0, num_alone, k_RSHK.index_select(0, idx), v_RSHV.index_select(0, idx)))
     start = num_alone
     for r, cnt in zip((per_req > 1).nonzero().squeeze(1).tolist(), per_req[per_req > 1].tolist()):
-        groups.append((start, cnt, k_RSHK[r:r + 1].expand(cnt, S, H, K), v_RSHK[r:r + 1].expand(cnt, S, H, K)))
+        groups.append((start, cnt, k_RSHK[r:r + 1].expand(cnt, S, H, K), v_RSHV[r:r + 1].expand(cnt, S, H, V)))
         start += cnt
     tiles = tiles_I.tolist()
 
@@ -147,22 +168,22 @@ def _attend_chunk(out_THK: torch.Tensor, q_THK: torch.Tensor, positions_T: torch
     m_HX = m_HX.masked_fill_(m_HX == float("-inf"), 0.0)
     p_HJXC = s_HJXC.sub_(m_HX[:, None, :, None]).exp_()
     l_HJX = p_HJXC.sum(dim=-1)
-    pv_HJXK = q_IQHK.new_zeros((H, J, X, K))  # pairs skipped above: exact zeros
+    pv_HJXV = q_IQHK.new_zeros((H, J, X, V))  # pairs skipped above: exact zeros
     for j in range(J):
-        for a, cnt, _, v_GSHK in groups:
+        for a, cnt, _, v_GSHV in groups:
             skip, m = live(a, cnt, j)
             if not m:
                 continue
             b = a + skip
             for h in range(H):
-                torch.bmm(p_HJXC[h, j, b * Q:(b + m) * Q].view(m, Q, C), v_GSHK[skip:, j * C:(j + 1) * C, h],
-                          out=pv_HJXK[h, j, b * Q:(b + m) * Q].view(m, Q, K))
-    l_HX, o_HXK = l_HJX[:, 0], pv_HJXK[:, 0]
+                torch.bmm(p_HJXC[h, j, b * Q:(b + m) * Q].view(m, Q, C), v_GSHV[skip:, j * C:(j + 1) * C, h],
+                          out=pv_HJXV[h, j, b * Q:(b + m) * Q].view(m, Q, V))
+    l_HX, o_HXV = l_HJX[:, 0], pv_HJXV[:, 0]
     for j in range(1, J):  # tile order: tiles a row cannot see add exact zeros
         l_HX = l_HX + l_HJX[:, j]
-        o_HXK = o_HXK + pv_HJXK[:, j]
-    o_XHK = (o_HXK / l_HX.masked_fill(l_HX == 0, 1.0)[..., None]).permute(1, 0, 2)
-    out_THK[rows_X[real_X]] = o_XHK[real_X].to(out_THK.dtype)
+        o_HXV = o_HXV + pv_HJXV[:, j]
+    o_XHV = (o_HXV / l_HX.masked_fill(l_HX == 0, 1.0)[..., None]).permute(1, 0, 2)
+    out_THK[rows_X[real_X]] = o_XHV[real_X].to(out_THK.dtype)
 
 
 def _seq_of(attn: AttentionMetadata, reqs: torch.Tensor) -> torch.Tensor:

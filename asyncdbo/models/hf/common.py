@@ -27,8 +27,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ...moe import batch_invariant
 from ...plan.metadata import AttentionMetadata
 from ..attention import PagedKVCache, slots_for
+from ..tiled_attention import tiled_causal_attention
 
 __all__ = ["Rope", "WeightSlots", "apply_rope", "attend", "paged_attention", "rms_norm", "rope_from_hf"]
 
@@ -49,9 +51,15 @@ def residual_norm(x_TD: torch.Tensor, delta_TD: torch.Tensor, w_D: torch.Tensor,
     return x_TD, rms_norm(x_TD, w_D, eps)
 
 
-def linear(x_TF: torch.Tensor, w_OF: torch.Tensor, b_O: torch.Tensor | None) -> torch.Tensor:
-    """A projection (a piece of its own: the attention output and the LM head)."""
-    return F.linear(x_TF, w_OF, b_O)
+def linear(x_TF: torch.Tensor, w_OF: torch.Tensor, b_O: torch.Tensor | None, tile: int | None = None) -> torch.Tensor:
+    """A projection (a piece of its own: the attention output and the LM head).  With ``tile``
+    (exact mode) the GEMM runs in fixed row tiles, so a row's bits do not depend on the other
+    rows of the call (:func:`asyncdbo.moe.batch_invariant.linear`); the bias is then added on
+    its own (an elementwise add is exact wherever the row sits)."""
+    if tile is None:
+        return F.linear(x_TF, w_OF, b_O)
+    y_TO = batch_invariant.linear(x_TF, w_OF, tile)
+    return y_TO if b_O is None else y_TO + b_O
 
 
 def apply_rope(x_THK: torch.Tensor, cos_TK: torch.Tensor, sin_TK: torch.Tensor, interleave: bool) -> torch.Tensor:
@@ -130,12 +138,25 @@ def paged_attention(
     context: Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]],
     attend_fn: Callable[..., torch.Tensor],
     v_dim: int,
+    exact: bool = False,
 ) -> torch.Tensor:
     """Each request's new queries over its cached context, causal by position (the K/V of this
     step already written).  ``context(k_S.., v_S..)`` turns what the cache holds into per-head
     ``(k_HSK, v_HSV)``: repeated KV heads (GQA) or the expanded latent (MLA).  Rows past
-    ``attn.num_actual_tokens`` (padding) get zeros."""
+    ``attn.num_actual_tokens`` (padding) get zeros.
+
+    ``exact`` runs :func:`~asyncdbo.models.tiled_attention.tiled_causal_attention` instead (a
+    query's bits depend only on its position and its request's context, not on the call; half
+    types computed in float32); ``context`` must then be batch-invariant too (exact mode's MLA
+    expansion runs in fixed row tiles)."""
     out_THV = q_THK.new_zeros(q_THK.shape[0], q_THK.shape[1], v_dim)
+    if exact:
+        cfg = cache.cfg
+        k_flat = cache.k_cache_LNZHK[layer].view(-1, cfg.num_heads, cfg.head_dim)
+        v_flat = cache.v_cache_LNZHK[layer].view(-1, cfg.num_heads, cfg.value_dim) if cfg.value_dim else None
+        out_THV[: attn.num_actual_tokens] = tiled_causal_attention(
+            q_THK, positions_T, k_flat, v_flat, attn, cfg.block_size, scale, context=context, v_dim=v_dim)
+        return out_THV
     qsl, seq_lens = attn.query_start_loc_cpu.tolist(), attn.seq_lens_cpu.tolist()
     for r in range(attn.num_reqs):
         t0, t1, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])

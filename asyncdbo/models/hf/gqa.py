@@ -18,11 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ...plan.metadata import AttentionMetadata
 from ..attention import wait_for_earlier_kv
-from .common import WeightSlots, apply_rope, paged_attention, rms_norm
+from .common import WeightSlots, apply_rope, linear, paged_attention, rms_norm
 
 __all__ = ["GQAttention", "gqa_qkv"]
 
@@ -31,12 +30,13 @@ def gqa_qkv(h_TD: torch.Tensor, wq_FD: torch.Tensor, bq_F: torch.Tensor | None, 
             bk_F: torch.Tensor | None, wv_FD: torch.Tensor, bv_F: torch.Tensor | None,
             q_norm_K: torch.Tensor | None, k_norm_K: torch.Tensor | None, cos_TK: torch.Tensor,
             sin_TK: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The synchronous piece before the cache write: ``(q_THK, k_TGK, v_TGK)`` with RoPE applied."""
+            eps: float, tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The synchronous piece before the cache write: ``(q_THK, k_TGK, v_TGK)`` with RoPE applied
+    (``tile``: exact mode's fixed-row-tile GEMMs, :func:`~asyncdbo.models.hf.common.linear`)."""
     T = h_TD.shape[0]  # may be 0 (an idle rank's ubatch): every view names its sizes
-    q_THK = F.linear(h_TD, wq_FD, bq_F).view(T, heads, head_dim)
-    k_TGK = F.linear(h_TD, wk_FD, bk_F).view(T, kv_heads, head_dim)
-    v_TGK = F.linear(h_TD, wv_FD, bv_F).view(T, kv_heads, head_dim)
+    q_THK = linear(h_TD, wq_FD, bq_F, tile).view(T, heads, head_dim)
+    k_TGK = linear(h_TD, wk_FD, bk_F, tile).view(T, kv_heads, head_dim)
+    v_TGK = linear(h_TD, wv_FD, bv_F, tile).view(T, kv_heads, head_dim)
     if q_norm_K is not None and k_norm_K is not None:
         q_THK, k_TGK = rms_norm(q_THK, q_norm_K, eps), rms_norm(k_TGK, k_norm_K, eps)
     return apply_rope(q_THK, cos_TK, sin_TK, False), apply_rope(k_TGK, cos_TK, sin_TK, False), v_TGK
@@ -82,13 +82,14 @@ class GQAttention:
 
     async def forward(self, model: Any, layer: int, h_TD: torch.Tensor, positions_T: torch.Tensor,
                       rope_TK: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata) -> torch.Tensor:
-        seg = model.segments
+        seg, tile = model.segments, model.tile
         q_THK, k_TGK, v_TGK = seg.gqa_qkv(h_TD, self.wq_FD, self.bq_F, self.wk_FD, self.bk_F, self.wv_FD, self.bv_F,
                                           self.q_norm_K, self.k_norm_K, *rope_TK, self.num_heads, self.num_kv_heads,
-                                          self.head_dim, self.eps)
+                                          self.head_dim, self.eps, tile)
         n = attn.num_actual_tokens  # rows past n are padding: they write no K/V
         model.kv_cache.write(layer, k_TGK[:n], v_TGK[:n], attn.slot_mapping)
         await wait_for_earlier_kv(model, layer)
         o_THK = paged_attention(q_THK, positions_T, model.kv_cache, layer, attn, scale=self.scale,
-                                context=self._context, attend_fn=seg.attend, v_dim=self.head_dim)
-        return seg.linear(o_THK.reshape(o_THK.shape[0], self.num_heads * self.head_dim), self.wo_DF, self.bo_D)
+                                context=self._context, attend_fn=seg.attend, v_dim=self.head_dim,
+                                exact=tile is not None)
+        return seg.linear(o_THK.reshape(o_THK.shape[0], self.num_heads * self.head_dim), self.wo_DF, self.bo_D, tile)

@@ -27,11 +27,10 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ...plan.metadata import AttentionMetadata
 from ..attention import wait_for_earlier_kv
-from .common import WeightSlots, apply_rope, paged_attention, rms_norm
+from .common import WeightSlots, apply_rope, linear, paged_attention, rms_norm
 
 __all__ = ["MLAttention", "mla_expand", "mla_project"]
 
@@ -40,17 +39,19 @@ LATENT_NORM_EPS = 1e-6
 
 
 def mla_project(h_TD: torch.Tensor, w: dict[str, torch.Tensor | None], cos_TK: torch.Tensor, sin_TK: torch.Tensor,
-                heads: int, nope: int, lora: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                heads: int, nope: int, lora: int, interleave: bool,
+                tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The synchronous piece before the cache write: queries ``q_THK`` (rotary part rotated) and
-    the cache rows ``latent_T1C`` = normed latent and rotated shared key."""
+    the cache rows ``latent_T1C`` = normed latent and rotated shared key (``tile``: exact mode's
+    fixed-row-tile GEMMs)."""
     T = h_TD.shape[0]  # may be 0 (an idle rank's ubatch): every view names its sizes
     if w["q_a_proj"] is None:
-        q_TF = F.linear(h_TD, w["q_proj"])  # type: ignore[arg-type]
+        q_TF = linear(h_TD, w["q_proj"], None, tile)  # type: ignore[arg-type]
     else:
-        q_TQ = rms_norm(F.linear(h_TD, w["q_a_proj"], w["q_a_bias"]), w["q_a_norm"], LATENT_NORM_EPS)  # type: ignore[arg-type]
-        q_TF = F.linear(q_TQ, w["q_b_proj"])  # type: ignore[arg-type]
+        q_TQ = rms_norm(linear(h_TD, w["q_a_proj"], w["q_a_bias"], tile), w["q_a_norm"], LATENT_NORM_EPS)  # type: ignore[arg-type]
+        q_TF = linear(q_TQ, w["q_b_proj"], None, tile)  # type: ignore[arg-type]
     q_THK = q_TF.view(T, heads, q_TF.shape[1] // heads)
-    compressed_TC = F.linear(h_TD, w["kv_a_proj"], w["kv_a_bias"])  # type: ignore[arg-type]
+    compressed_TC = linear(h_TD, w["kv_a_proj"], w["kv_a_bias"], tile)  # type: ignore[arg-type]
     latent_TL = rms_norm(compressed_TC[:, :lora], w["kv_a_norm"], LATENT_NORM_EPS)  # type: ignore[arg-type]
     k_rot_T1P = apply_rope(compressed_TC[:, None, lora:], cos_TK, sin_TK, interleave)
     q_THK = torch.cat([q_THK[..., :nope], apply_rope(q_THK[..., nope:], cos_TK, sin_TK, interleave)], dim=-1)
@@ -58,10 +59,12 @@ def mla_project(h_TD: torch.Tensor, w: dict[str, torch.Tensor | None], cos_TK: t
 
 
 def mla_expand(latent_S1C: torch.Tensor, kv_b_FL: torch.Tensor, heads: int, nope: int,
-               lora: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head keys ``[H, S, N+P]`` and values ``[H, S, V]`` of one request's cached latents."""
+               lora: int, tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head keys ``[H, S, N+P]`` and values ``[H, S, V]`` of one request's cached latents
+    (``tile``: in fixed row tiles, so a cached row expands to the same bits whatever context
+    length, or rows of other requests, share the call)."""
     S = latent_S1C.shape[0]
-    kv_SHF = F.linear(latent_S1C[:, 0, :lora], kv_b_FL).view(S, heads, -1)
+    kv_SHF = linear(latent_S1C[:, 0, :lora], kv_b_FL, None, tile).view(S, heads, -1)
     k_rot_SHP = latent_S1C[:, :, lora:].expand(S, heads, -1)
     k_SHK = torch.cat([kv_SHF[..., :nope], k_rot_SHP], dim=-1)
     return k_SHK.transpose(0, 1), kv_SHF[..., nope:].transpose(0, 1)
@@ -105,17 +108,18 @@ class MLAttention:
 
     async def forward(self, model: Any, layer: int, h_TD: torch.Tensor, positions_T: torch.Tensor,
                       rope_TK: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata) -> torch.Tensor:
-        seg = model.segments
+        seg, tile = model.segments, model.tile
 
         def context(latent_S1C: torch.Tensor, _: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-            return seg.mla_expand(latent_S1C, self.kv_b_FL, self.heads, self.nope, self.lora)
+            return seg.mla_expand(latent_S1C, self.kv_b_FL, self.heads, self.nope, self.lora, tile)
 
-        q_THK, latent_T1C = seg.mla_project(h_TD, self.w, *rope_TK, self.heads, self.nope, self.lora, self.interleave)
+        q_THK, latent_T1C = seg.mla_project(h_TD, self.w, *rope_TK, self.heads, self.nope, self.lora, self.interleave,
+                                            tile)
         model.kv_cache.write(layer, latent_T1C[: attn.num_actual_tokens], None, attn.slot_mapping)
         await wait_for_earlier_kv(model, layer)
         o_THV = paged_attention(q_THK, positions_T, model.kv_cache, layer, attn, scale=self.scale,
-                                context=context, attend_fn=seg.attend, v_dim=self.v_dim)
-        return seg.linear(o_THV.reshape(o_THV.shape[0], self.heads * self.v_dim), self.wo_DF, self.bo_D)
+                                context=context, attend_fn=seg.attend, v_dim=self.v_dim, exact=tile is not None)
+        return seg.linear(o_THV.reshape(o_THV.shape[0], self.heads * self.v_dim), self.wo_DF, self.bo_D, tile)
 
 
 def _yarn_mscale_squared(params: dict[str, Any]) -> float:

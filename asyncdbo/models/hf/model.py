@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 
 from ...moe import MoEConfig, MoELayer
+from ...moe.batch_invariant import ROW_TILE
 from ...moe.config import Schedule
 from ...moe.experts import swiglu
 from ...plan.metadata import AttentionMetadata
@@ -152,12 +153,23 @@ class HFMoEModel:
     ``max_ubatches`` bounds a DBO run's ubatches; ``block_size``/``num_kv_blocks`` size this
     rank's KV cache.  Building it with EP size > 1 is collective (the MoE layers make per-ubatch
     process groups): every rank builds it at the same time.  Its weights are uninitialised until
-    a loader fills :attr:`slots`."""
+    a loader fills :attr:`slots`.
+
+    ``deterministic`` is exact mode: True makes every piece batch-invariant (the projections, the
+    LM head and the dense and expert MLPs in fixed row tiles, attention tiled by position, the MoE
+    layers' own deterministic mode), so a DBO step gives the serial step's logits and KV cache bit
+    for bit; False turns the MoE layers' mode off too; None (the default) leaves the MoE layers at
+    their own default (on for CPU inputs) and the rest on its fast path."""
 
     def __init__(self, arch: Architecture, *, ep_group: Any = None, schedule: Schedule = "ht", max_ubatches: int = 4,
                  block_size: int = 16, num_kv_blocks: int = 256, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", deterministic: bool | None = None) -> None:
+        if not (deterministic is None or isinstance(deterministic, bool)):
+            raise ValueError(f"HFMoEModel deterministic must be True, False or None (got {deterministic!r})")
         hf = self.hf = arch.hf
+        self.deterministic = deterministic
+        #: Rows per GEMM call in exact mode (None: the fast path).
+        self.tile: int | None = ROW_TILE if deterministic else None
         self.arch, self.slots, self.segments = arch, WeightSlots(), Segments()
         self.eps = float(hf.rms_norm_eps)
         D, V = hf.hidden_size, hf.vocab_size
@@ -195,7 +207,10 @@ class HFMoEModel:
              dtype: torch.dtype, device: Any) -> MoELayer:
         """A MoE layer with slots for the router, the correction bias, the shared experts and this
         rank's experts only."""
-        layer = MoELayer(arch.moe_config(schedule), ep_group=ep_group, dtype=dtype, max_ubatches=max_ubatches,
+        cfg = arch.moe_config(schedule)
+        if self.deterministic is not None:
+            cfg = dataclasses.replace(cfg, deterministic=self.deterministic)
+        layer = MoELayer(cfg, ep_group=ep_group, dtype=dtype, max_ubatches=max_ubatches,
                          name=prefix, init_weights=False).to(device)
         add = self.slots.add
         add(f"{prefix}.gate.weight", layer.router_ED.data)
@@ -259,7 +274,7 @@ class HFMoEModel:
                 f"{input_ids_T.shape[0]} were given"
             )
         check_token_ids(input_ids_T, self.embed_VD.shape[0])
-        seg, eps, layers = self.segments, self.eps, self.layers
+        seg, eps, layers, tile = self.segments, self.eps, self.layers, self.tile
         x_TD = self.embed_VD[input_ids_T]
         rope_TK = self.rope.tables(positions_T, x_TD.dtype)
         h_TD = seg.rms_norm(x_TD, layers[0].attn_norm_D, eps)
@@ -270,10 +285,10 @@ class HFMoEModel:
                 f_TD = await layer.moe.forward(h_TD)
             else:
                 assert layer.mlp is not None
-                f_TD = seg.mlp(h_TD, *layer.mlp)
+                f_TD = seg.mlp(h_TD, *layer.mlp, tile)
             next_norm_D = layers[i + 1].attn_norm_D if i + 1 < len(layers) else self.final_norm_D
             x_TD, h_TD = seg.residual_norm(x_TD, f_TD, next_norm_D, eps)
-        return seg.linear(h_TD, self.lm_head_VD, None)
+        return seg.linear(h_TD, self.lm_head_VD, None, tile)
 
 
 #: A fused expert tensor's name (transformers 5's in-memory layout).
