@@ -34,7 +34,7 @@ import torch
 
 from .progress import Progress, wants_progress
 
-__all__ = ["HFDemoConfig", "hf_demo_rank", "main_hf"]
+__all__ = ["HFDemoConfig", "hf_demo_rank", "main_hf", "threshold_hints"]
 
 #: Max |logits diff| accepted as a match (serial vs DBO, and against transformers; fp32 CPU).
 MATCH_ATOL = 1e-4
@@ -166,6 +166,46 @@ def _reference(cfg: HFDemoConfig) -> Any:
                                                 attn_implementation="eager", dtype=torch.float32).eval()
 
 
+def threshold_hints(records_by_rank: list[list[Any]], *, prefill_threshold: int, decode_threshold: int) -> list[str]:
+    """Lines for the DBO steps that stayed serial because a rank fell below a threshold: how many,
+    the busy ranks' token counts, and the flag value that puts those steps at the threshold.
+
+    ``records_by_rank[r]`` are rank ``r``'s :class:`~asyncdbo.plan.StepRecord` of the DBO run, step
+    0 the prefill and the rest decode steps (the demo's order). A rank's token count comes from
+    its vote (``rec.ranks``), or from its own record without a DP group. A lower threshold only
+    passes the threshold test: a step can still fall back for another reason, which its record
+    then names."""
+    from ..plan import PlanReason
+
+    below = PlanReason.BELOW_THRESHOLD
+    lines = []
+    for flag, current, kind, steps in (("--prefill-threshold", prefill_threshold, "prefill", slice(0, 1)),
+                                       ("--decode-threshold", decode_threshold, "decode", slice(1, None))):
+        per_step = list(zip(*(recs[steps] for recs in records_by_rank)))
+        counts, fell = [], 0
+        for recs in per_step:
+            if any(rec.microbatched for rec in recs):
+                continue
+            votes = recs[0].ranks
+            if votes:
+                if not any(v.reason is below for v in votes):
+                    continue
+                counts += [v.num_tokens_unpadded for v in votes if v.num_tokens_unpadded > 0]
+            else:
+                if not any(rec.reason is below for rec in recs):
+                    continue
+                counts += [sum(rec.ubatch_num_tokens) for rec in recs if sum(rec.ubatch_num_tokens) > 0]
+            fell += 1
+        if not fell:
+            continue
+        lo, hi = min(counts), max(counts)
+        lines.append(f"{fell} of {len(per_step)} {kind} step(s) stayed serial below {flag} {current} (busy ranks had "
+                     f"{lo}{f'-{hi}' if hi != lo else ''} tokens); {flag} {lo} puts them at the threshold. The "
+                     "defaults are vLLM's, for a real engine's batches: measure where DBO pays before lowering "
+                     "them (docs/integration.md, section 5)")
+    return lines
+
+
 def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], where: str,
             before_print: Callable[[], None] = lambda: None) -> int:
     from ..models.hf.generate import compare_with_hf
@@ -202,7 +242,7 @@ def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], wh
         split, total = microbatched(per_rank, steps)
         if split == 0:  # DBO ran these steps serially: a ratio of two serial runs is noise
             speedup = "-"
-            note = f"(no speedup: {'the step' if total == 1 else f'none of the {total} steps'} microbatched)"
+            note = f"(no speedup: {'the step did not microbatch' if total == 1 else f'none of the {total} steps microbatched'})"
         else:
             speedup = f"{s / d:.2f}x" if d else ""
             note = "(microbatched)" if total == 1 else f"(microbatched: {'all' if split == total else split} of {total})"
@@ -215,6 +255,8 @@ def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], wh
     lines += ["", "speedup = serial step time / DBO step time (above 1x: DBO is faster)",
               "DBO steps: microbatched, every step on every rank" if not reasons else
               "DBO steps: NOT microbatched in some steps: " + "; ".join(f"{a} ({b})" if b else a for a, b in reasons)]
+    lines += threshold_hints([r["dbo"].records for r in per_rank], prefill_threshold=cfg.prefill_threshold,
+                             decode_threshold=cfg.decode_threshold)
     ok_dbo = diff <= MATCH_ATOL
     lines.append(f"outputs serial vs DBO: max |logits diff| = {diff:.3g} "
                  f"({'bitwise equal' if diff == 0 else 'match' if ok_dbo else 'MISMATCH'}, tolerance {MATCH_ATOL:g})")

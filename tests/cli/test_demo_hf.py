@@ -107,3 +107,38 @@ def test_a_checkpoint_of_another_architecture_is_refused_before_any_rank_starts(
     assert main(["demo", "--model", "qwen3-moe", "--weights", str(mixtral_dir)]) == 2
     assert capsys.readouterr().err == (f"asyncdbo demo: error: {mixtral_dir}/config.json: model_type 'mixtral' is a "
                                        "mixtral checkpoint, not qwen3-moe; pass --model mixtral\n")
+
+
+def test_threshold_hints_name_the_steps_below_a_threshold_and_the_value_that_reaches_them() -> None:
+    from asyncdbo.cli.demo_hf import threshold_hints
+    from asyncdbo.plan import PlanReason, RankVote, StepRecord
+
+    def rec(step: int, split: bool, reason: PlanReason, tokens: tuple[int, ...], *votes: RankVote) -> StepRecord:
+        return StepRecord(step=step, microbatched=split, reason=reason, ubatch_num_tokens=tokens, ranks=votes)
+
+    def vote(rank: int, reason: PlanReason, n: int) -> RankVote:
+        return RankVote(rank=rank, vote="yes" if reason is PlanReason.MICROBATCHED else "no" if n else "idle",
+                        reason=reason, num_tokens_unpadded=n, num_tokens_padded=n)
+
+    ok, below = PlanReason.MICROBATCHED, PlanReason.BELOW_THRESHOLD
+    # Two ranks: the prefill split; decode step 1 fell back (rank 0 below with 3 tokens, rank 1
+    # below with 2), decode step 2 fell back for another reason (not a threshold's doing).
+    prefill = (vote(0, ok, 40), vote(1, ok, 24))
+    step1 = (vote(0, below, 3), vote(1, below, 2))
+    step2 = (vote(0, PlanReason.POLICY_REFUSED, 1), vote(1, PlanReason.DISABLED, 1))
+    by_rank = [[rec(0, True, ok, (20, 20), *prefill), rec(1, False, PlanReason.RANK_DECLINED, (3,), *step1),
+                rec(2, False, PlanReason.RANK_DECLINED, (1,), *step2)],
+               [rec(0, True, ok, (12, 12), *prefill), rec(1, False, PlanReason.RANK_DECLINED, (2,), *step1),
+                rec(2, False, PlanReason.RANK_DECLINED, (1,), *step2)]]
+    assert threshold_hints(by_rank, prefill_threshold=16, decode_threshold=32) == [
+        "1 of 2 decode step(s) stayed serial below --decode-threshold 32 (busy ranks had 2-3 tokens); "
+        "--decode-threshold 2 puts them at the threshold. The defaults are vLLM's, for a real engine's batches: "
+        "measure where DBO pays before lowering them (docs/integration.md, section 5)"]
+    # One rank, no votes: its own records; the prefill of 48 tokens below 512 too.
+    alone = [[rec(0, False, below, (48,)), rec(1, False, below, (3,)), rec(2, True, ok, (2, 1))]]
+    hints = threshold_hints(alone, prefill_threshold=512, decode_threshold=32)
+    assert [h.split(";")[0] for h in hints] == [
+        "1 of 1 prefill step(s) stayed serial below --prefill-threshold 512 (busy ranks had 48 tokens)",
+        "1 of 2 decode step(s) stayed serial below --decode-threshold 32 (busy ranks had 3 tokens)"]
+    assert threshold_hints(alone, prefill_threshold=1, decode_threshold=1) != []  # the records decide, not the flags
+    assert threshold_hints([[rec(0, True, ok, (2, 2))]], prefill_threshold=1, decode_threshold=1) == []

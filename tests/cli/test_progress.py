@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pty
+import re
 import select
 import subprocess
 import sys
@@ -107,6 +108,9 @@ def test_demo_of_a_hugging_face_model_shows_each_phase_and_step() -> None:
     assert ERASE.join(phases) in out  # in this order, each erasing the one before
     # the decode steps (1-4 requests per rank) stay below the decode threshold: no speedup for them
     assert "(no speedup: none of the 2 steps microbatched)\n" in out
+    # ... and the report says which flag value would reach them
+    assert re.search(r"^2 of 2 decode step\(s\) stayed serial below --decode-threshold 32 \(busy ranks had \d(-\d)? "
+                     r"tokens\); --decode-threshold \d puts them at the threshold\.", out, re.MULTILINE), out
 
 
 @pytest.mark.slow
