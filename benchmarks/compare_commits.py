@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import importlib
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,12 +34,16 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def export_base(rev: str, into: Path, name: str = "asyncdbo_base") -> ModuleType:
+def export_base(rev: str, into: Path, name: str = "asyncdbo_base", built: tuple[Path, ...] = ()) -> ModuleType:
     """The package at ``rev`` as an importable ``name``. Its Python files only: a C extension of
-    that revision is not built, so the package runs its pure-Python paths."""
+    that revision is not built, so the package runs its pure-Python paths, unless ``built`` names
+    this checkout's built extension files (under ``asyncdbo/``) to copy in: do that only where
+    their sources are the same at ``rev``."""
     archive = subprocess.run(["git", "archive", rev, "asyncdbo"], cwd=ROOT, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     pkg = into / "asyncdbo"
+    for path in built:
+        shutil.copy2(path, pkg / path.relative_to(ROOT / "asyncdbo"))
     for path in pkg.rglob("*.py"):
         text = path.read_text()
         new = re.sub(r"\basyncdbo\.", f"{name}.", text)

@@ -5,22 +5,34 @@ time per call is the fixed cost a short decode step pays on top of its switches.
 
 * ``run_ubatches`` end to end (host backend, uvloop), N = 2, 4, 8, each ubatch yielding once;
 * the same run taken apart into the phases ``asyncdbo.dbo.run._run`` goes through (options and
-  coroutines, backend, kernel run, DBO state, attach, drive, detach), each timed on its own;
+  coroutines, backend, taking a run shell, attach, drive, detach, giving the shell back), each
+  timed on its own;
 * the floor: a bare trampoline's set-up (one ``copy_context`` per coroutine, a ``send`` loop).
 
 CPU time (``time.process_time_ns``) over ``--calls`` calls, the minimum of ``--rounds`` rounds
 (the machine is shared: the minimum is the cost without interference). The phases are read with
 eight clock reads per call (each a system call), so their sum exceeds the end-to-end time.
+
+``--base REV`` also measures the package as it was at ``REV`` (exported with ``git archive``, as
+benchmarks/compare_commits.py does, with this checkout's built C extensions copied in when the C
+sources did not change since), end to end, interleaved round by round with the working tree in
+one process: medians, min..max, and the ratio of the medians.
+
+    python benchmarks/run_setup.py --base c058287 --out benchmarks/results
 """
 
 from __future__ import annotations
 
 import argparse
 import contextvars
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
@@ -32,13 +44,12 @@ import uvloop  # noqa: E402
 from asyncdbo import dbo_yield, run_ubatches  # noqa: E402
 from asyncdbo._core import kernel  # noqa: E402
 from asyncdbo.backends import get_backend  # noqa: E402
-from asyncdbo.dbo.hooks import on_exit, run_pending_hook  # noqa: E402
-from asyncdbo.dbo.state import Lane, RunState  # noqa: E402
+from asyncdbo.dbo import shell  # noqa: E402
 
 run_mod = sys.modules["asyncdbo.dbo.run"]  # the module (asyncdbo.dbo.run is the function)
 
-PHASES = ("options + coroutines", "backend", "kernel run (DBORun)", "DBO state (lanes)", "attach",
-          "drive (incl. N switches)", "detach")
+PHASES = ("options + coroutines", "backend", "take a run shell", "attach", "drive (incl. N switches)", "detach",
+          "give the shell back")
 
 
 async def forward(i: int) -> int:
@@ -46,12 +57,56 @@ async def forward(i: int) -> int:
     return i
 
 
-async def end_to_end(n: int, calls: int) -> float:
+async def end_to_end(n: int, calls: int, pkg: ModuleType | None = None) -> float:
+    """CPU µs per ``run_ubatches`` call of ``pkg`` (None: the working tree's asyncdbo)."""
+    run, fwd = (run_ubatches, forward) if pkg is None else (pkg.run_ubatches, _forward_of(pkg))
     args = [(i,) for i in range(n)]
     t0 = time.process_time_ns()
     for _ in range(calls):
-        await run_ubatches(forward, args, backend="host")
+        await run(fwd, args, backend="host")
     return (time.process_time_ns() - t0) / calls / 1e3
+
+
+def _forward_of(pkg: ModuleType) -> Callable[[int], Any]:
+    yield_ = pkg.dbo_yield
+
+    async def fwd(i: int) -> int:
+        await yield_("y")
+        return i
+
+    return fwd
+
+
+C_SOURCES = ("asyncdbo/_core/_spin.c", "asyncdbo/dbo/_speedups.c", "asyncdbo/_native")
+
+
+def export_base(rev: str, into: Path) -> tuple[ModuleType, str]:
+    """The package at ``rev`` (compare_commits.export_base), with this checkout's built C
+    extensions copied in when their sources are the same at ``rev`` (else it runs pure Python).
+    Returns the package and a line saying which."""
+    from compare_commits import ROOT
+    from compare_commits import export_base as export
+
+    same = subprocess.run(["git", "diff", "--quiet", rev, "--", *C_SOURCES], cwd=ROOT, check=False).returncode == 0
+    built = tuple(ROOT.joinpath("asyncdbo").rglob("_*.so")) if same else ()
+    pkg = export(rev, into, built=built)
+    spin = sys.modules["asyncdbo_base._core.kernel"]._spin
+    return pkg, f"its C kernel loop {'on' if spin is not None else 'off (C sources differ from this checkout, or none built)'}"
+
+
+async def _warm(n: int, pkgs: dict[str, ModuleType | None]) -> None:
+    for pkg in pkgs.values():
+        await end_to_end(n, 200, pkg)
+
+
+def side_by_side(n: int, pkgs: dict[str, ModuleType | None], calls: int, rounds: int) -> dict[str, list[float]]:
+    """Each round measures every package once (in turn), so machine noise hits them alike."""
+    uvloop.run(_warm(n, pkgs))
+    samples: dict[str, list[float]] = {name: [] for name in pkgs}
+    for _ in range(rounds):
+        for name, pkg in pkgs.items():
+            samples[name].append(uvloop.run(end_to_end(n, calls, pkg)))
+    return samples
 
 
 async def by_phase(n: int, calls: int) -> dict[str, float]:
@@ -66,20 +121,17 @@ async def by_phase(n: int, calls: int) -> dict[str, float]:
         t1 = now()
         backend = get_backend(opts.backend)
         t2 = now()
-        dbo = kernel.DBORun(coros, install=backend.install_stream, before_park=run_pending_hook, at_exit=on_exit,
-                            instrument=run_mod._instrument(opts), watchdog_s=opts.watchdog_s, clock=opts.clock,
-                            loop_poll_s=opts.loop_poll_s, name=opts.name)
+        held = shell.take(coros, backend, opts, None, None)
+        dbo, state = held.run, held.state
         t3 = now()
-        state = RunState(backend=backend, policy=opts.stream_policy, lanes=[Lane(ub) for ub in dbo.ubatches])
-        dbo.ext = state
-        for ub, lane in zip(dbo.ubatches, state.lanes):
-            ub.ext = lane
-        t4 = now()
         backend.attach(dbo, state)
-        t5 = now()
+        t4 = now()
         await dbo.drive()
-        t6 = now()
+        t5 = now()
         backend.detach(dbo, state)
+        t6 = now()
+        del dbo, state
+        shell.give_back(held)
         t7 = now()
         for phase, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6)):
             spent[phase] += dt
@@ -115,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--base", default=None, help="also measure the package at this git revision, side by side")
     parser.add_argument("--out", type=Path, default=None, help="write the report here (e.g. benchmarks/results)")
     parser.add_argument("--quick", action="store_true", help="100 calls, 1 round: a smoke run")
     args = parser.parse_args(argv)
@@ -122,9 +175,44 @@ def main(argv: list[str] | None = None) -> int:
         args.calls, args.rounds = 100, 1
     from _results import publish_results, results_preamble
 
+    command = f"python benchmarks/run_setup.py --calls {args.calls} --rounds {args.rounds}"
     lines, info = results_preamble("Fixed cost of a run: run_ubatches end to end and by phase",
-                                   f"python benchmarks/run_setup.py --calls {args.calls} --rounds {args.rounds}")
-    lines += [
+                                   command + (f" --base {args.base}" if args.base else ""))
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.base:
+            lines += side_by_side_table(args, Path(tmp))
+        lines += phase_table(args)
+    publish_results("\n".join(lines) + "\n", args.out, "run_setup", info)
+    return 0
+
+
+def side_by_side_table(args: argparse.Namespace, tmp: Path) -> list[str]:
+    from compare_commits import ROOT
+
+    rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    base, which = export_base(rev, tmp)
+    pkgs: dict[str, ModuleType | None] = {f"base {rev}": base, "now": None}
+    lines = [
+        f"## Side by side: {rev} and the working tree\n",
+        f"CPU µs per run_ubatches call (host backend, uvloop, each ubatch yields once), medians of {args.rounds} "
+        f"interleaved rounds of {args.calls} calls [min..max]; the base at {rev} with {which}; now with the C "
+        f"kernel loop {'on' if kernel._spin is not None else 'off'}.\n",
+        "| N | " + " | ".join(pkgs) + " | now / base (medians) |",
+        "|---:|" + "---:|" * (len(pkgs) + 1),
+    ]
+    for n in (2, 4, 8):
+        samples = side_by_side(n, pkgs, args.calls, args.rounds)
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        cells = [f"{med[k]:.1f} [{min(v):.1f}..{max(v):.1f}]" for k, v in samples.items()]
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {med['now'] / med[f'base {rev}']:.2f} |")
+        print(f"N={n} side by side done", file=sys.stderr)
+    return [*lines, ""]
+
+
+def phase_table(args: argparse.Namespace) -> list[str]:
+    lines = [
+        "## The working tree by phase\n",
         f"CPU time per run_ubatches call, µs, host backend, uvloop, each ubatch yields once; minimum of {args.rounds} "
         f"rounds of {args.calls} calls (after 200 warm-up calls); C kernel loop "
         f"{'on' if kernel._spin is not None else 'off'}.",
@@ -140,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {n} | {total:.1f} | {sum(phases.values()):.1f} | "
                      + " | ".join(f"{phases[p]:.1f}" for p in PHASES) + f" | {floor:.1f} |")
         print(f"N={n} done", file=sys.stderr)
-    publish_results("\n".join(lines) + "\n", args.out, "run_setup", info)
-    return 0
+    return lines
 
 
 if __name__ == "__main__":

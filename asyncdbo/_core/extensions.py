@@ -21,7 +21,7 @@ import os
 import sys
 from types import ModuleType
 
-__all__ = ["SWITCHES", "load_extension"]
+__all__ = ["SWITCHES", "gil_disabled", "load_extension"]
 
 #: The environment variable that turns each extension off (besides ASYNCDBO_PURE_PYTHON).
 SWITCHES = {
@@ -34,7 +34,8 @@ def _on(var: str) -> bool:
     return os.environ.get(var, "") not in ("", "0")
 
 
-def _gil_disabled() -> bool:
+def gil_disabled() -> bool:
+    """Whether this is a free-threaded build running without the GIL (3.13t)."""
     is_enabled = getattr(sys, "_is_gil_enabled", None)  # 3.13+
     return is_enabled is not None and not is_enabled()
 
@@ -43,7 +44,7 @@ def load_extension(name: str) -> ModuleType | None:
     """The extension module ``name``, or None where it was not built, was switched off, or could
     not be imported cleanly."""
     switch = SWITCHES.get(name)
-    if _on("ASYNCDBO_PURE_PYTHON") or (switch is not None and _on(switch)) or _gil_disabled():
+    if _on("ASYNCDBO_PURE_PYTHON") or (switch is not None and _on(switch)) or gil_disabled():
         return None
     try:
         return importlib.import_module(name)

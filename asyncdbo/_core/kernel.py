@@ -66,6 +66,7 @@ from .clock import Clock, MonotonicClock
 from .errors import NoOverlapWarning
 from .extensions import load_extension
 from .instrument import Instrument
+from .live import LIVE_RUNS
 from .parking import Parking, is_future
 from .stacks import format_run
 from .tasks import (
@@ -110,9 +111,10 @@ GIL_HANDOFF_S = 0.0001
 
 log = logging.getLogger("asyncdbo")
 
-LIVE_RUNS: weakref.WeakSet[DBORun] = weakref.WeakSet()
-"""Runs being driven right now, in any task of this process (what ``asyncdbo.dump_stacks`` shows).
-Held weakly: a run that is dropped disappears without bookkeeping."""
+
+
+async def _nothing() -> None:
+    """What the records of :meth:`DBORun.released` are built around (closed at once)."""
 
 
 class DBORun(Parking):
@@ -136,8 +138,75 @@ class DBORun(Parking):
         """``install(obj)`` makes a ubatch's ``resume_with`` current before it resumes (None: the
         layer above has nothing to install). ``before_park(ub)`` runs when ``ub`` is about to park,
         ``at_exit(ub)`` when it returned; either may raise, which fails that ubatch."""
-        self.name = name or f"dbo-run-{next(self._ids)}"
         self.ubatches = [UBatch(i, self, c) for i, c in enumerate(coros)]
+        self.ext: Any = None  # the layer above's per-run state; the kernel never reads it
+        self._ready = deque(self.ubatches)
+        self._woken = deque()
+        self._timers = []
+        self._timer_seq = itertools.count()
+        self._released = False
+        self._wref = weakref.ref(self, LIVE_RUNS.forget)  # its entry in LIVE_RUNS while driven
+        hash(self._wref)  # computed while the run lives: the callback finds a dead reference by it
+        self._arm(install, before_park, at_exit, instrument, watchdog_s, clock, loop_poll_s, name)
+
+    @classmethod
+    def released(cls, n: int) -> DBORun:
+        """A run of ``n`` ubatch records holding no coroutine yet, as a finished run holds none:
+        :meth:`restart` gives it its first ones (``asyncdbo.dbo``'s run shells are built so)."""
+        coros = [_nothing() for _ in range(n)]
+        for coro in coros:
+            coro.close()  # closed before its first step: no "never awaited" warning
+        run = cls(coros)
+        run._release()
+        return run
+
+    def restart(
+        self,
+        coros: list[Coroutine[Any, Any, Any]],
+        *,
+        install: Callable[[object], None] | None = None,
+        before_park: Callable[[UBatch], None] | None = None,
+        at_exit: Callable[[UBatch], None] | None = None,
+        instrument: Instrument | None = None,
+        watchdog_s: float | None = None,
+        clock: Clock | None = None,
+        loop_poll_s: float = LOOP_POLL_S,
+        name: str | None = None,
+    ) -> None:
+        """Make this finished run a new one: ``coros`` (as many as it had ubatches) in its ubatch
+        records, each refilled in place with a fresh context (a copy of the caller's, as a new
+        run's), every counter and option as ``__init__`` sets them; ``ext`` stays. Only a run
+        that was driven to its end (which released every ubatch) can restart: building its
+        records again is most of what a short run costs (benchmarks/run_setup.py), and a
+        caller that runs one shape again and again (``asyncdbo.dbo``'s run shells) need not."""
+        ubs = self.ubatches
+        if not self._released or len(coros) != len(ubs):
+            for c in coros:
+                c.close()
+            raise ValueError(
+                f"run {self.name!r} can restart only after it was driven to its end, with as many coroutines as it "
+                f"has ubatches ({len(ubs)}; got {len(coros)}, {'released' if self._released else 'not finished'}); "
+                "build a new DBORun instead"
+            )
+        for ub, coro in zip(ubs, coros):
+            ub.start(self, coro)
+        self._ready.extend(ubs)
+        self._released = False
+        self._arm(install, before_park, at_exit, instrument, watchdog_s, clock, loop_poll_s, name)
+
+    def _arm(
+        self,
+        install: Callable[[object], None] | None,
+        before_park: Callable[[UBatch], None] | None,
+        at_exit: Callable[[UBatch], None] | None,
+        instrument: Instrument | None,
+        watchdog_s: float | None,
+        clock: Clock | None,
+        loop_poll_s: float,
+        name: str | None,
+    ) -> None:
+        """Every per-run field at its start value (the ubatches are in the ready ring)."""
+        self.name = name or f"dbo-run-{next(self._ids)}"
         self.instrument = instrument
         self.watchdog_s = watchdog_s
         self.clock = _MONOTONIC if clock is None else clock
@@ -150,17 +219,12 @@ class DBORun(Parking):
         self._poll_due = False
         self._loop_wait_since = 0.0
         self.time_asleep_s = 0.0
-        self.ext: Any = None  # the layer above's per-run state; the kernel never reads it
         self._install = install
         self.installs = install is not None  # whether install() has anything to do (a host: no)
         self._before_park = before_park
         self._at_exit = at_exit
         self._installed: object = None
         self.home: object = None  # what install() makes current while the run waits on the loop
-        self._ready = deque(self.ubatches)
-        self._woken = deque()
-        self._timers = []
-        self._timer_seq = itertools.count()
         self._sleeping = False
         self._wakeup = None
         self._loop = None
@@ -204,12 +268,13 @@ class DBORun(Parking):
     async def drive(self) -> list[Any]:
         """Run every ubatch to completion; return their results in ubatch order."""
         loop = self._loop = asyncio.get_running_loop()
-        task = self._task = asyncio.current_task()
+        task = self._task = asyncio.current_task(loop)
         if task is not None:
             self._view = UBatchTaskView(self, task)
         if self.instrument is not None:
             self.instrument.run_started(self)
-        LIVE_RUNS.add(self)
+        live = LIVE_RUNS.refs
+        live.add(self._wref)
         attach_task_factory(loop)
         try:
             try:
@@ -219,10 +284,11 @@ class DBORun(Parking):
                 raise
             if self.instrument is not None:
                 self.instrument.run_finished(self, None)
-            self._warn_if_nothing_overlapped()
+            if not self.num_switches and not self.num_parks:
+                self._warn_if_nothing_overlapped()
             results = [ub.result for ub in self.ubatches]
         finally:
-            LIVE_RUNS.discard(self)
+            live.discard(self._wref)
             detach_task_factory(loop)
             self._release()
         return results
@@ -268,6 +334,7 @@ class DBORun(Parking):
         """Switch ubatches until every one finished; sleep while all are parked, and let the event
         loop run while one waits on it."""
         ready, woken, timers = self._ready, self._woken, self._timers
+        loop, task, view = self._loop, self._task, self._view
         while self._live:
             if timers or woken:
                 self._drain()
@@ -275,15 +342,20 @@ class DBORun(Parking):
                 await self._sleep()
             elif self._poll_due:
                 await self._let_the_loop_run()
+            elif view is None:  # no task drives the run (a bare coroutine.send): no view to enter
+                self._switch()
             else:
-                self._enter_view()
+                enter_view(loop, task, view)  # type: ignore[arg-type]  # a view has both
                 try:
-                    if _spin is not None and self.instrument is None and not self._loop_waits:
-                        self._switch_in_c()
-                    else:
-                        self._switch_in_python()
+                    self._switch()
                 finally:
-                    self._leave_view()
+                    leave_view(loop, task, view)  # type: ignore[arg-type]
+
+    def _switch(self) -> None:
+        if _spin is not None and self.instrument is None and not self._loop_waits:
+            self._switch_in_c()
+        else:
+            self._switch_in_python()
 
     # ---- the fast path. Ubatches that keep switching stay in one of the two loops below until one
     # parks or finishes. Completions and loop polls only matter for parked ubatches, so they are
@@ -311,7 +383,9 @@ class DBORun(Parking):
                     request = ub.resume()
                 except StopIteration as stop:
                     self._finish(ub, stop.value)
-                    return
+                    if woken or timers:  # its exit woke or armed something: drained out there first
+                        return
+                    continue
                 except BaseException as exc:
                     self._failed(ub, exc)
                     raise
@@ -361,7 +435,8 @@ class DBORun(Parking):
                     return
                 elif status == _FINISHED:
                     self._finish(ub, value)
-                    return
+                    if self._woken or self._timers:  # its exit woke or armed something: drained out there first
+                        return
                 else:
                     assert status == _FAILED, status
                     self._failed(ub, value)
@@ -426,3 +501,4 @@ class DBORun(Parking):
         self._timers.clear()
         self._view = self._task = self._wakeup = None
         self._installed = None
+        self._released = True

@@ -92,28 +92,36 @@ class UBatch:
 
     def __init__(self, ub_id: int, run: DBORun, coro: Coroutine[Any, Any, Any]) -> None:
         self.id = ub_id
-        self.run = run
-        self.coro = coro
-        self.ctx = contextvars.copy_context()
-        self.ctx_run = self.ctx.run
-        # coro.send(None) inside this ubatch's context, prebuilt: the kernel's fast path calls it
-        # once per switch, with no attribute lookups or argument packing of its own.
-        self.send: Callable[[], object] = (
-            functools.partial(self.ctx.run, coro.send, None) if _Resume is None else _Resume(self.ctx, coro)
-        )
-        self.resume: Callable[[], object] = self.send  # swapped for a one-shot throw by a cancellation
-        self.ctx.run(current_ubatch.set, self)
-        self.state = UBatchState.READY
-        self.tag: str | None = None
-        self.num_yields = 0
+        # What the kernel drops when a run releases its records (DBORun._release): a released
+        # record has them all None, so start() need not set them again.
         self.parked_on: Any = None
         self.result: object = None
         self.resume_with: object = None
         self.ext: Any = None
         self.waker: Any = None  # the callback the kernel registered on what it is parked on
         self.unawaited: object = None
-        self.unawaited_at: object = None  # where that awaitable was made: (code, lasti) of its caller
         self.debug: Any = None
+        self.start(run, coro)
+
+    def start(self, run: DBORun, coro: Coroutine[Any, Any, Any]) -> None:
+        """Fill a new or released record for a run of ``coro``: its own context (a copy of the
+        caller's, with this ubatch current) and the counters at their start values. A new record
+        does this once; :meth:`DBORun.restart` does it again on a released one."""
+        self.run = run
+        self.coro = coro
+        ctx = self.ctx = contextvars.copy_context()
+        self.ctx_run = ctx.run
+        # coro.send(None) inside this ubatch's context, prebuilt: the kernel's fast path calls it
+        # once per switch, with no attribute lookups or argument packing of its own.
+        self.send: Callable[[], object] = (
+            functools.partial(ctx.run, coro.send, None) if _Resume is None else _Resume(ctx, coro)
+        )
+        self.resume: Callable[[], object] = self.send  # swapped for a one-shot throw by a cancellation
+        ctx.run(current_ubatch.set, self)
+        self.state = UBatchState.READY
+        self.tag: str | None = None
+        self.num_yields = 0
+        self.unawaited_at: object = None  # where ``unawaited`` was made: (code, lasti) of its caller
         self.cancels = 0
 
     @property

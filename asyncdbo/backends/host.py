@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 _MONOTONIC = MonotonicClock()
 
-__all__ = ["HostBackend", "HostEvent", "HostStream", "HostWork"]
+__all__ = ["HostBackend", "HostEvent", "HostStream", "HostWork", "host_backend"]
 
 
 @dataclass(eq=False)
@@ -136,6 +136,10 @@ class HostBackend(StreamBackend):
         self.link = None if link is None else link_spec(link)
         self._link_free_at = 0.0
         self._lock = threading.Lock()
+        # The CPU: one compute stream for every run of this backend. Work on it is done when the
+        # call returns, so it never holds a pending work or a lane's event: nothing of a run
+        # stays on it, and runs need not build one each.
+        self._cpu = HostStream("compute", inline=True)
 
     def describe(self) -> str:
         if self.link is None:
@@ -145,7 +149,7 @@ class HostBackend(StreamBackend):
     def attach(self, run: DBORun, state: RunStreams) -> None:
         # The CPU is one compute stream for every ubatch; under the ubatch policy each ubatch gets
         # a comm stream of its own (its own FIFO of works), as a device backend gives it one.
-        cpu = HostStream("compute", inline=True)
+        cpu = self._cpu
         shared_comm = HostStream("comm", inline=False)
         for lane in state.lanes:
             comm = shared_comm if state.policy == "role" else HostStream(f"ub{lane.ub.id}:comm", inline=False)
@@ -240,3 +244,17 @@ class HostBackend(StreamBackend):
         return CommRecord(ub=-1 if handle.ub is None else handle.ub, what=handle.what, nbytes=handle.nbytes,
                           t_issue=handle.t_issue, t_done=handle.t_done, t_release=handle.t_release,
                           t_wait=handle.t_wait)
+
+
+_SHARED: list[HostBackend] = []
+
+
+def host_backend(**options: Any) -> HostBackend:
+    """``get_backend("host", **options)``: without options the process's one shared
+    :class:`HostBackend` (without a modeled link it keeps no state between runs: ``attach`` builds
+    each run's streams), so a run that names its backend builds none; with options a new one."""
+    if options:
+        return HostBackend(**options)
+    if not _SHARED:
+        _SHARED.append(HostBackend())
+    return _SHARED[0]

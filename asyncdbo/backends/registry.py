@@ -16,7 +16,7 @@ __all__ = ["backend_names", "get_backend", "register_backend"]
 
 # name -> "module:attribute" of a factory taking the backend's keyword options
 _REGISTRY: dict[str, str | Callable[..., StreamBackend]] = {
-    "host": "asyncdbo.backends.host:HostBackend",
+    "host": "asyncdbo.backends.host:host_backend",
     "cuda": "asyncdbo.backends.accelerator:cuda_backend",
     "npu": "asyncdbo.backends.accelerator:npu_backend",
     "xpu": "asyncdbo.backends.accelerator:xpu_backend",
@@ -42,7 +42,7 @@ def get_backend(name: str | StreamBackend | None = "auto", **options: Any) -> St
     """A backend by name: ``auto`` (the accelerator if torch has one, else ``host``), ``host``,
     ``cuda``, ``npu``, ``xpu``, ``accelerator``, ``sim`` (simulated device), or one registered
     with :func:`register_backend`; a :class:`StreamBackend` instance is returned as it is."""
-    if isinstance(name, StreamBackend):
+    if type(name) is not str and isinstance(name, StreamBackend):
         return name
     if name is None or name == "auto":
         try:

@@ -170,4 +170,8 @@ def on_exit(ub: UBatch) -> None:
     the recv hook it holds (vLLM: a ubatch's exit launches its pending receive)."""
     if ub.unawaited is not None:
         check_unawaited(ub)
-    run_pending_hook(ub)
+    lane = ub.ext  # run_pending_hook(ub), inline: every ubatch of every run ends here
+    hook = lane.recv_hook
+    if hook is not None:
+        lane.recv_hook = None
+        hook()

@@ -14,13 +14,15 @@ import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, fields
 from numbers import Real
+from types import CoroutineType, FunctionType
 from typing import Any, Literal, TypeVar
 
 from .._core import LOOP_POLL_S, Clock, DBORun, Fanout, Instrument, from_the_ubatch
 from ..backends import CommRecord, StreamBackend, StreamPolicy, get_backend
 from .debug import DebugMode, debug_instruments
-from .hooks import RUN_GUARD, on_exit, run_pending_hook
-from .state import Lane, RunState
+from .hooks import RUN_GUARD
+from . import shell
+from .state import RunState
 
 __all__ = ["DBOOptions", "RunStats", "run", "run_ubatches", "run_ubatches_with_stats"]
 
@@ -118,19 +120,20 @@ def _not_a_coroutine_error(fn: object, where: str) -> TypeError:
 
 
 def _make_coros(fn: Callable[..., Awaitable[T]], ubatch_args: Iterable[Sequence[Any]]) -> list[Coroutine[Any, Any, T]]:
-    if inspect.iscoroutine(fn):
-        fn.close()
-        raise _not_a_coroutine_error(fn, "run_ubatches")
-    if not callable(fn):
-        raise TypeError(f"run_ubatches expects an async function as fn, got {fn!r}")
-    if isinstance(ubatch_args, (str, bytes)) or not isinstance(ubatch_args, Iterable):
+    if type(fn) is not FunctionType:  # the checks an ``async def`` function passes without them
+        if inspect.iscoroutine(fn):
+            fn.close()
+            raise _not_a_coroutine_error(fn, "run_ubatches")
+        if not callable(fn):
+            raise TypeError(f"run_ubatches expects an async function as fn, got {fn!r}")
+    if type(ubatch_args) is not list and (isinstance(ubatch_args, (str, bytes)) or not isinstance(ubatch_args, Iterable)):
         raise TypeError(f"ubatch_args must be a list of argument tuples, one per ubatch (got {ubatch_args!r})")
     args_list = list(ubatch_args)
     if len(args_list) < 1:
         raise ValueError("run_ubatches needs at least 1 ubatch (got 0 argument tuples); pass e.g. [(x0,), (x1,)]")
     coros: list[Coroutine[Any, Any, T]] = []
     for i, args in enumerate(args_list):
-        if not isinstance(args, (tuple, list)):
+        if type(args) is not tuple and not isinstance(args, (tuple, list)):
             for c in coros:
                 c.close()
             raise TypeError(
@@ -138,7 +141,7 @@ def _make_coros(fn: Callable[..., Awaitable[T]], ubatch_args: Iterable[Sequence[
                 f"(write ({args!r},) for a single argument)"
             )
         coro = fn(*args)
-        if not inspect.iscoroutine(coro):
+        if type(coro) is not CoroutineType and not inspect.iscoroutine(coro):
             for c in coros:
                 c.close()
             raise _not_async_def_error("fn", fn, f"*ubatch_args[{i}]", coro)
@@ -164,8 +167,11 @@ class RunStats:
 # Keyword options made of plain values (names, numbers, flags) map to one shared frozen
 # DBOOptions: a run's set-up then builds and validates none (benchmarks/host_overhead.py counts the
 # set-up in the host time per yield). Bounded; instruments and clocks are never keys.
-_PLAIN = (str, int, float, bool, type(None))
-_OPTIONS_CACHE: dict[frozenset[tuple[str, Any]], DBOOptions] = {}
+# The key is the keyword options in the order they were passed (a call site passes them in one
+# order; another order only adds an equal entry), with their types (1 == True, yet debug=1 is
+# refused).
+_PLAIN = frozenset((str, int, float, bool, type(None)))
+_OPTIONS_CACHE: dict[tuple[tuple[tuple[str, Any], ...], tuple[type, ...]], DBOOptions] = {}
 _OPTION_NAMES: frozenset[str] = frozenset()
 
 
@@ -173,10 +179,14 @@ def _options(options: dict[str, Any]) -> DBOOptions:
     global _OPTION_NAMES
     opts = options.pop("options", None)
     if opts is None:
-        plain = all(type(v) in _PLAIN for v in options.values())
-        key = frozenset(options.items()) if plain else None
-        if key is not None and (cached := _OPTIONS_CACHE.get(key)) is not None:
-            return cached
+        key: tuple[tuple[tuple[str, Any], ...], tuple[type, ...]] | None = None
+        for value in options.values():
+            if type(value) not in _PLAIN:
+                break
+        else:
+            key = (tuple(options.items()), tuple(map(type, options.values())))  # debug=1 is not debug=True
+            if (cached := _OPTIONS_CACHE.get(key)) is not None:
+                return cached
         if not _OPTION_NAMES:
             _OPTION_NAMES = frozenset(f.name for f in fields(DBOOptions))
         unknown = sorted(set(options) - _OPTION_NAMES)
@@ -217,7 +227,7 @@ async def run_ubatches(
     every ubatch.
     """
     try:
-        results, _, _ = await _run(fn, ubatch_args, options)
+        results, _ = await _run(fn, ubatch_args, options, False)
     except BaseException as exc:
         tb = from_the_ubatch(exc.__traceback__, _ENTRY_FILES)
         try:
@@ -239,7 +249,7 @@ async def run_ubatches_with_stats(
 ) -> tuple[list[T], RunStats]:
     """:func:`run_ubatches`, also returning the run's :class:`RunStats`."""
     try:
-        results, dbo, state = await _run(fn, ubatch_args, options)
+        results, stats = await _run(fn, ubatch_args, options, True)
     except BaseException as exc:
         tb = from_the_ubatch(exc.__traceback__, _ENTRY_FILES)
         try:
@@ -248,56 +258,26 @@ async def run_ubatches_with_stats(
             raise exc.with_traceback(tb)
         finally:
             del tb  # see run_ubatches
-    stats = RunStats(
-        num_ubatches=len(dbo.ubatches),
-        num_switches=dbo.num_switches,
-        num_parks=dbo.num_parks,
-        time_asleep_s=dbo.time_asleep_s,
-        comm=tuple(state.comm_records()) if state.comm else (),
-        blocking=tuple(state.blocking),
-    )
+    assert stats is not None
     return results, stats
 
 
 async def _run(
-    fn: Callable[..., Awaitable[T]], ubatch_args: Iterable[Sequence[Any]], options: dict[str, Any]
-) -> tuple[list[T], DBORun, RunState]:
-    """One run: its results, the finished kernel run and its DBO state (for the stats)."""
+    fn: Callable[..., Awaitable[T]], ubatch_args: Iterable[Sequence[Any]], options: dict[str, Any], with_stats: bool
+) -> tuple[list[T], RunStats | None]:
+    """One run: its results, and its :class:`RunStats` if asked for."""
     opts = _options(options)
     # asyncdbo.dist: renews the per-ubatch groups if a run failed on any rank, then watches this one
     guard = RUN_GUARD[0]() if RUN_GUARD else None
     coros = _make_coros(fn, ubatch_args)
     try:
         backend = get_backend(opts.backend)
-    except BaseException:
-        for c in coros:
-            c.close()
-        raise
-    try:
-        dbo = DBORun(
-            coros,
-            install=backend.install_stream,
-            before_park=run_pending_hook,
-            at_exit=on_exit,
-            instrument=_instrument(opts),
-            watchdog_s=opts.watchdog_s,
-            clock=opts.clock,
-            loop_poll_s=opts.loop_poll_s,
-            name=opts.name,
-        )
-    except BaseException:  # never leave a coroutine that was not awaited behind
-        for c in coros:
-            c.close()
-        raise
-    state = RunState(backend=backend, policy=opts.stream_policy, lanes=[Lane(ub) for ub in dbo.ubatches])
-    dbo.ext = state
-    debug = DebugMode(blocking_s=opts.blocking_s) if opts.debug else None
-    for ub, lane in zip(dbo.ubatches, state.lanes):
-        ub.ext = lane
-        ub.debug = debug
-    try:
+        # the records of an earlier run with as many ubatches, or new ones (asyncdbo.dbo.shell)
+        held = shell.take(coros, backend, opts, DebugMode(blocking_s=opts.blocking_s) if opts.debug else None,
+                          None if opts.instrument is None and not opts.debug else _instrument(opts))
+        dbo, state = held.run, held.state
         backend.attach(dbo, state)
-    except BaseException:
+    except BaseException:  # never leave a coroutine that was not awaited behind
         for c in coros:
             c.close()
         raise
@@ -311,7 +291,21 @@ async def _run(
         backend.detach(dbo, state)
     if state.on_finish is not None:
         _finish(state, None)
-    return results, dbo, state
+    stats = _stats(dbo, state) if with_stats else None
+    del dbo, state  # the shell is kept only if nothing but it refers to its objects
+    shell.give_back(held)
+    return results, stats
+
+
+def _stats(dbo: DBORun, state: RunState) -> RunStats:
+    return RunStats(
+        num_ubatches=len(dbo.ubatches),
+        num_switches=dbo.num_switches,
+        num_parks=dbo.num_parks,
+        time_asleep_s=dbo.time_asleep_s,
+        comm=tuple(state.comm_records()) if state.comm else (),
+        blocking=tuple(state.blocking),
+    )
 
 
 def _finish(state: RunState, exc: BaseException | None) -> None:
@@ -322,6 +316,8 @@ def _finish(state: RunState, exc: BaseException | None) -> None:
 
 
 def _instrument(opts: DBOOptions) -> Instrument | None:
+    if opts.instrument is None and not opts.debug:
+        return None
     insts: list[Instrument] = []
     if isinstance(opts.instrument, Instrument):
         insts.append(opts.instrument)

@@ -56,8 +56,8 @@ class RunState(RunStreams):
     def __post_init__(self) -> None:
         for lane in self.lanes:
             lane.record, lane.wait = self.backend.record, self.backend.wait
-            run = lane.ub.run
-            lane.install = run.install if run.installs else None
+            run = lane.ub.run  # None for the records of a run shell (asyncdbo.dbo.shell binds it per run)
+            lane.install = run.install if run is not None and run.installs else None
 
 
 def lane_of(ub: UBatch) -> Lane:

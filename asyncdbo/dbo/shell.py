@@ -1,0 +1,152 @@
+"""Run shells: the records of a finished run, reused by the next run with as many ubatches.
+
+A run needs a kernel run with a record per ubatch (:class:`~asyncdbo._core.DBORun`) and the DBO
+layer's state with a lane per ubatch (:class:`~asyncdbo.dbo.state.RunState`). Building them was
+most of the fixed cost of a short run (``benchmarks/run_setup.py``), and a serving loop runs the
+same shape step after step. A *shell* is one such set of objects: :func:`take` hands out an idle
+shell with the run's number of ubatches (refilled by :meth:`DBORun.restart`: new coroutines, a
+fresh copy of the caller's context per ubatch, every per-run field at its start value) or builds
+one; :func:`give_back` keeps it for the next run.
+
+It keeps it only when nothing outside the shell refers to any of its objects any more: their
+reference counts (and weak references) must be what they were when the shell was built idle.
+Whatever a run may leave behind that points at its records (a ``get_ubatch()`` stored away, a
+loop callback scheduled from a ubatch, whose context names it, an instrument that kept the run,
+a signal that still holds a waker) shows up in those counts, and such a shell is dropped as every
+run was before shells: a reference kept past its run never sees the record serve another run. A
+run that fails, is cancelled or whose set-up raised is dropped too, so the failure paths build
+nothing and reuse nothing. An idle shell holds none of its run's coroutines, contexts, results,
+streams, events or comm works (:meth:`DBORun._release` and :func:`_idle`).
+
+Shells are per number of ubatches, at most :data:`MAX_IDLE` idle per number, and none past
+:data:`MAX_UBATCHES` ubatches or on a free-threaded build running without the GIL (where other
+threads' references are not all in the count at once).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+from .._core import DBORun, Instrument
+from .._core.extensions import gil_disabled
+from ..backends import StreamBackend, StreamPolicy
+from .hooks import on_exit, run_pending_hook
+from .state import Lane, RunState
+
+if TYPE_CHECKING:
+    from .run import DBOOptions
+
+__all__ = ["MAX_IDLE", "MAX_UBATCHES", "Shell", "give_back", "take"]
+
+#: Idle shells kept per number of ubatches (more only for runs in flight at once).
+MAX_IDLE = 4
+#: Runs with more ubatches build their records every time.
+MAX_UBATCHES = 64
+
+_IDLE: dict[int, list[Shell]] = {}
+_REUSE = not gil_disabled()
+
+
+class Shell:
+    """A kernel run and its DBO state, wired together (``run.ext`` is ``state``, each lane's
+    ``ub`` the record at its index), plus the reference counts of its objects when idle."""
+
+    __slots__ = ("run", "state", "baseline")
+
+    def __init__(self, n: int, backend: StreamBackend, policy: StreamPolicy) -> None:
+        run = self.run = DBORun.released(n)
+        state = self.state = RunState(backend=backend, policy=policy, lanes=[Lane(ub) for ub in run.ubatches])
+        run.ext = state
+        self.baseline: tuple[int, ...] = ()
+
+
+def _counts(shell: Shell) -> tuple[int, ...]:
+    """References to each object of the shell, strong then weak. Called only from frames that
+    hold the shell alone (not its run, state, records or lanes), so that two calls on the same
+    idle structure agree."""
+    objs = (shell.run, shell.state, *shell.run.ubatches, *shell.state.lanes)
+    return (*map(sys.getrefcount, objs), *map(weakref.getweakrefcount, objs))
+
+
+def _build(n: int, backend: StreamBackend, policy: StreamPolicy) -> Shell:
+    shell = Shell(n, backend, policy)
+    _idle(shell)
+    shell.baseline = _counts(shell)
+    return shell
+
+
+def take(
+    coros: list[Coroutine[Any, Any, Any]],
+    backend: StreamBackend,
+    opts: DBOOptions,
+    debug: object,
+    instrument: Instrument | None,
+) -> Shell:
+    """A shell for a run of ``coros`` with ``opts``, ready to attach and drive (``debug``: each
+    record's debug state, None outside debug mode; ``instrument``: the run's, made from ``opts``)."""
+    n = len(coros)
+    policy = opts.stream_policy
+    idle = _IDLE.get(n)
+    shell = None
+    if idle:
+        try:
+            shell = idle.pop()
+        except IndexError:  # another thread took the last one
+            shell = None
+    if shell is None:
+        shell = _build(n, backend, policy)
+    run, state = shell.run, shell.state
+    run.restart(coros, install=backend.install_stream, before_park=run_pending_hook, at_exit=on_exit,
+                instrument=instrument, watchdog_s=opts.watchdog_s, clock=opts.clock, loop_poll_s=opts.loop_poll_s,
+                name=opts.name)
+    if state.backend is not backend:
+        state.backend = backend
+        for lane in state.lanes:
+            lane.record, lane.wait = backend.record, backend.wait
+    state.policy = policy
+    install = run.install if run.installs else None
+    for ub, lane in zip(run.ubatches, state.lanes):
+        ub.ext = lane
+        ub.debug = debug
+        lane.install = install
+    return shell
+
+
+def _idle(shell: Shell) -> None:
+    """Drop what the shell's last run left in its state and lanes (the kernel run released its
+    records itself), so an idle shell holds nothing of it."""
+    run, state = shell.run, shell.state
+    run.instrument = None
+    state.on_finish = state.unsubmitted = state.comm_account = None
+    if state.comm:
+        state.comm = []
+    if state.events:
+        state.events = {}
+    if state.blocking:
+        state.blocking = []
+    for lane in state.lanes:
+        lane.install = lane.recv_hook = lane.stream = None
+        lane.role = "compute"
+        lane.submitted = 0
+        if lane.streams:
+            lane.streams = {}
+        if lane.events:
+            lane.events = {}
+
+
+def give_back(shell: Shell) -> None:
+    """The run of ``shell`` ended cleanly and its caller read what it needed: keep the shell for
+    the next run if nothing outside it refers to its objects (see the module docstring). The
+    caller must hold the shell alone, not its run, state, records or lanes."""
+    _idle(shell)
+    n = len(shell.run.ubatches)
+    if not _REUSE or n > MAX_UBATCHES or _counts(shell) != shell.baseline:
+        return
+    idle = _IDLE.get(n)
+    if idle is None:
+        idle = _IDLE.setdefault(n, [])
+    if len(idle) < MAX_IDLE:
+        idle.append(shell)
