@@ -189,7 +189,7 @@ class DBORun(Parking):
                 "build a new DBORun instead"
             )
         for ub, coro in zip(ubs, coros):
-            ub.start(self, coro)
+            ub._start(self, coro)
         self._ready.extend(ubs)
         self._released = False
         self._arm(install, before_park, at_exit, instrument, watchdog_s, clock, loop_poll_s, name)

@@ -93,7 +93,7 @@ class UBatch:
     def __init__(self, ub_id: int, run: DBORun, coro: Coroutine[Any, Any, Any]) -> None:
         self.id = ub_id
         # What the kernel drops when a run releases its records (DBORun._release): a released
-        # record has them all None, so start() need not set them again.
+        # record has them all None, so _start() need not set them again.
         self.parked_on: Any = None
         self.result: object = None
         self.resume_with: object = None
@@ -101,9 +101,9 @@ class UBatch:
         self.waker: Any = None  # the callback the kernel registered on what it is parked on
         self.unawaited: object = None
         self.debug: Any = None
-        self.start(run, coro)
+        self._start(run, coro)
 
-    def start(self, run: DBORun, coro: Coroutine[Any, Any, Any]) -> None:
+    def _start(self, run: DBORun, coro: Coroutine[Any, Any, Any]) -> None:
         """Fill a new or released record for a run of ``coro``: its own context (a copy of the
         caller's, with this ubatch current) and the counters at their start values. A new record
         does this once; :meth:`DBORun.restart` does it again on a released one."""
