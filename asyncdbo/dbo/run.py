@@ -62,7 +62,9 @@ class DBOOptions:
     def __post_init__(self) -> None:
         for name, optional in (("watchdog_s", True), ("blocking_s", True), ("loop_poll_s", False)):
             value = getattr(self, name)
-            if not (value is None and optional) and (isinstance(value, bool) or not isinstance(value, Real)):
+            if type(value) is float or (value is None and optional):  # the common cases, without the ABC check
+                continue
+            if isinstance(value, bool) or not isinstance(value, Real):
                 raise TypeError(f"{name} must be a number of seconds{' or None' if optional else ''} "
                                 f"(got {value!r} of type {type(value).__name__}); {_seconds_fix(name, value)}")
         for name, kinds, want in (("debug", bool, "True or False"), ("name", (str, type(None)), "a str or None")):
@@ -77,6 +79,8 @@ class DBOOptions:
         if not 0 < self.loop_poll_s < float("inf"):
             raise ValueError(f"loop_poll_s must be a positive number of seconds (got {self.loop_poll_s!r})")
         insts = self.instrument
+        if type(insts) in (list, tuple) and all(isinstance(i, Instrument) for i in insts):  # type: ignore[union-attr]
+            return
         if insts is not None and not isinstance(insts, Instrument):
             if isinstance(insts, (str, bytes)) or not isinstance(insts, Sequence) or not all(
                 isinstance(i, Instrument) for i in insts
