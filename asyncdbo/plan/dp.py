@@ -31,7 +31,7 @@ failed votes *recover* instead of a plan, and then every rank of the vote gets
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
 import torch
@@ -160,6 +160,7 @@ class DPDecision:
     ranks: tuple[RankVote, ...]
     rank: int
     world_size: int
+    extra: tuple[tuple[int, ...], ...] = ()  # the ``extra`` rows of the vote, each with one entry per rank
 
 
 def decide_from_votes(
@@ -219,6 +220,7 @@ def agree_across_dp(
     device: Device = None,
     max_imbalance: float | None = None,
     recover: bool = False,
+    extra: Sequence[int] = (),
 ) -> DPDecision:
     """Vote with every rank of ``group`` (torch.distributed; None = the default group).
 
@@ -250,7 +252,8 @@ def agree_across_dp(
         num_ubatches,
         int(recover),
     ]
-    votes_RW = torch.zeros(_ROWS, world, dtype=torch.int64)
+    col.extend(int(v) for v in extra)
+    votes_RW = torch.zeros(len(col), world, dtype=torch.int64)
     votes_RW[:, rank] = torch.tensor(col, dtype=torch.int64)
     if world > 1:
         votes_RW = votes_RW.to(device) if device is not None else votes_RW
@@ -275,4 +278,7 @@ def agree_across_dp(
         )
         for r in range(world)
     ]
-    return decide_from_votes(votes, rank=rank, max_imbalance=max_imbalance)
+    decision = decide_from_votes(votes, rank=rank, max_imbalance=max_imbalance)
+    if extra:
+        decision = replace(decision, extra=tuple(tuple(row) for row in table[_ROWS:]))
+    return decision

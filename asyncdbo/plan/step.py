@@ -108,6 +108,9 @@ def plan_step(
     stats: PlanStats | None = None,
     step: int | None = None,
     max_ubatches: int | None = None,
+    decision: DPDecision | None = None,
+    config: str = "",
+    evidence: str = "",
 ) -> StepPlan:
     """Plan one step: decide whether to microbatch, and if so how.
 
@@ -123,6 +126,9 @@ def plan_step(
     on the ``asyncdbo.plan`` logger.
     ``max_ubatches``: the most ubatches the model's MoE layers were built for
     (``MoELayer(max_ubatches=...)``); more is a ValueError here, not a failure mid-step.
+    ``decision``: a DP decision the caller already took this step (the ``"auto"`` runner votes
+    once with its measurements and decides the configuration from that vote): used as it is, no
+    threshold test and no second vote. ``config`` and ``evidence`` go into the record.
     """
     qsl = as_query_start_loc(query_start_loc)
     if num_ubatches < 1:
@@ -141,8 +147,10 @@ def plan_step(
         step = stats.num_steps if stats is not None else 0
 
     local = _local_vote(qsl, num_ubatches, policy, thresholds, enabled, is_idle, num_tokens_padded, min_share)
-    decision: DPDecision | None = None
-    if dp_group is not None:
+    if decision is not None:
+        microbatched, reason, detail = decision.should_ubatch and num_ubatches > 1, decision.reason, decision.detail
+        padded = decision.num_tokens_padded if microbatched else local.padded
+    elif dp_group is not None:
         # The vote runs even with num_ubatches == 1: a rank cannot know that its peers plan the
         # same number, and a 1-vs-2 mismatch skipped here would leave the others waiting in
         # their first collective until a timeout. The vote names the mismatch on every rank.
@@ -179,6 +187,8 @@ def plan_step(
         num_tokens_padded=padded,
         policy=policy,
         ranks=decision.ranks if decision is not None else (),
+        config=config,
+        evidence=evidence,
     )
     log_record(record)
     if stats is not None:

@@ -6,6 +6,7 @@ The runner knows no model: it takes anything with ``async forward(input_ids_T, p
 attn)``.
 """
 
+from .auto import OFF, Arm, AutoConfig, AutoPolicy
 from .batch import Batch, BatchBuilder, check_token_ids
 from .engine import Engine, EngineReport, Request, RequestOutput, trace_requests
 from .kv_cache import PAD_SLOT_ID, KVCacheConfig, PagedKVCache, slots_for
@@ -13,7 +14,11 @@ from .runner import DBORunner, RunnerConfig, StepResult, current_slice
 from .sampling import SamplingParams, sample_tokens
 
 __all__ = [
+    "OFF",
     "PAD_SLOT_ID",
+    "Arm",
+    "AutoConfig",
+    "AutoPolicy",
     "Batch",
     "BatchBuilder",
     "DBORunner",

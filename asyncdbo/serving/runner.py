@@ -45,7 +45,7 @@ import contextvars
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -56,17 +56,25 @@ from ..dist.fused import DISPATCH_MODES, DispatchMode, dispatch_options
 from ..dist.recovery import StepSync, step_sync
 from ..plan import (
     AttentionMetadata,
+    DPDecision,
+    LocalStepInfo,
+    PlanReason,
     PlanStats,
+    RankVote,
     SplitPolicy,
     StepPlan,
     StepRecord,
     ThresholdConfig,
     UBatchSlice,
+    agree_across_dp,
     check_max_ubatches,
+    decide_from_votes,
     is_uniform_decode,
     merge_outputs,
+    plan_slices,
     plan_step,
 )
+from .auto import OFF, Arm, AutoConfig, AutoPolicy
 from .batch import Batch
 from .measure import OverlapLedger, host_timing, shape_bucket
 
@@ -117,8 +125,12 @@ class RunnerConfig:
     max_imbalance: float | None = None
     min_share: float = 0.48
     dispatch: DispatchMode = "auto"
+    tuning: Literal["fixed", "auto"] = "fixed"
+    auto: AutoConfig = field(default_factory=AutoConfig)
 
     def __post_init__(self) -> None:
+        if self.tuning not in ("fixed", "auto"):
+            raise ValueError(f"unknown tuning {self.tuning!r}; use 'fixed' or 'auto'")
         if self.num_ubatches < 1:
             raise ValueError(f"num_ubatches ({self.num_ubatches}) must be at least 1 (2 for DBO)")
         if self.policy not in ("token", "request", "balanced"):
@@ -190,7 +202,16 @@ class DBORunner:
     def __init__(self, model: Any, cfg: RunnerConfig = RunnerConfig(), *, dp_group: Any = None,
                  device: torch.device | str | None = None, instrument: Instrument | None = None,
                  clock: Clock | None = None) -> None:
-        check_max_ubatches(cfg.num_ubatches, getattr(model, "max_ubatches", None))
+        if cfg.tuning == "auto":
+            max_ub = getattr(model, "max_ubatches", None)
+            if max_ub is not None and cfg.auto.max_ubatches > max_ub:
+                raise ValueError(
+                    f"tuning='auto' may run {cfg.auto.max_ubatches} ubatches (AutoConfig.ubatch_counts "
+                    f"{cfg.auto.ubatch_counts}) but the model's MoE layers were built for max_ubatches={max_ub}; "
+                    f"build them with max_ubatches >= {cfg.auto.max_ubatches} or pass "
+                    f"AutoConfig(ubatch_counts=...) within it")
+        else:
+            check_max_ubatches(cfg.num_ubatches, getattr(model, "max_ubatches", None))
         self.model = model
         self.cfg = cfg
         self.dp_group = dp_group
@@ -201,6 +222,11 @@ class DBORunner:
         self.ledger = OverlapLedger()
         self.clock: Clock = MonotonicClock() if clock is None else clock
         self.sync: StepSync | None = step_sync(dp_group) if dp_group is not None else None
+        self.auto: AutoPolicy | None = AutoPolicy(cfg.auto, self._prior) if cfg.tuning == "auto" else None
+        self._arms = cfg.auto.arms()
+        # the last step's (bucket, arm, DP-max real tokens) and this rank's time for it (-1: none)
+        self._last: tuple[str, Arm, int] | None = None
+        self._last_ns = -1
 
     def report(self) -> str:
         """One line over the steps so far: per configuration the steps, time per real token, the
@@ -216,9 +242,13 @@ class DBORunner:
         cfg = self.cfg
         t0 = self.clock.now()
         sync = self.sync
-        plan = self._plan(batch, cfg.enabled if enabled is None else enabled)
+        enabled = cfg.enabled if enabled is None else enabled
+        self._last_ns, last_ns = -1, self._last_ns  # a step that fails measures nothing
+        plan = self._plan(batch, enabled) if self.auto is None else self._plan_auto(batch, enabled, last_ns)
         try:
-            return await self._run(batch, plan, instrument, t0)
+            result = await self._run(batch, plan, instrument, t0)
+            self._last_ns = int(result.step_s * 1e9)
+            return result
         except BaseException as exc:
             if sync is not None:  # a run's failure is posted already; this also posts the merge's
                 sync.post_failure(exc)
@@ -240,6 +270,80 @@ class DBORunner:
             min_share=cfg.min_share,
             stats=self.stats,
             max_ubatches=getattr(self.model, "max_ubatches", None),
+        )
+
+    def _prior(self, bucket: str) -> Arm:
+        """A new bucket's first configuration: what the fixed thresholds would run (N = 2, the
+        token split, the link-model dispatch) for a step of that bucket's smallest size."""
+        kind, _, rng = bucket.partition(" ")
+        lo = int(rng.split("-")[0]) if rng else 0
+        th = self.cfg.thresholds
+        if lo >= (th.decode_threshold if kind == "decode" else th.prefill_threshold):
+            auto = self.cfg.auto
+            return Arm(2 if 2 in auto.ubatch_counts else auto.ubatch_counts[0], auto.splits[0], auto.dispatches[0])
+        return OFF
+
+    def _plan_auto(self, batch: Batch, enabled: bool, last_ns: int) -> StepPlan:
+        """The ``"auto"`` step: ONE vote carries each rank's plan inputs and its last step time;
+        every rank feeds the same group measurement to its policy and picks the same configuration
+        from the same table (see :mod:`asyncdbo.serving.auto`)."""
+        cfg, auto = self.cfg, self.auto
+        assert auto is not None
+        qsl = batch.attn.query_start_loc_cpu.tolist()
+        num_tokens = qsl[-1]
+        uniform = is_uniform_decode(qsl, cfg.thresholds.num_spec_tokens)
+        mask = 0
+        for bit, arm in enumerate(self._arms):  # the configurations this rank's batch can split by
+            if arm == OFF or arm.split == "token" or num_tokens == 0 or 0 not in [
+                    sl.num_tokens for sl in plan_slices(qsl, arm.num_ubatches, arm.split, min_share=cfg.min_share)]:
+                mask |= 1 << bit
+        local = LocalStepInfo(num_tokens_unpadded=num_tokens, wants_ubatch=enabled, is_idle=batch.num_tokens == 0,
+                              reason=PlanReason.MICROBATCHED if enabled else PlanReason.DISABLED,
+                              detail="" if enabled else "disabled by the caller")
+        extra = (int(uniform), mask, last_ns)
+        sync = self.sync
+        if self.dp_group is not None:
+            group = self.dp_group if sync is None else sync.group
+            decision = agree_across_dp(local, cfg.auto.max_ubatches, group, device=self.device,
+                                       max_imbalance=cfg.max_imbalance, extra=extra)
+            uniform_R, mask_R, last_R = decision.extra
+        else:
+            vote = RankVote(0, local.vote, local.reason, local.num_tokens_unpadded, local.padded)
+            decision = decide_from_votes([vote], max_imbalance=cfg.max_imbalance)
+            uniform_R, mask_R, last_R = (int(uniform),), (mask,), (last_ns,)
+        busy = [r for r, v in enumerate(decision.ranks) if v.vote != "idle"]
+        if self._last is not None and min(last_R) >= 0:  # every rank measured the last step
+            bucket, arm, tokens = self._last
+            auto.observe(bucket, arm, max(last_R) * 1e-9 / max(tokens, 1))
+        tokens = max(decision.num_tokens_across_dp)
+        bucket = shape_bucket(tokens, bool(busy) and all(uniform_R[r] for r in busy))
+        group_mask = -1
+        for r in busy:
+            group_mask &= mask_R[r]
+        self._last = None
+        if not decision.should_ubatch:  # all idle, a rank disabled, imbalance: the vote's reason
+            arm, evidence = OFF, ""
+        else:
+            arm, evidence = auto.choose(bucket, lambda a: bool(group_mask >> self._arms.index(a) & 1))
+            if arm == OFF:
+                decision = dataclasses.replace(decision, should_ubatch=False, reason=PlanReason.AUTO_OFF,
+                                               detail=evidence)
+        if tokens > 0:
+            self._last = (bucket, arm, tokens)
+        return plan_step(
+            qsl,
+            num_ubatches=arm.num_ubatches,
+            policy=arm.split,
+            enabled=enabled,
+            is_idle=batch.num_tokens == 0,
+            attn_metadata=batch.attn,
+            device=self.device,
+            min_share=cfg.min_share,
+            stats=self.stats,
+            max_ubatches=getattr(self.model, "max_ubatches", None),
+            decision=decision,
+            config=arm.label,
+            evidence=evidence,
         )
 
     async def _run(self, batch: Batch, plan: StepPlan, instrument: Instrument | None, t0: float) -> StepResult:
@@ -273,7 +377,8 @@ class DBORunner:
             instrument=insts,
             name=f"step{plan.record.step}",
         )
-        with _dispatch_block(plan, cfg):
+        dispatch = cfg.dispatch if self.auto is None else _arm_dispatch(plan.record.config)
+        with _dispatch_block(plan, cfg.policy if self.auto is None else plan.record.policy, dispatch):
             outputs, stats = await run
         logits_TV = merge_outputs(outputs, plan.slices, batch.num_tokens)
         assert isinstance(logits_TV, torch.Tensor), type(logits_TV)  # one tensor in, one out
@@ -295,15 +400,21 @@ class DBORunner:
         return dataclasses.replace(plan, record=record)
 
 
-def _dispatch_block(plan: StepPlan, cfg: RunnerConfig) -> contextlib.AbstractContextManager[Any]:
+def _arm_dispatch(config: str) -> DispatchMode:
+    """The dispatch mode an ``"auto"`` step's ``config`` label names (``'N=2 token split'``)."""
+    mode = config.rsplit(" ", 1)[-1]
+    return mode if mode in DISPATCH_MODES else "split"
+
+
+def _dispatch_block(plan: StepPlan, policy: str, dispatch: DispatchMode) -> contextlib.AbstractContextManager[Any]:
     """The step's :func:`~asyncdbo.dist.dispatch_options`: the most tokens any rank's MoE call
     carries, from the DP vote every rank shares (under the token policy each ubatch's padded size
     comes from the common total alone; request-aligned cuts differ by rank, so the total bounds
     them). Without a vote, or with ``dispatch="split"``, nothing: the layers split."""
-    if cfg.dispatch == "split" or plan.decision is None or plan.decision.num_tokens_padded < 1:
+    if dispatch == "split" or plan.decision is None or plan.decision.num_tokens_padded < 1:
         return contextlib.nullcontext()
     bound = plan.decision.num_tokens_padded
-    if plan.microbatched and cfg.policy == "token":
+    if plan.microbatched and policy == "token":
         bound = max(s.num_tokens_padded for s in plan.slices)
-    return dispatch_options(max(bound, 1), cfg.dispatch)
+    return dispatch_options(max(bound, 1), dispatch)
 

@@ -1,0 +1,62 @@
+"""A model whose step time is set by the test (an injected clock), for the "auto" tuning's tests;
+and the function its DP test runs on RankPool ranks (module level: pickled by name)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+import asyncdbo
+from asyncdbo import dbo_num_ubatches, dbo_yield
+from asyncdbo.lowlevel import VirtualClock
+from asyncdbo.plan import ThresholdConfig
+from asyncdbo.serving import BatchBuilder, DBORunner, RunnerConfig
+from asyncdbo.serving.kv_cache import KVCacheConfig
+
+# Shape legend: T = tokens, V = vocab.
+
+CACHE = KVCacheConfig(num_layers=1, num_blocks=256, block_size=4, num_heads=1, head_dim=4)
+VOCAB = 8
+
+
+class ClockedModel:
+    """Each ubatch's forward advances ``clock`` by ``cost[N] * tokens * noise`` (N: the run's
+    ubatch count; ``noise``: a factor drawn from ``rng`` in [1 - jitter, 1 + jitter]); no compute."""
+
+    def __init__(self, clock: VirtualClock, cost: dict[int, float], *, jitter: float = 0.0, seed: int = 0) -> None:
+        self.clock, self.cost, self.jitter = clock, cost, jitter
+        self.rng = random.Random(seed)
+
+    async def forward(self, ids_T: torch.Tensor, pos_T: torch.Tensor, attn: Any) -> torch.Tensor:
+        noise = 1.0 + self.rng.uniform(-self.jitter, self.jitter)
+        self.clock.advance(self.cost[dbo_num_ubatches()] * ids_T.numel() * noise)
+        await dbo_yield("layer")  # a hand-over, as a model's MoE layer has
+        return torch.zeros(ids_T.numel(), VOCAB)
+
+
+def decode_batches(builder: BatchBuilder, sizes: list[int]) -> list[Any]:
+    out = []
+    for n in sizes:
+        builder.reset()
+        out.append(builder.build([(rid, [1]) for rid in range(n)]))
+    return out
+
+
+async def _agree(rank: int, steps: int) -> dict[str, Any]:
+    # Each rank's step times differ (its own costs and noise); the group's slowest decides.
+    clock = VirtualClock()
+    cost = {1: 1.0e-3, 2: 0.9e-3, 3: 0.8e-3 * (1 + 0.05 * rank), 4: 0.85e-3}
+    model = ClockedModel(clock, cost, jitter=0.02, seed=rank)
+    cfg = RunnerConfig(tuning="auto", thresholds=ThresholdConfig(decode_threshold=32))
+    runner = DBORunner(model, cfg, dp_group=torch.distributed.group.WORLD, clock=clock)
+    builder = BatchBuilder(CACHE)
+    records = []
+    for i, batch in enumerate(decode_batches(builder, [64 + (i * 7 + rank * 13) % 60 for i in range(steps)])):
+        records.append((await runner.step(batch)).record)
+    return {"records": records, "report": runner.report()}
+
+
+def agree(rank: int, world_size: int, steps: int) -> dict[str, Any]:
+    return asyncdbo.run(_agree, rank, steps)  # type: ignore[arg-type]
