@@ -77,7 +77,11 @@ def test_ledger_says_in_one_line_what_dbo_paid_and_why_steps_fell_out() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_runner_records_what_each_step_exposed_and_hid_on_a_modeled_link(pool: RankPool) -> None:
-    for r in pool.run(timed_steps, timeout_s=150.0):
+    results = pool.run(timed_steps, timeout_s=150.0)
+    # Somewhere one ubatch computed while the other waited. Not in every step: on a loaded machine
+    # the compute can outlast every message, and then the comm is done before anyone waits.
+    assert any(rec.timing.hidden_by_others_s > 0 for r in results for rec in r["dbo"])
+    for r in results:
         for rec in r["dbo"] + r["off"]:
             t = rec.timing
             assert t is not None and t.source == "host" and t.comm_s > 0 and t.step_s > t.exposed_s
@@ -85,7 +89,6 @@ def test_runner_records_what_each_step_exposed_and_hid_on_a_modeled_link(pool: R
             assert parts == pytest.approx(t.comm_s, rel=1e-9), t
         for rec in r["dbo"]:
             assert rec.microbatched and rec.config == "N=2 token split" and rec.timing.num_ubatches == 2
-            assert rec.timing.hidden_by_others_s > 0  # one ubatch computed while the other waited
         for rec in r["off"]:
             assert not rec.microbatched and rec.config == "off" and rec.timing.num_ubatches == 1
             assert rec.timing.hidden_by_others_s == 0.0  # one ubatch: nobody else to hide it
