@@ -1,6 +1,7 @@
 """Serving: the runner that plans a step, runs its ubatches under DBO and merges them (vLLM's
 ``UBatchWrapper`` and the model-runner code around it), the batch it takes, the paged KV cache,
-and a continuous-batching engine with sampling over the runner.
+a continuous-batching engine with sampling over the runner, and the exact check (one step run
+serially and with DBO, the first differing tensor named).
 
 The runner knows no model: it takes anything with ``async forward(input_ids_T, positions_T,
 attn)``.
@@ -9,6 +10,7 @@ attn)``.
 from .auto import OFF, Arm, AutoConfig, AutoPolicy
 from .batch import Batch, BatchBuilder, check_token_ids
 from .engine import Engine, EngineReport, Request, RequestOutput, trace_requests
+from .exact import ExactDifference, ExactReport, exact_check, exact_tap
 from .kv_cache import PAD_SLOT_ID, KVCacheConfig, PagedKVCache, slots_for
 from .runner import DBORunner, RunnerConfig, StepResult, current_slice
 from .sampling import SamplingParams, sample_tokens
@@ -24,6 +26,8 @@ __all__ = [
     "DBORunner",
     "Engine",
     "EngineReport",
+    "ExactDifference",
+    "ExactReport",
     "KVCacheConfig",
     "PagedKVCache",
     "Request",
@@ -33,6 +37,8 @@ __all__ = [
     "StepResult",
     "check_token_ids",
     "current_slice",
+    "exact_check",
+    "exact_tap",
     "sample_tokens",
     "slots_for",
     "trace_requests",

@@ -38,7 +38,7 @@ from ...moe.batch_invariant import ROW_TILE
 from ...moe.config import Schedule
 from ...moe.experts import swiglu
 from ...plan.metadata import AttentionMetadata
-from ...serving import check_token_ids
+from ...serving import check_token_ids, exact_tap
 from ..attention import KVCacheConfig, PagedKVCache
 from .common import (
     Rope,
@@ -279,15 +279,18 @@ class HFMoEModel:
         rope_TK = self.rope.tables(positions_T, x_TD.dtype)
         h_TD = seg.rms_norm(x_TD, layers[0].attn_norm_D, eps)
         for i, layer in enumerate(layers):
-            a_TD = await layer.attention.forward(self, i, h_TD, positions_T, rope_TK, attn)
+            # exact_tap: named tensors an exact check compares (a no-op outside one)
+            a_TD = exact_tap("attn", await layer.attention.forward(self, i, h_TD, positions_T, rope_TK, attn), layer=i)
             x_TD, h_TD = seg.residual_norm(x_TD, a_TD, layer.ffn_norm_D, eps)
+            exact_tap("attn_residual", x_TD, layer=i)
             if layer.moe is not None:
-                f_TD = await layer.moe.forward(h_TD)
+                f_TD = exact_tap("moe", await layer.moe.forward(h_TD), layer=i)
             else:
                 assert layer.mlp is not None
-                f_TD = seg.mlp(h_TD, *layer.mlp, tile)
+                f_TD = exact_tap("mlp", seg.mlp(h_TD, *layer.mlp, tile), layer=i)
             next_norm_D = layers[i + 1].attn_norm_D if i + 1 < len(layers) else self.final_norm_D
             x_TD, h_TD = seg.residual_norm(x_TD, f_TD, next_norm_D, eps)
+            exact_tap("residual", x_TD, layer=i)
         return seg.linear(h_TD, self.lm_head_VD, None, tile)
 
 
