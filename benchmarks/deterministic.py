@@ -21,8 +21,15 @@ gloo ranks (DP = EP = 2), 2 ubatches, token split:
 It also runs the probes behind :mod:`asyncdbo.moe.batch_invariant`'s claims (which GEMM row
 counts and which elementwise ops change a row's bits on this machine), at 1 and 2 threads.
 
+The Hugging Face models (``asyncdbo.models.hf``: Mixtral, Qwen3-MoE, DeepSeek-V3, random
+weights) get the same four designs with exact mode (``HFMoEModel(deterministic=...)``) on and off,
+at two sizes: the project's tiny configs over a 128-token prefill per rank, and a small config of
+each (hidden 256, 8 heads, 8 experts top-2) over a 512-token prefill per rank; four requests per
+rank, so the token split cuts one inside.
+
     python benchmarks/deterministic.py            # full run, writes benchmarks/results/deterministic_<hw>_<date>.md
-    python benchmarks/deterministic.py --quick    # one tiny case, prints only
+    python benchmarks/deterministic.py --hf       # the HF models only, writes deterministic_hf_<hw>_<date>.md
+    python benchmarks/deterministic.py --quick    # one tiny case, prints only (--quick --hf: one tiny HF case)
 """
 
 # Legend: T tokens on this rank, D hidden, M rows of a GEMM, N its output columns.
@@ -113,6 +120,92 @@ def bench_rank(rank: int, world: int, case: Case, steps: int, warmup: int) -> di
     import asyncdbo
 
     return asyncdbo.run(_rank_async, rank, world, case, steps, warmup)
+
+
+# ------------------------------------------------------------------ HF models
+@dataclass(frozen=True, kw_only=True)
+class HFCase:
+    name: str
+    arch: str
+    size: str  # "tiny" (the project's tiny config) | "small" (SMALL_HF overrides)
+    tokens: int  # prefill tokens per rank, four requests
+
+
+#: A small config per architecture (hidden 256, 8 heads of 32, 8 experts top-2, 2 layers).
+SMALL_HF: dict[str, dict[str, Any]] = {
+    "mixtral": dict(hidden_size=256, intermediate_size=256, num_attention_heads=8, num_key_value_heads=4,
+                    num_local_experts=8, num_experts_per_tok=2, vocab_size=1024),
+    "qwen3-moe": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=32, num_experts=8, num_experts_per_tok=2, vocab_size=1024),
+    "deepseek-v3": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_attention_heads=8,
+                        num_key_value_heads=8, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32,
+                        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, n_group=4, topk_group=2,
+                        num_experts_per_tok=2, vocab_size=1024),
+}
+
+
+async def _hf_rank_async(rank: int, world: int, case: HFCase, steps: int, warmup: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from asyncdbo.models.hf import from_hf_model
+    from asyncdbo.models.hf.reference import tiny_hf_model
+    from asyncdbo.plan import ThresholdConfig
+    from asyncdbo.serving import BatchBuilder, DBORunner, RunnerConfig
+
+    group = dist.group.WORLD
+    hf = tiny_hf_model(case.arch, **(SMALL_HF[case.arch] if case.size == "small" else {}))
+    vocab = hf.config.vocab_size
+    always = ThresholdConfig(prefill_threshold=0, decode_threshold=0)
+    runners, builders = {}, {}
+    for label, det in MODES:
+        model = from_hf_model(hf, ep_group=group, max_ubatches=2, block_size=16, num_kv_blocks=4 * case.tokens // 16 + 8,
+                              deterministic=det)
+        runners[label] = DBORunner(model, RunnerConfig(thresholds=always), dp_group=group)
+        builders[label] = BatchBuilder(model.kv_cache_config)
+    designs = [(label, dbo) for label, _ in MODES for dbo in (False, True)]
+    out: dict[str, Any] = {f"{label}/{'dbo' if dbo else 'serial'}": [] for label, dbo in designs}
+    out.update({f"cpu:{label}/{'dbo' if dbo else 'serial'}": [] for label, dbo in designs})
+    out["diff"] = {label: 0.0 for label, _ in MODES}
+    out["microbatched"] = True
+    q = case.tokens // 4
+    for i in range(warmup + steps):
+        g = torch.Generator().manual_seed(1000 * rank + i)
+        # four requests of uneven lengths summing to the case's tokens: the token split cuts one
+        lens = (q // 2, q + q // 2 + case.tokens % 4, q, q)
+        chunks = [(r, torch.randint(0, vocab, (n,), generator=g).tolist()) for r, n in enumerate(lens)]
+        batches = {}
+        for label, _ in MODES:
+            builders[label].reset()
+            batches[label] = builders[label].build(chunks)
+        logits: dict[tuple[str, bool], torch.Tensor] = {}
+        k = i % len(designs)
+        for label, dbo in designs[k:] + designs[:k]:
+            dist.barrier()
+            cpu0 = time.process_time()
+            res = await runners[label].step(batches[label], enabled=dbo)
+            cpu_s = time.process_time() - cpu0
+            logits[label, dbo] = res.logits_TV
+            if dbo and not res.record.microbatched:
+                out["microbatched"] = False
+            if i >= warmup:
+                out[f"{label}/{'dbo' if dbo else 'serial'}"].append(res.step_s)
+                out[f"cpu:{label}/{'dbo' if dbo else 'serial'}"].append(cpu_s)
+        for label, _ in MODES:
+            out["diff"][label] = max(out["diff"][label], float((logits[label, True] - logits[label, False]).abs().max()))
+    return out
+
+
+def hf_bench_rank(rank: int, world: int, case: HFCase, steps: int, warmup: int) -> dict[str, Any]:
+    import asyncdbo
+
+    return asyncdbo.run(_hf_rank_async, rank, world, case, steps, warmup)
+
+
+HF_CASES = [
+    HFCase(name=f"{arch} {size}, prefill {tokens} tok/rank", arch=arch, size=size, tokens=tokens)
+    for size, tokens in (("tiny", 128), ("small", 512)) for arch in ("mixtral", "qwen3-moe", "deepseek-v3")
+]
+HF_QUICK_CASES = [HFCase(name="mixtral tiny, prefill 32 tok/rank", arch="mixtral", size="tiny", tokens=32)]
 
 
 # ------------------------------------------------------------------ probes
@@ -251,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     import _progress
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one tiny case, 2 steps, print only (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="one tiny case (with --hf: one tiny HF case), 2 steps, print only (smoke test)")
+    parser.add_argument("--hf", action="store_true", help="the Hugging Face models only (exact mode on and off)")
+    parser.add_argument("--hf-steps", type=int, default=5, help="measured steps per HF case (default 5)")
     parser.add_argument("--steps", type=int, default=11, help="measured steps per case (default 11)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results, not with --quick)")
     _progress.add_quiet_flag(parser)
@@ -259,33 +354,50 @@ def main(argv: list[str] | None = None) -> int:
     from _results import publish_results, results_preamble
     from asyncdbo.testing import RankPool
 
-    cases = QUICK_CASES if args.quick else FULL_CASES
+    cases = [] if args.hf else QUICK_CASES if args.quick else FULL_CASES
+    hf_cases = [] if args.quick and not args.hf else HF_QUICK_CASES if args.quick else HF_CASES
     steps, warmup = (2, 1) if args.quick else (args.steps, 2)
+    hf_steps, hf_warmup = (2, 1) if args.quick else (args.hf_steps, 1)
+    flags = (" --quick" if args.quick else "") + (" --hf" if args.hf else "")
     lines, info = results_preamble(
         "Deterministic mode: serial and DBO step time with the mode on and off, 2 gloo ranks",
-        f"python benchmarks/deterministic.py{' --quick' if args.quick else ''}",
+        f"python benchmarks/deterministic.py{flags}",
     )
     t_start = time.perf_counter()
-    results = []
-    _progress.start(args.quiet, "cases on 2 ranks, then the probes", len(cases) + (0 if args.quick else 2))
+    results: list[tuple[Any, dict[str, Any]]] = []
+    hf_results: list[tuple[Any, dict[str, Any]]] = []
+    extra = 0 if args.quick or args.hf else 2
+    _progress.start(args.quiet, "cases on 2 ranks, then the probes", len(cases) + len(hf_cases) + extra)
     with RankPool(2, timeout_s=900) as pool:
         for case in cases:
             _progress.step(case.name)
             results.append((case, summarize(pool.run(bench_rank, case, steps, warmup))))
-    if not args.quick:
+        for hcase in hf_cases:
+            _progress.step(hcase.name)
+            hf_results.append((hcase, summarize(pool.run(hf_bench_rank, hcase, hf_steps, hf_warmup))))
+    no_probes = args.quick or args.hf
+    if not no_probes:
         _progress.step("probes of asyncdbo.moe.batch_invariant, 1 and 2 threads")
-    probes = [] if args.quick else [_in_subprocess(f"probe({t})") for t in (1, 2)]
-    if not args.quick:
+    probes = [] if no_probes else [_in_subprocess(f"probe({t})") for t in (1, 2)]
+    if not no_probes:
         _progress.step("tile sweep")
-    sweep = [] if args.quick else _in_subprocess("tile_sweep()")
+    sweep = [] if no_probes else _in_subprocess("tile_sweep()")
     _progress.done()
-    lines[-1] = lines[-1].rstrip("\n") + f" ({steps} measured steps after {warmup} warm-up, four designs per step)\n"
-    lines.append(
-        "Model: asyncdbo.models.MiniModel, hidden 256, 8 experts top-2, 1 shared expert, HT schedule, 2 layers; "
-        "EP over both ranks, 2 ubatches (token split), real gloo all-to-all over loopback (no modeled link). "
-        "Times: medians over steps of the slower rank; CPU: the rank process's CPU time over the same call.\n"
-    )
-    lines += table(results)
+    if results:
+        lines[-1] = lines[-1].rstrip("\n") + f" ({steps} measured steps after {warmup} warm-up, four designs per step)\n"
+        lines.append(
+            "Model: asyncdbo.models.MiniModel, hidden 256, 8 experts top-2, 1 shared expert, HT schedule, 2 layers; "
+            "EP over both ranks, 2 ubatches (token split), real gloo all-to-all over loopback (no modeled link). "
+            "Times: medians over steps of the slower rank; CPU: the rank process's CPU time over the same call.\n"
+        )
+        lines += table(results)
+    if hf_results:
+        lines += ["", f"Hugging Face models (asyncdbo.models.hf, random weights, float32), exact mode "
+              f"(HFMoEModel(deterministic=...)) off and on, {hf_steps} measured steps after {hf_warmup} warm-up, "
+              "four designs per step; EP over both ranks, HT schedule, 2 ubatches (token split: four requests "
+              "per rank, one cut inside); 'small' is hidden 256, 8 heads, 8 experts top-2, 2 layers:", ""]
+        lines += table(hf_results)
+    results = results + hf_results
     not_split = [case.name for case, s in results if not s["microbatched"]]
     if not_split:
         lines.append(f"\nWARNING: some DBO steps did not microbatch in: {not_split}")
@@ -299,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
                   for r in sweep]
     lines.append(f"\nTotal benchmark time {time.perf_counter() - t_start:.0f} s.")
     text = "\n".join(lines) + "\n"
-    publish_results(text, args.out if args.out is not None else (None if args.quick else RESULTS), "deterministic", info)
+    publish_results(text, args.out if args.out is not None else (None if args.quick else RESULTS),
+                    "deterministic_hf" if args.hf else "deterministic", info)
     return 0 if all(s["diff"]["on"] == 0.0 for _, s in results) else 1
 
 
