@@ -32,7 +32,8 @@ from ...plan.metadata import AttentionMetadata
 from ..attention import PagedKVCache, slots_for
 from ..tiled_attention import tiled_causal_attention
 
-__all__ = ["Rope", "WeightSlots", "apply_rope", "attend", "paged_attention", "rms_norm", "rope_from_hf"]
+__all__ = ["Rope", "WeightSlots", "apply_rope", "attend", "paged_attention", "per_request_attention", "rms_norm",
+           "rope_from_hf"]
 
 #: RoPE variants whose tables depend only on the config (not on the sequence length).
 STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
@@ -142,8 +143,13 @@ def paged_attention(
 ) -> torch.Tensor:
     """Each request's new queries over its cached context, causal by position (the K/V of this
     step already written).  ``context(k_S.., v_S..)`` turns what the cache holds into per-head
-    ``(k_HSK, v_HSV)``: repeated KV heads (GQA) or the expanded latent (MLA).  Rows past
-    ``attn.num_actual_tokens`` (padding) get zeros.
+    ``(k_HSK, v_HSV)``: repeated KV heads (GQA) or the expanded latent (MLA); it is called once
+    over the rows of many requests.  Rows past ``attn.num_actual_tokens`` (padding) get zeros.
+
+    The requests are attended in at most two calls (decode requests, then the rest), each padded
+    to its longest query run and context, instead of a Python loop over requests
+    (:func:`per_request_attention`, which it equals within float rounding: the GEMMs see other
+    shapes).
 
     ``exact`` runs :func:`~asyncdbo.models.tiled_attention.tiled_causal_attention` instead (a
     query's bits depend only on its position and its request's context, not on the call; half
@@ -157,6 +163,68 @@ def paged_attention(
         out_THV[: attn.num_actual_tokens] = tiled_causal_attention(
             q_THK, positions_T, k_flat, v_flat, attn, cfg.block_size, scale, context=context, v_dim=v_dim)
         return out_THV
+    if attn.num_reqs == 0:
+        return out_THV
+    # Decode requests (one query) and the rest go in two calls, so a long prefill does not pad
+    # every decode request's queries to its length.
+    qlen_R = attn.query_start_loc_cpu[1:] - attn.query_start_loc_cpu[:-1]
+    for reqs_R in ((qlen_R == 1).nonzero().squeeze(1), (qlen_R > 1).nonzero().squeeze(1)):
+        if reqs_R.numel():
+            _attend_requests(out_THV, q_THK, positions_T, cache, layer, attn, reqs_R, scale=scale,
+                             context=context, attend_fn=attend_fn)
+    return out_THV
+
+
+def _attend_requests(out_THV: torch.Tensor, q_THK: torch.Tensor, positions_T: torch.Tensor, cache: PagedKVCache,
+                     layer: int, attn: AttentionMetadata, reqs_R: torch.Tensor, *, scale: float,
+                     context: Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]],
+                     attend_fn: Callable[..., torch.Tensor]) -> None:
+    """Requests ``reqs_R`` in one call, padded to the most queries (Q) and context (S) among them:
+    the cached rows of every request are read through one ``[R, S]`` slot table (a position past
+    a request's context reads its position 0: finite, and masked), expanded by ``context`` in one
+    call, and attended as ``R x H`` batches; padding query rows are dropped. Shape legend here:
+    Q = queries of one request (padded), S = context (padded), G = cached heads, X = R * H."""
+    dev = q_THK.device
+    qsl_R1 = attn.query_start_loc_cpu.long()
+    start_R, qlen_R, seq_R = qsl_R1[reqs_R], (qsl_R1[1:] - qsl_R1[:-1])[reqs_R], attn.seq_lens_cpu.long()[reqs_R]
+    R, Q, S = reqs_R.numel(), int(qlen_R.max()), int(seq_R.max())
+    q_Q, pos_S = torch.arange(Q), torch.arange(S)
+    real_RQ = q_Q[None, :] < qlen_R[:, None]
+    rows_RQ = (start_R[:, None] + q_Q[None, :]).where(real_RQ, 0)
+    kpos_RS = pos_S[None, :].where(pos_S[None, :] < seq_R[:, None], 0).to(attn.block_table.device)
+    bs = cache.cfg.block_size
+    table_RB = attn.block_table.index_select(0, reqs_R.to(attn.block_table.device)).long()
+    slots_X = (table_RB.gather(1, kpos_RS // bs) * bs + kpos_RS % bs).flatten().to(dev)
+    k_cached, v_cached = cache.read(layer, slots_X)
+    k_HXK, v_HXV = context(k_cached, v_cached)  # X = R * S rows here
+    H, K, V = k_HXK.shape[0], k_HXK.shape[-1], v_HXV.shape[-1]
+    k_XSK = k_HXK.view(H, R, S, K).transpose(0, 1).reshape(R * H, S, K)
+    v_XSV = v_HXV.view(H, R, S, V).transpose(0, 1).reshape(R * H, S, V)
+    rows = rows_RQ.flatten().to(dev)
+    q_XQK = q_THK[rows].view(R, Q, H, -1).permute(0, 2, 1, 3).reshape(R * H, Q, -1)
+    qpos_RQ = positions_T[rows].view(R, Q).masked_fill(~real_RQ.to(dev), -1)  # padding rows see no key
+    visible_RQS = pos_S.to(dev)[None, None, :] <= qpos_RQ[:, :, None]
+    visible_XQS = visible_RQS[:, None].expand(R, H, Q, S).reshape(R * H, Q, S)
+    o_RQHV = attend_fn(q_XQK, k_XSK, v_XSV, visible_XQS, scale).view(R, H, Q, V).transpose(1, 2)
+    real = real_RQ.flatten().to(dev)
+    out_THV[rows[real]] = o_RQHV.reshape(R * Q, H, V)[real].to(out_THV.dtype)
+
+
+def per_request_attention(
+    q_THK: torch.Tensor,
+    positions_T: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
+    attn: AttentionMetadata,
+    *,
+    scale: float,
+    context: Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]],
+    attend_fn: Callable[..., torch.Tensor],
+    v_dim: int,
+) -> torch.Tensor:
+    """The same attention one request at a time (the loop :func:`paged_attention` ran before it
+    batched): the reference its tests compare with, and the baseline of its host-time measure."""
+    out_THV = q_THK.new_zeros(q_THK.shape[0], q_THK.shape[1], v_dim)
     qsl, seq_lens = attn.query_start_loc_cpu.tolist(), attn.seq_lens_cpu.tolist()
     for r in range(attn.num_reqs):
         t0, t1, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])

@@ -252,8 +252,8 @@ class HFMoEModel:
 
     def compile_segments(self, **compile_kwargs: Any) -> None:
         """``torch.compile`` every synchronous piece between the forward's awaits, the MoE layers'
-        included (router and expert MLPs); the awaits, the comm and the per-request attention
-        loop stay eager.  Shared with twins from :meth:`with_fresh_cache`."""
+        included (router and expert MLPs); the awaits, the comm and the attention's gathers (slot
+        tables built from host-side lengths) stay eager.  Shared with twins from :meth:`with_fresh_cache`."""
         self.segments = self.segments.compiled(**compile_kwargs)
         for layer in self.layers:
             if layer.moe is not None:
