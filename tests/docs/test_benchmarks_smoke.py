@@ -258,3 +258,11 @@ def test_compiled_segments_quick() -> None:
         ("prefill 24", "serial"), ("prefill 24", "dbo"), ("decode 4", "serial"), ("decode 4", "dbo")]
     assert all(float(r[-2]) == 0.0 for r in rows)  # Dynamo's eager backend runs the same ops
     assert "| fixed cost: x + 1, one element |" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_measure_cost_quick() -> None:
+    proc = subprocess.run([sys.executable, str(BENCH / "measure_cost.py"), "--quick"], capture_output=True, text=True,
+                          timeout=110, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| 61 layers (366 comm works) |" in proc.stdout
