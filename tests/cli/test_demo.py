@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -100,12 +99,6 @@ def test_the_speedup_line_says_how_many_steps_microbatched(reasons: list[str], s
     assert summary["speedup"] == (None if speedup == "-" else 1.25)
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[RankPool]:
-    with RankPool(2, timeout_s=60.0, start_timeout_s=180.0) as p:
-        yield p
-
-
 TINY = dict(hidden=64, layers=1, experts=4, steps=1, warmup=1)
 
 
@@ -117,8 +110,9 @@ TINY = dict(hidden=64, layers=1, experts=4, steps=1, warmup=1)
 )
 def test_the_demo_is_bitwise_equal_on_two_ranks(pool: RankPool, shape: str, schedule: str, stream_policy: str,
                                                  ubatches: int) -> None:
-    # The demo's own per-rank function on the runner tests' kind of pool (the CLI adds only the
-    # launcher and the table, tested above); decode with 12 requests of context 8, always split.
+    # The demo's own per-rank function on the session's pool of 2 ranks (tests/conftest.py; the
+    # CLI adds only the launcher and the table, tested above); decode with 12 requests of
+    # context 8, always split.
     tokens = 300 if shape == "prefill" else 12
     cfg = DemoConfig(ranks=2, tokens=tokens, shape=shape, context=8, schedule=schedule, stream_policy=stream_policy,
                      ubatches=ubatches, prefill_threshold=0, decode_threshold=0, **TINY)  # type: ignore[arg-type]
