@@ -7,6 +7,8 @@ E x 2F x D, gate rows first, and ``down_proj`` E x D x F):
 
 * Mixtral's ``MixtralSparseMoeBlock``: router logits in the block's dtype, softmax in float32,
   top-k, renormalised.
+* Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``: Mixtral's rule with renormalisation only under
+  ``norm_topk_prob``, and the top-k weights rounded to the logits' dtype.
 * DeepSeek-V3's ``DeepseekV3MoE``: float32 logits and sigmoid scores, ``e_score_correction_bias``
   for selection only, group-limited top-k (``n_group``/``topk_group``), weights optionally
   renormalised and times ``routed_scaling_factor``, plus the shared-expert MLP.
@@ -80,6 +82,21 @@ def moe_from_hf(
         )
         bias_E = None
         shared = None
+    elif kind == "Qwen3MoeSparseMoeBlock":
+        gate, experts = hf_block.gate, hf_block.experts
+        _check_silu(getattr(experts, "config", None), kind)
+        cfg = MoEConfig(
+            hidden_size=gate.hidden_dim,
+            intermediate_size=experts.intermediate_dim,
+            num_experts=gate.num_experts,
+            top_k=gate.top_k,
+            scoring="softmax",
+            norm_topk_prob=bool(gate.norm_topk_prob),
+            round_topk_weights=True,
+            schedule=schedule,
+        )
+        bias_E = None
+        shared = None
     elif kind == "DeepseekV3MoE":
         gate, experts = hf_block.gate, hf_block.experts
         _check_silu(hf_block.config, kind)
@@ -106,8 +123,8 @@ def moe_from_hf(
         }
     else:
         raise ValueError(
-            f"moe_from_hf does not know {kind}; supported: MixtralSparseMoeBlock (transformers.models.mixtral) "
-            "and DeepseekV3MoE (transformers.models.deepseek_v3)"
+            f"moe_from_hf does not know {kind}; supported: MixtralSparseMoeBlock (transformers.models.mixtral), "
+            "Qwen3MoeSparseMoeBlock (transformers.models.qwen3_moe) and DeepseekV3MoE (transformers.models.deepseek_v3)"
         )
     gate_EFD, up_EFD, down_EDF = _split_gate_up(experts)
     # The experts' dtype is the model's: DeepSeek-V3 keeps its router in float32 in a bf16 model.

@@ -123,3 +123,16 @@ def test_round_topk_weights_must_be_a_bool() -> None:
 
     with pytest.raises(ValueError, match=r"^MoEConfig\.round_topk_weights must be True or False \(got 'yes'\)$"):
         MoEConfig(hidden_size=8, intermediate_size=8, num_experts=4, top_k=2, round_topk_weights="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_moe_from_hf_takes_a_qwen3_block_and_gives_its_bf16_output_bit_for_bit(norm: bool) -> None:
+    from asyncdbo.moe.hf import moe_from_hf
+
+    block = tiny_hf_model("qwen3-moe", dtype=torch.bfloat16, norm_topk_prob=norm).model.layers[0].mlp
+    layer = moe_from_hf(block)
+    assert layer.cfg.round_topk_weights and layer.cfg.norm_topk_prob == norm
+    x_BSD = torch.randn(2, 40, 32, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    with torch.no_grad():
+        ref_BSD = block(x_BSD)
+    assert torch.equal(asyncdbo.run(layer.forward, x_BSD), ref_BSD)
