@@ -3,8 +3,9 @@
 User mistakes are ``ValueError``/``TypeError`` with the bad value and the fix in the message where
 they can be checked at the call. A mistake that only shows while the ubatches run (a primitive not
 awaited, a switch from the wrong stream, a named event recorded twice, a recv hook that would be
-lost) is a :class:`DBOUsageError` (its kinds are public in ``asyncdbo.dbo``): a ``RuntimeError``, which is what these were before they had
-names, so existing ``except RuntimeError`` keeps working. Failures of a run (deadlock, watchdog, a
+lost; in debug mode, two ubatches issuing collectives on one process group) is a
+:class:`DBOUsageError` (its kinds are public in ``asyncdbo.dbo``): a ``RuntimeError``, which is what
+these were before they had names, so existing ``except RuntimeError`` keeps working. Failures of a run (deadlock, watchdog, a
 crashed ubatch) are :class:`AsyncDBOError` subclasses so a serving loop can catch "the DBO step
 failed" in one ``except``.
 """

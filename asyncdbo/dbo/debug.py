@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from .._core import SWITCH, DBORun, Instrument, UBatch, YieldMismatchError, user_frame
+from .._core import SWITCH, DBORun, DBOUsageError, Instrument, UBatch, YieldMismatchError, user_frame
 
 __all__ = [
     "BlockingDetector",
@@ -461,7 +461,7 @@ def _check_group(func: Any, args: tuple[Any, ...], ub: UBatch, users: dict[str, 
             if first != ub.id:
                 frame = user_frame(ub)
                 where = f" ({frame.filename}:{frame.lineno} in {frame.name})" if frame is not None else ""
-                raise RuntimeError(
+                raise DBOUsageError(  # a RuntimeError, as it was before it had a name
                     f"ubatches {first} and {ub.id} both issue collectives on process group {name!r} in one run"
                     f"{where}: their order across ranks is timing, and gloo aborts the process when ranks pair "
                     f"different ubatches' collectives. Call asyncdbo.ubatch_groups({n}, group) once on every rank "

@@ -81,7 +81,9 @@ def test_debug_mode_stops_two_ubatches_sharing_a_group_before_gloo_can_abort(poo
 
     msgs = pool.run(ubatches_share_the_default_group, True)
     assert msgs[0] == msgs[1]
-    assert msgs[0].startswith("ubatches 0 and 1 both issue collectives on process group '0' in one run (")
+    assert msgs[0].startswith(
+        "DBOUsageError: ubatches 0 and 1 both issue collectives on process group '0' in one run ("
+    )
     assert msgs[0].endswith(
         ": their order across ranks is timing, and gloo aborts the process when ranks pair different ubatches' "
         "collectives. Call asyncdbo.ubatch_groups(2, group) once on every rank before the run, and issue each "

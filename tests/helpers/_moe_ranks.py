@@ -19,7 +19,7 @@ from asyncdbo.dist.ep import ep_comm, plan_dispatch
 from asyncdbo.lowlevel import Instrument
 from asyncdbo.moe import MoEConfig, MoELayer
 
-from _step_errors import error_line
+from _step_errors import error_kind_and_line, error_line
 
 MIXTRAL_LIKE = dict(hidden_size=32, intermediate_size=16, num_experts=8, top_k=2)
 DEEPSEEK_LIKE = dict(
@@ -277,7 +277,8 @@ def ubatches_share_the_default_group(rank: int, world_size: int, debug: bool) ->
     try:
         asyncdbo.run(main)
     except RuntimeError as exc:
-        return error_line(exc)
+        kind, line = error_kind_and_line(exc)
+        return f"{kind}: {line}"
     return "no error"
 
 

@@ -13,8 +13,14 @@ from asyncdbo.dist.recovery import StepAborted
 
 def error_line(exc: BaseException) -> str:
     """The first line of the step's error: this rank's own, or the peer's that ``exc`` names."""
+    return error_kind_and_line(exc)[1]
+
+
+def error_kind_and_line(exc: BaseException) -> tuple[str, str]:
+    """The step error's type name and first line: this rank's own, or the peer's that ``exc``
+    names (a RuntimeError or one of asyncdbo's named kinds of it)."""
     if isinstance(exc, StepAborted):
         kind, sep, line = exc.reason.partition(": ")
-        assert sep and kind == "RuntimeError", f"the peer failed differently: {exc.reason!r}"
-        return line
-    return str(exc).split("\n")[0]
+        assert sep and kind in ("RuntimeError", "DBOUsageError"), f"the peer failed differently: {exc.reason!r}"
+        return kind, line
+    return type(exc).__name__, str(exc).split("\n")[0]
