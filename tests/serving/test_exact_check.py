@@ -142,3 +142,13 @@ def test_a_tap_whose_first_dimension_is_not_the_tokens_is_refused(hf: Any) -> No
                                          r"22 tokens: a tapped tensor's first dimension must be the tokens of the "
                                          r"call \(padding included\)$"):
         asyncdbo.run(_check, model)
+
+
+@pytest.mark.timeout(120)
+def test_exact_mode_in_float32_reports_no_difference() -> None:
+    """fp32 needs the HF models' exact mode (HFMoEModel(deterministic=True)) for DBO == serial."""
+    model = from_hf_model(tiny_hf_model("deepseek-v3"), schedule="ll", max_ubatches=2, block_size=4, num_kv_blocks=64,
+                          deterministic=True)
+    report = asyncdbo.run(_check, model)
+    assert report.equal, str(report)
+    assert report.compared == 2 * 4 * 2 + 2
