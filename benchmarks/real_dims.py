@@ -300,13 +300,17 @@ def check_memory(planned: list[tuple[str, Any, Any]], available: int | None, arg
 
 
 def run_one(name: str, config: Any, est: Any, args: argparse.Namespace, ckpt_root: Path) -> dict[str, Any]:
-    from asyncdbo.models.hf.real_dims import write_random_checkpoint
+    from asyncdbo.models.hf.real_dims import checkpoint_tensors, write_random_checkpoint
     from asyncdbo.testing import RankPool
 
     ckpt = ckpt_root / name
     t0 = time.perf_counter()
-    specs = write_random_checkpoint(config, ckpt, seed=0, max_shard_bytes=2 << 30)
-    write_s = time.perf_counter() - t0
+    if args.reuse and (ckpt / "config.json").exists():
+        _check_same_config(name, config, ckpt)
+        specs, write_s = checkpoint_tensors(config), None
+    else:
+        specs = write_random_checkpoint(config, ckpt, seed=0, max_shard_bytes=2 << 30)
+        write_s = time.perf_counter() - t0
     spec = Spec(model=name, ckpt=str(ckpt), dtype=args.dtype, prefill_tokens=args.prefill_tokens,
                 decode_requests=args.decode_requests, context=args.context, steps=args.steps, warmup=args.warmup,
                 link=args.link, link_scale=args.link_scale,
@@ -321,6 +325,19 @@ def run_one(name: str, config: Any, est: Any, args: argparse.Namespace, ckpt_roo
     return {"name": name, "config": config, "estimate": est, "per_rank": per_rank, "write_s": write_s,
             "run_s": time.perf_counter() - t0, "checkpoint_bytes": sum(s.nbytes for s in specs),
             "checkpoint_tensors": len(specs), "spec": asdict(spec)}
+
+
+def _check_same_config(name: str, config: Any, ckpt: Path) -> None:
+    """--reuse: the checkpoint's config.json must have every size this run asks for."""
+    from asyncdbo.models.hf.checkpoint import read_config
+    from asyncdbo.models.hf.real_dims import RELEASED
+
+    on_disk = read_config(ckpt).to_dict()
+    want = config.to_dict()
+    differ = [k for k in RELEASED[name] if on_disk.get(k) != want.get(k)]
+    if differ:
+        raise ValueError(f"--reuse: {ckpt / 'config.json'} differs from this run's config in {differ}; "
+                         "drop --reuse or give another --ckpt-dir")
 
 
 def _ms(x: float) -> str:
@@ -351,8 +368,9 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> list[str]
     for r in results:
         name, est, per_rank = r["name"], r["estimate"], r["per_rank"]
         lines += [f"\n## {name}\n", f"Config: {describe_config(name, r['config'])}; weights {args.dtype}, checkpoint "
-                  f"bf16: {r['checkpoint_tensors']} tensors, {r['checkpoint_bytes'] / 2**30:.2f} GiB, written in "
-                  f"{r['write_s']:.0f} s; the 2-rank run took {r['run_s']:.0f} s.\n",
+                  f"bf16: {r['checkpoint_tensors']} tensors, {r['checkpoint_bytes'] / 2**30:.2f} GiB, "
+                  + ("reused (--reuse)" if r["write_s"] is None else f"written in {r['write_s']:.0f} s")
+                  + f"; the 2-rank run took {r['run_s']:.0f} s.\n",
                   f"Estimate before the run: {est.describe()}.\n",
                   "| rank | load s | params MiB (estimate) | KV cache MiB (estimate) | peak RSS loading MiB | "
                   "peak RSS stepping MiB | estimate per rank MiB |", "|---:|---:|---:|---:|---:|---:|---:|"]
@@ -414,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="refuse a run whose estimate exceeds this (e.g. 12GiB; default: MemAvailable)")
     p.add_argument("--ckpt-dir", type=Path, default=None, help="where the checkpoints are written (default a temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the written checkpoints")
+    p.add_argument("--reuse", action="store_true",
+                   help="load a checkpoint already in --ckpt-dir/<model> (written by --keep) instead of writing one")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for each architecture's ranks (default 1800)")
     p.add_argument("--quick", action="store_true", help="tiny widths of the same structure, print only (a smoke test)")
     p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results, not with --quick)")

@@ -27,6 +27,8 @@ MODULES: list[tuple[str, str]] = [
     ("asyncdbo.models.hf", "Hugging Face MoE architectures under DBO."),
     ("asyncdbo.models.hf.checkpoint", "Local checkpoint loading."),
     ("asyncdbo.models.hf.generate", "Greedy generation and parity with transformers."),
+    ("asyncdbo.models.hf.real_dims", "The architectures at their released width, and random Hub-layout checkpoints."),
+    ("asyncdbo.models.hf.memory", "A rank's memory, estimated from the config before loading."),
     ("asyncdbo.observe", "Observing runs."),
     ("asyncdbo.sim", "The simulated device."),
     ("asyncdbo.sim.backend", "The simulated-device backend."),

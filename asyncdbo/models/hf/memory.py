@@ -39,6 +39,7 @@ EXPERT_TENSOR = re.compile(r"\.experts\.\d+\.")
 
 
 def gib(n: float) -> str:
+    """``n`` bytes in GiB, as the estimates are written (``"6.28 GiB"``)."""
     return f"{n / 2**30:.2f} GiB"
 
 
