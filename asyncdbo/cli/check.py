@@ -88,7 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-races", action=argparse.BooleanOptionalAction, default=True,
                    help="run the happens-before race checker (default on; --no-check-races to skip)")
     p.add_argument("--fail-on", choices=("lost-overlap",), action="append", default=[],
-                   help="also fail (exit 1) on lost overlap")
+                   help="fail (exit 1) on lost overlap: the default now, kept for scripts that pass it")
+    p.add_argument("--allow-lost-overlap", action="store_true",
+                   help="report lost overlap (with its measured cost) without failing")
     p.add_argument("--workload", metavar="FILE|synthetic",
                    help="replay per-step batch compositions across DP ranks (JSON lines; see docs/sim.md)")
     p.add_argument("--split-policy", choices=("token", "request", "balanced"), default="token",
@@ -179,7 +181,16 @@ def _header(args: argparse.Namespace, model: Any, dep: Any, shape: str | None) -
           f"EP {d.ep} ({d.gpus_per_node} per node), {d.comm.name} comm, {run}, "
           f"{args.ubatches} ubatches{', imbalance %g' % d.imbalance if d.imbalance != 1 else ''}")
     print(f"checks: {'races, dead waits and lost overlap' if args.check_races else 'none (--no-check-races)'}"
-          f"{'; lost overlap fails' if args.fail_on else ''}")
+          f"{'; lost overlap is reported, not failed (--allow-lost-overlap)' if _allow(args) else ''}")
+
+
+def _allow(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "allow_lost_overlap", False))
+
+
+def _fail_on(args: argparse.Namespace) -> list[str]:
+    """Lost overlap fails by default (each finding costed by a counterfactual run)."""
+    return [] if _allow(args) else ["lost-overlap"]
 
 
 def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
@@ -205,7 +216,7 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
             progress.step(t_i * len(policies) + i + 1, f"{tokens} tokens/rank, {pol} streams")
             pred: Prediction = asyncdbo.run(
                 _call(predict, tokens, model=model, shape=args.shape, context=args.context, deployment=dep,
-                      ubatches=args.ubatches, stream_policy=pol, check_races=args.check_races, fail_on=args.fail_on),
+                      ubatches=args.ubatches, stream_policy=pol, check_races=args.check_races, fail_on=_fail_on(args)),
                 loop="asyncio",
             )
             for lo in pred.dbo.lost_overlaps:
@@ -222,7 +233,7 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
     progress.done()
     print("speedup: serial time / DBO time per MoE layer (above 1x: DBO is faster). See docs/sim.md for the model.")
     for text, n in lost.items():
-        print(f"\nwarning ({n} run(s)): {text}")
+        print(f"\n{'warning' if _allow(args) else 'note'} ({n} run(s)): {text}")
     return 0
 
 
@@ -238,7 +249,7 @@ def _workload(args: argparse.Namespace, model: Any, dep: Any) -> int:
                         enabled=wants_progress(getattr(args, "quiet", False)))
     res = replay(steps, model=model, deployment=dep, ubatches=args.ubatches, policy=args.split_policy,
                  stream_policy="role" if args.stream_policy == "both" else args.stream_policy, check_races=args.check_races,
-                 on_step=lambda i, n: progress.step(i, f"step {i} of {n}"))
+                 fail_on=_fail_on(args), on_step=lambda i, n: progress.step(i, f"step {i} of {n}"))
     progress.done()
     split = [s for s in res.steps if s.microbatched]
     n = len(res.steps)

@@ -4,7 +4,8 @@ NPU cluster, on a laptop.
 * :mod:`~asyncdbo.sim.backend`: :class:`SimBackend` (``backend="sim"``): virtual streams, the
   race checker, the host timeline; :mod:`~asyncdbo.sim.transfers`: where comm runs and who waits;
 * :mod:`~asyncdbo.sim.races`: happens-before checking and the findings (races, dead waits, lost
-  overlap);
+  overlap); :mod:`~asyncdbo.sim.counterfactual`: the cost of lost overlap, measured by rerunning
+  the schedule without it;
 * :mod:`~asyncdbo.sim.cost`, :mod:`~asyncdbo.sim.kernels`, :mod:`~asyncdbo.sim.devices`,
   :mod:`~asyncdbo.sim.comm`, :mod:`~asyncdbo.sim.host`: what an op, a kernel, a transfer and a
   launch cost, with the presets and their sources;

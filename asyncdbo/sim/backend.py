@@ -19,9 +19,11 @@ awaited or its ``stream_wait`` runs (in a recv hook), so reading the received ro
 an early read. Costs come from the link and the comm library preset (:mod:`asyncdbo.sim.comm`).
 
 **Checks** (:mod:`asyncdbo.sim.races`), on by default: early reads and buffers reused in flight
-(happens-before over vector clocks), dead waits, and lost overlap (structural: an event recorded,
-or a transfer sent, after a yield covers work the other ubatch queued meanwhile; a ubatch yields
-while holding another's recv hook). At the end of the run the backend raises
+(happens-before over vector clocks), dead waits, and lost overlap (structural, the kinds of
+:data:`~asyncdbo.sim.races.LOST_KINDS`: an event recorded, or a transfer sent, after a yield; a
+recv hook held across a yield; a host sync between yields; a transfer with no yield around it; a
+compute kernel on a comm stream). ``fix`` makes the run the counterfactual that measures a
+finding's cost (:mod:`asyncdbo.sim.counterfactual`). At the end of the run the backend raises
 :class:`~asyncdbo.sim.races.SimCheckError` for races and dead waits, and for lost overlap when
 ``fail_on`` contains ``"lost-overlap"`` (``on_problem="raise"``), or only records them
 (``"record"``). The last run's :class:`SimReport` is ``backend.report``.
@@ -30,7 +32,10 @@ while holding another's recv hook). At the end of the run the backend raises
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Iterable
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +44,7 @@ from .._core import SWITCH, Instrument, get_ubatch
 from .._core.stacks import await_chain
 from ..backends import LinkSpec, RunStreams, StreamBackend, UBatchStreams, link_spec
 from ..backends.syncs import HostSyncs, SyncRecord
+from ..dbo.hooks import run_pending_hook
 from .clock import Engine, Span, Timeline, VEvent, VStream
 from .comm import CommSpec, comm_spec
 from .cost import CostModel
@@ -48,7 +54,7 @@ from .mode import SimMode
 from .ops import FACTORY, is_view, storage_key, tensor_items
 from .races import _SKIP, FRAMES, DeadWait, LostOverlap, RaceChecker, SimCheckError, Site, user_frames
 from .report import SimReport
-from .transfers import SimHandle, Transfers
+from .transfers import SimHandle, Transfers, Watch
 
 if TYPE_CHECKING:
     from .._core import DBORun, UBatch
@@ -69,6 +75,22 @@ def _suspended_frames(ub: UBatch) -> tuple[str, ...]:
     return tuple(f"{os.path.relpath(f.filename)}:{f.lineno} in {f.name.split('.')[-1]}" for f in frames[:FRAMES]) or ("?",)
 
 
+_COMM_LIBRARY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist")
+_MACHINERY = tuple(p for p in _SKIP if not p.startswith(_COMM_LIBRARY))
+
+
+def _in_comm_library() -> bool:
+    """Whether the innermost frame outside the sim, the backends, torch and the standard library
+    is asyncdbo's EP all-to-all (``asyncdbo/dist``): a host read the comm library makes."""
+    f: FrameType | None = sys._getframe(1)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not fn.startswith(_MACHINERY) and not fn.startswith("<"):
+            return fn.startswith(_COMM_LIBRARY)
+        f = f.f_back
+    return False
+
+
 class _Hooks(Instrument):
     """The sim's scheduler hooks: a switch costs host time; a switch while holding another
     ubatch's recv hook is lost overlap; the end of the run closes the report."""
@@ -78,13 +100,16 @@ class _Hooks(Instrument):
 
     def stepped(self, ub: UBatch, request: object) -> None:
         be = self.backend
-        be._host.switch()
-        be._segment[ub.id] = be._segment.get(ub.id, 0) + 1
         hook = getattr(ub.ext, "recv_hook", None)
         if request is SWITCH and hook is not None:
             owner = getattr(getattr(hook, "__self__", None), "owner", -1)
             site = Site(ub.id, ub.tag, ub.ext.stream.name, _suspended_frames(ub), f"yield {ub.tag!r}")
-            be._lost.append(LostOverlap("skipped-recv-hook", site, None, owner, 0.0))
+            if be._lost_overlap(LostOverlap("skipped-recv-hook", site, None, owner)):
+                ub.ctx_run(run_pending_hook, ub)  # the counterfactual: the hook runs before the yield
+        seg = be._segment.get(ub.id, 0)
+        be._seg_host[(ub.id, seg)] = be._host.t  # when this segment's last launch was issued
+        be._host.switch()
+        be._segment[ub.id] = seg + 1
 
     def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
         self.backend._finish(run, exc)
@@ -103,7 +128,9 @@ class SimBackend(Transfers, StreamBackend):
     ``contention``: transfers also take HBM time on the compute engine. ``imbalance``: the busiest
     EP rank's expert work over this rank's; a combine completes that much later (the straggler).
     ``node_dedup``: bytes a comm library that sends a token once per node puts on the link, over
-    the bytes of one copy per (token, expert) (applied where the comm spec says so).
+    the bytes of one copy per (token, expert) (applied where the comm spec says so). ``fix``:
+    lost-overlap keys (:attr:`LostOverlap.key`) this run removes, the counterfactual that measures
+    their cost (:mod:`asyncdbo.sim.counterfactual`).
     """
 
     name = "sim"
@@ -126,6 +153,7 @@ class SimBackend(Transfers, StreamBackend):
         contention: bool = False,
         imbalance: float = 1.0,
         node_dedup: float = 1.0,
+        fix: Iterable[tuple[str, str]] = (),
     ) -> None:
         if on_problem not in ("raise", "record"):
             raise ValueError(f"on_problem must be 'raise' or 'record' (got {on_problem!r})")
@@ -149,6 +177,7 @@ class SimBackend(Transfers, StreamBackend):
         self.contention = contention
         self.imbalance = imbalance
         self.node_dedup = node_dedup
+        self.fix = frozenset(fix)
         self.report: SimReport | None = None
         self._run: DBORun | None = None
         self._mode: SimMode | None = None
@@ -195,6 +224,13 @@ class SimBackend(Transfers, StreamBackend):
         self._device_counts: set[int] = set()  # storages holding counts that never reach the host
         self._sync_ops: dict[str, int] = {}  # host syncs charged, by op
         self._dispatch_done: dict[int, float] = {}  # ubatch -> end of its last dispatch
+        self._multi = len(run.ubatches) > 1  # lost overlap needs another ubatch to overlap with
+        self._lost_keys: set[tuple[str, str]] = set()
+        self._seg_host: dict[tuple[int, int], float] = {}  # (ubatch, segment) -> host time at its yield
+        self._comm_derived: set[int] = set()  # storages a transfer wrote, and what was computed from them
+        self._watch: dict[int, Watch] = {}
+        self._seg_end: dict[tuple[int, int, int], float] = {}  # (stream, ubatch, segment) -> end of its last op
+        self._relocated: dict[int, float] = {}  # counterfactual: outputs moved to compute -> their end  # storage -> a transfer not yet used, issued in its data's segment
         self.report = SimReport(self.device.name, self.link.name, state.policy, len(run.ubatches))
         shared = {"compute": VStream("compute"), "comm": VStream("comm")}
         for lane in state.lanes:
@@ -244,8 +280,9 @@ class SimBackend(Transfers, StreamBackend):
         rep.comm_bytes = self._comm_bytes
         if exc is None and rep.problems and self.on_problem == "raise":
             raise SimCheckError(rep.problems)
-        for lo in rep.lost_overlaps:
-            log.warning("asyncdbo sim: %s", lo)
+        if self.on_problem == "raise":  # a recording run's caller reports (asyncdbo.sim.counterfactual)
+            for lo in rep.lost_overlaps:
+                log.warning("asyncdbo sim: %s", lo)
 
     # ------------------------------------------------------------------ places
     def _site(self, ub: Any, stream: VStream, op: str) -> Site:
@@ -283,17 +320,25 @@ class SimBackend(Transfers, StreamBackend):
             # A device would hang here (NPU) or not wait at all (CUDA): report it at the end.
             self._waits_unrecorded.append((event, self._site(ub, stream, "wait event")))
             return
-        before = stream.t
-        stream.t = max(stream.t, event.t)
+        t = event.t
         if isinstance(event.by, Site):
             self._clocks.last_wait[stream.id] = event.by
         if event.covers_foreign is not None and self._clocks.knows(stream.id, event.stream_id) < event.clock.get(
                 event.stream_id, 0):
             foreign, own_end = event.covers_foreign
             site = self._site(ub, stream, "wait event")
-            lost_s = max(0.0, event.t - max(before, own_end))
-            self._lost.append(LostOverlap("record-after-yield", site, event.by, foreign, lost_s))
+            if self._lost_overlap(LostOverlap("record-after-yield", site, event.by, foreign)):
+                t = own_end  # the counterfactual: the event covers this ubatch's own work only
+        stream.t = max(stream.t, t)
         self._clocks.wait(stream.id, event.clock)
+
+    def _lost_overlap(self, lo: LostOverlap) -> bool:
+        """Report ``lo`` (once per kind and place); True when this run is the counterfactual
+        without it (its key is in ``fix``): the caller then does what the fixed schedule does."""
+        if lo.key not in self._lost_keys:
+            self._lost_keys.add(lo.key)
+            self._lost.append(lo)
+        return lo.key in self.fix
 
     # ------------------------------------------------------------------ ops
     def _place(self, ub: Any, stream: VStream, kind: str, name: str, dur: float, engine: Engine, extra: float = 0.0,
@@ -303,6 +348,7 @@ class SimBackend(Transfers, StreamBackend):
         stream.t = end
         self._timeline.add(Span(stream.name, kind, name, start, end, ub.id, ub.tag))
         self._ub_end[(stream.id, ub.id)] = end
+        self._seg_end[(stream.id, ub.id, self._segment[ub.id])] = end
         self._last_ub[stream.id] = ub.id
         return start, end
 
@@ -323,11 +369,26 @@ class SimBackend(Transfers, StreamBackend):
         self._flush_c10d()
         cost = self.cost.op_cost(func, args, kwargs, out)
         if cost.seconds > 0:
-            # Ops a ubatch issues in its comm role (packing rows for a dispatch, say) run on the SMs
-            # the comm kernels own (DeepEP fuses them into its kernels): they take stream time but
-            # not the compute engine, so they never queue behind the other ubatch's compute.
-            engine = self._comm_sms if ub.ext.role == "comm" else self._compute
-            self._place(ub, stream, "compute", ub.tag or "compute", cost.seconds, engine, ready=self._host.launch())
+            # Ops a ubatch issues in its comm role that only move data (packing rows for a dispatch)
+            # run on the SMs the comm kernels own (DeepEP fuses them into its kernels): they take
+            # stream time but not the compute engine. A compute kernel (a GEMM, attention) needs the
+            # compute SMs whichever stream it is queued on: on the comm stream it competes with the
+            # compute stream's kernels, and holds up the transfers queued behind it.
+            heavy = self.cost.is_compute(func)
+            engine = self._comm_sms if ub.ext.role == "comm" and not heavy else self._compute
+            on = stream
+            if self._relocated:  # the counterfactual below: a comm-stream op waits for what it reads
+                stream.t = max([stream.t] + [self._relocated.get(storage_key(t) or 0, 0.0)
+                                             for t in tensor_items(list(args))])
+            if heavy and ub.ext.role == "comm" and self._multi and stream is not ub.ext.streams["compute"]:
+                site = self._site(ub, stream, str(func.name()))
+                if self._lost_overlap(LostOverlap("compute-on-comm-stream", site, None, None)):
+                    on = ub.ext.streams["compute"]  # the counterfactual: the op runs on compute
+            _, end = self._place(ub, on, "compute", ub.tag or "compute", cost.seconds, engine, ready=self._host.launch())
+            if on is not stream:
+                for t in tensor_items(out if isinstance(out, (tuple, list)) else [out]):
+                    if (k := storage_key(t)) is not None:
+                        self._relocated[k] = end
         if is_view(func):
             return
         if self.check_races or self._device_counts:
@@ -337,6 +398,10 @@ class SimBackend(Transfers, StreamBackend):
             reads, writes = self._accesses(func, args, kwargs, out)
             if self._device_counts and reads & self._device_counts:
                 self._device_counts |= writes
+            if self._comm_derived and reads & self._comm_derived:
+                self._comm_derived |= writes
+            if self._watch and reads & self._watch.keys():
+                self._used(ub, reads)
             if self.check_races:
                 self._clocks.access(stream.id, reads, writes, self._site(ub, stream, str(func.name())))
                 self._own(ub, stream, self._clocks.seq[stream.id])
@@ -359,7 +424,15 @@ class SimBackend(Transfers, StreamBackend):
         if keys & self._device_counts:
             return  # counts the comm library keeps on the device (and what they size): no host read
         stream = ub.ext.stream
-        self._host.sync(stream.t)
+        fixed = False
+        if self._multi and self.check_races and keys and not keys & self._comm_derived and not _in_comm_library():
+            # A read of the schedule's own compute, not of counts a transfer delivered nor the
+            # split sizes a plain collective takes on the host (the comm library's own reads, which
+            # the comm preset models): the CPU stops launching every ubatch's work.
+            site = self._site(ub, stream, record.op)
+            fixed = self._lost_overlap(LostOverlap("host-sync", site, None, None))
+        if not fixed:  # the counterfactual: the host does not wait here
+            self._host.sync(stream.t)
         self._clocks.sync_all_to(stream.id)
         self._sync_ops[record.op] = self._sync_ops.get(record.op, 0) + 1
 
@@ -386,6 +459,8 @@ class SimBackend(Transfers, StreamBackend):
                     if k is not None:
                         self._clocks.fresh(k)
                         self._device_counts.discard(k)
+                        self._comm_derived.discard(k)
+                        self._watch.pop(k, None)
                         writes.add(k)
         return reads, writes
 

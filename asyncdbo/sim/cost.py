@@ -141,6 +141,11 @@ class CostModel:
             flops / rate, nbytes / (d.hbm_Bps * d.mem_efficiency)
         )
 
+    def is_compute(self, func: Any) -> bool:
+        """True for a compute kernel (one with a FLOP formula: GEMMs, attention, the fused
+        kernels), as opposed to an op that only moves or combines data."""
+        return func in KERNEL_COSTS or getattr(func, "_overloadpacket", None) in flop_registry
+
     def op_cost(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> OpCost:
         """The cost of ``func(*args, **kwargs)`` that returned ``out``."""
         if is_metadata_only(func):

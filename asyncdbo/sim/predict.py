@@ -46,6 +46,7 @@ from ..backends import LinkSpec
 from ..dbo import run_ubatches
 from .backend import SimBackend, SimReport
 from .comm import CommSpec, wire_share
+from .counterfactual import measure_lost_overlap
 from .model import (
     ModelLayer,
     attention_groups,
@@ -140,19 +141,26 @@ async def simulate(
         for parts in splits:
             share = 1.0 - d.comm.sm_share if len(parts) > 1 and d.schedule == "ht" else 1.0
             assert d.host is not None
-            be = SimBackend(device=d.device, link=d.link, comm=d.comm, host=d.host, check_races=check_races,
-                            fail_on=fail_on, comm_scale=scale, weights=weights, weight_bytes=WEIGHT_BYTES[m.weights],
-                            compute_share=share, contention=d.contention, imbalance=d.imbalance, node_dedup=dedup)
-            args: list[tuple[Any, ...]] = []
-            lo, marks = 0, dict[int, list[float]]()
-            for n in parts:
-                args.append((layers, x_TD[lo:lo + n], attention_groups(chunks(reqs, lo, lo + n)), lo, lo + n, marks))
-                lo += n
-            await run_ubatches(forward, args, backend=be, stream_policy=stream_policy)
-            assert be.report is not None
-            ends = marks[0]
-            per_layer = ends[-2] - ends[-3] if m.layers > 2 else (ends[-1] - ends[0] if m.layers == 2 else be.report.makespan_s)
-            out.append((be.report, per_layer))
+            config = dict(device=d.device, link=d.link, comm=d.comm, host=d.host, check_races=check_races,
+                          fail_on=fail_on, comm_scale=scale, weights=weights, weight_bytes=WEIGHT_BYTES[m.weights],
+                          compute_share=share, contention=d.contention, imbalance=d.imbalance, node_dedup=dedup)
+
+            def make(_config: dict[str, Any] = config, **overrides: Any) -> SimBackend:
+                return SimBackend(**{**_config, **overrides})
+
+            async def run(be: SimBackend, _parts: Sequence[int] = parts) -> list[float]:
+                args: list[tuple[Any, ...]] = []
+                lo, marks = 0, dict[int, list[float]]()
+                for n in _parts:
+                    args.append((layers, x_TD[lo:lo + n], attention_groups(chunks(reqs, lo, lo + n)), lo, lo + n, marks))
+                    lo += n
+                await run_ubatches(forward, args, backend=be, stream_policy=stream_policy)
+                return marks[0]
+
+            # Lost overlap is costed by a counterfactual run per finding (asyncdbo.sim.counterfactual).
+            report, ends = await measure_lost_overlap(run, make)
+            per_layer = ends[-2] - ends[-3] if m.layers > 2 else (ends[-1] - ends[0] if m.layers == 2 else report.makespan_s)
+            out.append((report, per_layer))
     return out
 
 

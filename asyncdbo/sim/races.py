@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from types import FrameType
 
 from .._core.errors import AsyncDBOError
 
 __all__ = [
+    "LOST_KINDS",
     "DeadWait",
     "LostOverlap",
     "Race",
@@ -142,26 +144,67 @@ class Race:
         ])
 
 
+#: Lost-overlap kinds, each with what the counterfactual run changes to measure its cost.
+LOST_KINDS = {
+    "record-after-yield": "the event carries the end of this ubatch's own work, as if recorded before the yield",
+    "send-after-yield": "the send leaves when its data was ready, as if issued before the yield",
+    "skipped-recv-hook": "the held recv hook runs at the yield, as if dbo_maybe_run_recv_hook() had been called",
+    "host-sync": "the host does not wait at that op",
+    "comm-not-overlapped": "a yield before awaiting the transfer (used without an await: the transfer takes no time, "
+                           "the most a yield could hide)",
+    "compute-on-comm-stream": "the op runs on the compute stream; comm waits for it only where it reads its output",
+}
+
+
 @dataclass(frozen=True)
 class LostOverlap:
-    """Correct but serial: the schedule waits for another ubatch's work it does not need.
+    """Correct but serial: the schedule waits for another ubatch's work it does not need, or
+    leaves the device idle where another ubatch's work could run.
 
-    ``kind``: ``record-after-yield`` (an event recorded after a yield covers work the other
-    ubatch queued meanwhile, and a wait on it waits for that work too: vLLM #38451),
-    ``send-after-yield`` (a transfer issued after a yield leaves only once the other ubatch's
-    queued work is done), ``skipped-recv-hook`` (a ubatch yielded while holding another's recv
-    hook: it never called ``dbo_maybe_run_recv_hook()``, so the receive is launched late).
-    ``lost_s`` is the virtual time it cost at this model's size (it may be 0 at a tiny width:
-    the finding is structural, not a timing)."""
+    ``kind`` (:data:`LOST_KINDS`): ``record-after-yield`` (an event recorded after a yield covers
+    work the other ubatch queued meanwhile, and a wait on it waits for that work too: vLLM
+    #38451), ``send-after-yield`` (a transfer whose data was ready before a yield, issued after
+    it), ``skipped-recv-hook`` (a ubatch yielded while holding another's recv hook),
+    ``host-sync`` (a read to the host of a device result between yields: ``.item()``,
+    ``.tolist()``, ``.cpu()``; the CPU stops launching for every ubatch), ``comm-not-overlapped``
+    (a transfer issued and awaited with no yield between its data, its send and its use: no other
+    ubatch's work can hide it), ``compute-on-comm-stream`` (a compute kernel queued on the comm
+    stream, where it holds up the transfers queued behind it).
+
+    ``cost_s``: what it cost, measured by a counterfactual sim run of the same schedule without
+    it (:func:`asyncdbo.sim.counterfactual.measure_lost_overlap`; ``asyncdbo check`` and
+    :func:`asyncdbo.sim.predict.predict` run it): this run's makespan minus that run's. None
+    when no counterfactual was run (a bare :class:`~asyncdbo.sim.SimBackend` run)."""
 
     kind: str
     site: Site
     other: Site | None
-    foreign_ubatch: int
-    lost_s: float
+    foreign_ubatch: int | None
+    cost_s: float | None = None
+
+    @property
+    def lost_s(self) -> float:
+        """Deprecated: :attr:`cost_s` (0.0 where no counterfactual was run)."""
+        warnings.warn("LostOverlap.lost_s is deprecated and will be removed: use cost_s (the counterfactual run's "
+                      "measured cost; None when none was run)", DeprecationWarning, stacklevel=2)
+        return self.cost_s or 0.0
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What a counterfactual run fixes: the kind at this place (every layer's occurrence)."""
+        return self.kind, self.site.place
+
+    def _head(self) -> str:
+        if self.cost_s is None:
+            cost = "cost not measured: asyncdbo check measures it by a counterfactual run"
+        elif self.cost_s > 0:
+            cost = f"costs {self.cost_s * 1e6:.1f} us of this run"
+        else:
+            cost = "no cost measured at this size"
+        return f"lost overlap ({self.kind}, {cost})"
 
     def __str__(self) -> str:
-        head = f"lost overlap ({self.kind}, {self.lost_s * 1e6:.1f} us here)"
+        head = self._head()
         if self.kind == "record-after-yield":
             assert self.other is not None
             return "\n".join([
@@ -173,10 +216,32 @@ class LostOverlap:
             ])
         if self.kind == "send-after-yield":
             return "\n".join([
-                f"{head}: a transfer on stream {self.site.stream} waits for ubatch {self.foreign_ubatch}'s work",
+                f"{head}: a transfer on stream {self.site.stream} was issued after a yield its data did not need",
                 *self.site.lines("send "),
                 f"    it was issued after a yield, so it leaves only once the work ubatch {self.foreign_ubatch} "
                 "queued meanwhile is done: issue the send before yielding",
+            ])
+        if self.kind == "host-sync":
+            return "\n".join([
+                f"{head}: the host waits for stream {self.site.stream} between yields",
+                *self.site.lines("host sync "),
+                "    the CPU stops launching every ubatch's work until the stream drains: keep the value on the "
+                "device (or read it where a yield has already queued the other ubatch's work)",
+            ])
+        if self.kind == "comm-not-overlapped":
+            return "\n".join([
+                f"{head}: a transfer is used with no yield around it",
+                *self.site.lines("transfer "),
+                "    its data was produced, sent and used between the same two yields, so no other ubatch's work "
+                "could run while it was in flight: yield between the send and the use (or between the data and "
+                "the send)",
+            ])
+        if self.kind == "compute-on-comm-stream":
+            return "\n".join([
+                f"{head}: a compute kernel runs on stream {self.site.stream}",
+                *self.site.lines(),
+                "    it shares the SMs with the compute stream and holds up the transfers queued behind it on "
+                "the comm stream: switch to the compute stream for it",
             ])
         return "\n".join([
             f"{head}: ubatch {self.site.ubatch} yielded holding the recv hook of ubatch {self.foreign_ubatch}",

@@ -12,7 +12,7 @@ straggler delay of an imbalanced combine, and the HBM time its bytes take (``con
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .._core import get_ubatch
@@ -27,9 +27,21 @@ if TYPE_CHECKING:
     from .devices import DeviceSpec
     from .host import HostTimeline
 
-__all__ = ["NOT_YET", "SimHandle", "Transfers"]
+__all__ = ["NOT_YET", "SimHandle", "Transfers", "Watch"]
 
 NOT_YET = 1 << 30  # the segment of received data nobody waited for yet
+
+
+@dataclass(eq=False)
+class Watch:
+    """A transfer issued in the segment its data was produced in: if the same ubatch also uses
+    it (waits on it or reads what it wrote) in that segment, no yield ever let another ubatch's
+    work overlap it (``comm-not-overlapped``)."""
+
+    ubatch: int
+    segment: int
+    site: Site
+    keys: set[int] = field(default_factory=set)
 
 
 class SimHandle:
@@ -37,12 +49,14 @@ class SimHandle:
     the ubatch running it wait for the transfer's completion; a transfer that already holds the
     issuing comm stream until it completes needs nothing more. Never parks."""
 
-    __slots__ = ("backend", "event", "nbytes", "t_done", "t_start", "what", "writes")
+    __slots__ = ("backend", "event", "nbytes", "t_done", "t_start", "watch", "what", "writes")
+    backend: Transfers | None
 
     def __init__(self, what: str, nbytes: int, t_start: float, t_done: float, *, backend: Transfers | None = None,
                  event: VEvent | None = None, writes: frozenset[int] = frozenset()) -> None:
         self.what, self.nbytes, self.t_start, self.t_done = what, nbytes, t_start, t_done
         self.backend, self.event, self.writes = backend, event, writes
+        self.watch: Watch | None = None
 
     def done(self) -> bool:
         return True
@@ -52,6 +66,8 @@ class SimHandle:
         if self.event is not None and self.backend is not None:
             ub = get_ubatch()
             if ub is not None and ub.run is self.backend._run:
+                if self.writes & self.backend._watch.keys():
+                    self.backend._used(ub, set(self.writes))
                 self.backend.wait(ub.ext.stream, self.event)
                 for k in self.writes:  # the rows are usable from here on
                     self.backend._seg_of[k] = min(self.backend._seg_of.get(k, NOT_YET), self.backend._segment[ub.id])
@@ -59,8 +75,15 @@ class SimHandle:
     wait = stream_wait
 
     def __await__(self) -> Any:
+        w, be = self.watch, self.backend
+        if w is not None and be is not None and ("comm-not-overlapped", w.site.place) in be.fix:
+            ub = get_ubatch()
+            if ub is not None and ub.id == w.ubatch and be._segment.get(ub.id) == w.segment:
+                # the counterfactual: a yield before the wait lets another ubatch's work overlap it
+                from ..dbo import dbo_yield
+
+                yield from dbo_yield("sim: counterfactual yield").__await__()
         self.stream_wait()
-        return iter(())
 
     def __repr__(self) -> str:
         return f"<SimHandle {self.what} {self.nbytes}B {self.t_start * 1e6:.1f}-{self.t_done * 1e6:.1f}us>"
@@ -95,6 +118,28 @@ class Transfers:
     _seg_seq: dict[tuple[int, int, int], int]
     _ub_seq: dict[tuple[int, int], int]
     _ub_end: dict[tuple[int, int], float]
+    _multi: bool
+    _comm_derived: set[int]
+    _watch: dict[int, Watch]
+    _seg_host: dict[tuple[int, int], float]
+    _relocated: dict[int, float]
+    _seg_end: dict[tuple[int, int, int], float]
+    fix: frozenset[tuple[str, str]]
+
+    def _lost_overlap(self, lo: LostOverlap) -> bool:
+        raise NotImplementedError
+
+    def _used(self, ub: Any, keys: set[int]) -> None:
+        """``ub`` waits on or reads what a watched transfer wrote: report it if that happens in the
+        segment the transfer and its data came from (see :class:`Watch`)."""
+        for k in keys:
+            w = self._watch.pop(k, None)
+            if w is None:
+                continue
+            for other in w.keys:
+                self._watch.pop(other, None)
+            if ub.id == w.ubatch and self._segment[ub.id] == w.segment:
+                self._lost_overlap(LostOverlap("comm-not-overlapped", w.site, None, None))
 
     def wait(self, stream: VStream, event: VEvent) -> None:
         raise NotImplementedError
@@ -150,8 +195,17 @@ class Transfers:
         dur = wire / (self.link.bandwidth_Bps * spec.link_efficiency(self.link.name, low_latency))
         latency = 0.0 if on_device else self.link.latency_s + (spec.ll_fixed_s if low_latency else spec.fixed_s)
         ready = self._host.launch_comm()
+        if self._relocated:  # counterfactual compute moved off this comm stream: wait for what it made
+            stream.t = max([stream.t] + [self._relocated.get(k, 0.0) for k in reads])
         if what == "combine" and self.imbalance > 1:  # the busiest rank's experts finish later
             latency += (self.imbalance - 1) * max(0.0, stream.t - self._dispatch_done.get(ub.id, stream.t))
+        watch = None
+        if self._multi and self.check_races and dur + latency > 0:
+            known = [self._seg_of[k] for k in reads if k in self._seg_of]
+            if (max(known) if known else self._segment[ub.id]) == self._segment[ub.id]:
+                watch = Watch(ub.id, self._segment[ub.id], site, set(writes))
+            if ("comm-not-overlapped", site.place) in self.fix and not low_latency:
+                dur = latency = 0.0  # the counterfactual, used without an await: the most a yield could hide
         if low_latency:
             handle = self._background(ub, stream, reads, writes, site, wire, dur, latency, ready, what)
         else:
@@ -164,26 +218,35 @@ class Transfers:
             handle = SimHandle(what, int(wire), start, end)
         if what == "dispatch":
             self._dispatch_done[ub.id] = handle.t_done
+        self._comm_derived |= writes
+        if watch is not None:
+            for k in writes:
+                self._watch[k] = watch
+            handle.watch = watch
         return handle
 
-    def _late_send(self, ub: Any, stream: VStream, reads: set[int]) -> tuple[int, float] | None:
-        """(other ubatch, end of own work) when this send's data was ready in an earlier segment of
-        this ubatch (before a yield) and another ubatch queued work on the stream since: issued
-        before the yield, the send would not have waited for that work. Without access tracking,
+    def _late_send(self, ub: Any, stream: VStream, reads: set[int]) -> tuple[int | None, float, float] | None:
+        """(the other ubatch that queued work on the stream since, if any; end of own work on the
+        stream; host time at the yield) when this send's data was ready in an earlier segment of
+        this ubatch (before a yield): issued before the yield, it would have left then, not after
+        the other ubatch's launches (and, on a shared stream, its work). Without access tracking,
         the stream's last op being another ubatch's is the sign."""
         if not self.check_races:
-            return self._covers_foreign(ub, stream)
+            own_end = self._ub_end.get((stream.id, ub.id), 0.0)
+            covers = self._covers_foreign(ub, stream)
+            return None if covers is None else (covers[0], covers[1], 0.0)
         known = [self._seg_of[k] for k in reads if k in self._seg_of]
         seg = max(known) if known else self._segment[ub.id]
         if seg >= self._segment[ub.id]:
             return None
+        at_yield = self._seg_host.get((ub.id, seg), 0.0)
+        own_end = max((t for (sid, u, g), t in self._seg_end.items() if sid == stream.id and u == ub.id and g <= seg),
+                      default=0.0)
         mine = self._seg_seq.get((stream.id, ub.id, seg))
-        if mine is None:
-            return None
         for (sid, other), seq in self._ub_seq.items():
-            if sid == stream.id and other != ub.id and seq > mine:
-                return other, self._ub_end.get((stream.id, ub.id), 0.0)
-        return None
+            if sid == stream.id and other != ub.id and (mine is None or seq > mine):
+                return other, own_end, at_yield
+        return None, own_end, at_yield
 
     def _contend(self, start: float, wire: float) -> None:
         """HBM contention: the bytes are read at the sender and written at the receiver."""
@@ -196,14 +259,14 @@ class Transfers:
         far is done, on a stream of its own, and holds no stream; its writes belong to that
         stream, so a read of the received buffer before a wait on the handle is an early read."""
         bg = VStream(f"{stream.name}:{what}")
-        foreign = self._late_send(ub, stream, reads)
-        if foreign is not None:
-            other, own_end = foreign
-            self._lost.append(LostOverlap("send-after-yield", replace(site, stream=stream.name), None, other,
-                                          max(0.0, stream.t - max(own_end, ready))))
+        bg.t = max(stream.t, ready)
+        late = self._late_send(ub, stream, reads) if self._multi else None
+        if late is not None:
+            other, own_end, at_yield = late
+            if self._lost_overlap(LostOverlap("send-after-yield", replace(site, stream=stream.name), None, other)):
+                bg.t = max(own_end, at_yield)  # the counterfactual: sent before the yield
         for k in writes:
             self._seg_of[k] = NOT_YET  # usable once a wait on the handle orders a stream after it
-        bg.t = max(stream.t, ready)
         self._clocks.wait(bg.id, self._clocks.record(stream.id))
         start = self._link.reserve(bg.t, dur)
         end = start + dur + latency

@@ -172,8 +172,10 @@ def replay(
     context_bucket: int = 512,
     check_races: bool = True,
     on_step: Callable[[int, int], None] | None = None,
+    fail_on: Sequence[str] = (),
 ) -> ReplayResult:
     """Replay ``steps`` (module docstring). Runs its own event loops: call it outside one.
+    ``fail_on`` (``["lost-overlap"]``): lost overlap in a checked schedule raises too.
     ``on_step(i, n)`` is called before step ``i`` (from 1) of ``n``: a progress line's hook."""
     import asyncdbo
 
@@ -191,7 +193,8 @@ def replay(
 
             async def run() -> Any:
                 return await simulate(summary, splits, model=model, shape=shape, deployment=deployment,  # type: ignore[arg-type]
-                                      stream_policy=stream_policy, check_races=check)  # type: ignore[arg-type]
+                                      stream_policy=stream_policy, check_races=check,  # type: ignore[arg-type]
+                                      fail_on=fail_on if check else ())
 
             cache[key] = [per_layer for _, per_layer in asyncdbo.run(run, loop="asyncio")]
             result.simulations += 1

@@ -156,8 +156,8 @@ def test_check_exits_1_on_a_race_unless_told_not_to_check(monkeypatch: pytest.Mo
     assert "checks: none (--no-check-races)" in capsys.readouterr().out
 
 
-def test_lost_overlap_warns_and_fails_only_when_asked(monkeypatch: pytest.MonkeyPatch,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_lost_overlap_fails_by_default_and_warns_when_allowed(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     from _mutants import mutated
 
     from asyncdbo.moe import layer
@@ -166,7 +166,11 @@ def test_lost_overlap_warns_and_fails_only_when_asked(monkeypatch: pytest.Monkey
                                     "await dbo_yield(tag)\n        await dbo_switch_to_comm_sync()"))
     monkeypatch.setattr(layer, "_to_comm", late)
     args = [*TINY, "--tokens", "16", "--schedule", "ht"]
-    assert _check(args) == 0
-    assert "\nwarning (1 run(s)): lost overlap (record-after-yield, " in capsys.readouterr().out
-    assert _check([*args, "--fail-on", "lost-overlap"]) == 1
-    assert "1. lost overlap (record-after-yield, " in capsys.readouterr().out
+    assert _check(args) == 1
+    assert "1. lost overlap (record-after-yield, costs " in capsys.readouterr().out
+    assert _check([*args, "--fail-on", "lost-overlap"]) == 1  # the old flag: the default now
+    assert "1. lost overlap (record-after-yield, costs " in capsys.readouterr().out
+    assert _check([*args, "--allow-lost-overlap"]) == 0
+    out = capsys.readouterr().out
+    assert "checks: races, dead waits and lost overlap; lost overlap is reported, not failed (--allow-lost-overlap)" in out
+    assert "\nwarning (1 run(s)): lost overlap (record-after-yield, costs " in out

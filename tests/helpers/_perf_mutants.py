@@ -1,0 +1,76 @@
+"""Performance-only mutants of the library's MoE schedules: each keeps the numbers right and
+loses overlap, and the sim must report it with a non-zero measured cost
+(tests/sim/test_sim_perf_mutants.py). Each is a source edit applied by :func:`_mutants.mutated`
+(an edit must match the library's source exactly once)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from asyncdbo.moe import layer as layer_mod
+
+__all__ = ["PerfMutant", "perf_mutants"]
+
+
+@dataclass(frozen=True)
+class PerfMutant:
+    name: str
+    target: Any  # (owner, attribute name)
+    edits: tuple[tuple[str, str], ...]
+    expect: str  # the lost-overlap kind
+
+
+_EXPERTS = "y_RD = self._experts(plan, recv_x_RD)"
+
+
+def perf_mutants(schedule: str, policy: str) -> Iterator[PerfMutant]:
+    """The performance-only mutants that exist for this schedule and stream policy."""
+    L = layer_mod
+    ht, ll, role = schedule == "ht", schedule == "ll", policy == "role"
+    fwd = (L.MoELayer, f"_forward_{schedule}")
+    # a host sync between yields: a read of the router's weights (real on the sim's CPU) after the experts
+    yield PerfMutant("host sync after the experts", fwd, ((_EXPERTS, f"{_EXPERTS}\n        float(topk_w_TK.sum())"),),
+                     "host-sync")
+    # compute issued on the comm stream: the expert GEMMs, then the shared expert
+    yield PerfMutant("experts on the comm stream", fwd,
+                     ((_EXPERTS, f"await dbo_switch_to_comm_sync()\n        {_EXPERTS}\n"
+                                 "        await dbo_switch_to_compute_sync()"),), "compute-on-comm-stream")
+    if ll:
+        yield PerfMutant("shared expert on the comm stream", fwd,
+                         (("shared_TD = self._shared(x_TD)  # overlaps the combine in flight",
+                           "await dbo_switch_to_comm_sync()\n        shared_TD = self._shared(x_TD)\n"
+                           "        await dbo_switch_to_compute_sync()"),), "compute-on-comm-stream")
+    if ht and role:
+        yield PerfMutant("shared expert on the comm stream", fwd,
+                         (("dbo_switch_to_compute()  # no sync: the shared expert overlaps the combine in flight\n"
+                           "            shared_TD = self._shared(x_TD)\n            dbo_switch_to_comm()",
+                           "shared_TD = self._shared(x_TD)"),), "compute-on-comm-stream")
+    # a missing yield around comm: the combine sent and used between the same two yields
+    if ll:
+        yield PerfMutant("combine yield dropped", fwd, (('        await dbo_yield("combine_send")\n', ""),),
+                         "comm-not-overlapped")
+    # comm awaited before the yield: the counts exchange waited for before the dispatch yield
+    if ht:
+        yield PerfMutant("counts awaited before the yield", fwd,
+                         (('await _to_comm(st, "dispatch", after="routed")\n        await counts',
+                           'await counts\n        await _to_comm(st, "dispatch", after="routed")'),), "comm-not-overlapped")
+    # an event recorded after the yield (vLLM #38451); under per-ubatch streams it covers nothing foreign
+    if ht and role:
+        yield PerfMutant("record after yield", (L, "_to_comm"),
+                         (("await dbo_yield_and_switch_from_compute_to_comm(tag)",
+                           "await dbo_yield(tag)\n        await dbo_switch_to_comm_sync()"),), "record-after-yield")
+    # the rows sent after the yield
+    if ll:
+        yield PerfMutant("rows sent after the yield", fwd,
+                         (("recv_x_RD, dispatched = plan.start_tokens(x_TD)  # the send half, issued before the yield\n"
+                           "        received = dbo_register_recv_hook(_receive(dispatched))\n"
+                           "        await dbo_yield(\"dispatch_send\")",
+                           "received = dbo_register_recv_hook(_noop)\n        await dbo_yield(\"dispatch_send\")\n"
+                           "        recv_x_RD, dispatched = plan.start_tokens(x_TD)"),), "send-after-yield")
+    # the recv hook held across a yield (under per-ubatch streams the hook does nothing: no cost)
+    if ll and role:
+        yield PerfMutant("skipped recv hook", fwd,
+                         (("dbo_maybe_run_recv_hook()  # launch the previous ubatch's pending receive\n", "\n"),),
+                         "skipped-recv-hook")

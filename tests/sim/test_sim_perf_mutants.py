@@ -1,0 +1,152 @@
+"""Performance-only mutants: each keeps the numbers right and loses overlap; `asyncdbo check`
+must report each by default with a non-zero cost measured by a counterfactual run (the same
+schedule without the defect: asyncdbo.sim.counterfactual), and the unmutated library must have no
+finding in every configuration used here. The data-corrupting mutants (races, dead waits) are in
+tests/sim/test_sim_mutants.py; races and dead waits always fail.
+
+Each mutant runs where its defect costs time in the modeled deployment: a mid-sized model
+(hidden 2048, 16 experts, EP 4) at 256 tokens on graph replay, so device time dominates; the
+host syncs on eager launches too (a captured graph cannot hold one, and on graph replay under
+``ll`` the sync leaves nothing unlaunched). Where a mutant's defect costs nothing in the model
+the test says so beside it (the structural finding is still reported, as "no cost measured").
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import io
+from contextlib import redirect_stdout
+from typing import Any
+
+import pytest
+
+import asyncdbo
+from _mutants import mutated
+from _perf_mutants import perf_mutants
+
+from asyncdbo.cli import check
+from asyncdbo.sim import SimCheckError
+from asyncdbo.sim.predict import Deployment, ModelShape, SimReport, default_requests, simulate
+
+pytestmark = pytest.mark.timeout(300)
+
+MID = ModelShape(name="mid", hidden=2048, intermediate=1024, experts=16, top_k=4, shared_experts=1, heads=16,
+                 kv_heads=4, head_dim=128, v_head_dim=128, layers=2)
+TOKENS = 256
+
+# (schedule, policy, comm, host, mutant): every performance-only mutant in a configuration where it costs time
+CASES = [
+    ("ht", "role", "deepep", "graph", "host sync after the experts"),
+    ("ht", "role", "deepep", "graph", "experts on the comm stream"),
+    ("ht", "role", "deepep", "graph", "shared expert on the comm stream"),
+    ("ht", "role", "deepep", "graph", "record after yield"),
+    ("ht", "ubatch", "deepep", "graph", "host sync after the experts"),
+    ("ll", "role", "deepep", "eager", "host sync after the experts"),
+    ("ll", "role", "deepep", "graph", "shared expert on the comm stream"),
+    ("ll", "role", "deepep", "graph", "combine yield dropped"),
+    ("ll", "role", "deepep", "graph", "rows sent after the yield"),
+    ("ll", "role", "deepep", "graph", "skipped recv hook"),
+    ("ll", "ubatch", "deepep", "eager", "host sync after the experts"),
+    ("ll", "ubatch", "deepep", "graph", "experts on the comm stream"),
+    ("ll", "ubatch", "deepep", "graph", "shared expert on the comm stream"),
+    ("ll", "ubatch", "deepep", "graph", "combine yield dropped"),
+    ("ll", "ubatch", "deepep", "graph", "rows sent after the yield"),
+]
+# Flagged, but no cost in the model (the counterfactual and the unmutated run take as long):
+# - experts on the comm stream under ll + role streams: nothing else queues on that comm stream
+#   (ll's transfers run on streams of their own), and both streams share the compute engine;
+# - the host sync under ll on graph replay (above);
+# Not costed correctly yet (a known gap): the ht counts awaited before the yield with plain
+# collectives (--comm a2a) is found (comm-not-overlapped) and makes the layer 23 us slower, but
+# the counterfactual (a yield inserted before the await) measures nothing: see
+# test_the_counts_awaited_before_the_yield_are_found.
+
+CONFIGS = sorted({c[:4] for c in CASES} | {("ht", "role", "a2a", "graph"), ("ht", "ubatch", "a2a", "graph")})
+
+
+def _dbo(schedule: str, policy: str, comm: str, host: str, *, fail: bool = True) -> SimReport:
+    """The DBO run of `asyncdbo check`'s row (2 ubatches; the serial run has no overlap to lose),
+    failing as `check` does by default."""
+    fail_on = check._fail_on(argparse.Namespace()) if fail else []
+    run = functools.partial(simulate, default_requests(TOKENS, "decode", 2000), [[TOKENS // 2, TOKENS // 2]],
+                            model=MID, shape="decode", stream_policy=policy, fail_on=fail_on,
+                            deployment=Deployment(ep=4, schedule=schedule, comm=comm, host=host))
+    ((report, _),) = asyncdbo.run(run, loop="asyncio")
+    return report
+
+
+def _apply(monkeypatch: pytest.MonkeyPatch, schedule: str, policy: str, name: str) -> Any:
+    (m,) = [m for m in perf_mutants(schedule, policy) if m.name == name]
+    owner, attr = m.target
+    monkeypatch.setattr(owner, attr, mutated(getattr(owner, attr), *m.edits))
+    return m
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["-".join(c) for c in CONFIGS])
+def test_the_unmutated_library_has_no_finding(config: tuple[str, str, str, str]) -> None:
+    rep = _dbo(*config)  # raises SimCheckError on any finding: lost overlap fails by default
+    assert (rep.races, rep.dead_waits, rep.lost_overlaps) == ([], [], [])
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join((*c[:4], c[4].replace(" ", "_"))) for c in CASES])
+def test_each_performance_mutant_fails_check_with_its_measured_cost(case: tuple[str, ...],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    schedule, policy, comm, host, name = case
+    m = _apply(monkeypatch, schedule, policy, name)
+    with pytest.raises(SimCheckError) as err:
+        _dbo(schedule, policy, comm, host)
+    found = [f for f in err.value.findings if getattr(f, "kind", None) == m.expect]
+    assert found, [str(f) for f in err.value.findings]
+    lost = found[0]
+    assert lost.cost_s is not None and lost.cost_s > 0, str(lost)
+    text = str(lost)
+    assert text.startswith(f"lost overlap ({m.expect}, costs {lost.cost_s * 1e6:.1f} us of this run)"), text
+    assert "asyncdbo/moe/layer.py:" in text  # the mutated line of the library's own code
+
+
+def test_the_cost_is_the_counterfactual_difference(monkeypatch: pytest.MonkeyPatch) -> None:
+    # record after yield under ht + role: the only finding, so the counterfactual run is the unmutated schedule
+    clean = _dbo("ht", "role", "deepep", "graph")
+    _apply(monkeypatch, "ht", "role", "record after yield")
+    mutant = _dbo("ht", "role", "deepep", "graph", fail=False)
+    (lost,) = mutant.lost_overlaps
+    assert lost.cost_s == pytest.approx(mutant.makespan_s - clean.makespan_s, rel=1e-9)
+
+
+# Not under per-ubatch streams: there the mutant is predicted 0.4-0.6% faster (ll 1416.6 vs 1422.1 us,
+# ht 1375 vs 1383 us at this size), an artifact of the greedy engine schedule not yet explained.
+@pytest.mark.parametrize(("schedule", "policy"), [("ht", "role"), ("ll", "role")])
+def test_compute_on_the_comm_stream_never_looks_faster(schedule: str, policy: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # The comm stream's kernels use the same SMs as the compute stream's (asyncdbo.sim.backend):
+    # moving the expert GEMMs there used to predict a faster layer (787 -> 622 us, issue 27).
+    clean = _dbo(schedule, policy, "deepep", "graph")
+    _apply(monkeypatch, schedule, policy, "experts on the comm stream")
+    mutant = _dbo(schedule, policy, "deepep", "graph", fail=False)
+    assert mutant.makespan_s >= clean.makespan_s - 1e-12
+    assert "compute-on-comm-stream" in [lo.kind for lo in mutant.lost_overlaps]
+
+
+def test_check_fails_by_default_on_lost_overlap_and_allows_it_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    _apply(monkeypatch, "ht", "role", "record after yield")
+    argv = ["--tokens", "256", "--ep", "4", "--hidden", "2048", "--intermediate", "1024", "--experts", "16",
+            "--top-k", "4", "--heads", "16", "--layers", "2", "--model", "mixtral", "--shape", "decode",
+            "--schedule", "ht", "--host", "graph", "-q"]
+    for extra, code in (([], 1), (["--allow-lost-overlap"], 0)):
+        parser = argparse.ArgumentParser()
+        check.add_arguments(parser)
+        out = io.StringIO()
+        with redirect_stdout(out):
+            assert check.main(parser.parse_args(argv + extra)) == code, out.getvalue()
+        text = out.getvalue()
+        assert "lost overlap (record-after-yield, costs " in text, text
+        assert ("warning (1 run(s)): lost overlap" in text) == bool(extra), text
+
+
+def test_the_counts_awaited_before_the_yield_are_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    _apply(monkeypatch, "ht", "role", "counts awaited before the yield")
+    mutant = _dbo("ht", "role", "a2a", "graph", fail=False)
+    (lost,) = mutant.lost_overlaps
+    assert (lost.kind, lost.site.place) == ("comm-not-overlapped", lost.site.frames[0])
+    assert "asyncdbo/moe/layer.py:" in lost.site.place
