@@ -5,7 +5,8 @@ other requests in another, padded to the longest query run and context; the loop
 (:func:`~asyncdbo.models.hf.common.per_request_attention`) attends one request at a time. Both read
 the same random paged cache through the same block tables, with GQA's context (KV heads repeated)
 and MLA's (the latent expanded per head by ``kv_b_proj``). They agree within ``TOL`` in float32
-(measured: at most 2.4e-7 here; the GEMMs see other shapes, so the bits may differ).
+(measured: at most 2.4e-7 here; the GEMMs see other shapes, so the bits may differ). MLA's
+decode requests can also be attended in the latent space (absorbed), within the same ``TOL``.
 """
 
 from __future__ import annotations
@@ -82,3 +83,29 @@ def test_a_batch_of_decode_requests_only_and_an_empty_batch() -> None:
     assert (batched - loop).abs().max().item() <= TOL
     empty = builder.build([])
     assert paged_attention(q_THK[:0], batch.positions_T[:0], cache, 0, empty.attn, **kw).shape == (0, H, K)
+
+
+def test_mla_decode_in_the_latent_space_equals_the_expanded_form() -> None:
+    """DeepSeek's absorbed decode (queries multiplied into the latent, no per-head expansion of
+    the context) against the per-request loop that expands every cached latent per head."""
+    from asyncdbo.models.hf.mla import mla_absorbed_decode
+
+    g = torch.Generator().manual_seed(2)
+    cfg = KVCacheConfig(num_layers=1, num_blocks=16, block_size=4, num_heads=1, head_dim=LORA + ROPE, v_head_dim=0)
+    kv_b_FL = torch.randn(H * (NOPE + V), LORA, generator=g) / math.sqrt(LORA)
+    scale = (NOPE + ROPE) ** -0.5
+
+    def context(latent_S1C: torch.Tensor, _: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return mla_expand(latent_S1C, kv_b_FL, H, NOPE, LORA)
+
+    def absorbed(q_RHK: torch.Tensor, latent_RS1C: torch.Tensor, visible_RS: torch.Tensor) -> torch.Tensor:
+        return mla_absorbed_decode(q_RHK, latent_RS1C, visible_RS, kv_b_FL, H, NOPE, LORA, scale)
+
+    cache = PagedKVCache(cfg)
+    cache.k_cache_LNZHK[0].copy_(torch.randn(cache.k_cache_LNZHK[0].shape, generator=g))
+    batch = ragged_batch(BatchBuilder(cfg))  # two decode requests beside a chunk and a prompt
+    q_THK = torch.randn(batch.num_tokens, H, NOPE + ROPE, generator=g)
+    kw: dict[str, Any] = dict(scale=scale, context=context, attend_fn=attend, v_dim=V)
+    got = paged_attention(q_THK, batch.positions_T, cache, 0, batch.attn, decode=absorbed, **kw)
+    want = per_request_attention(q_THK, batch.positions_T, cache, 0, batch.attn, **kw)
+    assert (got - want).abs().max().item() <= TOL

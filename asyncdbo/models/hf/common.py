@@ -140,6 +140,7 @@ def paged_attention(
     attend_fn: Callable[..., torch.Tensor],
     v_dim: int,
     exact: bool = False,
+    decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Each request's new queries over its cached context, causal by position (the K/V of this
     step already written).  ``context(k_S.., v_S..)`` turns what the cache holds into per-head
@@ -149,7 +150,9 @@ def paged_attention(
     The requests are attended in at most two calls (decode requests, then the rest), each padded
     to its longest query run and context, instead of a Python loop over requests
     (:func:`per_request_attention`, which it equals within float rounding: the GEMMs see other
-    shapes).
+    shapes). ``decode(q_RHK, cached_RS.., visible_RS)`` (optional) attends the decode requests
+    straight from the cached rows instead (MLA's absorbed form: no per-head expansion), returning
+    ``[R, H, V]``.
 
     ``exact`` runs :func:`~asyncdbo.models.tiled_attention.tiled_causal_attention` instead (a
     query's bits depend only on its position and its request's context, not on the call; half
@@ -168,17 +171,18 @@ def paged_attention(
     # Decode requests (one query) and the rest go in two calls, so a long prefill does not pad
     # every decode request's queries to its length.
     qlen_R = attn.query_start_loc_cpu[1:] - attn.query_start_loc_cpu[:-1]
-    for reqs_R in ((qlen_R == 1).nonzero().squeeze(1), (qlen_R > 1).nonzero().squeeze(1)):
+    for reqs_R, one in (((qlen_R == 1).nonzero().squeeze(1), True), ((qlen_R > 1).nonzero().squeeze(1), False)):
         if reqs_R.numel():
             _attend_requests(out_THV, q_THK, positions_T, cache, layer, attn, reqs_R, scale=scale,
-                             context=context, attend_fn=attend_fn)
+                             context=context, attend_fn=attend_fn, decode=decode if one else None)
     return out_THV
 
 
 def _attend_requests(out_THV: torch.Tensor, q_THK: torch.Tensor, positions_T: torch.Tensor, cache: PagedKVCache,
                      layer: int, attn: AttentionMetadata, reqs_R: torch.Tensor, *, scale: float,
                      context: Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]],
-                     attend_fn: Callable[..., torch.Tensor]) -> None:
+                     attend_fn: Callable[..., torch.Tensor],
+                     decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None) -> None:
     """Requests ``reqs_R`` in one call, padded to the most queries (Q) and context (S) among them:
     the cached rows of every request are read through one ``[R, S]`` slot table (a position past
     a request's context reads its position 0: finite, and masked), expanded by ``context`` in one
@@ -196,11 +200,17 @@ def _attend_requests(out_THV: torch.Tensor, q_THK: torch.Tensor, positions_T: to
     table_RB = attn.block_table.index_select(0, reqs_R.to(attn.block_table.device)).long()
     slots_X = (table_RB.gather(1, kpos_RS // bs) * bs + kpos_RS % bs).flatten().to(dev)
     k_cached, v_cached = cache.read(layer, slots_X)
+    rows = rows_RQ.flatten().to(dev)
+    if decode is not None:  # one query per request: Q == 1
+        assert v_cached is None and Q == 1, "the absorbed decode reads a keys-only (latent) cache"
+        visible_RS = pos_S.to(dev)[None, :] <= positions_T[rows][:, None]
+        o_RHV = decode(q_THK[rows], k_cached.view(R, S, *k_cached.shape[1:]), visible_RS)
+        out_THV[rows] = o_RHV.to(out_THV.dtype)
+        return
     k_HXK, v_HXV = context(k_cached, v_cached)  # X = R * S rows here
     H, K, V = k_HXK.shape[0], k_HXK.shape[-1], v_HXV.shape[-1]
     k_XSK = k_HXK.view(H, R, S, K).transpose(0, 1).reshape(R * H, S, K)
     v_XSV = v_HXV.view(H, R, S, V).transpose(0, 1).reshape(R * H, S, V)
-    rows = rows_RQ.flatten().to(dev)
     q_XQK = q_THK[rows].view(R, Q, H, -1).permute(0, 2, 1, 3).reshape(R * H, Q, -1)
     qpos_RQ = positions_T[rows].view(R, Q).masked_fill(~real_RQ.to(dev), -1)  # padding rows see no key
     visible_RQS = pos_S.to(dev)[None, None, :] <= qpos_RQ[:, :, None]

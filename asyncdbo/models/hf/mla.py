@@ -32,7 +32,7 @@ from ...plan.metadata import AttentionMetadata
 from ..attention import wait_for_earlier_kv
 from .common import WeightSlots, apply_rope, linear, paged_attention, rms_norm
 
-__all__ = ["MLAttention", "mla_expand", "mla_project"]
+__all__ = ["MLAttention", "mla_absorbed_decode", "mla_expand", "mla_project"]
 
 #: eps of transformers' ``q_a_layernorm`` and ``kv_a_layernorm`` (built without ``rms_norm_eps``).
 LATENT_NORM_EPS = 1e-6
@@ -106,6 +106,11 @@ class MLAttention:
         """One head of latent + rotary key per token, no values (module docstring)."""
         return 1, self.lora + self.rope, 0
 
+    def absorbed_decode(self, q_RHK: torch.Tensor, latent_RS1C: torch.Tensor, visible_RS: torch.Tensor) -> torch.Tensor:
+        """The decode requests' attention in the latent space (:func:`mla_absorbed_decode`)."""
+        return mla_absorbed_decode(q_RHK, latent_RS1C, visible_RS, self.kv_b_FL, self.heads, self.nope, self.lora,
+                                   self.scale)
+
     async def forward(self, model: Any, layer: int, h_TD: torch.Tensor, positions_T: torch.Tensor,
                       rope_TK: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata) -> torch.Tensor:
         seg, tile = model.segments, model.tile
@@ -118,8 +123,27 @@ class MLAttention:
         model.kv_cache.write(layer, latent_T1C[: attn.num_actual_tokens], None, attn.slot_mapping)
         await wait_for_earlier_kv(model, layer)
         o_THV = paged_attention(q_THK, positions_T, model.kv_cache, layer, attn, scale=self.scale,
-                                context=context, attend_fn=seg.attend, v_dim=self.v_dim, exact=tile is not None)
+                                context=context, attend_fn=seg.attend, v_dim=self.v_dim, exact=tile is not None,
+                                decode=self.absorbed_decode)
         return seg.linear(o_THV.reshape(o_THV.shape[0], self.heads * self.v_dim), self.wo_DF, self.bo_D, tile)
+
+
+def mla_absorbed_decode(q_RHK: torch.Tensor, latent_RS1C: torch.Tensor, visible_RS: torch.Tensor,
+                        kv_b_FL: torch.Tensor, heads: int, nope: int, lora: int, scale: float) -> torch.Tensor:
+    """Decode attention in the latent space (DeepSeek's and vLLM's absorbed MLA): each head's
+    query is multiplied into the latent once (``q_nope @ W_UK``), scored against the cached
+    latents and rotary keys as they are, and the probability-weighted latent is multiplied out by
+    ``W_UV`` once per head, so the context is never expanded per head. Returns ``[R, H, V]``.
+    Legend: L = latent rank, C = L + rotary dim, N = key dim without rope, V = value dim."""
+    w_HFL = kv_b_FL.view(heads, -1, lora)
+    w_uk_HNL, w_uv_HVL = w_HFL[:, :nope], w_HFL[:, nope:]
+    latent_RSC = latent_RS1C[:, :, 0]
+    q_lat_RHL = torch.einsum("rhn,hnl->rhl", q_RHK[..., :nope], w_uk_HNL)
+    q_abs_RHC = torch.cat([q_lat_RHL, q_RHK[..., nope:]], dim=-1)
+    scores_RHS = torch.einsum("rhc,rsc->rhs", q_abs_RHC, latent_RSC) * scale
+    probs_RHS = scores_RHS.masked_fill(~visible_RS[:, None, :], float("-inf")).softmax(dim=-1, dtype=torch.float32)
+    o_lat_RHL = torch.einsum("rhs,rsl->rhl", probs_RHS.to(latent_RSC.dtype), latent_RSC[..., :lora])
+    return torch.einsum("rhl,hvl->rhv", o_lat_RHL, w_uv_HVL)
 
 
 def _yarn_mscale_squared(params: dict[str, Any]) -> float:
