@@ -116,6 +116,7 @@ def _worker_main(
     store_path: str,
     backend: str,
     timeout_s: float,
+    start_s: float,
     env: dict[str, str],
     torch_threads: int,
     conn: Connection,
@@ -131,13 +132,19 @@ def _worker_main(
         import torch.distributed as dist
 
         torch.set_num_threads(torch_threads)
+        # Meeting the peers is bounded by the start-up time (a loaded machine can take longer than
+        # a collective's bound to import torch on the slowest rank), the collectives by timeout_s.
         dist.init_process_group(
             backend,
             init_method=f"file://{store_path}",
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=max(timeout_s, start_s)),
         )
+        if start_s > timeout_s:
+            from torch.distributed import distributed_c10d as c10d
+
+            c10d._set_pg_timeout(timedelta(seconds=timeout_s))
     except BaseException:
         conn.send(_error_reply())
         return
@@ -220,6 +227,7 @@ class RankPool:
             raise
 
     def _start(self, worker_env: dict[str, str], torch_threads: int, start_s: float) -> None:
+        self._start_s = start_s if start_s != float("inf") else 3600.0
         # Workers start with SIGUSR1 blocked (a spawned process inherits this thread's mask): one
         # that arrives before a worker installs the stack-dump handler (``asyncdbo demo``'s ranks
         # do) is held until then instead of ending the worker with the signal's default action.
@@ -239,7 +247,7 @@ class RankPool:
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, store_path, self.backend, self.timeout_s, worker_env,
+                args=(rank, self.world_size, store_path, self.backend, self.timeout_s, self._start_s, worker_env,
                       torch_threads, child_conn, os.getpid()),
                 name=f"asyncdbo-rank{rank}",
                 daemon=True,
