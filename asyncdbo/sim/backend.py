@@ -230,6 +230,7 @@ class SimBackend(Transfers, StreamBackend):
         self._comm_derived: set[int] = set()  # storages a transfer wrote, and what was computed from them
         self._watch: dict[int, Watch] = {}
         self._seg_end: dict[tuple[int, int, int], float] = {}  # (stream, ubatch, segment) -> end of its last op
+        self._pending_reads: dict[int, SimHandle] = {}  # storage -> the background transfer that writes it
         self._relocated: dict[int, float] = {}  # counterfactual: outputs moved to compute -> their end  # storage -> a transfer not yet used, issued in its data's segment
         self.report = SimReport(self.device.name, self.link.name, state.policy, len(run.ubatches))
         shared = {"compute": VStream("compute"), "comm": VStream("comm")}
@@ -402,6 +403,8 @@ class SimBackend(Transfers, StreamBackend):
                 self._comm_derived |= writes
             if self._watch and reads & self._watch.keys():
                 self._used(ub, reads)
+            if self._pending_reads and reads & self._pending_reads.keys():
+                self._read_before_await(ub, stream, func, reads)
             if self.check_races:
                 self._clocks.access(stream.id, reads, writes, self._site(ub, stream, str(func.name())))
                 self._own(ub, stream, self._clocks.seq[stream.id])
@@ -412,6 +415,20 @@ class SimBackend(Transfers, StreamBackend):
                     self._seg_of[k] = seg
                 return
         self._tick(ub, stream)
+
+    def _read_before_await(self, ub: Any, stream: VStream, func: Any, reads: set[int]) -> None:
+        """The owner of a transfer reads what it wrote without having waited on its handle itself:
+        another ubatch's recv hook may have ordered the device stream (role streams), but a backend
+        without device streams (the host's) completes the transfer only when the owner awaits it."""
+        for k in reads & self._pending_reads.keys():
+            h = self._pending_reads[k]
+            if ub.id != h.owner:
+                continue
+            del self._pending_reads[k]
+            ev = h.event
+            ordered = ev is not None and self._clocks.knows(stream.id, ev.stream_id) >= ev.clock.get(ev.stream_id, 0)
+            if ordered and not h.owner_waited and self.check_races and h.site is not None:  # else: an early read
+                self._clocks.report("read-before-await", self._site(ub, stream, str(func.name())), h.site, stream.id)
 
     def _on_sync(self, record: SyncRecord, args: tuple[Any, ...]) -> None:
         """An op that makes the host wait (:mod:`asyncdbo.backends.syncs`: a read to the host, or
@@ -461,6 +478,7 @@ class SimBackend(Transfers, StreamBackend):
                         self._device_counts.discard(k)
                         self._comm_derived.discard(k)
                         self._watch.pop(k, None)
+                        self._pending_reads.pop(k, None)
                         writes.add(k)
         return reads, writes
 

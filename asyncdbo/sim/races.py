@@ -113,7 +113,7 @@ class Site:
         return f"{self.who}, stream {self.stream}, {self.place}: {self.op}"
 
 
-_VERBS = {"read-after-write": ("read", "write"), "write-after-read": ("write", "read"),
+_VERBS = {"read-before-await": ("read", "write"), "read-after-write": ("read", "write"), "write-after-read": ("write", "read"),
           "write-after-write": ("write", "write")}
 
 
@@ -130,6 +130,16 @@ class Race:
     def __str__(self) -> str:
         first, second = _VERBS[self.kind][1], _VERBS[self.kind][0]
         b, n = self.before, self.now
+        if self.kind == "read-before-await":
+            return "\n".join([
+                f"read-before-await: ubatch {n.ubatch} reads what its transfer {b.op} wrote without awaiting the "
+                "transfer's handle",
+                *b.lines("1. write by "),
+                *n.lines("2. read by "),
+                f"    missing: ubatch {n.ubatch} never awaited the handle of {b.op} ({b.place}) before {n.op} "
+                f"({n.place}): another ubatch's recv hook ordered the device stream, but on the host backend the "
+                "data arrives only when its owner awaits it (wrong numbers there): await the handle before the read",
+            ])
         note = [] if self.cross_wait is None else [
             f"    note: stream {n.stream} last waited on an event ubatch {self.cross_wait.ubatch} recorded ("
             f"{self.cross_wait.place}): a wait on another ubatch's event does not order this one's own work"]
@@ -372,6 +382,10 @@ class RaceChecker:
                     self._report("write-after-write", site, h.write.site, sid)
             h.write = acc
             h.reads = [acc] if key in reads else []
+
+    def report(self, kind: str, now: Site, before: Site, sid: int) -> None:
+        """Report a finding the backend found itself (``read-before-await``)."""
+        self._report(kind, now, before, sid)
 
     def _report(self, kind: str, now: Site, before: Site, sid: int) -> None:
         key = (kind, now.place + now.op, before.place + before.op)

@@ -49,7 +49,8 @@ class SimHandle:
     the ubatch running it wait for the transfer's completion; a transfer that already holds the
     issuing comm stream until it completes needs nothing more. Never parks."""
 
-    __slots__ = ("backend", "event", "nbytes", "t_done", "t_start", "watch", "what", "writes")
+    __slots__ = ("backend", "event", "nbytes", "owner", "owner_waited", "site", "t_done", "t_start", "watch", "what",
+                 "writes")
     backend: Transfers | None
 
     def __init__(self, what: str, nbytes: int, t_start: float, t_done: float, *, backend: Transfers | None = None,
@@ -57,6 +58,9 @@ class SimHandle:
         self.what, self.nbytes, self.t_start, self.t_done = what, nbytes, t_start, t_done
         self.backend, self.event, self.writes = backend, event, writes
         self.watch: Watch | None = None
+        self.owner: int | None = None  # the ubatch that issued it
+        self.owner_waited = False  # whether the owner itself waited on it (not only another's recv hook)
+        self.site: Site | None = None
 
     def done(self) -> bool:
         return True
@@ -68,6 +72,8 @@ class SimHandle:
             if ub is not None and ub.run is self.backend._run:
                 if self.writes & self.backend._watch.keys():
                     self.backend._used(ub, set(self.writes))
+                if ub.id == self.owner:
+                    self.owner_waited = True
                 self.backend.wait(ub.ext.stream, self.event)
                 for k in self.writes:  # the rows are usable from here on
                     self.backend._seg_of[k] = min(self.backend._seg_of.get(k, NOT_YET), self.backend._segment[ub.id])
@@ -123,6 +129,7 @@ class Transfers:
     _watch: dict[int, Watch]
     _seg_host: dict[tuple[int, int], float]
     _relocated: dict[int, float]
+    _pending_reads: dict[int, SimHandle]
     _seg_end: dict[tuple[int, int, int], float]
     fix: frozenset[tuple[str, str]]
 
@@ -279,4 +286,8 @@ class Transfers:
             self._clocks.tick(bg.id)
         done = VEvent(recorded=True, t=end, clock=self._clocks.record(bg.id), by=replace(site, stream=bg.name))
         done.stream_id = bg.id
-        return SimHandle(what, int(wire), start, end, backend=self, event=done, writes=frozenset(writes))
+        handle = SimHandle(what, int(wire), start, end, backend=self, event=done, writes=frozenset(writes))
+        handle.owner, handle.site = ub.id, replace(site, stream=bg.name)
+        for k in writes:
+            self._pending_reads[k] = handle
+        return handle
