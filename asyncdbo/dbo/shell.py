@@ -115,36 +115,59 @@ def take(
     return shell
 
 
-def _idle(shell: Shell) -> None:
+_Dropped = list[tuple[int, str, object]]  # (where: -2 the run, -1 its state, i lane i; attribute; value)
+
+
+def _where(shell: Shell, where: int) -> object:
+    return shell.run if where == -2 else shell.state if where == -1 else shell.state.lanes[where]
+
+
+def _idle(shell: Shell) -> _Dropped:
     """Drop what the shell's last run left in its state and lanes (the kernel run released its
-    records itself), so an idle shell holds nothing of it."""
-    run, state = shell.run, shell.state
-    run.instrument = None
-    state.on_finish = state.unsubmitted = state.comm_account = None
-    if state.comm:
-        state.comm = []
-    if state.events:
-        state.events = {}
-    if state.blocking:
-        state.blocking = []
-    for lane in state.lanes:
-        lane.install = lane.recv_hook = lane.stream = None
-        lane.role = "compute"
-        lane.submitted = 0
-        if lane.streams:
-            lane.streams = {}
-        if lane.events:
-            lane.events = {}
+    records itself), so an idle shell holds nothing of it; return what was dropped for
+    :func:`_restore`, naming each holder by position (a reference to it would change the counts)."""
+    dropped: _Dropped = []
+
+    def drop(where: int, attr: str, empty: object) -> None:
+        obj = _where(shell, where)
+        value = getattr(obj, attr)
+        if value is not empty and value != empty:
+            dropped.append((where, attr, value))
+            setattr(obj, attr, empty)
+
+    drop(-2, "instrument", None)
+    for attr in ("on_finish", "unsubmitted", "comm_account"):
+        drop(-1, attr, None)
+    drop(-1, "comm", [])
+    drop(-1, "events", {})
+    drop(-1, "blocking", [])
+    for i in range(len(shell.state.lanes)):
+        for attr in ("install", "recv_hook", "stream"):
+            drop(i, attr, None)
+        drop(i, "role", "compute")
+        drop(i, "submitted", 0)
+        drop(i, "streams", {})
+        drop(i, "events", {})
+    return dropped
+
+
+def _restore(shell: Shell, dropped: _Dropped) -> None:
+    for where, attr, value in dropped:
+        setattr(_where(shell, where), attr, value)
 
 
 def give_back(shell: Shell) -> None:
     """The run of ``shell`` ended cleanly and its caller read what it needed: keep the shell for
     the next run if nothing outside it refers to its objects (see the module docstring). The
     caller must hold the shell alone, not its run, state, records or lanes."""
-    _idle(shell)
+    dropped = _idle(shell)
     n = len(shell.run.ubatches)
     if not _REUSE or n > MAX_UBATCHES or _counts(shell) != shell.baseline:
+        # Not reused: whoever still holds the run (an instrument that kept it, a stored
+        # get_ubatch()) reads it as it ended, its comm records and streams included.
+        _restore(shell, dropped)
         return
+    del dropped
     idle = _IDLE.get(n)
     if idle is None:
         idle = _IDLE.setdefault(n, [])
