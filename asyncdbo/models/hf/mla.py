@@ -124,7 +124,7 @@ class MLAttention:
         await wait_for_earlier_kv(model, layer)
         o_THV = paged_attention(q_THK, positions_T, model.kv_cache, layer, attn, scale=self.scale,
                                 context=context, attend_fn=seg.attend, v_dim=self.v_dim, exact=tile is not None,
-                                decode=self.absorbed_decode)
+                                decode=self.absorbed_decode if model.mla_absorb else None)
         return seg.linear(o_THV.reshape(o_THV.shape[0], self.heads * self.v_dim), self.wo_DF, self.bo_D, tile)
 
 

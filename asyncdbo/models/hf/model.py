@@ -159,15 +159,24 @@ class HFMoEModel:
     LM head and the dense and expert MLPs in fixed row tiles, attention tiled by position, the MoE
     layers' own deterministic mode), so a DBO step gives the serial step's logits and KV cache bit
     for bit; False turns the MoE layers' mode off too; None (the default) leaves the MoE layers at
-    their own default (on for CPU inputs) and the rest on its fast path."""
+    their own default (on for CPU inputs) and the rest on its fast path.
+
+    ``mla_absorb`` (DeepSeek-V3): decode requests attend in the latent space (DeepSeek's and
+    vLLM's absorbed form, :func:`asyncdbo.models.hf.mla.mla_absorbed_decode`), far cheaper at real
+    ranks (benchmarks/batched_attention.py) but not transformers' rounding: off by default, so
+    bf16 logits keep transformers' bits; exact mode always takes the tiled path."""
 
     def __init__(self, arch: Architecture, *, ep_group: Any = None, schedule: Schedule = "ht", max_ubatches: int = 4,
                  block_size: int = 16, num_kv_blocks: int = 256, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", deterministic: bool | None = None) -> None:
+                 device: torch.device | str = "cpu", deterministic: bool | None = None,
+                 mla_absorb: bool = False) -> None:
         if not (deterministic is None or isinstance(deterministic, bool)):
             raise ValueError(f"HFMoEModel deterministic must be True, False or None (got {deterministic!r})")
+        if not isinstance(mla_absorb, bool):
+            raise ValueError(f"HFMoEModel mla_absorb must be True or False (got {mla_absorb!r})")
         hf = self.hf = arch.hf
         self.deterministic = deterministic
+        self.mla_absorb = mla_absorb
         #: Rows per GEMM call in exact mode (None: the fast path).
         self.tile: int | None = ROW_TILE if deterministic else None
         self.arch, self.slots, self.segments = arch, WeightSlots(), Segments()
