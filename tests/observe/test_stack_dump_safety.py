@@ -187,6 +187,13 @@ _CTRL_C = r"""
 import asyncio, os, signal
 import asyncdbo
 from asyncdbo import dbo_yield
+from asyncdbo.observe.stacks import install_stack_dump_signal
+
+# A Ctrl-C must reach this process whatever it inherited: an ignored signal and the signal mask
+# pass through exec, so the test's own process state cannot leak in.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+install_stack_dump_signal()  # the test asks for the stacks if this ever hangs
 
 async def forward(i):
     await dbo_yield("attn")
@@ -203,10 +210,29 @@ asyncdbo.run(main, loop=os.environ["LOOP"])
 """
 
 
+def _signal_masks(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "".join(line for line in f if line.startswith(("State:", "SigBlk:", "SigIgn:", "SigCgt:")))
+    except OSError as exc:
+        return f"no /proc status: {exc}"
+
+
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_ctrl_c_during_a_run_says_where_each_ubatch_was(loop: str) -> None:
-    out = subprocess.run([sys.executable, "-c", _CTRL_C], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, LOOP=loop), check=False)
+    proc = subprocess.Popen([sys.executable, "-c", _CTRL_C], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, LOOP=loop))
+    try:
+        stdout, stderr = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:  # say where it stood: its signal masks and its ubatches
+        masks = _signal_masks(proc.pid)
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the interrupted run did not end within 90 s\n{masks}\n{stderr}")
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert out.returncode != 0
     assert out.stderr.rstrip().endswith("KeyboardInterrupt"), out.stderr
     assert "asyncdbo: run 'interrupted' ended by " in out.stderr, out.stderr
