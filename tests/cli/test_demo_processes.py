@@ -19,52 +19,20 @@ from contextlib import contextmanager
 
 import pytest
 
+from _procs import alive, catches_sigusr1, children, status, torchrun_rank
+
 pytestmark = pytest.mark.slow
 
 TINY = ["--hidden", "64", "--layers", "1", "--experts", "4", "--tokens", "512", "--warmup", "0"]
-SIGUSR1_BIT = 1 << (signal.SIGUSR1 - 1)
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == pid:
-                kids.append(int(entry))
-    return kids
-
-
-def _status(pid: int, field: str) -> str | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def _alive(pid: int) -> bool:
-    state = _status(pid, "State")
-    return state is not None and not state.startswith(("Z", "X"))
-
-
 def _ranks_running_demo(parent: int, name_of: Callable[[int], int | None], world: int, timeout_s: float = 200.0) -> dict[int, int]:
     """{rank: pid} of ``parent``'s rank processes once each has installed its SIGUSR1 handler
     (which demo_rank does first: from then on the rank is in the demo)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         ranks = {}
-        for pid in _children(parent):
+        for pid in children(parent):
             rank = name_of(pid)
-            caught = _status(pid, "SigCgt")
-            if rank is not None and caught is not None and int(caught, 16) & SIGUSR1_BIT:
+            if rank is not None and catches_sigusr1(pid):
                 ranks[rank] = pid
         if len(ranks) == world:
             return ranks
@@ -73,17 +41,8 @@ def _ranks_running_demo(parent: int, name_of: Callable[[int], int | None], world
 
 
 def _pool_rank(pid: int) -> int | None:
-    name = _status(pid, "Name")  # RankPool names its workers asyncdbo-rank<r>
+    name = status(pid, "Name")  # RankPool names its workers asyncdbo-rank<r>
     return int(name[len("asyncdbo-rank"):]) if name and name.startswith("asyncdbo-rank") else None
-
-
-def _torchrun_rank(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-    except OSError:
-        return None
-    return int(env[b"RANK"]) if b"RANK" in env and b"LOCAL_RANK" in env else None
 
 
 @contextmanager
@@ -150,12 +109,12 @@ def test_torchrun_workers_exit_when_their_agent_is_killed() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            "-m", "asyncdbo", "demo", "--launcher", "env", *TINY, "--steps", "1000", "--link", "ib400"]
     with _started(cmd) as proc:
-        ranks = _ranks_running_demo(proc.pid, _torchrun_rank, 2)
+        ranks = _ranks_running_demo(proc.pid, torchrun_rank, 2)
         os.kill(proc.pid, signal.SIGKILL)  # the agent
         deadline = time.monotonic() + 20
-        while any(_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = [pid for pid in ranks.values() if _alive(pid)]
+        left = [pid for pid in ranks.values() if alive(pid)]
         for pid in left:
             os.kill(pid, signal.SIGKILL)
     assert not left, f"workers {left} outlived their torchrun agent"

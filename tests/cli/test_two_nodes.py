@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from _procs import catches_sigusr1, children, torchrun_rank
+
 pytestmark = pytest.mark.slow
 
 TINY = ["--hidden", "64", "--layers", "1", "--experts", "4", "--tokens", "64", "--warmup", "0",
@@ -59,34 +61,6 @@ def test_the_demo_runs_across_two_torchrun_agents_with_a_c10d_rendezvous() -> No
     assert "outputs serial vs DBO: max |logits diff| = 0 (bitwise equal; deterministic mode)" in table, table
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except (FileNotFoundError, ProcessLookupError):
-        return []
-
-
-def _rank_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return int(env[b"RANK"]) if b"RANK" in env else None
-
-
-def _catches_sigusr1(pid: int) -> bool:
-    """Whether ``pid`` has a SIGUSR1 handler (its ``SigCgt`` mask): before it does, the signal's
-    default action would end the process."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
-    except (FileNotFoundError, ProcessLookupError, StopIteration):
-        return False
-    return bool(caught >> (signal.SIGUSR1 - 1) & 1)
-
-
 def _read_into(stream: Any, lines: list[str]) -> threading.Thread:
     thread = threading.Thread(target=lambda: lines.extend(iter(stream.readline, "")), daemon=True)
     thread.start()
@@ -116,20 +90,20 @@ def test_killing_one_agent_mid_step_ends_the_other_nodes_rank_with_an_error_nami
         victim = survivor = None
         deadline = time.monotonic() + 400
         while victim is None and time.monotonic() < deadline:  # which agent's worker is rank 1
-            workers = [_children(a.pid) for a in agents]
-            ranks = [_rank_of(w[0]) if w else None for w in workers]
+            workers = [children(a.pid) for a in agents]
+            ranks = [torchrun_rank(w[0]) if w else None for w in workers]
             if None not in ranks:
                 victim = ranks.index(1)
                 survivor = 1 - victim
             time.sleep(0.2)
         assert victim is not None and survivor is not None, errs
-        worker = _children(agents[victim].pid)[0]
+        worker = children(agents[victim].pid)[0]
         live = False
         while not live and time.monotonic() < deadline:
             time.sleep(0.5)
             if agents[survivor].poll() is not None or agents[victim].poll() is not None:
                 break
-            if _catches_sigusr1(worker):
+            if catches_sigusr1(worker):
                 os.kill(worker, signal.SIGUSR1)
                 time.sleep(0.5)
                 live = any(line.startswith("asyncdbo run '") for line in errs[victim])

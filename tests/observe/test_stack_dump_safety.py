@@ -20,6 +20,8 @@ from asyncdbo.observe import stacks
 from asyncdbo.observe.stacks import dump_stacks, install_stack_dump_signal
 from asyncdbo.testing import RankPool
 
+from _procs import children, signal_masks
+
 HERE = __file__
 
 
@@ -89,20 +91,6 @@ def test_at_exit_the_signal_is_ignored_rather_than_fatal() -> None:
 
 
 # ------------------------------------------------------------------------- a rank's start-up
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == pid:
-                kids.append(int(entry))
-    return kids
-
-
 def install_and_report(rank: int, world: int) -> int:
     install_stack_dump_signal()  # what asyncdbo demo's ranks do first; a held signal prints now
     return os.getpid()
@@ -118,7 +106,7 @@ def test_a_rank_signalled_from_its_first_moment_survives_and_prints_once_it_can(
 
     def storm() -> None:
         while not stop.is_set():
-            for pid in _children(os.getpid()):
+            for pid in children(os.getpid()):
                 try:
                     os.kill(pid, signal.SIGUSR1)
                     signalled.add(pid)
@@ -210,14 +198,6 @@ asyncdbo.run(main, loop=os.environ["LOOP"])
 """
 
 
-def _signal_masks(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "".join(line for line in f if line.startswith(("State:", "SigBlk:", "SigIgn:", "SigCgt:")))
-    except OSError as exc:
-        return f"no /proc status: {exc}"
-
-
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_ctrl_c_during_a_run_says_where_each_ubatch_was(loop: str) -> None:
@@ -226,7 +206,7 @@ def test_ctrl_c_during_a_run_says_where_each_ubatch_was(loop: str) -> None:
     try:
         stdout, stderr = proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:  # say where it stood: its signal masks and its ubatches
-        masks = _signal_masks(proc.pid)
+        masks = signal_masks(proc.pid)
         proc.send_signal(signal.SIGUSR1)
         time.sleep(2)
         proc.kill()
