@@ -227,27 +227,27 @@ class RankPool:
             raise
 
     def _start(self, worker_env: dict[str, str], torch_threads: int, start_s: float) -> None:
-        self._start_s = start_s if start_s != float("inf") else 3600.0
         # Workers start with SIGUSR1 blocked (a spawned process inherits this thread's mask): one
         # that arrives before a worker installs the stack-dump handler (``asyncdbo demo``'s ranks
         # do) is held until then instead of ending the worker with the signal's default action.
         blocked = hasattr(signal, "pthread_sigmask") and hasattr(signal, "SIGUSR1")
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1}) if blocked else None
         try:
-            self._spawn(worker_env, torch_threads)
+            # no deadline to meet the peers in: an hour, as timedelta cannot hold inf
+            self._spawn(worker_env, torch_threads, start_s if start_s != float("inf") else 3600.0)
         finally:
             if old_mask is not None:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         self._collect("start-up", start_s)
 
-    def _spawn(self, worker_env: dict[str, str], torch_threads: int) -> None:
+    def _spawn(self, worker_env: dict[str, str], torch_threads: int, start_s: float) -> None:
         ctx = mp.get_context("spawn")
         store_path = os.path.join(self._store_dir, "store")
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, store_path, self.backend, self.timeout_s, self._start_s, worker_env,
+                args=(rank, self.world_size, store_path, self.backend, self.timeout_s, start_s, worker_env,
                       torch_threads, child_conn, os.getpid()),
                 name=f"asyncdbo-rank{rank}",
                 daemon=True,
