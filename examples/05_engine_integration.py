@@ -1,6 +1,7 @@
 """An engine's model runner adopting asyncdbo (docs/integration.md), on a Qwen3-MoE checkpoint.
 
     python examples/05_engine_integration.py
+    torchrun --nproc-per-node 2 examples/05_engine_integration.py   # or across nodes: --nnodes 2 ...
 
 Two local ranks (DP = EP = 2) each hold a ``ModelRunner`` the way a vLLM or SGLang worker holds
 one: built once from a checkpoint directory (each rank reads its own experts), then called
@@ -128,14 +129,8 @@ def worker(rank: int, world_size: int, checkpoint: str) -> dict[str, Any]:
             "served": served}
 
 
-if __name__ == "__main__":
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_model = tiny_hf_model("qwen3-moe")
-    with tempfile.TemporaryDirectory() as ckpt:
-        hf_model.save_pretrained(ckpt)
-        results = run_ranks(worker, 2, ckpt, timeout_s=120)
+def report(hf_model: Any, results: list[dict[str, Any]]) -> None:
+    """Print every rank's steps and check its tokens against transformers (on the first rank)."""
     for rank, res in enumerate(results):
         print(f"rank {rank}: {res['stats']}")
         for i, line in enumerate(res["steps"]):
@@ -160,3 +155,45 @@ if __name__ == "__main__":
                                     do_sample=False, eos_token_id=list(params.stop_token_ids), pad_token_id=0)
             assert ref[0, len(prompt):].tolist() == served["dbo"]["outputs"][i], (rank, i)
         print(f"rank {rank}: every greedy request of the trace equals transformers' generate()")
+
+
+def torchrun_main(hf_model: Any) -> None:
+    """One rank of a ``torchrun`` job (any number of nodes): each rank writes the same seeded
+    checkpoint to its own directory (on a cluster a node has no other's disk), runs
+    :func:`worker`, and rank 0 gathers every rank's result and checks it."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from asyncdbo.dist import destroy_process_groups
+
+    with tempfile.TemporaryDirectory() as ckpt:
+        # before the process group: transformers' save_pretrained writes config.json only on
+        # torch.distributed's rank 0 once a group exists
+        hf_model.save_pretrained(ckpt)
+        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=120))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = worker(rank, world, ckpt)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        report(hf_model, gathered)
+        print(f"torchrun: {world} ranks on {os.environ.get('GROUP_WORLD_SIZE', '1')} node(s) agree with transformers")
+    destroy_process_groups()  # leave together: every gloo thread joined before the interpreter exits
+
+
+if __name__ == "__main__":
+    import os
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_model = tiny_hf_model("qwen3-moe")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun: this process is one rank
+        torchrun_main(hf_model)
+    else:
+        with tempfile.TemporaryDirectory() as ckpt:
+            hf_model.save_pretrained(ckpt)
+            results = run_ranks(worker, 2, ckpt, timeout_s=120)
+        report(hf_model, results)

@@ -1,10 +1,13 @@
-"""``torchrun --nnodes 2`` with two agents on this host: the demo runs across both "nodes".
+"""``torchrun --nnodes 2`` with two agents on this host: the demo and the serving example run
+across both "nodes", the EP layer runs on node-local and on cross-node groups, and a lost node
+ends the other's rank with an error naming it.
 
-Each agent is a separate ``torch.distributed.run`` process with one worker (2 nodes x 1 process),
+Each agent is a separate ``torch.distributed.run`` process with one worker (2 nodes x 1 process;
+2 x 2 for the groups),
 as on two machines; they meet through a c10d rendezvous at a store this test holds open on
 127.0.0.1 (port 0: the kernel picks it as the store binds, so no other process can take it in
 between, and both agents join as clients, ``is_host=0``). The workers' EP group is the whole
-world, so every all-to-all of the MoE layer crosses the node boundary. Every process group the
+world (except in the groups test), so every all-to-all of the MoE layer crosses the node boundary. Every process group the
 test started is killed at the end, whatever happened.
 """
 
@@ -14,9 +17,11 @@ import os
 import signal
 import subprocess
 import sys
+import json
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,36 +34,77 @@ TINY = ["--hidden", "64", "--layers", "1", "--experts", "4", "--tokens", "64", "
         "--prefill-threshold", "0", "--steps", "2", "--timeout", "60"]
 
 
-def _agent(port: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ["-m", "asyncdbo", "demo", "--launcher", "env", *TINY]
+
+
+def _agent(port: int, program: list[str] = DEMO, nproc: int = 1) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id", "asyncdbo-two-nodes",
-            "--rdzv-conf", "is_host=0", "--max-restarts", "0",
-            "-m", "asyncdbo", "demo", "--launcher", "env", *TINY]
+            "--rdzv-conf", "is_host=0", "--max-restarts", "0", *program]
 
 
-@pytest.mark.timeout(600)
-def test_the_demo_runs_across_two_torchrun_agents_with_a_c10d_rendezvous() -> None:
+def _two_agents(program: list[str], nproc: int = 1, timeout_s: float = 540) -> list[tuple[str, str]]:
+    """Both agents to the end (status 0 each, else the test fails with their output); their
+    ``(stdout, stderr)``, in start order (node ranks are the rendezvous's choice)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    agents = [subprocess.Popen(_agent(store.port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                               start_new_session=True) for _ in range(2)]
+    agents = [subprocess.Popen(_agent(store.port, program, nproc), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env, cwd=ROOT, start_new_session=True) for _ in range(2)]
     try:
-        results = [agent.communicate(timeout=540) for agent in agents]
+        results = [agent.communicate(timeout=timeout_s) for agent in agents]
     finally:
         for agent in agents:
             try:
-                os.killpg(agent.pid, signal.SIGKILL)  # the agent and its worker, stopped or not
+                os.killpg(agent.pid, signal.SIGKILL)  # the agent and its workers, stopped or not
             except ProcessLookupError:
                 pass
             agent.communicate()
     codes = [agent.returncode for agent in agents]
     assert codes == [0, 0], results
+    return results
+
+
+@pytest.mark.timeout(600)
+def test_the_demo_runs_across_two_torchrun_agents_with_a_c10d_rendezvous() -> None:
+    results = _two_agents(DEMO)
     # rank 0 prints the table; it runs under whichever agent the rendezvous made node 0
     (table,) = [out for out, _ in results if "DBO steps:" in out]
     assert "DBO steps: microbatched, every step on every rank" in table, table
     assert "outputs serial vs DBO: max |logits diff| = 0 (bitwise equal; deterministic mode)" in table, table
+
+
+@pytest.mark.timeout(600)
+def test_the_serving_example_runs_across_two_torchrun_agents() -> None:
+    """examples/05_engine_integration.py as one rank of each node: every rank writes the same
+    seeded checkpoint to its own directory, and rank 0 checks every rank's tokens against
+    transformers (greedy steps and ``generate()`` per request of the replayed trace)."""
+    results = _two_agents([str(ROOT / "examples" / "05_engine_integration.py")])
+    (out,) = [out for out, _ in results if "torchrun:" in out]
+    assert "torchrun: 2 ranks on 2 node(s) agree with transformers" in out, out
+    for rank in (0, 1):
+        assert f"rank {rank}: every greedy request of the trace equals transformers' generate()" in out, out
+
+
+@pytest.mark.timeout(600)
+def test_node_local_and_cross_node_ep_groups_of_two_nodes_with_two_processes_each() -> None:
+    """2 nodes x 2 processes. torch's ``new_subgroups`` gives node-local EP groups (EP inside a
+    node, DP across) and an enumeration gives cross-node ones; on each, the MoE layer's EP rank is
+    the rank's place in its group and three DBO steps equal the serial one bitwise."""
+    results = _two_agents([str(ROOT / "tests" / "helpers" / "_node_groups_worker.py")], nproc=2)
+    (line,) = [ln for out, _ in results for ln in out.splitlines() if ln.startswith("RESULT ")]
+    views = json.loads(line[len("RESULT "):])
+    assert [view["node-local"]["members"] for view in views] == [[0, 1], [0, 1], [2, 3], [2, 3]], views
+    assert [view["node-local"]["nodes"] for view in views] == [[0], [0], [1], [1]], views
+    assert [view["cross-node"]["members"] for view in views] == [[0, 2], [1, 3], [0, 2], [1, 3]], views
+    assert [view["cross-node"]["nodes"] for view in views] == [[0, 1]] * 4, views
+    # the layer's EP rank is the rank's place in its group
+    assert [view["node-local"]["ep"] for view in views] == [[2, 0], [2, 1], [2, 0], [2, 1]], views
+    assert [view["cross-node"]["ep"] for view in views] == [[2, 0], [2, 0], [2, 1], [2, 1]], views
+    for layout in ("node-local", "cross-node"):
+        assert [view[layout]["equal"] for view in views] == [[True] * 3] * 4, (layout, views)
 
 
 def _read_into(stream: Any, lines: list[str]) -> threading.Thread:
