@@ -130,15 +130,23 @@ def _describe_failure(exc: BaseException, wait_s: float) -> str:
 
 def _record_for_torchrun(message: str) -> None:
     """Write the error where torchrun's summary reads it (``TORCHELASTIC_ERROR_FILE``), so its
-    "Root Cause" shows this line instead of "To enable traceback see ..."."""
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        return
-    try:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    "Root Cause" shows this line instead of "To enable traceback see ...".
 
-        try:  # raised, so that the "traceback" torchrun prints (format_exc) ends with this line
-            raise RuntimeError(message)
-        except RuntimeError as exc:
-            ErrorHandler().record_exception(exc)
-    except Exception as exc:  # the summary is a courtesy; the exit status carries the failure
-        print(f"asyncdbo demo: could not record the error for torchrun: {exc}", file=sys.stderr)
+    The file is written in the format of torch's ``ErrorHandler.record_exception`` (a JSON
+    ``message`` with the text and an ``extraInfo.py_callstack``, which the summary prints as the
+    worker's traceback), but with the line as it is: ``record_exception`` would prefix the type of
+    an exception raised to carry it, and the line already starts with the original one's type
+    (``RuntimeError: RuntimeError: ...`` in the summary)."""
+    import json
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    text = f"asyncdbo demo: rank {os.environ.get('RANK', '?')}: error: {message}"
+    data = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError as exc:  # the summary is a courtesy; the exit status carries the failure
+        print(f"asyncdbo demo: could not record the error for torchrun in {path}: {exc}", file=sys.stderr)
