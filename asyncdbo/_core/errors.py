@@ -3,8 +3,8 @@
 User mistakes are ``ValueError``/``TypeError`` with the bad value and the fix in the message where
 they can be checked at the call. A mistake that only shows while the ubatches run (a primitive not
 awaited, a switch from the wrong stream, a named event recorded twice, a recv hook that would be
-lost; in debug mode, two ubatches issuing collectives on one process group) is a
-:class:`DBOUsageError` (its kinds are public in ``asyncdbo.dbo``): a ``RuntimeError``, which is what
+lost; in debug mode, two ubatches issuing collectives on one process group, or an async collective
+not handed to ``dbo_submit``) is a :class:`DBOUsageError` (its kinds are public in ``asyncdbo.dbo``): a ``RuntimeError``, which is what
 these were before they had names, so existing ``except RuntimeError`` keeps working. Failures of a run (deadlock, watchdog, a
 crashed ubatch) are :class:`AsyncDBOError` subclasses so a serving loop can catch "the DBO step
 failed" in one ``except``.
@@ -19,6 +19,7 @@ __all__ = [
     "DuplicateEventError",
     "MissingAwaitError",
     "RecvHookOverwriteError",
+    "UnsubmittedCommError",
     "WrongStreamError",
     "WatchdogTimeout",
     "NoOverlapWarning",
@@ -71,6 +72,11 @@ class RecvHookOverwriteError(DBOUsageError):
     """A ubatch registered a recv hook on a ubatch that still holds an unrun hook of its own."""
 
 
+class UnsubmittedCommError(DBOUsageError):
+    """In debug mode, a ubatch yielded, parked or returned while an async collective it issued was
+    not handed to ``dbo_submit``, or read that collective's output before it was."""
+
+
 class NoOverlapWarning(RuntimeWarning):
     """A run of two or more ubatches finished without a single yield: nothing could overlap."""
 
@@ -81,6 +87,6 @@ for _cls in (AsyncDBOError, DeadlockError, WatchdogTimeout, YieldMismatchError, 
     _cls.__module__ = "asyncdbo"
 # The kinds of DBOUsageError are public in the DBO layer, where the primitives that raise them live
 # (the top level stays small: tests/layout/test_old_paths.py).
-for _cls in (MissingAwaitError, WrongStreamError, DuplicateEventError, RecvHookOverwriteError):
+for _cls in (MissingAwaitError, WrongStreamError, DuplicateEventError, RecvHookOverwriteError, UnsubmittedCommError):
     _cls.__module__ = "asyncdbo.dbo"
 del _cls

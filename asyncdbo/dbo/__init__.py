@@ -5,7 +5,13 @@ Built on the kernel (:mod:`asyncdbo._core`) and a stream backend (:mod:`asyncdbo
 run its state (backend, named events); the primitives read them through ``current_ubatch``.
 """
 
-from .._core import DuplicateEventError, MissingAwaitError, RecvHookOverwriteError, WrongStreamError
+from .._core import (
+    DuplicateEventError,
+    MissingAwaitError,
+    RecvHookOverwriteError,
+    UnsubmittedCommError,
+    WrongStreamError,
+)
 from .events import dbo_record_event, dbo_wait_event
 from .hooks import RecvHookHandle, dbo_maybe_run_recv_hook, dbo_register_recv_hook
 from .primitives import (
@@ -35,6 +41,7 @@ __all__ = [
     "RecvHookOverwriteError",
     "RunState",
     "RunStats",
+    "UnsubmittedCommError",
     "WrongStreamError",
     "dbo_current_ubatch_id",
     "dbo_enabled",

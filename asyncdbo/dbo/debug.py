@@ -38,7 +38,16 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from .._core import SWITCH, DBORun, DBOUsageError, Instrument, UBatch, YieldMismatchError, user_frame
+from .._core import (
+    SWITCH,
+    DBORun,
+    DBOUsageError,
+    Instrument,
+    UBatch,
+    UnsubmittedCommError,
+    YieldMismatchError,
+    user_frame,
+)
 
 __all__ = [
     "BlockingDetector",
@@ -291,7 +300,7 @@ class CommGuard(Instrument):
             left = [p for p in self._pending.values() if p.ub == ub.id]
             if left:
                 self._pending.clear()  # reported: the run ends here
-                raise RuntimeError(_unsubmitted_message(ub, left, request))
+                raise UnsubmittedCommError(_unsubmitted_message(ub, left, request))
 
     def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
         left = list(self._pending.values())
@@ -427,7 +436,7 @@ def _check_reads(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ub: U
         return
     for p in pending.values():
         if p.writes & touched:
-            raise RuntimeError(
+            raise UnsubmittedCommError(
                 f"ubatch {ub.id} used the output of {p.op} (issued with async_op=True at {p.site}) in {func} before "
                 "handing its work to dbo_submit: nothing waited for it, so the data is not there yet. Pass the work "
                 "to asyncdbo.dbo_submit(work, ...) right after issuing it, and await the handle (or a "

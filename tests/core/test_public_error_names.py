@@ -21,6 +21,7 @@ def test_errors_print_their_public_names() -> None:
               (asyncdbo.dbo.WrongStreamError, "asyncdbo.dbo.WrongStreamError"),
               (asyncdbo.dbo.DuplicateEventError, "asyncdbo.dbo.DuplicateEventError"),
               (asyncdbo.dbo.RecvHookOverwriteError, "asyncdbo.dbo.RecvHookOverwriteError"),
+              (asyncdbo.dbo.UnsubmittedCommError, "asyncdbo.dbo.UnsubmittedCommError"),
               (RankError, "asyncdbo.testing.RankError")]
     check(errors)
     pytest.importorskip("torch", reason="asyncdbo.dist and asyncdbo.sim need torch (CI runs tests/core without it too)")
@@ -49,6 +50,7 @@ def test_user_mistakes_inside_a_run_are_named_runtime_errors() -> None:
     import asyncdbo
     from asyncdbo import dbo
 
-    for cls in (dbo.MissingAwaitError, dbo.WrongStreamError, dbo.DuplicateEventError, dbo.RecvHookOverwriteError):
+    for cls in (dbo.MissingAwaitError, dbo.WrongStreamError, dbo.DuplicateEventError, dbo.RecvHookOverwriteError,
+                dbo.UnsubmittedCommError):
         assert cls.__mro__[1:] == (asyncdbo.DBOUsageError, RuntimeError, Exception, BaseException, object)
         assert cls.__doc__

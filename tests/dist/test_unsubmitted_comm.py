@@ -68,7 +68,7 @@ def count_warning(ub: int, issued: int) -> str:
 def test_debug_mode_fails_every_step_that_drops_a_work_naming_the_line_that_issued_it(pool: RankPool) -> None:
     # ubatch 0 is the first to yield after issuing: the run fails there, before it reads the rows
     expected = (
-        f"RuntimeError: ubatch 0 yielded at 'experts' with 1 async collective(s) not handed to dbo_submit: "
+        f"UnsubmittedCommError: ubatch 0 yielded at 'experts' with 1 async collective(s) not handed to dbo_submit: "
         f"c10d.alltoall_base_ at {HELPER}:{line('issue')} in layer. The scheduler waits only for the works it knows, "
         "so this ubatch would read their output before it arrived (wrong numbers, or garbage split sizes). " + ADVICE
     )
@@ -82,7 +82,7 @@ def test_debug_mode_fails_an_op_that_reads_the_output_before_the_work_is_submitt
     for per_rank in pool.run(steps, "read_early", True, 2):
         for r in per_rank:
             assert r["error"] == (
-                f"RuntimeError: ubatch 0 used the output of c10d.alltoall_base_ (issued with async_op=True at "
+                f"UnsubmittedCommError: ubatch 0 used the output of c10d.alltoall_base_ (issued with async_op=True at "
                 f"{HELPER}:{line('issue')} in layer) in aten.mul.Tensor before handing its work to dbo_submit: nothing "
                 "waited for it, so the data is not there yet. Pass the work to asyncdbo.dbo_submit(work, ...) right "
                 "after issuing it, and await the handle (or a comm->compute switch) before reading the output."

@@ -21,6 +21,6 @@ def error_kind_and_line(exc: BaseException) -> tuple[str, str]:
     names (a RuntimeError or one of asyncdbo's named kinds of it)."""
     if isinstance(exc, StepAborted):
         kind, sep, line = exc.reason.partition(": ")
-        assert sep and kind in ("RuntimeError", "DBOUsageError"), f"the peer failed differently: {exc.reason!r}"
+        assert sep and kind in ("RuntimeError", "DBOUsageError", "UnsubmittedCommError"), f"the peer failed differently: {exc.reason!r}"
         return kind, line
     return type(exc).__name__, str(exc).split("\n")[0]
