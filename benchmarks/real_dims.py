@@ -33,8 +33,15 @@ during which some ubatch computed) and the part hidden by another ubatch.  Memor
 RSS while loading and while stepping (``VmHWM``, reset after loading through
 ``/proc/self/clear_refs``), the parameter bytes the model holds, and the estimate.
 
+The results file is written when an architecture starts, after each case (link x shape: its
+serial and DBO steps) and when it ends, so a run that is stopped keeps what it measured and says
+how far it got; ``--results FILE.md`` adds the architectures run to that file (the ones it holds
+already are kept, one run again is replaced), so they can run one at a time.  Its state is kept
+beside it as ``FILE.json`` (every rank's rows), from which the ``.md`` is rendered.
+
     python benchmarks/real_dims.py                       # all three, writes benchmarks/results/real_dims_<hw>_<date>.md
-    python benchmarks/real_dims.py --model mixtral       # one
+    python benchmarks/real_dims.py --model mixtral --results benchmarks/results/real_dims_cpu-2c_<date>.md
+    python benchmarks/real_dims.py --model deepseek-v3 --results benchmarks/results/real_dims_cpu-2c_<date>.md
     python benchmarks/real_dims.py --quick               # tiny widths of the same structure, prints only
 """
 
@@ -43,6 +50,8 @@ RSS while loading and while stepping (``VmHWM``, reset after loading through
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import shutil
 import statistics
@@ -50,7 +59,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +98,8 @@ class Spec:
     link: str
     link_scale: float
     num_kv_blocks: int
+    #: The results file's state (JSON beside the ``.md``) that rank 0 updates after each case, or None.
+    state: str | None = None
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -199,44 +210,50 @@ async def _rank_async(rank: int, spec: Spec) -> dict[str, Any]:
                                dp_group=group) for name, link in links.items()}
     prefill_chunks, context_chunks = _chunks(spec, rank, model.hf.vocab_size)
     rows: list[dict[str, Any]] = []
-    for link_name, runner in runners.items():
-        for shape in SHAPES:
-            model.kv_cache.reset()
-            builder = BatchBuilder(model.kv_cache_config)
-            if shape == "decode":  # untimed: every request's context
-                await runner.step(builder.build(context_chunks), enabled=False)
-                next_ids = {r: 1 + r % 7 for r, _ in context_chunks}
-            for i in range(spec.warmup + spec.steps):
-                if shape == "prefill":
-                    model.kv_cache.reset()
-                    builder.reset()
-                    batch = builder.build(prefill_chunks)
-                else:
-                    batch = builder.build([(r, [next_ids[r]]) for r, _ in context_chunks])
-                for mode in MODES:
-                    tracer = Tracer(rank=rank)
-                    dist.barrier()
-                    timed = i >= spec.warmup
-                    with profile(activities=[ProfilerActivity.CPU]) if timed else _nothing() as prof:
-                        c0, w0 = time.thread_time(), time.perf_counter()
-                        res = await runner.step(batch, enabled=(mode == "dbo"), instrument=tracer)
-                        wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
-                    if not timed:
-                        continue
-                    torch_s, comm_call_s = _profile_split(prof)
-                    n = tracer.numbers()
-                    rows.append({
-                        "link": link_name, "shape": shape, "mode": mode, "step": i - spec.warmup, "tokens": batch.num_tokens,
-                        "wall_s": wall, "cpu_s": cpu, "torch_s": torch_s, "comm_call_s": comm_call_s, "idle_s": n.idle_s,
-                        "host_s": max(0.0, wall - torch_s - comm_call_s - n.idle_s), "comm_s": n.comm_s,
-                        "hidden": n.comm_hidden_share, "hidden_by_other": n.comm_hidden_by_other_share,
-                        "microbatched": res.record.microbatched, "reason": res.record.reason.value,
-                        "detail": res.record.detail, "switches": res.num_switches,
-                    })
-                if shape == "decode":
-                    next_ids = {r: int(res.logits_TV[j].argmax()) for j, (r, _) in enumerate(context_chunks)}
     out["rows"] = rows
-    out["step_peak"], out["rss_end"] = _hwm_and_rss()
+    cases = [(link_name, runner, shape) for link_name, runner in runners.items() for shape in SHAPES]
+    for done, (link_name, runner, shape) in enumerate(cases, 1):
+        model.kv_cache.reset()
+        builder = BatchBuilder(model.kv_cache_config)
+        if shape == "decode":  # untimed: every request's context
+            await runner.step(builder.build(context_chunks), enabled=False)
+            next_ids = {r: 1 + r % 7 for r, _ in context_chunks}
+        for i in range(spec.warmup + spec.steps):
+            if shape == "prefill":
+                model.kv_cache.reset()
+                builder.reset()
+                batch = builder.build(prefill_chunks)
+            else:
+                batch = builder.build([(r, [next_ids[r]]) for r, _ in context_chunks])
+            for mode in MODES:
+                tracer = Tracer(rank=rank)
+                dist.barrier()
+                timed = i >= spec.warmup
+                with profile(activities=[ProfilerActivity.CPU]) if timed else _nothing() as prof:
+                    c0, w0 = time.thread_time(), time.perf_counter()
+                    res = await runner.step(batch, enabled=(mode == "dbo"), instrument=tracer)
+                    wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
+                if not timed:
+                    continue
+                torch_s, comm_call_s = _profile_split(prof)
+                n = tracer.numbers()
+                rows.append({
+                    "link": link_name, "shape": shape, "mode": mode, "step": i - spec.warmup, "tokens": batch.num_tokens,
+                    "wall_s": wall, "cpu_s": cpu, "torch_s": torch_s, "comm_call_s": comm_call_s, "idle_s": n.idle_s,
+                    "host_s": max(0.0, wall - torch_s - comm_call_s - n.idle_s), "comm_s": n.comm_s,
+                    "hidden": n.comm_hidden_share, "hidden_by_other": n.comm_hidden_by_other_share,
+                    "microbatched": res.record.microbatched, "reason": res.record.reason.value,
+                    "detail": res.record.detail, "switches": res.num_switches,
+                })
+            if shape == "decode":
+                next_ids = {r: int(res.logits_TV[j].argmax()) for j, (r, _) in enumerate(context_chunks)}
+        out["step_peak"], out["rss_end"] = _hwm_and_rss()
+        # after each case, rank 0 writes every rank's rows so far: a run stopped later keeps them
+        gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(out, gathered, dst=0)
+        if rank == 0 and spec.state is not None:
+            assert gathered is not None
+            update_run(Path(spec.state), spec.model, per_rank=gathered, cases_done=done, cases_total=len(cases))
     return out
 
 
@@ -299,7 +316,10 @@ def check_memory(planned: list[tuple[str, Any, Any]], available: int | None, arg
                        "memory (--memory-limit sets the limit checked against)")
 
 
-def run_one(name: str, config: Any, est: Any, args: argparse.Namespace, ckpt_root: Path) -> dict[str, Any]:
+def run_one(name: str, config: Any, args: argparse.Namespace, ckpt_root: Path, state: Path | None,
+            record: Any) -> list[dict[str, Any]]:
+    """Write (or reuse) ``name``'s checkpoint and run it on 2 ranks; ``record(**fields)`` keeps what
+    is known so far in the results (with ``state``, rank 0 adds every rank's rows after each case)."""
     from asyncdbo.models.hf.real_dims import checkpoint_tensors, write_random_checkpoint
     from asyncdbo.testing import RankPool
 
@@ -314,17 +334,18 @@ def run_one(name: str, config: Any, est: Any, args: argparse.Namespace, ckpt_roo
     spec = Spec(model=name, ckpt=str(ckpt), dtype=args.dtype, prefill_tokens=args.prefill_tokens,
                 decode_requests=args.decode_requests, context=args.context, steps=args.steps, warmup=args.warmup,
                 link=args.link, link_scale=args.link_scale,
-                num_kv_blocks=kv_blocks(args.prefill_tokens, args.decode_requests, args.context, args.steps, args.warmup))
+                num_kv_blocks=kv_blocks(args.prefill_tokens, args.decode_requests, args.context, args.steps, args.warmup),
+                state=None if state is None else str(state))
+    record(write_s=write_s, checkpoint_bytes=sum(s.nbytes for s in specs), checkpoint_tensors=len(specs))
     t0 = time.perf_counter()
     try:
         with RankPool(2, timeout_s=args.timeout) as pool:
-            per_rank = pool.run(bench_rank, spec, timeout_s=args.timeout)
+            per_rank: list[dict[str, Any]] = pool.run(bench_rank, spec, timeout_s=args.timeout)
     finally:
+        record(run_s=time.perf_counter() - t0)
         if not args.keep:
             shutil.rmtree(ckpt, ignore_errors=True)
-    return {"name": name, "config": config, "estimate": est, "per_rank": per_rank, "write_s": write_s,
-            "run_s": time.perf_counter() - t0, "checkpoint_bytes": sum(s.nbytes for s in specs),
-            "checkpoint_tensors": len(specs), "spec": asdict(spec)}
+    return per_rank
 
 
 def _check_same_config(name: str, config: Any, ckpt: Path) -> None:
@@ -363,51 +384,132 @@ def describe_config(name: str, c: Any) -> str:
             f"{c.num_hidden_layers} layers (all MoE)")
 
 
-def report(results: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
-    lines: list[str] = []
-    for r in results:
-        name, est, per_rank = r["name"], r["estimate"], r["per_rank"]
-        lines += [f"\n## {name}\n", f"Config: {describe_config(name, r['config'])}; weights {args.dtype}, checkpoint "
-                  f"bf16: {r['checkpoint_tensors']} tensors, {r['checkpoint_bytes'] / 2**30:.2f} GiB, "
-                  + ("reused (--reuse)" if r["write_s"] is None else f"written in {r['write_s']:.0f} s")
-                  + f"; the 2-rank run took {r['run_s']:.0f} s.\n",
-                  f"Estimate before the run: {est.describe()}.\n",
-                  "| rank | load s | params MiB (estimate) | KV cache MiB (estimate) | peak RSS loading MiB | "
-                  "peak RSS stepping MiB | estimate per rank MiB |", "|---:|---:|---:|---:|---:|---:|---:|"]
-        for pr in per_rank:
-            step_peak = _mib(pr["step_peak"]) if pr["peak_reset"] else "n/a (no clear_refs)"
-            lines.append(f"| {pr['rank']} | {pr['load_s']:.1f} | {_mib(pr['param_bytes'])} ({_mib(est.weights)}) | "
-                         f"{_mib(pr['kv_bytes'])} ({_mib(est.kv_cache)}) | {_mib(pr['load_peak'])} | {step_peak} | "
-                         f"{_mib(est.per_rank)} |")
-        lines += ["", "Medians over the timed steps, per rank (ms): wall, main-thread CPU, inside torch ops, in comm "
-                  "calls, idle (every ubatch parked), host (the rest: Python, and waiting for a core); comm hidden: "
-                  "share of comm time during which some ubatch computed (by another ubatch in brackets).", "",
-                  "| link | shape | rank | tokens | mode | wall | CPU | torch | comm calls | idle | host | host share "
-                  "| comm | comm hidden | DBO / serial wall | microbatched |",
-                  "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-        links = list(dict.fromkeys(row["link"] for row in per_rank[0]["rows"]))
-        for link in links:
-            for shape in SHAPES:
-                for pr in per_rank:
-                    med: dict[str, dict[str, float]] = {}
-                    for mode in MODES:
-                        rs = [x for x in pr["rows"] if x["link"] == link and x["shape"] == shape and x["mode"] == mode]
-                        med[mode] = {k: statistics.median(x[k] for x in rs) for k in
-                                     ("wall_s", "cpu_s", "torch_s", "comm_call_s", "idle_s", "host_s", "comm_s",
-                                      "hidden", "hidden_by_other", "tokens")}
-                        med[mode]["split"] = sum(x["microbatched"] for x in rs)
-                        med[mode]["n"] = len(rs)
-                        med[mode]["reasons"] = ", ".join(sorted({x["reason"] for x in rs if not x["microbatched"]}))
-                    for mode in MODES:
-                        m = med[mode]
-                        ratio = f"{med['dbo']['wall_s'] / med['serial']['wall_s']:.2f}" if mode == "dbo" else ""
-                        mb = f"{m['split']:.0f}/{m['n']:.0f}" + (f" ({m['reasons']})" if m["reasons"] else "")
-                        lines.append(
-                            f"| {link} | {shape} | {pr['rank']} | {m['tokens']:.0f} | {mode} | {_ms(m['wall_s'])} | "
-                            f"{_ms(m['cpu_s'])} | {_ms(m['torch_s'])} | {_ms(m['comm_call_s'])} | {_ms(m['idle_s'])} | "
-                            f"{_ms(m['host_s'])} | {m['host_s'] / m['wall_s']:.0%} | {_ms(m['comm_s'])} | "
-                            f"{m['hidden']:.0%} ({m['hidden_by_other']:.0%}) | {ratio} | {mb} |")
-        lines.append("")
+# ----------------------------------------------------------------------------------- results file
+# The results file (``.md``) is rendered from a JSON state beside it (same stem, ``.json``): the
+# machine, and per architecture the command, settings, config, estimate, status and every rank's
+# rows so far.  The parent writes it when an architecture starts and ends, rank 0 after each case,
+# so a run that is stopped keeps what it measured; ``--results FILE`` adds architectures to a file
+# (one run per architecture, one after the other) and replaces the ones run again.
+
+TITLE = "Real widths, truncated depth: prefill and decode on 2 gloo ranks"
+#: Machine fields that must agree for runs to share a results file (the load average may differ).
+SAME_MACHINE = ("cpu", "cores", "os", "python", "torch", "uvloop", "accelerator")
+
+
+def _loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def load_state(state: Path) -> dict[str, Any]:
+    return json.loads(state.read_text()) if state.exists() else {"runs": {}}
+
+
+def save_state(state: Path, data: dict[str, Any]) -> None:
+    """The JSON and the ``.md`` rendered from it, each replaced whole (a reader never sees half)."""
+    for path, text in ((state, json.dumps(data, indent=1) + "\n"), (state.with_suffix(".md"), render(data))):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+
+def update_run(state: Path, name: str, **fields: Any) -> None:
+    """Set ``fields`` of ``name``'s run in the results file (and the load average now)."""
+    data = load_state(state)
+    data["runs"][name].update(fields, load_last=_loadavg())
+    save_state(state, data)
+
+
+def check_same_machine(data: dict[str, Any], info: dict[str, str], path: Path) -> None:
+    """A results file holds runs of one machine and one set of versions."""
+    old = data.get("machine_info")
+    if old is None:
+        return
+    differ = [f"{k} {old.get(k)!r} there, {info.get(k)!r} here" for k in SAME_MACHINE if old.get(k) != info.get(k)]
+    if differ:
+        raise ValueError(f"--results {path}: its runs were measured on another machine or versions ({'; '.join(differ)}); "
+                         "give another --results file")
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ("layers", "deepseek_experts", "dtype", "prefill_tokens", "decode_requests",
+                                          "context", "warmup", "steps", "link", "link_scale")}
+
+
+def render(data: dict[str, Any]) -> str:
+    """The results file: the machine, then each architecture run so far (in MODELS order)."""
+    lines = [f"# {TITLE}\n", data.get("machine", "Machine: not recorded") + "\n",
+             "Each architecture's section gives the command that ran it, when, and the load average then (the "
+             "machine's 2 cores are shared with other jobs: every time below includes time spent waiting for a "
+             "core). See the module docstring of benchmarks/real_dims.py for what each column measures.\n"]
+    for name in sorted(data["runs"], key=MODELS.index):
+        lines += render_run(data["runs"][name])
+    return "\n".join(lines) + "\n"
+
+
+def _status(run: dict[str, Any]) -> str:
+    done = f"{run.get('cases_done', 0)} of {run.get('cases_total', 2 * len(SHAPES))} cases (link x shape) measured"
+    if run["status"] == "complete":
+        return f"complete, {done}"
+    if run["status"] == "running":
+        return f"{done}; the run had not finished when this was written"
+    return f"{done}; the run stopped: {run['status']}"
+
+
+def render_run(run: dict[str, Any]) -> list[str]:
+    name, est, per_rank, st = run["name"], run["estimate"], run.get("per_rank", []), run["settings"]
+    ckpt = ("not written yet" if "checkpoint_tensors" not in run else
+            f"{run['checkpoint_tensors']} tensors, {run['checkpoint_bytes'] / 2**30:.2f} GiB, "
+            + ("reused (--reuse)" if run["write_s"] is None else f"written in {run['write_s']:.0f} s"))
+    took = f"; the 2-rank run took {run['run_s']:.0f} s" if run.get("run_s") is not None else ""
+    lines = [f"\n## {name}\n", run["command"] + "\n",
+             f"Started {run['started']} UTC; load average at the start {run['load_start']}, at the last update "
+             f"{run['load_last']}. Status: {_status(run)}.\n",
+             f"Settings: {st['layers']} layers; weights and compute {st['dtype']} (checkpoint bf16); prefill "
+             f"{st['prefill_tokens']} tokens per rank in 2 requests; decode {st['decode_requests']} requests per rank "
+             f"with {st['context']} tokens of context; {st['warmup']} untimed + {st['steps']} timed steps per case, "
+             f"each serial then DBO (2 ubatches, token split); links: none (gloo over loopback) and {st['link']} "
+             f"x{st['link_scale']:g} (modeled).\n",
+             f"Config: {run['config']}; checkpoint: {ckpt}{took}.\n",
+             f"Estimate before the run: {est['describe']}.\n"]
+    if not per_rank:
+        return lines
+    lines += ["| rank | load s | params MiB (estimate) | KV cache MiB (estimate) | peak RSS loading MiB | "
+              "peak RSS stepping MiB | estimate per rank MiB |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for pr in per_rank:
+        step_peak = _mib(pr["step_peak"]) if pr["peak_reset"] else "n/a (no clear_refs)"
+        lines.append(f"| {pr['rank']} | {pr['load_s']:.1f} | {_mib(pr['param_bytes'])} ({_mib(est['weights'])}) | "
+                     f"{_mib(pr['kv_bytes'])} ({_mib(est['kv_cache'])}) | {_mib(pr['load_peak'])} | {step_peak} | "
+                     f"{_mib(est['per_rank'])} |")
+    lines += ["", "Medians over the timed steps, per rank (ms): wall, main-thread CPU, inside torch ops, in comm "
+              "calls, idle (every ubatch parked), host (the rest: Python, and waiting for a core); comm hidden: "
+              "share of comm time during which some ubatch computed (by another ubatch in brackets).", "",
+              "| link | shape | rank | tokens | mode | wall | CPU | torch | comm calls | idle | host | host share "
+              "| comm | comm hidden | DBO / serial wall | microbatched |",
+              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    links = list(dict.fromkeys(row["link"] for row in per_rank[0]["rows"]))
+    for link in links:
+        for shape in SHAPES:
+            for pr in per_rank:
+                med: dict[str, dict[str, Any]] = {}
+                for mode in MODES:
+                    rs = [x for x in pr["rows"] if x["link"] == link and x["shape"] == shape and x["mode"] == mode]
+                    if not rs:
+                        break
+                    med[mode] = {k: statistics.median(x[k] for x in rs) for k in
+                                 ("wall_s", "cpu_s", "torch_s", "comm_call_s", "idle_s", "host_s", "comm_s",
+                                  "hidden", "hidden_by_other", "tokens")}
+                    med[mode]["split"] = sum(x["microbatched"] for x in rs)
+                    med[mode]["n"] = len(rs)
+                    med[mode]["reasons"] = ", ".join(sorted({x["reason"] for x in rs if not x["microbatched"]}))
+                for mode, m in med.items():
+                    ratio = f"{m['wall_s'] / med['serial']['wall_s']:.2f}" if mode == "dbo" else ""
+                    mb = f"{m['split']:.0f}/{m['n']:.0f}" + (f" ({m['reasons']})" if m["reasons"] else "")
+                    lines.append(
+                        f"| {link} | {shape} | {pr['rank']} | {m['tokens']:.0f} | {mode} | {_ms(m['wall_s'])} | "
+                        f"{_ms(m['cpu_s'])} | {_ms(m['torch_s'])} | {_ms(m['comm_call_s'])} | {_ms(m['idle_s'])} | "
+                        f"{_ms(m['host_s'])} | {m['host_s'] / m['wall_s']:.0%} | {_ms(m['comm_s'])} | "
+                        f"{m['hidden']:.0%} ({m['hidden_by_other']:.0%}) | {ratio} | {mb} |")
+    lines.append("")
     return lines
 
 
@@ -436,7 +538,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="load a checkpoint already in --ckpt-dir/<model> (written by --keep) instead of writing one")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for each architecture's ranks (default 1800)")
     p.add_argument("--quick", action="store_true", help="tiny widths of the same structure, print only (a smoke test)")
-    p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results, not with --quick)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results folder for a new file (default benchmarks/results, not with --quick)")
+    p.add_argument("--results", type=Path, default=None,
+                   help="the results file (.md) to add these architectures to (the ones it has already are kept, "
+                        "the ones run again replaced); default a new file in --out")
     _progress.add_quiet_flag(p)
     args = p.parse_args(argv)
     args.model = args.model or list(MODELS)
@@ -444,11 +550,26 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, flag) < 1:
             print(f"real_dims: error: --{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})", file=sys.stderr)
             return 2
-    from _results import publish_results, results_preamble
+    if args.results is not None and args.results.suffix != ".md":
+        print(f"real_dims: error: --results {args.results} must name a .md file (its state goes beside it as .json)",
+              file=sys.stderr)
+        return 2
+    from _results import results_preamble, results_stem
 
     from asyncdbo.cli.inputs import available_bytes
 
+    command = "python benchmarks/real_dims.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    preamble, info = results_preamble(TITLE, command.strip())
+    state: Path | None = None
+    if args.results is not None:
+        state = args.results.with_suffix(".json")
+    elif args.out is not None or not args.quick:
+        state = results_stem(args.out if args.out is not None else RESULTS, "real_dims", info).with_suffix(".json")
+    data: dict[str, Any] = {"runs": {}}
     try:
+        if state is not None:
+            data = load_state(state)
+            check_same_machine(data, info, state.with_suffix(".md"))
         planned = plan(args)
         check_memory(planned, args.memory_limit if args.memory_limit is not None else available_bytes(), args)
         ckpt_root = args.ckpt_dir or Path(tempfile.mkdtemp(prefix="asyncdbo-real-dims-"))
@@ -460,32 +581,52 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"real_dims: error: {exc}", file=sys.stderr)
         return 2
-    command = "python benchmarks/real_dims.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines, info = results_preamble("Real widths, truncated depth: prefill and decode on 2 gloo ranks", command.strip())
+    if "machine" not in data:  # the load average goes with each architecture's run instead
+        data.update(machine="Machine: " + ", ".join(f"{k} {v}" for k, v in info.items() if k != "load average at start"),
+                    machine_info={k: v for k, v in info.items() if k in SAME_MACHINE})
+    if state is not None:
+        state.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(name: str, **fields: Any) -> None:
+        data["runs"][name].update(fields, load_last=_loadavg())
+        if state is not None:
+            fresh = load_state(state)  # rank 0 may have added rows since
+            fresh["runs"][name].update(fields, load_last=_loadavg())
+            data["runs"][name] = fresh["runs"][name]
+            save_state(state, data)
+
     _progress.start(args.quiet, "architectures", len(planned))
-    results = []
-    t_start = time.perf_counter()
+    failed: list[str] = []
     try:
         for name, config, est in planned:
             _progress.step(f"{name}: write the checkpoint, load it on 2 ranks, run")
-            results.append(run_one(name, config, est, args, ckpt_root))
+            data["runs"][name] = {
+                "name": name, "command": preamble[2].strip(), "settings": _settings(args),
+                "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+                "load_start": _loadavg(), "load_last": _loadavg(), "config": describe_config(name, config),
+                "estimate": {"describe": est.describe(), "weights": est.weights, "kv_cache": est.kv_cache,
+                             "per_rank": est.per_rank},
+                "status": "running", "cases_done": 0, "cases_total": 2 * len(SHAPES), "per_rank": [],
+            }
+            if state is not None:
+                save_state(state, data)
+            try:
+                per_rank = run_one(name, config, args, ckpt_root, state, lambda **f: record(name, **f))
+            except Exception as exc:  # noqa: BLE001 - recorded in the results, then the next architecture
+                record(name, status=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                failed.append(f"{name}: {exc}")
+                continue
+            record(name, status="complete", per_rank=per_rank, cases_done=2 * len(SHAPES))
     finally:
         if args.ckpt_dir is None and not args.keep:
             shutil.rmtree(ckpt_root, ignore_errors=True)
         _progress.done()
-    lines.append(f"Runs: {', '.join(args.model)}; {args.layers} layers; weights and compute {args.dtype} (checkpoint "
-                 f"bf16); prefill {args.prefill_tokens} tokens per rank in 2 requests; decode {args.decode_requests} "
-                 f"requests per rank with {args.context} tokens of context; {args.warmup} untimed + {args.steps} timed "
-                 f"steps per case, each serial then DBO (2 ubatches, token split); links: none (gloo over loopback) and "
-                 f"{args.link} x{args.link_scale:g} (modeled). See the module docstring of benchmarks/real_dims.py for "
-                 "what each column measures.\n")
-    lines += report(results, args)
-    load_end = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    lines.append(f"Total {time.perf_counter() - t_start:.0f} s; load average at the end {load_end}. The machine's cores "
-                 "are shared with other jobs: the wall, torch and host times include time spent waiting for a core.")
-    publish_results("\n".join(lines) + "\n", args.out if args.out is not None else (None if args.quick else RESULTS),
-                    "real_dims", info)
-    return 0
+    print(render(data))
+    if state is not None:
+        print(f"wrote {state.with_suffix('.md')} (and its state, {state.name})", file=sys.stderr)
+    for line in failed:
+        print(f"real_dims: error: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ Checkpoints here are written at a small width (the same structure; real widths a
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
 import sys
@@ -147,13 +147,10 @@ def test_a_run_that_does_not_fit_is_refused_with_its_estimate() -> None:
 
 def _benchmark() -> Any:
     bench = Path(__file__).resolve().parents[2] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    spec = importlib.util.spec_from_file_location("_bench_real_dims", bench / "real_dims.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    if str(bench) not in sys.path:
+        sys.path.insert(0, str(bench))
+    # by its own name, on sys.path: the ranks (spawned with this sys.path) unpickle bench_rank from it
+    return importlib.import_module("real_dims")
 
 
 def test_the_benchmark_refuses_before_writing_or_starting_a_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -191,3 +188,42 @@ def test_a_large_tensor_is_read_in_blocks_of_rows_into_its_slot() -> None:
     with pytest.raises(ValueError, match=r"^f: tensor 'w' has shape \(10, 5\), but the model built from the config "
                                          r"expects \(10, 4\); the checkpoint does not match its config.json$"):
         slots.fill_rows("w", (10, 5), read, origin="f", block_rows=3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_benchmark_adds_each_architecture_to_one_results_file_and_records_a_stopped_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _benchmark()
+    md, ckpts = tmp_path / "real_dims.md", tmp_path / "ckpts"
+    # a run that stops (here before its ranks start: --reuse finds a checkpoint of other sizes) is
+    # in the file with its status and what it knew
+    write_random_checkpoint(real_config("mixtral", layers=2, **bench.QUICK["mixtral"]), ckpts / "qwen3-moe", seed=0)
+    small = ["--quick", "-q", "--steps", "1", "--warmup", "0", "--prefill-tokens", "2", "--decode-requests", "2",
+             "--context", "2", "--results", str(md), "--ckpt-dir", str(ckpts)]
+    assert bench.main([*small, "--model", "qwen3-moe", "--reuse", "--keep"]) == 1
+    err = capsys.readouterr().err
+    assert "real_dims: error: qwen3-moe: --reuse: " in err and "differs from this run's config" in err
+    text = md.read_text()
+    assert "\n## qwen3-moe\n" in text and "Status: 0 of 4 cases (link x shape) measured; the run stopped: --reuse: " in text
+    # a second architecture is added to the same file, the first kept
+    assert bench.main([*small, "--model", "mixtral"]) == 0
+    capsys.readouterr()
+    state = json.loads(md.with_suffix(".json").read_text())
+    assert list(state["runs"]) == ["qwen3-moe", "mixtral"] and state["runs"]["qwen3-moe"]["per_rank"] == []
+    run = state["runs"]["mixtral"]
+    assert (run["status"], run["cases_done"], run["cases_total"]) == ("complete", 4, 4)
+    assert [len(pr["rows"]) for pr in run["per_rank"]] == [8, 8]  # 2 links x 2 shapes x 2 modes, 1 timed step
+    assert {(r["link"], r["shape"], r["mode"]) for r in run["per_rank"][0]["rows"]} == {
+        (link, shape, mode) for link in ("none", "ib400") for shape in bench.SHAPES for mode in bench.MODES}
+    text = md.read_text()
+    assert text.index("\n## qwen3-moe\n") < text.index("\n## mixtral\n")
+    assert "Status: complete, 4 of 4 cases (link x shape) measured." in text
+    assert text.count("| ib400 | decode | 1 | 2 | dbo |") == 1
+    # a results file of another machine or versions is refused, the file untouched
+    state["machine_info"]["torch"] = "0.0"
+    md.with_suffix(".json").write_text(json.dumps(state))
+    assert bench.main([*small, "--model", "mixtral"]) == 2
+    assert "real_dims: error: --results " + str(md) + ": its runs were measured on another machine or versions (torch " \
+        "'0.0' there" in capsys.readouterr().err
+    assert md.read_text() == text
