@@ -42,8 +42,9 @@ a deque pop and push, and a counter. Where the optional C extension was built
 involved, and hands everything else back to the Python loop below, which stays the reference
 (``ASYNCDBO_PURE_PYTHON=1`` runs it alone). See benchmarks/switch_cost.py.
 
-Parking, waking and the run's sleep (invariants 3 and 4) live in :mod:`asyncdbo._core.parking`,
-the base class of :class:`DBORun`; cancellation (invariant 5) in :mod:`asyncdbo._core.cancel`.
+Parking, waking and the run's sleep (invariants 3 and 4) live in :mod:`asyncdbo._core.parking`;
+the endings of a ubatch and a run (invariants 5 and 8) in :mod:`asyncdbo._core.endings`, the
+base classes of :class:`DBORun`; cancellation (invariant 5) in :mod:`asyncdbo._core.cancel`.
 """
 
 from __future__ import annotations
@@ -54,36 +55,26 @@ import itertools
 import logging
 import sys
 import time
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine
 from types import ModuleType
 from typing import Any
 
-from .cancel import cancel_all, throw_at_next_resume
+from .cancel import throw_at_next_resume
 from .clock import Clock, MonotonicClock
-from .errors import NoOverlapWarning
+from .endings import Endings
 from .extensions import load_extension
 from .instrument import Instrument
 from .live import LIVE_RUNS
-from .parking import Parking, is_future
-from .stacks import format_run
-from .tasks import (
-    UBatchTaskView,
-    attach_task_factory,
-    detach_task_factory,
-    enter_view,
-    leave_view,
-)
+from .parking import is_future
+from .tasks import RunTaskFactory, UBatchTaskView, attach_task_factory, enter_view, leave_view
 from .traps import SWITCH
 from .ubatch import UBatch, UBatchState
 
 __all__ = ["GIL_HANDOFF_S", "LIVE_RUNS", "LOOP_POLL_S", "DBORun"]
 
 READY, PARKED, DONE = UBatchState.READY, UBatchState.PARKED, UBatchState.DONE
-# What ends a run from outside: its error carries each ubatch's position as a note.
-_INTERRUPTIONS = (TimeoutError, asyncio.CancelledError, KeyboardInterrupt)
 
 
 def _load_spin() -> ModuleType | None:
@@ -117,7 +108,7 @@ async def _nothing() -> None:
     """What the records of :meth:`DBORun.released` are built around (closed at once)."""
 
 
-class DBORun(Parking):
+class DBORun(Endings):
     """One DBO run: N ubatch coroutines driven round-robin until all finish."""
 
     _ids = itertools.count()
@@ -275,7 +266,9 @@ class DBORun(Parking):
             self.instrument.run_started(self)
         live = LIVE_RUNS.refs
         live.add(self._wref)
-        attach_task_factory(loop)
+        factory: object = loop.get_task_factory()
+        if type(factory) is not RunTaskFactory:
+            attach_task_factory(loop)
         try:
             try:
                 await self._loop_until_done()
@@ -289,46 +282,8 @@ class DBORun(Parking):
             results = [ub.result for ub in self.ubatches]
         finally:
             live.discard(self._wref)
-            detach_task_factory(loop)
             self._release()
         return results
-
-    def _fail_run(self, exc: BaseException) -> None:
-        """The run ends with ``exc``: cancel the live ubatches, their cleanup's troubles ride on
-        ``exc`` as notes (invariant 5). An interruption from outside the ubatches' own code (a
-        timeout, a cancellation, Ctrl-C) first gets a note with where each ubatch was, since the
-        traceback shows only the kernel."""
-        if isinstance(exc, _INTERRUPTIONS) and self._live:
-            exc.add_note(format_run(
-                self.ubatches,
-                f"asyncdbo: run {self.name!r} ended by {type(exc).__name__}; where its ubatches were:",
-            ))
-        self._enter_view()
-        try:
-            for note in cancel_all(self, exc):
-                exc.add_note(note)
-        finally:
-            self._leave_view()
-        if self.instrument is not None:
-            self.instrument.run_finished(self, exc)
-
-    def _warn_if_nothing_overlapped(self) -> None:
-        if len(self.ubatches) >= 2 and self.num_switches == 0 and self.num_parks == 0:
-            warnings.warn(
-                NoOverlapWarning(
-                    f"{len(self.ubatches)} ubatches ran without a single yield, so nothing could overlap; "
-                    "put `await dbo_yield()` (or a switch primitive) where one ubatch should hand over"
-                ),
-                stacklevel=5,  # _warn, drive, _run, run_ubatches, the caller
-            )
-
-    def _enter_view(self) -> None:
-        if self._view is not None:
-            enter_view(self._loop, self._task, self._view)  # type: ignore[arg-type]
-
-    def _leave_view(self) -> None:
-        if self._view is not None:
-            leave_view(self._loop, self._task, self._view)  # type: ignore[arg-type]
 
     async def _loop_until_done(self) -> None:
         """Switch ubatches until every one finished; sleep while all are parked, and let the event
@@ -467,38 +422,3 @@ class DBORun(Parking):
         self._poll_at = _now() + self.loop_poll_s  # loop_poll_s of switching between polls
         self._go_home()
         await asyncio.sleep(0)
-
-    # ------------------------------------------------------------------ endings of a ubatch and a run
-    def _failed(self, ub: UBatch, exc: BaseException) -> None:
-        """``ub`` raised: it is done, and its error gets a note (the caller re-raises it)."""
-        ub.state = DONE
-        self._live -= 1
-        self._annotate(ub, exc)
-
-    def _finish(self, ub: UBatch, result: object) -> None:
-        ub.state = DONE
-        ub.result = result
-        ub.parked_on = None
-        self._live -= 1
-        if self._at_exit is not None:
-            try:
-                ub.ctx_run(self._at_exit, ub)
-            except BaseException as exc:
-                self._annotate(ub, exc, where="at its exit")
-                raise
-        if self.instrument is not None:
-            self.instrument.stepped(ub, None)
-
-    def _release(self) -> None:
-        """Drop everything a ubatch held (coroutine, context, state, the back-reference to this
-        run), so a finished run is freed by reference counting alone (invariant 8)."""
-        for ub in self.ubatches:
-            ub.coro = ub.ctx = ub.ctx_run = ub.send = ub.resume = None  # type: ignore[assignment]
-            ub.ext = ub.waker = ub.parked_on = ub.result = ub.resume_with = ub.debug = ub.unawaited = None
-            ub.run = None  # type: ignore[assignment]
-        self._ready.clear()
-        self._woken.clear()
-        self._timers.clear()
-        self._view = self._task = self._wakeup = None
-        self._installed = None
-        self._released = True

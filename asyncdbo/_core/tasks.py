@@ -12,8 +12,9 @@ on that whole task; this module makes each of them act on the ubatch instead:
   cancel that ubatch only and it sees ``TimeoutError``.
 * A task created inside a ubatch (``create_task``, ``ensure_future``, ``wait_for`` on 3.11) would
   copy the ubatch's context and believe it is in the run (``dbo_enabled()``) although the kernel
-  never drives it ("Task got bad yield: SWITCH"). While a run is active, the loop's task factory
-  gives such a task a copy of the context with the running ubatch unset: it is not part of the
+  never drives it ("Task got bad yield: SWITCH"). The loop's task factory (installed by the
+  loop's first run and kept: :class:`RunTaskFactory`) gives such a task a copy of the context
+  with the running ubatch unset: it is not part of the
   run, and the primitives are no-ops in it.
 * An awaitable a ubatch created but handed to such a task (``asyncio.wait_for(dbo_yield(), t)`` on
   3.11, which wraps its argument in a task; ``ensure_future(dbo_wait_event(key))``) still yields
@@ -34,7 +35,7 @@ import contextvars
 import types
 from asyncio import tasks as _tasks
 from collections.abc import Callable, Coroutine, Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .traps import SWITCH, Signal
 from .ubatch import UBatch, current_ubatch
@@ -42,7 +43,7 @@ from .ubatch import UBatch, current_ubatch
 if TYPE_CHECKING:
     from .kernel import DBORun
 
-__all__ = ["UBatchTaskView", "attach_task_factory", "detach_task_factory", "enter_view", "leave_view"]
+__all__ = ["RunTaskFactory", "UBatchTaskView", "attach_task_factory", "enter_view", "leave_view"]
 
 _enter_task = _tasks._enter_task
 _leave_task = _tasks._leave_task
@@ -121,9 +122,6 @@ def leave_view(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], view: U
     _enter_task(loop, task)
 
 
-# loop -> [active runs, the factory that was there before, ours]
-_FACTORIES: dict[asyncio.AbstractEventLoop, list[Any]] = {}
-
 TaskFactory = Callable[..., "asyncio.Future[Any]"]
 
 
@@ -185,10 +183,25 @@ async def _detached_main(coro: Any, loop: asyncio.AbstractEventLoop) -> Any:
     return await _detached(coro, loop)
 
 
-def _make_factory(previous: TaskFactory | None) -> TaskFactory:
-    def factory(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any) -> asyncio.Future[Any]:
+class RunTaskFactory:
+    """The task factory of a loop that ran a DBO run: a task created inside a ubatch is not part
+    of the run (see the module docstring); every other task is made as the factory that was there
+    before (``previous``; None: asyncio's default) makes it.
+
+    Installed by the first run on a loop and left there: a later run only checks that it is still
+    the loop's factory (one call and a type check), instead of setting and resetting the factory
+    around every run, which was a measurable part of a short run's fixed cost
+    (benchmarks/run_setup.py). Outside a run it only reads one contextvar and passes the call on."""
+
+    __slots__ = ("previous",)
+
+    def __init__(self, previous: TaskFactory | None) -> None:
+        self.previous = previous
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any) -> asyncio.Future[Any]:
+        previous = self.previous
         ub = current_ubatch.get(None)
-        if kwargs.get("context") is None and ub is not None:
+        if ub is not None and kwargs.get("context") is None:
             context = contextvars.copy_context()
             context.run(current_ubatch.set, None)
             kwargs["context"] = context
@@ -208,28 +221,11 @@ def _make_factory(previous: TaskFactory | None) -> TaskFactory:
             return previous(loop, coro, **kwargs)
         return asyncio.Task(coro, loop=loop, **kwargs)
 
-    return factory
-
 
 def attach_task_factory(loop: asyncio.AbstractEventLoop) -> None:
-    """While a run is active on ``loop``, tasks created inside a ubatch are not part of it."""
-    entry = _FACTORIES.get(loop)
-    if entry is not None:
-        entry[0] += 1
-        return
-    previous = loop.get_task_factory()
-    ours = _make_factory(previous)
-    loop.set_task_factory(ours)
-    _FACTORIES[loop] = [1, previous, ours]
-
-
-def detach_task_factory(loop: asyncio.AbstractEventLoop) -> None:
-    """The last active run on ``loop`` ended: put the previous task factory back."""
-    entry = _FACTORIES.get(loop)
-    if entry is None:
-        return
-    entry[0] -= 1
-    if entry[0] == 0:
-        del _FACTORIES[loop]
-        if loop.get_task_factory() is entry[2]:
-            loop.set_task_factory(entry[1])
+    """Make tasks created inside a ubatch on ``loop`` not part of the run: install a
+    :class:`RunTaskFactory` around the loop's factory, unless it is there already (a factory set
+    after an earlier run, by the user, is wrapped in its turn)."""
+    current: object = loop.get_task_factory()
+    if type(current) is not RunTaskFactory:
+        loop.set_task_factory(cast(TaskFactory, RunTaskFactory(cast("TaskFactory | None", current))))

@@ -125,29 +125,53 @@ def _where(shell: Shell, where: int) -> object:
 def _idle(shell: Shell) -> _Dropped:
     """Drop what the shell's last run left in its state and lanes (the kernel run released its
     records itself), so an idle shell holds nothing of it; return what was dropped for
-    :func:`_restore`, naming each holder by position (a reference to it would change the counts)."""
+    :func:`_restore`, naming each holder by position (a reference to it would change the counts).
+    Written out field by field: every run that ends goes through here."""
     dropped: _Dropped = []
-
-    def drop(where: int, attr: str, empty: object) -> None:
-        obj = _where(shell, where)
-        value = getattr(obj, attr)
-        if value is not empty and value != empty:
-            dropped.append((where, attr, value))
-            setattr(obj, attr, empty)
-
-    drop(-2, "instrument", None)
-    for attr in ("on_finish", "unsubmitted", "comm_account"):
-        drop(-1, attr, None)
-    drop(-1, "comm", [])
-    drop(-1, "events", {})
-    drop(-1, "blocking", [])
-    for i in range(len(shell.state.lanes)):
-        for attr in ("install", "recv_hook", "stream"):
-            drop(i, attr, None)
-        drop(i, "role", "compute")
-        drop(i, "submitted", 0)
-        drop(i, "streams", {})
-        drop(i, "events", {})
+    run, state = shell.run, shell.state
+    if run.instrument is not None:
+        dropped.append((-2, "instrument", run.instrument))
+        run.instrument = None
+    if state.on_finish is not None:
+        dropped.append((-1, "on_finish", state.on_finish))
+        state.on_finish = None
+    if state.unsubmitted is not None:
+        dropped.append((-1, "unsubmitted", state.unsubmitted))
+        state.unsubmitted = None
+    if state.comm_account is not None:
+        dropped.append((-1, "comm_account", state.comm_account))
+        state.comm_account = None
+    if state.comm:
+        dropped.append((-1, "comm", state.comm))
+        state.comm = []
+    if state.events:
+        dropped.append((-1, "events", state.events))
+        state.events = {}
+    if state.blocking:
+        dropped.append((-1, "blocking", state.blocking))
+        state.blocking = []
+    for i, lane in enumerate(state.lanes):
+        if lane.install is not None:
+            dropped.append((i, "install", lane.install))
+            lane.install = None
+        if lane.recv_hook is not None:
+            dropped.append((i, "recv_hook", lane.recv_hook))
+            lane.recv_hook = None
+        if lane.stream is not None:
+            dropped.append((i, "stream", lane.stream))
+            lane.stream = None
+        if lane.role != "compute":
+            dropped.append((i, "role", lane.role))
+            lane.role = "compute"
+        if lane.submitted:
+            dropped.append((i, "submitted", lane.submitted))
+            lane.submitted = 0
+        if lane.streams:
+            dropped.append((i, "streams", lane.streams))
+            lane.streams = {}
+        if lane.events:
+            dropped.append((i, "events", lane.events))
+            lane.events = {}
     return dropped
 
 
