@@ -174,6 +174,46 @@ async def test_tasks_created_after_the_run_see_the_callers_context_again() -> No
     assert await asyncio.create_task(probe()) is False
 
 
+async def test_the_loops_task_factory_stays_and_wraps_one_set_after_a_run() -> None:
+    """The first run installs its task factory and leaves it (later runs only check it is there);
+    a factory the user sets between runs makes every task, inside and outside the runs, and the
+    next run wraps it, so a task created in a ubatch is still not part of the run."""
+    from asyncdbo.lowlevel import get_ubatch
+
+    loop = asyncio.get_running_loop()
+    made: list[str] = []
+
+    def users_factory(loop: asyncio.AbstractEventLoop, coro, **kwargs):  # type: ignore[no-untyped-def]
+        made.append(coro.__qualname__.split(".")[-1])
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    async def child() -> object:
+        return get_ubatch()
+
+    async def forward(i: int) -> object:
+        await dbo_yield("y")
+        return await asyncio.create_task(child())
+
+    previous = loop.get_task_factory()
+    try:
+        await run_ubatches(forward, [(0,), (1,)])
+        ours = loop.get_task_factory()
+        assert ours is not previous and getattr(ours, "previous", "no previous") is previous
+        await run_ubatches(forward, [(0,), (1,)])
+        assert loop.get_task_factory() is ours  # kept, not set again
+        loop.set_task_factory(users_factory)
+
+        async def probe() -> str:
+            return "outside"
+
+        assert await asyncio.create_task(probe()) == "outside"
+        assert await run_ubatches(forward, [(0,), (1,)]) == [None, None]  # not part of the run
+        assert getattr(loop.get_task_factory(), "previous", None) is users_factory
+        assert made == ["probe", "child", "child"]
+    finally:
+        loop.set_task_factory(previous)
+
+
 async def test_current_task_inside_a_ubatch_is_the_ubatchs_own() -> None:
     names: list[str] = []
 
