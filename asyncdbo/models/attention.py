@@ -16,8 +16,8 @@ a ubatch can overtake a parked one; :func:`wait_for_earlier_kv` makes it explici
 A cache may hold keys only (``v_head_dim=0``): multi-head latent attention (DeepSeek-V3) stores
 one compressed latent per token and expands it to per-head keys and values after the read.
 
-The reference implementation loops over requests with CPU-side lengths (``*_cpu`` mirrors): it
-needs no device sync and is exact, not fast.
+The reference implementation attends every request of a call at once, padded to the longest
+query run and context, from CPU-side lengths (``*_cpu`` mirrors): it needs no device sync.
 
 **Deterministic mode** (``deterministic=True``) runs :mod:`asyncdbo.models.tiled_attention`
 instead: a query's result then depends only on its position and its request's keys, not on the
@@ -40,7 +40,11 @@ from ..serving import current_slice
 from ..serving.kv_cache import PAD_SLOT_ID, KVCacheConfig, PagedKVCache, slots_for
 from .tiled_attention import tiled_causal_attention
 
-__all__ = ["PAD_SLOT_ID", "KVCacheConfig", "PagedKVCache", "paged_causal_attention", "slots_for", "wait_for_earlier_kv"]
+__all__ = ["LOGITS", "PAD_SLOT_ID", "KVCacheConfig", "PagedKVCache", "check_logits", "last_token_rows",
+           "paged_causal_attention", "slots_for", "wait_for_earlier_kv"]
+
+#: What a model's ``logits=`` may ask for: the LM head on every token, or on each request's last.
+LOGITS = ("all", "last")
 
 async def wait_for_earlier_kv(owner: object, layer: int) -> None:
     """Order this ubatch's K/V read in ``layer`` of ``owner`` (a model) after the earlier
@@ -61,6 +65,24 @@ async def wait_for_earlier_kv(owner: object, layer: int) -> None:
     # Recorded after the wait, so kv(l, k) means "ubatches 0..k wrote layer l" whenever k
     # continues a request: a request spanning three ubatches needs the first one's K/V too.
     dbo_record_event(("models.kv", id(owner), layer, ub.id))
+
+
+def check_logits(owner: str, logits: object) -> None:
+    if logits not in LOGITS:
+        raise ValueError(f"{owner}(logits={logits!r}): use one of {LOGITS}")
+
+
+def last_token_rows(attn: AttentionMetadata) -> torch.Tensor:
+    """The rows a sampler reads (a model's ``logits="last"``): each request's last new token in
+    this (u)batch, but not that of a request the next ubatch continues
+    (:func:`~asyncdbo.serving.current_slice`'s ``last_is_truncated``: its last token of the step
+    is there), so a DBO step computes the serial step's rows."""
+    qsl_R1 = attn.query_start_loc_cpu[: attn.num_reqs + 1]
+    keep_R = qsl_R1[1:] > qsl_R1[:-1]
+    ub_slice = current_slice()
+    if attn.num_reqs and ub_slice is not None and ub_slice.last_is_truncated:
+        keep_R[-1] = False
+    return (qsl_R1[1:] - 1)[keep_R].long()
 
 
 def paged_causal_attention(
@@ -88,26 +110,48 @@ def paged_causal_attention(
         out_THK[: attn.num_actual_tokens] = tiled_causal_attention(q_THK, positions_T, k_flat, v_flat, attn,
                                                                    block_size, scale)
         return out_THK
-    qsl = attn.query_start_loc_cpu.tolist()
-    seq_lens = attn.seq_lens_cpu.tolist()
     if attn.num_reqs and attn.max_query_len == 1 and attn.num_actual_tokens == attn.num_reqs:
         out_THK[: attn.num_reqs] = _decode_attention(q_THK[: attn.num_reqs], positions_T[: attn.num_reqs],
                                                      k_flat, v_flat, attn, block_size, scale)
         return out_THK
-    for r in range(attn.num_reqs):
-        t0, t1, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
-        if t1 == t0:
-            continue
-        slots_S = slots_for(attn.block_table[r], torch.arange(seq_len, device=q_THK.device), block_size)
-        k_SHK, v_SHK = k_flat[slots_S], v_flat[slots_S]
-        q_HTK = q_THK[t0:t1].transpose(0, 1)
-        scores_HTS = torch.matmul(q_HTK, k_SHK.permute(1, 2, 0)) * scale
-        # Causal by position: key position s is visible to a query at position p iff s <= p.
-        visible_TS = torch.arange(seq_len, device=q_THK.device)[None, :] <= positions_T[t0:t1, None]
-        scores_HTS = scores_HTS.masked_fill(~visible_TS[None], float("-inf"))
-        probs_HTS = torch.softmax(scores_HTS, dim=-1)
-        out_THK[t0:t1] = torch.matmul(probs_HTS, v_SHK.transpose(0, 1)).transpose(0, 1)
+    if attn.num_reqs:
+        _batched_attention(out_THK, q_THK, positions_T, k_flat, v_flat, attn, block_size, scale)
     return out_THK
+
+
+def _batched_attention(out_THK: torch.Tensor, q_THK: torch.Tensor, positions_T: torch.Tensor, k_flat: torch.Tensor,
+                       v_flat: torch.Tensor, attn: AttentionMetadata, block_size: int, scale: float) -> None:
+    """Every request at once (a ragged prefill, chunked continuations, decode requests among
+    them), padded to the most new tokens of a request (Q) and the longest context (S), instead of
+    a Python loop over requests, whose few ops per request dominated a prefill step of many
+    short requests on a CPU.  A context position past a request's ``seq_len`` reads its position
+    0 (finite) and is masked: a query's position is below its request's ``seq_len``.  Padding
+    query rows see no key and are dropped.  Shape legend here: Q = queries of one request
+    (padded), S = context (padded)."""
+    dev = q_THK.device
+    qsl_R1 = attn.query_start_loc_cpu[: attn.num_reqs + 1].long()
+    start_R, qlen_R, seq_R = qsl_R1[:-1], qsl_R1[1:] - qsl_R1[:-1], attn.seq_lens_cpu.long()[: attn.num_reqs]
+    Q, S = int(qlen_R.max()), int(seq_R.max())
+    if Q == 0:
+        return
+    q_Q, pos_S = torch.arange(Q), torch.arange(S)
+    real_RQ = q_Q[None, :] < qlen_R[:, None]
+    rows_RQ = (start_R[:, None] + q_Q[None, :]).where(real_RQ, 0)
+    kpos_RS = pos_S[None, :].where(pos_S[None, :] < seq_R[:, None], 0).to(attn.block_table.device)
+    table_RB = attn.block_table[: attn.num_reqs].long()
+    slots_RS = (table_RB.gather(1, kpos_RS // block_size) * block_size + kpos_RS % block_size).to(dev)
+    k_RSHK, v_RSHK = k_flat[slots_RS], v_flat[slots_RS]
+    rows = rows_RQ.flatten().to(dev)
+    R, H, K = qlen_R.numel(), q_THK.shape[1], q_THK.shape[2]
+    q_RQHK = q_THK[rows].view(R, Q, H, K)
+    # Causal by position: key position s is visible to a query at position p iff s <= p.
+    qpos_RQ = positions_T[rows].view(R, Q).masked_fill(~real_RQ.to(dev), -1)  # padding rows see no key
+    visible_RQS = pos_S.to(dev)[None, None, :] <= qpos_RQ[:, :, None]
+    scores_RHQS = torch.einsum("rqhk,rshk->rhqs", q_RQHK, k_RSHK) * scale
+    probs_RHQS = scores_RHQS.masked_fill(~visible_RQS[:, None], float("-inf")).softmax(-1)
+    o_RQHK = torch.einsum("rhqs,rshk->rqhk", probs_RHQS, v_RSHK)
+    real = real_RQ.flatten().to(dev)
+    out_THK[rows[real]] = o_RQHK.reshape(R * Q, H, K)[real]
 
 
 def _decode_attention(q_RHK: torch.Tensor, positions_R: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,

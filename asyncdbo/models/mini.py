@@ -49,7 +49,7 @@ from ..moe.batch_invariant import ROW_TILE, is_deterministic, linear
 from ..moe.config import Schedule, Scoring
 from ..plan.metadata import AttentionMetadata
 from ..serving import KVCacheConfig, PagedKVCache, check_token_ids
-from .attention import paged_causal_attention, wait_for_earlier_kv
+from .attention import check_logits, last_token_rows, paged_causal_attention, wait_for_earlier_kv
 
 __all__ = ["MiniConfig", "MiniModel"]
 
@@ -135,11 +135,21 @@ class MiniModel:
     group when torch.distributed is initialised, else one rank; see :class:`asyncdbo.moe.MoELayer`,
     which also refuses experts that do not divide over the group).  ``max_ubatches`` bounds the
     ubatches of a DBO run (one comm group clone each).  The KV cache is this rank's own.  With EP
-    size > 1, building the model is a collective: every rank builds it at the same time."""
+    size > 1, building the model is a collective: every rank builds it at the same time.
+
+    ``logits``: ``"all"`` (the default) computes the LM head for every token; ``"last"`` only for
+    each request's last new token of the step (what a sampler reads), the other rows of the
+    ``[T, V]`` logits being zeros: a prefill of ``T`` tokens in ``R`` requests then runs the
+    ``D x V`` LM head GEMM on ``R`` rows instead of ``T``.  Under DBO the last row of a request
+    that continues in the next ubatch is skipped too (the slice says so), so a DBO step computes
+    the serial step's rows."""
 
     def __init__(self, cfg: MiniConfig, *, ep_group: Any = None, max_ubatches: int = 4,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 logits: str = "all") -> None:
+        check_logits("MiniModel", logits)
         self.cfg = cfg
+        self.logits = logits
         self.max_ubatches = max_ubatches
         gen = torch.Generator().manual_seed(cfg.seed)
         d, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim
@@ -214,4 +224,11 @@ class MiniModel:
             x_TD = x_TD + await self._attention(layer, p, h_TD, positions_T, attn, tile)
             h_TD = _rms_norm(x_TD, p["moe_norm_D"], self.cfg.rms_eps)
             x_TD = x_TD + await p["moe"].forward(h_TD)
-        return _matmul(_rms_norm(x_TD, self.final_norm_D, self.cfg.rms_eps), self.lm_head_DV, tile)
+        h_TD = _rms_norm(x_TD, self.final_norm_D, self.cfg.rms_eps)
+        if self.logits == "all":
+            return _matmul(h_TD, self.lm_head_DV, tile)
+        rows = last_token_rows(attn).to(h_TD.device)
+        logits_TV = h_TD.new_zeros(h_TD.shape[0], self.cfg.vocab_size)
+        logits_TV[rows] = _matmul(h_TD[rows], self.lm_head_DV, tile)
+        return logits_TV
+

@@ -72,6 +72,28 @@ async def test_token_split_with_a_straddling_request_equals_serial() -> None:
 
 
 @pytest.mark.asyncio
+async def test_last_token_logits_are_the_full_heads_rows_and_a_token_split_computes_the_serial_rows() -> None:
+    # 13 + 20 + 1 tokens split at 16: request 1 straddles, so ubatch 0's last row (request 1's
+    # 3rd token) is not its last token of the step and is not computed under DBO either.
+    cfg = RunnerConfig(thresholds=ALWAYS)
+    chunks = [(0, list(tokens(13, 1))), (1, list(tokens(20, 2))), (2, list(tokens(1, 3)))]
+    runners = {name: DBORunner(MiniModel(SMALL, logits=name), cfg) for name in ("all", "last")}
+    dbo_last = DBORunner(MiniModel(SMALL, logits="last"), cfg)
+    batch = BatchBuilder(SMALL.kv_cache_config).build(chunks)
+    full = (await runners["all"].step(batch, enabled=False)).logits_TV
+    last = (await runners["last"].step(batch, enabled=False)).logits_TV
+    split = await dbo_last.step(batch)
+    assert split.record.microbatched and split.plan.slices[0].last_is_truncated
+    rows = [12, 32, 33]  # each request's last token
+    assert torch.equal(last[rows], full[rows])  # batch-invariant GEMMs: the same bits on 3 rows as on 34
+    others = [t for t in range(batch.num_tokens) if t not in rows]
+    assert torch.equal(last[others], torch.zeros(len(others), SMALL.vocab_size))
+    assert torch.equal(split.logits_TV, last)
+    with pytest.raises(ValueError, match=r"^MiniModel\(logits='first'\): use one of \('all', 'last'\)$"):
+        MiniModel(SMALL, logits="first")
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("schedule", ["ht", "ll"])
 async def test_continuations_wait_for_a_late_first_ubatch_in_every_layer(schedule: str) -> None:
     # One request over three ubatches; ubatch 0 starts late (parked on a timer, as on a late comm

@@ -39,7 +39,7 @@ from ...moe.config import Schedule
 from ...moe.experts import swiglu
 from ...plan.metadata import AttentionMetadata
 from ...serving import check_token_ids, exact_tap
-from ..attention import KVCacheConfig, PagedKVCache
+from ..attention import KVCacheConfig, PagedKVCache, check_logits, last_token_rows
 from .common import (
     Rope,
     WeightSlots,
@@ -164,16 +164,23 @@ class HFMoEModel:
     ``mla_absorb`` (DeepSeek-V3): decode requests attend in the latent space (DeepSeek's and
     vLLM's absorbed form, :func:`asyncdbo.models.hf.mla.mla_absorbed_decode`), far cheaper at real
     ranks (benchmarks/batched_attention.py) but not transformers' rounding: off by default, so
-    bf16 logits keep transformers' bits; exact mode always takes the tiled path."""
+    bf16 logits keep transformers' bits; exact mode always takes the tiled path.
+
+    ``logits``: ``"all"`` (the default) runs the LM head on every token; ``"last"`` only on each
+    request's last new token of the step (:func:`~asyncdbo.models.attention.last_token_rows`, what
+    a sampler reads), the other rows of the ``[T, V]`` logits being zeros: a prefill of ``T``
+    tokens in ``R`` requests runs the ``V x D`` GEMM on ``R`` rows instead of ``T``."""
 
     def __init__(self, arch: Architecture, *, ep_group: Any = None, schedule: Schedule = "ht", max_ubatches: int = 4,
                  block_size: int = 16, num_kv_blocks: int = 256, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", deterministic: bool | None = None,
-                 mla_absorb: bool = False) -> None:
+                 mla_absorb: bool = False, logits: str = "all") -> None:
         if not (deterministic is None or isinstance(deterministic, bool)):
             raise ValueError(f"HFMoEModel deterministic must be True, False or None (got {deterministic!r})")
         if not isinstance(mla_absorb, bool):
             raise ValueError(f"HFMoEModel mla_absorb must be True or False (got {mla_absorb!r})")
+        check_logits("HFMoEModel", logits)
+        self.logits = logits
         hf = self.hf = arch.hf
         self.deterministic = deterministic
         self.mla_absorb = mla_absorb
@@ -300,7 +307,12 @@ class HFMoEModel:
             next_norm_D = layers[i + 1].attn_norm_D if i + 1 < len(layers) else self.final_norm_D
             x_TD, h_TD = seg.residual_norm(x_TD, f_TD, next_norm_D, eps)
             exact_tap("residual", x_TD, layer=i)
-        return seg.linear(h_TD, self.lm_head_VD, None, tile)
+        if self.logits == "all":
+            return seg.linear(h_TD, self.lm_head_VD, None, tile)
+        rows = last_token_rows(attn).to(h_TD.device)
+        logits_TV = h_TD.new_zeros(h_TD.shape[0], self.lm_head_VD.shape[0])
+        logits_TV[rows] = seg.linear(h_TD[rows], self.lm_head_VD, None, tile)
+        return logits_TV
 
 
 #: A fused expert tensor's name (transformers 5's in-memory layout).
