@@ -22,6 +22,12 @@ For each architecture, in this order, before the next one starts:
    * decode: ``--decode-requests`` requests per rank, one new token each, after one untimed step
      that fills ``--context`` tokens of context for each.
 
+The model runs its fast path (``--exact off``: ``HFMoEModel(deterministic=False)``; the default,
+``--exact default``, makes the MoE layers batch-invariant on a CPU, which pads every expert GEMM
+to tiles of 64 rows: a serial Mixtral prefill step took over 2 minutes that way on the shared
+2-core machine) and the LM head on each request's last token only (``--logits last``, what a
+sampler reads; ``--logits all`` for every token).
+
 Per rank and timed step: the step's wall time; the main thread's CPU time (``time.thread_time``;
 torch runs one intra-op thread per rank, so that is the rank's compute and Python); the time
 inside torch ops (``torch.profiler``, CPU activity: the union of the op intervals on the main
@@ -98,6 +104,10 @@ class Spec:
     link: str
     link_scale: float
     num_kv_blocks: int
+    #: HFMoEModel(deterministic=...): False the fast path (MoE layers too), True exact mode, None the default.
+    deterministic: bool | None = False
+    #: HFMoEModel(logits=...): "last" runs the LM head on each request's last token only, as a sampler needs.
+    logits: str = "last"
     #: The results file's state (JSON beside the ``.md``) that rank 0 updates after each case, or None.
     state: str | None = None
 
@@ -195,7 +205,8 @@ async def _rank_async(rank: int, spec: Spec) -> dict[str, Any]:
     reset_ok = _reset_peak()
     t0 = time.perf_counter()
     model, report = load_checkpoint(spec.ckpt, model=spec.model, ep_group=group, dtype=_dtype(spec.dtype),
-                                    max_ubatches=2, block_size=BLOCK, num_kv_blocks=spec.num_kv_blocks)
+                                    max_ubatches=2, block_size=BLOCK, num_kv_blocks=spec.num_kv_blocks,
+                                    deterministic=spec.deterministic, logits=spec.logits)
     out: dict[str, Any] = {"rank": rank, "load_s": time.perf_counter() - t0, "param_bytes": _param_bytes(model),
                            "kv_bytes": sum(t.numel() * t.element_size() for t in
                                            (*model.kv_cache.k_cache_LNZHK, *model.kv_cache.v_cache_LNZHK)),
@@ -335,7 +346,7 @@ def run_one(name: str, config: Any, args: argparse.Namespace, ckpt_root: Path, s
                 decode_requests=args.decode_requests, context=args.context, steps=args.steps, warmup=args.warmup,
                 link=args.link, link_scale=args.link_scale,
                 num_kv_blocks=kv_blocks(args.prefill_tokens, args.decode_requests, args.context, args.steps, args.warmup),
-                state=None if state is None else str(state))
+                deterministic=EXACT[args.exact], logits=args.logits, state=None if state is None else str(state))
     record(write_s=write_s, checkpoint_bytes=sum(s.nbytes for s in specs), checkpoint_tensors=len(specs))
     t0 = time.perf_counter()
     try:
@@ -391,6 +402,9 @@ def describe_config(name: str, c: Any) -> str:
 # so a run that is stopped keeps what it measured; ``--results FILE`` adds architectures to a file
 # (one run per architecture, one after the other) and replaces the ones run again.
 
+#: --exact: HFMoEModel's deterministic argument.
+EXACT: dict[str, bool | None] = {"off": False, "on": True, "default": None}
+
 TITLE = "Real widths, truncated depth: prefill and decode on 2 gloo ranks"
 #: Machine fields that must agree for runs to share a results file (the load average may differ).
 SAME_MACHINE = ("cpu", "cores", "os", "python", "torch", "uvloop", "accelerator")
@@ -432,7 +446,18 @@ def check_same_machine(data: dict[str, Any], info: dict[str, str], path: Path) -
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in ("layers", "deepseek_experts", "dtype", "prefill_tokens", "decode_requests",
-                                          "context", "warmup", "steps", "link", "link_scale")}
+                                          "context", "warmup", "steps", "link", "link_scale", "exact", "logits")}
+
+
+def _model_settings(st: dict[str, Any]) -> str:
+    exact = {"off": "exact mode off (deterministic=False: the fast path, MoE layers included)",
+             "on": "exact mode on (deterministic=True: every GEMM in fixed row tiles of 64)",
+             "default": "exact mode at its default (deterministic=None: the MoE layers batch-invariant on a CPU, "
+                        "their expert GEMMs in fixed row tiles of 64)"}
+    # runs recorded before these flags existed ran the default and every row's logits
+    logits = {"all": "the LM head on every token", "last": "the LM head on each request's last token only "
+              "(logits='last')"}
+    return f"{exact[st.get('exact', 'default')]}; {logits[st.get('logits', 'all')]}"
 
 
 def render(data: dict[str, Any]) -> str:
@@ -468,7 +493,8 @@ def render_run(run: dict[str, Any]) -> list[str]:
              f"{st['prefill_tokens']} tokens per rank in 2 requests; decode {st['decode_requests']} requests per rank "
              f"with {st['context']} tokens of context; {st['warmup']} untimed + {st['steps']} timed steps per case, "
              f"each serial then DBO (2 ubatches, token split); links: none (gloo over loopback) and {st['link']} "
-             f"x{st['link_scale']:g} (modeled).\n",
+             f"x{st['link_scale']:g} (modeled); "
+             + _model_settings(st) + ".\n",
              f"Config: {run['config']}; checkpoint: {ckpt}{took}.\n",
              f"Estimate before the run: {est['describe']}.\n"]
     if not per_rank:
@@ -527,6 +553,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=16, help="context tokens of each decode request (default 16)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per case (default 2)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per case first (default 1)")
+    p.add_argument("--exact", choices=tuple(EXACT), default="off",
+                   help="HFMoEModel's exact mode: off (the fast path, default), on, or default (on for the MoE "
+                        "layers on a CPU: their expert GEMMs padded to tiles of 64 rows, minutes a step at real width)")
+    p.add_argument("--logits", choices=("all", "last"), default="last",
+                   help="the LM head on every token or on each request's last one (default last, as a sampler needs)")
     p.add_argument("--link", default="ib400", help="the modeled link (default ib400)")
     p.add_argument("--link-scale", type=float, default=1000.0,
                    help="multiply its latency and divide its bandwidth by this, as asyncdbo demo does (default 1000)")
