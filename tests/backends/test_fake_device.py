@@ -327,3 +327,16 @@ def test_the_captured_program_of_the_cuda_test_keeps_cuda_rules_in_eager_mode(po
                                               stream_policy=policy))
     for x, out in zip(x_in, outs):
         torch.testing.assert_close(out, (torch.relu(x @ w) * 2) @ w + 1)
+
+
+def test_auto_is_the_host_here_the_fake_accelerator_under_it_and_the_host_again_after() -> None:
+    """"auto", every run's default backend, follows what torch says the accelerator is."""
+    from asyncdbo.backends import get_backend
+    from asyncdbo.backends.accelerator import AcceleratorBackend
+    from asyncdbo.backends.host import HostBackend
+
+    assert type(get_backend("auto")) is HostBackend
+    with FakeDevice():
+        assert type(get_backend("auto")) is AcceleratorBackend
+        assert type(get_backend(None)) is AcceleratorBackend
+    assert type(get_backend("auto")) is HostBackend
