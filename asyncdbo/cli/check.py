@@ -9,7 +9,8 @@ runs on every run: a race or a dead wait exits 1 with every finding (``--no-chec
 it); lost overlap is reported, and exits 1 with ``--fail-on lost-overlap``. ``--stream-policy
 both`` prints the role-stream schedule (vLLM) and the per-ubatch-stream pipeline (CANN) side by
 side; ``--trace DIR`` writes one Chrome trace per run. ``--workload FILE|synthetic`` replays per-step
-batch compositions across DP ranks through the planner instead (:mod:`asyncdbo.sim.workload`).
+batch compositions across DP ranks instead, under each ``--policy`` (off, the fixed thresholds,
+the runner's ``"auto"`` tuning: :mod:`asyncdbo.cli.check_workload`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def _tokens(text: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..backends.links import LINKS
+    from ..plan import ThresholdConfig
     from ..sim.comm import COMMS
     from ..sim.host import HOSTS
     from ..sim.models import REAL_CONFIGS
@@ -95,6 +97,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replay per-step batch compositions across DP ranks (JSON lines; see docs/sim.md)")
     p.add_argument("--split-policy", choices=("token", "request", "balanced"), default="token",
                    help="the planner's split policy for --workload (default token)")
+    p.add_argument("--policy", action="append", metavar="off,fixed,auto",
+                   help="--workload: the policies to replay, repeatable or comma separated (default fixed,auto): "
+                        "off (every step unsplit), fixed (the thresholds), auto (the runner's tuning='auto')")
+    p.add_argument("--decode-threshold", type=int, default=ThresholdConfig().decode_threshold,
+                   help="--workload: fewest tokens of uniform decode per rank that the fixed thresholds microbatch "
+                        "(default %(default)s)")
+    p.add_argument("--prefill-threshold", type=int, default=ThresholdConfig().prefill_threshold,
+                   help="--workload: the same for mixed and prefill steps (default %(default)s)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="--workload: replay the trace this many times in a row (auto keeps what it learned, as a "
+                        "runner does over a longer run; default 1)")
     p.add_argument("--trace", metavar="DIR", help="write a Chrome trace per run into DIR")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress lines (they are only written to a terminal anyway)")
@@ -103,6 +116,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
     from ..sim.predict import Deployment, ModelShape
 
+    if not getattr(args, "workload", None):
+        from ..plan import ThresholdConfig
+
+        th = ThresholdConfig()
+        given = [flag for flag, value, unset in (
+            ("--policy", getattr(args, "policy", None), None), ("--repeat", getattr(args, "repeat", 1), 1),
+            ("--decode-threshold", getattr(args, "decode_threshold", th.decode_threshold), th.decode_threshold),
+            ("--prefill-threshold", getattr(args, "prefill_threshold", th.prefill_threshold),
+             th.prefill_threshold)) if value != unset]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to --workload only; add --workload FILE|synthetic or drop them")
     if not 2 <= args.ubatches <= 4:
         raise ValueError(f"--ubatches must be 2, 3 or 4 (got {args.ubatches}); 1 is the serial run every row has anyway")
     for flag, value, default in (("--ep", args.ep, 32), ("--gpus-per-node", args.gpus_per_node, 8)):
@@ -238,41 +262,9 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
 
 
 def _workload(args: argparse.Namespace, model: Any, dep: Any) -> int:
-    from ..sim.workload import load_workload, replay, synthetic_workload
+    from .check_workload import run
 
-    steps = synthetic_workload() if args.workload == "synthetic" else load_workload(args.workload)
-    ranks = len(steps[0])
-    _header(args, model, dep, None)
-    print(f"workload: {'synthetic (seed 0)' if args.workload == 'synthetic' else args.workload}, {len(steps)} steps "
-          f"x {ranks} DP ranks, split policy {args.split_policy}")
-    progress = Progress(len(steps), "workload steps (each simulated serial and, if it splits, DBO)",
-                        enabled=wants_progress(getattr(args, "quiet", False)))
-    res = replay(steps, model=model, deployment=dep, ubatches=args.ubatches, policy=args.split_policy,
-                 stream_policy="role" if args.stream_policy == "both" else args.stream_policy, check_races=args.check_races,
-                 fail_on=_fail_on(args), on_step=lambda i, n: progress.step(i, f"step {i} of {n}"))
-    progress.done()
-    split = [s for s in res.steps if s.microbatched]
-    n = len(res.steps)
-    head = (f"throughput, real tokens of all ranks per second of MoE-layer time: {res.tokens / res.serial_s / 1e6:.2f} M "
-            "without DBO")
-    if split:
-        print(f"{head}, {res.tokens / res.dbo_s / 1e6:.2f} M with: speedup {1 + res.gain:.2f}x "
-              f"({'all' if len(split) == n else len(split)} of {n} steps microbatched)")
-        split_speedup = sum(s.serial_s for s in split) / sum(s.dbo_s for s in split)
-        on_split = f"; on those steps alone, speedup {split_speedup:.2f}x"
-    else:  # DBO ran every step serially: the "with" run is the "without" run again
-        print(f"{head}; no speedup: none of the {n} steps microbatched, so DBO ran every step serially")
-        on_split = ""
-    print(f"steps microbatched: {len(split)} of {n} ({res.microbatched_share:.0%}){on_split}")
-    for reason, n in sorted(res.reasons().items(), key=lambda kv: -kv[1]):
-        print(f"  fell out: {reason.value} in {n} step(s)")
-    for reason, n in sorted(res.rank_reasons().items(), key=lambda kv: -kv[1]):
-        print(f"    a rank voted no: {reason.value} ({n} rank-step(s))")
-    example = next((s for s in res.steps if not s.microbatched), None)
-    if example is not None:
-        print(f"  e.g. tokens by rank {list(example.tokens)}: {example.detail}")
-    print(f"({res.simulations} distinct simulations)")
-    return 0
+    return run(args, model, dep, _header, _fail_on(args))
 
 
 def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:

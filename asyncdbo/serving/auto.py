@@ -32,10 +32,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..dist.fused import DISPATCH_MODES, DispatchMode
-from ..plan import SplitPolicy
+from ..plan import DPDecision, SplitPolicy, ThresholdConfig, plan_slices
 from ..plan.slices import SPLIT_POLICIES
+from .measure import shape_bucket
 
-__all__ = ["Arm", "AutoConfig", "AutoPolicy", "OFF"]
+__all__ = ["Arm", "AutoConfig", "AutoPolicy", "OFF", "choose_for_group", "splittable_mask", "threshold_prior"]
 
 
 @dataclass(frozen=True, order=True)
@@ -210,3 +211,50 @@ class AutoPolicy:
         if best != b.incumbent:
             b.incumbent = best
             b.switches += 1
+
+
+def threshold_prior(thresholds: ThresholdConfig, cfg: AutoConfig) -> Callable[[str], Arm]:
+    """The prior of :class:`AutoPolicy` that both the runner and ``asyncdbo check --workload`` use:
+    a bucket starts from what the fixed ``thresholds`` would run for a step of that bucket's
+    smallest size (N = 2, the first split and dispatch of ``cfg``), or off."""
+
+    def prior(bucket: str) -> Arm:
+        kind, _, rng = bucket.partition(" ")
+        lo = int(rng.split("-")[0]) if rng else 0
+        if lo >= (thresholds.decode_threshold if kind == "decode" else thresholds.prefill_threshold):
+            return Arm(2 if 2 in cfg.ubatch_counts else cfg.ubatch_counts[0], cfg.splits[0], cfg.dispatches[0])
+        return OFF
+
+    return prior
+
+
+def splittable_mask(qsl: Sequence[int], arms: Sequence[Arm], min_share: float) -> int:
+    """Bit ``i`` set where this rank's batch (token offsets ``qsl``) can run ``arms[i]``: off and
+    the token split always can (and an idle rank runs anything); a request-aligned split cannot
+    where it would leave a ubatch without real tokens. One int, so it rides in the DP vote."""
+    offsets = list(qsl)
+    mask = 0
+    for bit, arm in enumerate(arms):
+        if arm == OFF or arm.split == "token" or offsets[-1] == 0 or 0 not in [
+                sl.num_tokens for sl in plan_slices(offsets, arm.num_ubatches, arm.split, min_share=min_share)]:
+            mask |= 1 << bit
+    return mask
+
+
+def choose_for_group(policy: AutoPolicy, arms: Sequence[Arm], decision: DPDecision, uniform_R: Sequence[int],
+                     mask_R: Sequence[int]) -> tuple[str, Arm, str]:
+    """The group's step: its shape bucket (from the largest rank's real tokens, decode when every
+    busy rank's batch is uniform decode), the configuration and the evidence. ``uniform_R`` and
+    ``mask_R`` hold each rank's :func:`~asyncdbo.plan.is_uniform_decode` and
+    :func:`splittable_mask`, as the DP vote gathered them. A decision that does not microbatch
+    (every rank idle, a rank disabled, imbalance) runs off with no evidence. Pure: every rank
+    (and the simulator) derives the same choice from the same vote."""
+    busy = [r for r, v in enumerate(decision.ranks) if v.vote != "idle"]
+    bucket = shape_bucket(max(decision.num_tokens_across_dp, default=0), bool(busy) and all(uniform_R[r] for r in busy))
+    if not decision.should_ubatch:
+        return bucket, OFF, ""
+    group_mask = -1
+    for r in busy:
+        group_mask &= mask_R[r]
+    arm, evidence = policy.choose(bucket, lambda a: bool(group_mask >> arms.index(a) & 1))
+    return bucket, arm, evidence

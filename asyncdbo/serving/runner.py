@@ -71,10 +71,9 @@ from ..plan import (
     decide_from_votes,
     is_uniform_decode,
     merge_outputs,
-    plan_slices,
     plan_step,
 )
-from .auto import OFF, Arm, AutoConfig, AutoPolicy
+from .auto import OFF, Arm, AutoConfig, AutoPolicy, choose_for_group, splittable_mask, threshold_prior
 from .batch import Batch
 from .measure import OverlapLedger, host_timing, shape_bucket
 
@@ -222,7 +221,8 @@ class DBORunner:
         self.ledger = OverlapLedger()
         self.clock: Clock = MonotonicClock() if clock is None else clock
         self.sync: StepSync | None = step_sync(dp_group) if dp_group is not None else None
-        self.auto: AutoPolicy | None = AutoPolicy(cfg.auto, self._prior) if cfg.tuning == "auto" else None
+        self.auto: AutoPolicy | None = (
+            AutoPolicy(cfg.auto, threshold_prior(cfg.thresholds, cfg.auto)) if cfg.tuning == "auto" else None)
         self._arms = cfg.auto.arms()
         # the last step's (bucket, arm, DP-max real tokens) and this rank's time for it (-1: none)
         self._last: tuple[str, Arm, int] | None = None
@@ -272,17 +272,6 @@ class DBORunner:
             max_ubatches=getattr(self.model, "max_ubatches", None),
         )
 
-    def _prior(self, bucket: str) -> Arm:
-        """A new bucket's first configuration: what the fixed thresholds would run (N = 2, the
-        token split, the link-model dispatch) for a step of that bucket's smallest size."""
-        kind, _, rng = bucket.partition(" ")
-        lo = int(rng.split("-")[0]) if rng else 0
-        th = self.cfg.thresholds
-        if lo >= (th.decode_threshold if kind == "decode" else th.prefill_threshold):
-            auto = self.cfg.auto
-            return Arm(2 if 2 in auto.ubatch_counts else auto.ubatch_counts[0], auto.splits[0], auto.dispatches[0])
-        return OFF
-
     def _plan_auto(self, batch: Batch, enabled: bool, last_ns: int) -> StepPlan:
         """The ``"auto"`` step: ONE vote carries each rank's plan inputs and its last step time;
         every rank feeds the same group measurement to its policy and picks the same configuration
@@ -292,11 +281,7 @@ class DBORunner:
         qsl = batch.attn.query_start_loc_cpu.tolist()
         num_tokens = qsl[-1]
         uniform = is_uniform_decode(qsl, cfg.thresholds.num_spec_tokens)
-        mask = 0
-        for bit, arm in enumerate(self._arms):  # the configurations this rank's batch can split by
-            if arm == OFF or arm.split == "token" or num_tokens == 0 or 0 not in [
-                    sl.num_tokens for sl in plan_slices(qsl, arm.num_ubatches, arm.split, min_share=cfg.min_share)]:
-                mask |= 1 << bit
+        mask = splittable_mask(qsl, self._arms, cfg.min_share)
         local = LocalStepInfo(num_tokens_unpadded=num_tokens, wants_ubatch=enabled, is_idle=batch.num_tokens == 0,
                               reason=PlanReason.MICROBATCHED if enabled else PlanReason.DISABLED,
                               detail="" if enabled else "disabled by the caller")
@@ -311,23 +296,14 @@ class DBORunner:
             vote = RankVote(0, local.vote, local.reason, local.num_tokens_unpadded, local.padded)
             decision = decide_from_votes([vote], max_imbalance=cfg.max_imbalance)
             uniform_R, mask_R, last_R = (int(uniform),), (mask,), (last_ns,)
-        busy = [r for r, v in enumerate(decision.ranks) if v.vote != "idle"]
         if self._last is not None and min(last_R) >= 0:  # every rank measured the last step
             bucket, arm, tokens = self._last
             auto.observe(bucket, arm, max(last_R) * 1e-9 / max(tokens, 1))
         tokens = max(decision.num_tokens_across_dp)
-        bucket = shape_bucket(tokens, bool(busy) and all(uniform_R[r] for r in busy))
-        group_mask = -1
-        for r in busy:
-            group_mask &= mask_R[r]
         self._last = None
-        if not decision.should_ubatch:  # all idle, a rank disabled, imbalance: the vote's reason
-            arm, evidence = OFF, ""
-        else:
-            arm, evidence = auto.choose(bucket, lambda a: bool(group_mask >> self._arms.index(a) & 1))
-            if arm == OFF:
-                decision = dataclasses.replace(decision, should_ubatch=False, reason=PlanReason.AUTO_OFF,
-                                               detail=evidence)
+        bucket, arm, evidence = choose_for_group(auto, self._arms, decision, uniform_R, mask_R)
+        if decision.should_ubatch and arm == OFF:
+            decision = dataclasses.replace(decision, should_ubatch=False, reason=PlanReason.AUTO_OFF, detail=evidence)
         if tokens > 0:
             self._last = (bucket, arm, tokens)
         return plan_step(

@@ -41,7 +41,7 @@ from typing import Any
 from ..plan import PlanReason, RankVote, ThresholdConfig, decide_from_votes, plan_slices, plan_step
 from .predict import Deployment, ModelShape, Request, simulate
 
-__all__ = ["ReplayResult", "StepOutcome", "load_workload", "replay", "synthetic_workload"]
+__all__ = ["ReplayResult", "StepOutcome", "StepSims", "load_workload", "replay", "step_shape", "synthetic_workload"]
 
 Step = list[list[Request]]  # per DP rank, its requests
 
@@ -160,6 +160,60 @@ def _summary(reqs: Sequence[Request], bucket: int) -> list[Request]:
     return [(1, mean)] * len(ctx) + [(q, c) for q, c in reqs if q > 1]
 
 
+class StepSims:
+    """The simulations of a replay, cached by composition: one rank's requests (decode requests
+    summarized, see :func:`_summary`) under one split, on one deployment and stream policy. Races
+    are checked on the first simulation of each ubatch count; the others only time. Shared by the
+    policies one ``asyncdbo check --workload`` replays, so a composition two policies run is
+    simulated once."""
+
+    def __init__(self, *, model: ModelShape, deployment: Deployment = Deployment(), stream_policy: str = "role",
+                 context_bucket: int = 512, check_races: bool = True, fail_on: Sequence[str] = ()) -> None:
+        self.model, self.deployment, self.stream_policy = model, deployment, stream_policy
+        self.context_bucket, self.check_races, self.fail_on = context_bucket, check_races, tuple(fail_on)
+        self.cache: dict[Any, list[float]] = {}
+        self.checked: set[int] = set()  # ubatch counts whose schedule the race checker has seen
+        self.simulations = 0
+
+    def timed(self, reqs: list[Request], splits: list[list[int]], shape: str) -> list[float]:
+        """Per-layer times of ``reqs`` under each split, simulated once per composition. Runs its
+        own event loop: call it outside one."""
+        import asyncdbo
+
+        summary = _summary(reqs, self.context_bucket)
+        key = (tuple(summary), tuple(map(tuple, splits)), shape)
+        if key not in self.cache:
+            check = self.check_races and len(splits[0]) not in self.checked
+            self.checked.add(len(splits[0]))
+
+            async def run() -> Any:
+                return await simulate(summary, splits, model=self.model, shape=shape,  # type: ignore[arg-type]
+                                      deployment=self.deployment, stream_policy=self.stream_policy,  # type: ignore[arg-type]
+                                      check_races=check, fail_on=self.fail_on if check else ())
+
+            self.cache[key] = [per_layer for _, per_layer in asyncdbo.run(run, loop="asyncio")]
+            self.simulations += 1
+        return self.cache[key]
+
+    def serial(self, reqs: Sequence[Request], shape: str) -> float:
+        """One rank's step run unsplit (0 for an idle rank: it is never the slowest)."""
+        real = sum(q for q, _ in reqs)
+        return self.timed(list(reqs), [[real]], shape)[0] if real else 0.0
+
+    def split(self, reqs: Sequence[Request], parts: list[int], shape: str) -> float:
+        """One rank's step as ubatches of ``parts`` padded tokens (padding tokens cost compute and
+        attend to nothing)."""
+        real = sum(q for q, _ in reqs)
+        full = list(reqs) + [(1, 0)] * (sum(parts) - real)
+        return self.timed(full, [parts], shape)[0]
+
+
+def step_shape(step: Step) -> str:
+    """The sim's shape of a step: ``decode`` where every request of every rank decodes (the decode
+    defaults: ``ll``, graph replay), else ``prefill``."""
+    return "decode" if all(q == 1 for reqs in step for q, _ in reqs) else "prefill"
+
+
 def replay(
     steps: Sequence[Step],
     *,
@@ -173,32 +227,18 @@ def replay(
     check_races: bool = True,
     on_step: Callable[[int, int], None] | None = None,
     fail_on: Sequence[str] = (),
+    sims: StepSims | None = None,
 ) -> ReplayResult:
     """Replay ``steps`` (module docstring). Runs its own event loops: call it outside one.
     ``fail_on`` (``["lost-overlap"]``): lost overlap in a checked schedule raises too.
-    ``on_step(i, n)`` is called before step ``i`` (from 1) of ``n``: a progress line's hook."""
-    import asyncdbo
-
-    cache: dict[Any, list[float]] = {}
-    checked: set[int] = set()  # ubatch counts whose schedule the race checker has seen
+    ``on_step(i, n)`` is called before step ``i`` (from 1) of ``n``: a progress line's hook.
+    ``sims``: a :class:`StepSims` to share with other replays of the same steps (its deployment,
+    stream policy and checks then hold, not the arguments here)."""
+    if sims is None:
+        sims = StepSims(model=model, deployment=deployment, stream_policy=stream_policy, context_bucket=context_bucket,
+                        check_races=check_races, fail_on=fail_on)
+    before = sims.simulations
     result = ReplayResult()
-
-    def timed(reqs: list[Request], splits: list[list[int]], shape: str) -> list[float]:
-        """Per-layer times of ``reqs`` under each split, simulated once per composition."""
-        summary = _summary(reqs, context_bucket)
-        key = (tuple(summary), tuple(map(tuple, splits)), shape)
-        if key not in cache:
-            check = check_races and len(splits[0]) not in checked
-            checked.add(len(splits[0]))
-
-            async def run() -> Any:
-                return await simulate(summary, splits, model=model, shape=shape, deployment=deployment,  # type: ignore[arg-type]
-                                      stream_policy=stream_policy, check_races=check,  # type: ignore[arg-type]
-                                      fail_on=fail_on if check else ())
-
-            cache[key] = [per_layer for _, per_layer in asyncdbo.run(run, loop="asyncio")]
-            result.simulations += 1
-        return cache[key]
 
     for i, step in enumerate(steps):
         if on_step is not None:
@@ -214,23 +254,21 @@ def replay(
             if not idle:
                 local.append(rec.reason)
         decision = decide_from_votes(votes)
-        shape = "decode" if all(q == 1 for reqs in step for q, _ in reqs) else "prefill"
+        shape = step_shape(step)
         serial, dbo = [], []
         for reqs, qsl in zip(step, qsls):
-            real = qsl[-1]
-            alone = timed(list(reqs), [[real]], shape)[0] if real else 0.0  # an idle rank is never the slowest
+            alone = sims.serial(reqs, shape)
             serial.append(alone)
             if decision.should_ubatch:
                 padded = decision.num_tokens_padded
                 slices = plan_slices(qsl, ubatches, policy, num_tokens_padded=padded)  # type: ignore[arg-type]
-                parts = [s.num_tokens_padded for s in slices]
-                full = list(reqs) + [(1, 0)] * (padded - real)  # padding tokens cost compute, attend to nothing
-                dbo.append(timed(full, [parts], shape)[0])
+                dbo.append(sims.split(reqs, [s.num_tokens_padded for s in slices], shape))
             else:
                 dbo.append(alone)
         result.steps.append(StepOutcome(decision.should_ubatch, decision.reason, decision.detail,
                                         tuple(q[-1] for q in qsls), max(serial, default=0.0), max(dbo, default=0.0),
                                         tuple(local)))
+    result.simulations = sims.simulations - before
     return result
 
 

@@ -171,11 +171,11 @@ def test_no_progress_when_stderr_is_not_a_terminal(capsys: pytest.CaptureFixture
 
 @pytest.mark.timeout(120)
 def test_check_workload_counts_its_steps() -> None:
-    rc, out = check_in_a_terminal(["check", "--workload", "synthetic", *CHECK[1:-2]])
+    rc, out = check_in_a_terminal(["check", "--workload", "synthetic", "--policy", "fixed", *CHECK[1:-2]])
     assert rc == 0, out
-    assert "\n16 workload steps (each simulated serial and, if it splits, DBO) to run\n" in out
-    assert f"{ERASE}[1/16] step 1 of 16 ...{ERASE}[2/16] step 2 of 16 ..." in out
-    assert f"[16/16] step 16 of 16 ...{ERASE}throughput, real tokens of all ranks" in out
+    assert "\n16 workload steps (each composition simulated once) to run\n" in out
+    assert f"{ERASE}[1/16] fixed, role streams: step 1 of 16 ...{ERASE}[2/16] fixed, role streams: step 2 of 16 ..." in out
+    assert f"[16/16] fixed, role streams: step 16 of 16 ...{ERASE}throughput, real tokens of all ranks" in out
 
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")

@@ -86,30 +86,86 @@ def test_replay_follows_the_planner_and_times_every_rank() -> None:
     assert res.rank_reasons() == {PlanReason.BELOW_THRESHOLD: 2}
 
 
-def test_check_replays_a_file_and_prints_the_gain_and_why_steps_fell_out(tmp_path: Path,
-                                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["check", "--workload", str(write(tmp_path, STEPS)), "--model", "qwen3-moe", "--hidden", "64",
-            "--intermediate", "32", "--experts", "8", "--heads", "4", "--ep", "4"]
-    assert cli_main(argv) == 0
+ARGV = ["--model", "qwen3-moe", "--hidden", "64", "--intermediate", "32", "--experts", "8", "--heads", "4", "--ep", "4"]
+THRESHOLDS = ("thresholds: fixed splits a step into 2 ubatches (token split) when every busy rank has >= 32 tokens of "
+              "uniform decode or >= 512 otherwise (--decode-threshold, --prefill-threshold); auto starts from them")
+
+
+def test_check_replays_a_file_under_fixed_and_auto_and_prints_why(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["check", "--workload", str(write(tmp_path, STEPS)), *ARGV]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[3] == f"workload: {tmp_path / 'trace.jsonl'}, 4 steps x 2 DP ranks, split policy token"
-    assert out[4].startswith("throughput, real tokens of all ranks per second of MoE-layer time: ")
-    assert re.search(r" with: speedup \d+\.\d\dx \(2 of 4 steps microbatched\)$", out[4]), out[4]
-    assert out[5:9] == [
-        "steps microbatched: 2 of 4 (50%); on those steps alone, speedup " + out[5].rsplit(" ", 1)[-1],
+    assert out[3:6] == [
+        f"workload: {tmp_path / 'trace.jsonl'}, 4 steps x 2 DP ranks; policies fixed, auto; role streams",
+        THRESHOLDS,
+        "auto: per shape bucket, off or N=2/3/4 with the token/balanced split, from the simulated step times "
+        "(asyncdbo.serving.AutoPolicy, the runner's); starts from the thresholds' choice, 1 warm-up + 3 samples per "
+        "configuration, median, 3% margin; split dispatch only (the sim does not model fused counts)",
+    ]
+    assert re.fullmatch(r"throughput, real tokens of all ranks per second of MoE-layer time \(off runs every step "
+                        r"unsplit: \d+\.\d\d M\):", out[6]), out[6]
+    fixed = re.fullmatch(r"  fixed role   \d+\.\d\d M  speedup (\d+\.\d\d)x  \(2 of 4 steps microbatched; on those "
+                         r"alone (\d+\.\d\d)x\)", out[7])
+    assert fixed, out[7]
+    # auto's prior is the thresholds' choice; step 2 (8 tokens on rank 1) is in the same bucket as step 1
+    # (the largest rank's 64), so auto splits it too while exploring; the mixed step of 257 tokens starts off
+    assert re.fullmatch(r"  auto  role   \d+\.\d\d M  speedup \d+\.\d\dx  \(3 of 4 steps microbatched, 4 while "
+                        r"exploring\)", out[8]), out[8]
+    assert out[9:15] == [
+        "fixed: steps that fell out",
         "  fell out: rank_declined in 2 step(s)",
         "    a rank voted no: below_threshold (2 rank-step(s))",
         "  e.g. tokens by rank [64, 8]: rank 1: below_threshold",
+        "auto: per shape bucket, the choice and its evidence (us per real token of the largest rank, per MoE layer; "
+        "samples)",
+        out[14],
     ]
+    assert re.fullmatch(r"  decode 64-127: still exploring \(3 of 3 step\(s\)\); best N=2 token split "
+                        r"\d+\.\d\d us/token \(2\)", out[14]), out[14]
+    assert out[15] == "  mixed 256-511: still exploring (1 of 1 step(s)); best off (prior, unmeasured)"
+    # the sim prices this tiny model's split decode steps above the serial ones (launch-bound): flagged
+    assert float(fixed.group(2)) < 1
+    assert out[16] == (f"warning: the fixed thresholds microbatch decode 64-127 below break-even: {fixed.group(2)}x "
+                       "of off over 2 step(s) (--decode-threshold 32); auto was still exploring there (--repeat "
+                       "replays longer)")
     assert out[-1].startswith("error band: ")
 
 
-def test_check_prints_no_speedup_when_no_step_microbatched(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_prints_every_policy_under_both_stream_policies(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     below = [[[[1, 100]] * 4, [[1, 100]] * 2]] * 2  # 2 steps of 4 and 2 decode requests: below the threshold of 32
-    argv = ["check", "--workload", str(write(tmp_path, below)), "--model", "qwen3-moe", "--hidden", "64",
-            "--intermediate", "32", "--experts", "8", "--heads", "4", "--ep", "4"]
+    argv = ["check", "--workload", str(write(tmp_path, below)), *ARGV, "--policy", "off", "--policy", "fixed",
+            "--stream-policy", "both", "--no-check-races"]
     assert cli_main(argv) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[4].endswith(" M without DBO; no speedup: none of the 2 steps microbatched, so DBO ran every step serially")
-    assert "speedup" not in out[4].split(";")[0] and not re.search(r"\d\.\d\dx", "\n".join(out[4:-1]))
-    assert out[5] == "steps microbatched: 0 of 2 (0%)"
+    assert out[3:5] == [f"workload: {tmp_path / 'trace.jsonl'}, 2 steps x 2 DP ranks; policies off, fixed; role and "
+                        "ubatch streams", THRESHOLDS]
+    rows = [re.sub(r"\d+\.\d\d M", "x M", line) for line in out[6:10]]
+    assert rows == [f"  {p:<5} {s:<6} x M  speedup 1.00x  (0 of 2 steps microbatched)"
+                    for s in ("role", "ubatch") for p in ("off", "fixed")]
+    assert out[10:14] == [
+        "fixed (role streams): steps that fell out",
+        "  fell out: rank_declined in 2 step(s)",
+        "    a rank voted no: below_threshold (4 rank-step(s))",
+        "  e.g. tokens by rank [4, 2]: rank 0: below_threshold; rank 1: below_threshold",
+    ]
+    assert out[14] == "fixed (ubatch streams): steps that fell out"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--policy", "fixed,bogus"], "--policy 'bogus' is not a policy; use some of off, fixed, auto (repeat the flag or "
+                                  "separate them with commas)"),
+    (["--repeat", "0"], "--repeat must be >= 1 (got 0): how many times to replay the trace in a row"),
+    (["--decode-threshold", "-1"], "decode_threshold (-1) must be >= 0; use 0 to always microbatch"),
+])
+def test_check_workload_refuses_bad_flags_before_simulating(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            flags: list[str], message: str) -> None:
+    assert cli_main(["check", "--workload", str(write(tmp_path, STEPS)), *ARGV, *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"asyncdbo check: error: {message}\n" and captured.out == ""
+
+
+def test_the_workload_flags_are_refused_without_a_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["check", "--policy", "auto", "--repeat", "2"]) == 2
+    assert capsys.readouterr().err == ("asyncdbo check: error: --policy, --repeat apply to --workload only; add "
+                                       "--workload FILE|synthetic or drop them\n")

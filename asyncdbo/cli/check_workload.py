@@ -1,0 +1,149 @@
+"""``asyncdbo check --workload``: replay per-step batch compositions across DP ranks under each
+requested policy (``--policy off,fixed,auto``) and stream policy, on the simulated device.
+
+``off`` runs every step unsplit, ``fixed`` through the planner's thresholds (:mod:`asyncdbo.sim.workload`),
+``auto`` through the runner's own ``"auto"`` tuning fed with the simulated step times
+(:mod:`asyncdbo.sim.tuning`). It prints the thresholds and the search space it used, one throughput
+row per policy and stream policy, why the fixed run's steps fell out, what ``auto`` chose per shape
+bucket with its evidence, and a warning for every bucket where the fixed thresholds microbatch
+below break-even.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .progress import Progress, wants_progress
+
+__all__ = ["parse_policies", "run"]
+
+
+def parse_policies(values: list[str] | None) -> list[str]:
+    """``--policy`` values (repeatable, comma separated) in the order of :data:`POLICIES`;
+    default ``fixed`` and ``auto`` (``off`` is every table's baseline anyway)."""
+    from ..sim.tuning import POLICIES
+
+    chosen: set[str] = set()
+    for value in values or ["fixed,auto"]:
+        for name in value.split(","):
+            name = name.strip()
+            if name not in POLICIES:
+                raise ValueError(f"--policy {name!r} is not a policy; use some of {', '.join(POLICIES)} "
+                                 "(repeat the flag or separate them with commas)")
+            chosen.add(name)
+    return [p for p in POLICIES if p in chosen]
+
+
+def _thresholds(args: argparse.Namespace) -> Any:
+    from ..plan import ThresholdConfig
+
+    return ThresholdConfig(decode_threshold=args.decode_threshold, prefill_threshold=args.prefill_threshold)
+
+
+def run(args: argparse.Namespace, model: Any, dep: Any, header: Any, fail_on: list[str]) -> int:
+    """The workload mode of ``asyncdbo check`` (``header(args, model, dep, None)`` prints the
+    deployment lines)."""
+    from ..sim.tuning import SIM_AUTO, below_break_even, replay_auto
+    from ..sim.workload import StepSims, load_workload, replay, synthetic_workload
+
+    policies = parse_policies(args.policy)
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be >= 1 (got {args.repeat}): how many times to replay the trace in a row")
+    thresholds = _thresholds(args)
+    trace = synthetic_workload() if args.workload == "synthetic" else load_workload(args.workload)
+    steps = list(trace) * args.repeat
+    streams = ["role", "ubatch"] if args.stream_policy == "both" else [args.stream_policy]
+    header(args, model, dep, None)
+    source = "synthetic (seed 0)" if args.workload == "synthetic" else args.workload
+    repeat = f", replayed {args.repeat} times in a row" if args.repeat > 1 else ""
+    print(f"workload: {source}, {len(trace)} steps x {len(trace[0])} DP ranks{repeat}; policies "
+          f"{', '.join(policies)}; {' and '.join(streams)} streams")
+    print(f"thresholds: fixed splits a step into {args.ubatches} ubatches ({args.split_policy} split) when every busy rank "
+          f"has >= {thresholds.decode_threshold} tokens of uniform decode or >= {thresholds.prefill_threshold} "
+          "otherwise (--decode-threshold, --prefill-threshold); auto starts from them")
+    if "auto" in policies:
+        cfg = SIM_AUTO
+        print(f"auto: per shape bucket, off or N={'/'.join(map(str, cfg.ubatch_counts))} with the "
+              f"{'/'.join(cfg.splits)} split, from the simulated step times (asyncdbo.serving.AutoPolicy, the runner's); "
+              f"starts from the thresholds' choice, {cfg.warmup} warm-up + {cfg.samples} samples per configuration, "
+              f"median, {cfg.margin:.0%} margin; split dispatch only (the sim does not model fused counts)")
+    runs = len(streams) * (("off" in policies or "fixed" in policies) + ("auto" in policies))
+    progress = Progress(runs * len(steps), "workload steps (each composition simulated once)",
+                        enabled=wants_progress(getattr(args, "quiet", False)))
+    rows: list[tuple[str, str, Any]] = []
+    fixed: dict[str, Any] = {}
+    auto: dict[str, Any] = {}
+    simulations = done = 0
+    for pol in streams:
+        sims = StepSims(model=model, deployment=dep, stream_policy=pol, check_races=args.check_races, fail_on=fail_on)
+
+        def on_step(i: int, n: int, what: str, _pol: str = pol) -> None:
+            progress.step(done + i, f"{what}, {_pol} streams: step {i} of {n}")
+
+        if "off" in policies or "fixed" in policies:  # off's times are the fixed replay's serial ones
+            res = replay(steps, model=model, ubatches=args.ubatches, policy=args.split_policy, thresholds=thresholds,
+                         sims=sims, on_step=lambda i, n: on_step(i, n, " and ".join(p for p in ("off", "fixed") if p in policies)))
+            done += len(steps)
+            rows += [(name, pol, res) for name in ("off", "fixed") if name in policies]
+            if "fixed" in policies:
+                fixed[pol] = res
+        if "auto" in policies:
+            auto[pol] = replay_auto(steps, sims=sims, thresholds=thresholds, cfg=SIM_AUTO,
+                                    on_step=lambda i, n: on_step(i, n, "auto"))
+            done += len(steps)
+            rows.append(("auto", pol, auto[pol]))
+        simulations += sims.simulations
+    progress.done()
+    n = len(steps)
+    base = rows[0][2]
+    print("throughput, real tokens of all ranks per second of MoE-layer time "
+          f"(off runs every step unsplit: {base.tokens / base.serial_s / 1e6:.2f} M):")
+    for name, pol, res in rows:
+        label = f"  {name:<5} {pol:<6}"
+        if name == "off":
+            print(f"{label} {res.tokens / res.serial_s / 1e6:.2f} M  speedup 1.00x  (0 of {n} steps microbatched)")
+            continue
+        split = [s for s in res.steps if s.microbatched]
+        text = f"{label} {res.tokens / res.dbo_s / 1e6:.2f} M  speedup {1 + res.gain:.2f}x  ({len(split)} of {n} steps microbatched"
+        if name == "auto":
+            text += f", {res.exploring()} while exploring"
+        elif split:
+            text += f"; on those alone {sum(s.serial_s for s in split) / sum(s.dbo_s for s in split):.2f}x"
+        print(text + ")")
+    for pol, res in fixed.items():
+        where = f" ({pol} streams)" if len(streams) > 1 else ""
+        if not res.reasons():
+            continue
+        print(f"fixed{where}: steps that fell out")
+        for reason, count in sorted(res.reasons().items(), key=lambda kv: -kv[1]):
+            print(f"  fell out: {reason.value} in {count} step(s)")
+        for reason, count in sorted(res.rank_reasons().items(), key=lambda kv: -kv[1]):
+            print(f"    a rank voted no: {reason.value} ({count} rank-step(s))")
+        example = next((s for s in res.steps if not s.microbatched), None)
+        if example is not None:
+            print(f"  e.g. tokens by rank {list(example.tokens)}: {example.detail}")
+    for pol, res in auto.items():
+        where = f" ({pol} streams)" if len(streams) > 1 else ""
+        print(f"auto{where}: per shape bucket, the choice and its evidence (us per real token of the largest rank, "
+              "per MoE layer; samples)")
+        for bucket, (count, exploring) in res.buckets().items():
+            if bucket == "idle":
+                continue
+            last = [evidence for b, _, evidence in res.choices if b == bucket][-1]
+            state = (f"still exploring ({exploring} of {count} step(s))" if ": exploring " in last
+                     else f"{exploring} of {count} step(s) exploring")
+            print(f"  {bucket}: {state}; {res.policy.evidence(bucket)}")
+    for pol, res in fixed.items():
+        where = f" ({pol} streams)" if len(streams) > 1 else ""
+        for low in below_break_even(steps, res, thresholds.num_spec_tokens):
+            kind = "decode" if low.bucket.startswith("decode") else "prefill"
+            then = ""
+            if pol in auto:
+                last = [evidence for b, _, evidence in auto[pol].choices if b == low.bucket][-1]
+                then = ("; auto was still exploring there (--repeat replays longer)" if ": exploring " in last
+                        else f"; auto chose {auto[pol].policy.bucket(low.bucket).incumbent.label} there")
+            print(f"warning{where}: the fixed thresholds microbatch {low.bucket} below break-even: {low.speedup:.2f}x of off "
+                  f"over {low.steps} step(s) (--{kind}-threshold {getattr(thresholds, kind + '_threshold')}){then}")
+    print(f"({simulations} distinct simulations)")
+    return 0
