@@ -90,13 +90,12 @@ def main_env(args: argparse.Namespace) -> int:
 def _end_on_signals(rank: int) -> None:
     """End this rank with status 128 + signal on SIGINT or SIGTERM, without unwinding.
 
-    Issue 22 measured Ctrl-C to a torchrun demo's process group aborting a worker with SIGABRT
-    (``gloo::IoException``) in 5 of 10 tries. ``benchmarks/ctrlc_torchrun.py`` repeats that at
-    random moments of the steps: with this handler switched off, 2 of 12 tries aborted (``terminate
-    called without an active exception``: a C++ thread object destroyed at interpreter exit while
-    still joinable); with it, 0 of 12, every worker printing its line (results file
-    ``ctrlc_torchrun_cpu-2c_2026-12-02.md``). ``os._exit`` skips all teardown, and the exit status
-    and one line say what happened (``tests/cli/test_demo_interrupt.py``)."""
+    Without it, Ctrl-C to a torchrun job's process group can abort a worker: KeyboardInterrupt
+    unwinds it into interpreter exit, where a C++ thread object still joinable ends it with
+    ``terminate called without an active exception`` (SIGABRT). ``benchmarks/ctrlc_torchrun.py``
+    sends SIGINT at random moments with the handler on and off (results in
+    ``benchmarks/results/``). ``os._exit`` skips all teardown, and the exit status and one line
+    say what happened (``tests/cli/test_demo_interrupt.py``)."""
     import signal
 
     def end(signum: int, frame: Any) -> None:
