@@ -11,6 +11,8 @@ both`` prints the role-stream schedule (vLLM) and the per-ubatch-stream pipeline
 side; ``--trace DIR`` writes one Chrome trace per run. ``--workload FILE|synthetic`` replays per-step
 batch compositions across DP ranks instead, under each ``--policy`` (off, the fixed thresholds,
 the runner's ``"auto"`` tuning: :mod:`asyncdbo.cli.check_workload`).
+``--paged-kv`` checks the serving path instead: one runner step with the paged KV cache and a
+request cut between ubatches, under both stream policies by default (:mod:`asyncdbo.sim.serving`).
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ubatches", type=int, default=2, help="DBO ubatches, 2 to 4 (default 2)")
     p.add_argument("--schedule", choices=("ht", "ll"), default=None,
                    help="MoE schedule; default ll for decode, ht for prefill (as deployments run them)")
-    p.add_argument("--stream-policy", choices=("role", "ubatch", "both"), default="role")
+    p.add_argument("--stream-policy", choices=("role", "ubatch", "both"), default=None,
+                   help="role (vLLM), ubatch (CANN) or both; default role, both with --paged-kv")
     p.add_argument("--imbalance", type=float, default=1.0,
                    help="the busiest EP rank's expert work over this rank's (default 1.0: balanced)")
     p.add_argument("--layers", type=int, default=None, help="MoE layers simulated (default 3; the middle one is timed)")
@@ -108,6 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="--workload: replay the trace this many times in a row (auto keeps what it learned, as a "
                         "runner does over a longer run; default 1)")
+    p.add_argument("--paged-kv", action="store_true",
+                   help="check the serving path instead: the runner with the paged KV cache and a request cut "
+                        "between ubatches (see docs/sim.md)")
     p.add_argument("--trace", metavar="DIR", help="write a Chrome trace per run into DIR")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress lines (they are only written to a terminal anyway)")
@@ -178,7 +184,11 @@ def main(args: argparse.Namespace) -> int:
     # machine, made every parallel op wait for both threads to get a core (measured:
     # benchmarks/results/check_workload_cpu-2c_2026-12-01.md).
     torch.set_num_threads(1)
+    if args.stream_policy is None:  # the policies a check needs: a skipped KV wait shows only on ubatch streams
+        args.stream_policy = "both" if getattr(args, "paged_kv", False) else "role"
     try:
+        if getattr(args, "paged_kv", False):
+            return _paged_kv(args)
         model, dep = _setup(args)
         code = _workload(args, model, dep) if args.workload else _sweep(args, model, dep)
     except SimCheckError as exc:
@@ -265,6 +275,51 @@ def _workload(args: argparse.Namespace, model: Any, dep: Any) -> int:
     from .check_workload import run
 
     return run(args, model, dep, _header, _fail_on(args))
+
+
+def _paged_kv(args: argparse.Namespace) -> int:
+    """``--paged-kv``: one runner step with the paged KV cache and a request cut between ubatches,
+    checked under each stream policy (:mod:`asyncdbo.sim.serving`); every finding is printed."""
+    from ..sim.races import SimCheckError
+    from ..sim.serving import PAGED_KV_STEPS, check_paged_kv, describe_paged_kv
+
+    if args.workload:
+        raise ValueError("--paged-kv checks one serving step of its own; drop --workload (or --paged-kv)")
+    schedule, host = args.schedule or "ht", args.host or "eager"
+    policies = ["role", "ubatch"] if args.stream_policy == "both" else [args.stream_policy]
+    print(f"asyncdbo check --paged-kv: {describe_paged_kv(schedule, PAGED_KV_STEPS)}")
+    print(f"deployment: {args.device} + {args.link}, {args.comm} comm, {host} host, schedule {schedule}, 2 ubatches")
+    print(f"checks: {'races, dead waits and lost overlap' if args.check_races else 'none (--no-check-races)'}"
+          f"{'; lost overlap is reported, not failed (--allow-lost-overlap)' if _allow(args) else ''}")
+    failed: list[tuple[str, str]] = []
+    notes: list[str] = []
+    for pol in policies:
+        try:
+            res = asyncdbo_run(_call(check_paged_kv, stream_policy=pol, schedule=schedule, device=args.device,
+                                     link=args.link, comm=args.comm, host=host, check_races=args.check_races,
+                                     fail_on=_fail_on(args)))
+        except SimCheckError as exc:
+            print(f"{pol} streams: {len(exc.findings)} finding(s)")
+            failed.append((pol, str(exc)))
+            continue
+        rep = res.report
+        notes += [f"{pol} streams: {lo}" for lo in rep.lost_overlaps]
+        cut = " | ".join(map(str, res.ubatch_tokens))
+        cont = [i for i, c in enumerate(res.continuation) if c]
+        print(f"{pol} streams: cut {cut} (ubatch {', '.join(map(str, cont))} continues a request of the one before); "
+              f"no race, no dead wait{'' if rep.lost_overlaps else ', no lost overlap'}; "
+              f"step {rep.makespan_s * 1e6:.1f} us on the modeled device")
+    for text in notes:
+        print(f"\nwarning: {text}")
+    for pol, text in failed:
+        print(f"\n{pol} streams: {text}")
+    return 1 if failed else 0
+
+
+def asyncdbo_run(fn: Any) -> Any:
+    import asyncdbo
+
+    return asyncdbo.run(fn, loop="asyncio")
 
 
 def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:

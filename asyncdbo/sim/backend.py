@@ -51,7 +51,7 @@ from .cost import CostModel
 from .devices import DeviceSpec, device_spec
 from .host import HostSpec, HostTimeline, host_spec
 from .mode import SimMode
-from .ops import FACTORY, is_view, storage_key, tensor_items
+from .ops import FACTORY, Region, is_view, self_region, span, storage_key, tensor_items, union
 from .races import _SKIP, FRAMES, DeadWait, LostOverlap, RaceChecker, SimCheckError, Site, user_frames
 from .report import SimReport
 from .transfers import SimHandle, Transfers, Watch
@@ -89,6 +89,40 @@ def _in_comm_library() -> bool:
             return fn.startswith(_COMM_LIBRARY)
         f = f.f_back
     return False
+
+
+def _host_args(run: DBORun) -> set[int]:
+    """The storages of the integer and boolean tensors among the ubatches' arguments, and among
+    the tensor fields of dataclasses there (token ids, positions, attention metadata): what the
+    host prepared for the step and still holds (``host_args``)."""
+    import dataclasses
+    import inspect
+
+    out: set[int] = set()
+
+    def add(v: Any, depth: int = 0) -> None:
+        if isinstance(v, torch.Tensor):
+            if not (v.is_floating_point() or v.is_complex()) and (k := storage_key(v)) is not None:
+                out.add(k)
+        elif isinstance(v, (list, tuple)) and depth < 2:
+            for x in v:
+                add(x, depth + 1)
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type) and depth < 2:
+            for f in dataclasses.fields(v):
+                add(getattr(v, f.name, None), depth + 1)
+
+    for ub in run.ubatches:
+        for v in inspect.getcoroutinelocals(ub.coro).values():  # not started yet: its arguments
+            add(v)
+    return out
+
+
+def _sizing_tensors(op: str, args: tuple[Any, ...]) -> list[torch.Tensor]:
+    """The tensors whose values a host sync reads: a boolean-mask index reads only its masks (the
+    host needs their count, not the indexed data); any other sync, every tensor it takes."""
+    if op.startswith(("aten.index", "aten._unsafe_index", "aten._index_put")) and len(args) > 1:
+        return [t for t in tensor_items(args[1]) if t.dtype in (torch.bool, torch.uint8)]
+    return tensor_items(list(args))
 
 
 class _Hooks(Instrument):
@@ -130,7 +164,10 @@ class SimBackend(Transfers, StreamBackend):
     ``node_dedup``: bytes a comm library that sends a token once per node puts on the link, over
     the bytes of one copy per (token, expert) (applied where the comm spec says so). ``fix``:
     lost-overlap keys (:attr:`LostOverlap.key`) this run removes, the counterfactual that measures
-    their cost (:mod:`asyncdbo.sim.counterfactual`).
+    their cost (:mod:`asyncdbo.sim.counterfactual`). ``host_args``: the integer and boolean tensors
+    among the ubatches' arguments (token ids, positions, attention metadata) are data the host
+    prepared and holds: reading them, or what is computed from them (and factories) alone, is
+    no host sync (:mod:`asyncdbo.sim.serving`).
     """
 
     name = "sim"
@@ -154,6 +191,7 @@ class SimBackend(Transfers, StreamBackend):
         imbalance: float = 1.0,
         node_dedup: float = 1.0,
         fix: Iterable[tuple[str, str]] = (),
+        host_args: bool = False,
     ) -> None:
         if on_problem not in ("raise", "record"):
             raise ValueError(f"on_problem must be 'raise' or 'record' (got {on_problem!r})")
@@ -178,6 +216,7 @@ class SimBackend(Transfers, StreamBackend):
         self.imbalance = imbalance
         self.node_dedup = node_dedup
         self.fix = frozenset(fix)
+        self.host_args = host_args
         self.report: SimReport | None = None
         self._run: DBORun | None = None
         self._mode: SimMode | None = None
@@ -222,6 +261,7 @@ class SimBackend(Transfers, StreamBackend):
         self._seg_seq: dict[tuple[int, int, int], int] = {}
         self._last_ub: dict[int, int] = {}  # stream id -> ubatch of its last op
         self._device_counts: set[int] = set()  # storages holding counts that never reach the host
+        self._host_known: set[int] = _host_args(run) if self.host_args else set()  # values the host holds
         self._sync_ops: dict[str, int] = {}  # host syncs charged, by op
         self._dispatch_done: dict[int, float] = {}  # ubatch -> end of its last dispatch
         self._multi = len(run.ubatches) > 1  # lost overlap needs another ubatch to overlap with
@@ -396,7 +436,13 @@ class SimBackend(Transfers, StreamBackend):
             # Allocations (empty, new_empty) cost nothing but still start a fresh history: the CPU
             # allocator reuses addresses, while a device's caching allocator keeps each block on
             # the stream that allocated it, so an old access to the address is no dependency.
-            reads, writes = self._accesses(func, args, kwargs, out)
+            reads, writes, regions = self._accesses(func, args, kwargs, out)
+            # What the host can compute itself (from the data it prepared, factories, and what is
+            # computed from those alone) stays host data; anything else written is device data.
+            if reads <= self._host_known:
+                self._host_known |= writes
+            elif writes & self._host_known:
+                self._host_known -= writes
             if self._device_counts and reads & self._device_counts:
                 self._device_counts |= writes
             if self._comm_derived and reads & self._comm_derived:
@@ -406,7 +452,7 @@ class SimBackend(Transfers, StreamBackend):
             if self._pending_reads and reads & self._pending_reads.keys():
                 self._read_before_await(ub, stream, func, reads)
             if self.check_races:
-                self._clocks.access(stream.id, reads, writes, self._site(ub, stream, str(func.name())))
+                self._clocks.access(stream.id, reads, writes, self._site(ub, stream, str(func.name())), regions)
                 self._own(ub, stream, self._clocks.seq[stream.id])
                 # Produced as early as its inputs allow (inputs from outside the run: now).
                 known = [self._seg_of[k] for k in reads if k in self._seg_of]
@@ -438,6 +484,9 @@ class SimBackend(Transfers, StreamBackend):
         if ub is None or ub.run is not self._run:
             return
         keys = {k for t in tensor_items(list(args)) if (k := storage_key(t)) is not None}
+        sized_by = {k for t in _sizing_tensors(record.op, args) if (k := storage_key(t)) is not None}
+        if sized_by and sized_by <= self._host_known:
+            return  # the host holds these values (metadata it prepared): it waits for no device
         if keys & self._device_counts:
             return  # counts the comm library keeps on the device (and what they size): no host read
         stream = ub.ext.stream
@@ -453,11 +502,18 @@ class SimBackend(Transfers, StreamBackend):
         self._clocks.sync_all_to(stream.id)
         self._sync_ops[record.op] = self._sync_ops.get(record.op, 0) + 1
 
-    def _accesses(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> tuple[set[int], set[int]]:
+    def _accesses(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  out: Any) -> tuple[set[int], set[int], dict[int, Region]]:
+        """The storages ``func`` reads and writes, and the bytes of each it touches."""
         schema = func._schema
         factory = bool(FACTORY.match(schema.name.split("::")[-1]))
         reads: set[int] = set()
         writes: set[int] = set()
+        regions: dict[int, Region] = {}
+
+        def touch(k: int, reg: Region) -> None:
+            regions[k] = union(regions[k], reg) if k in regions else reg
+
         for i, a in enumerate(schema.arguments):
             value = args[i] if i < len(args) else kwargs.get(a.name)
             for t in tensor_items(value):
@@ -468,6 +524,9 @@ class SimBackend(Transfers, StreamBackend):
                     writes.add(k)
                 elif not factory:
                     reads.add(k)
+                else:
+                    continue
+                touch(k, self_region(func, args, kwargs) if i == 0 else span(t))
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for r, o in zip(schema.returns, outs):
             if r.alias_info is None:
@@ -480,7 +539,8 @@ class SimBackend(Transfers, StreamBackend):
                         self._watch.pop(k, None)
                         self._pending_reads.pop(k, None)
                         writes.add(k)
-        return reads, writes
+                        touch(k, span(t))
+        return reads, writes, regions
 
     def submit(  # type: ignore[override]
         self,

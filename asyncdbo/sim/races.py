@@ -6,9 +6,12 @@ known to be complete before stream ``s``'s next op. An op on ``s`` bumps ``clock
 an event copies ``clock[s]``; waiting on it takes the elementwise max. An earlier access ``a`` is
 ordered before the current op on ``s`` iff ``a.stream == s`` or ``a.seq <= clock[s][a.stream]``.
 
-Per tensor *storage* (so views alias their base) the checker keeps the last write and the reads
-since it. A read unordered with the last write is an early read (read-after-write); a write
-unordered with a read or write since is a write-after-read/-write (a buffer reused too soon).
+Per tensor *storage* (so views alias their base) the checker keeps the writes and the reads since
+them, each with the bytes it touched (a view's span; the rows an indexed op names, such as the
+slots a paged KV cache write or gather touches: :func:`asyncdbo.sim.ops.self_region`). A read
+unordered with an overlapping write is an early read (read-after-write); a write unordered with an
+overlapping read or write is a write-after-read/-write (a buffer reused too soon). Disjoint bytes
+of one storage never conflict.
 Comm ops count their outputs as written by the stream they run on (c10d schemas do not mark
 them written). A fresh output (no alias in the schema) starts a new history, because the CPU
 allocator reuses addresses. Tensors created outside the run have no history and are never racy.
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from .._core.errors import AsyncDBOError
+from .ops import Region, covers, overlaps
 
 __all__ = [
     "LOST_KINDS",
@@ -303,8 +307,11 @@ class _Access:
 
 @dataclass
 class _History:
-    write: _Access | None = None
-    reads: list[_Access] = field(default_factory=list)
+    """One storage's accesses that a later one may race with, each with the bytes it touched: the
+    writes no later write covered, and the reads since the write that covered them."""
+
+    writes: list[tuple[_Access, Region]] = field(default_factory=list)
+    reads: list[tuple[_Access, Region]] = field(default_factory=list)
 
 
 class RaceChecker:
@@ -363,25 +370,36 @@ class RaceChecker:
         """``key`` was just allocated: forget the history of whatever used that address before."""
         self.history.pop(key, None)
 
-    def access(self, sid: int, reads: set[int], writes: set[int], site: Site) -> None:
-        """One op on stream ``sid`` reading and writing these storages."""
+    def access(self, sid: int, reads: set[int], writes: set[int], site: Site,
+               regions: dict[int, Region] | None = None) -> None:
+        """One op on stream ``sid`` reading and writing these storages; ``regions``: the bytes it
+        touches of some of them (:func:`asyncdbo.sim.ops.self_region`; the rest: all of it). Two
+        accesses conflict only where their bytes overlap: ubatches writing their own slots of one
+        KV cache do not, a read of a slot another stream wrote does."""
         acc = _Access(sid, self.tick(sid), site)
+        where = regions or {}
         for key in reads - writes:
             h = self.history.setdefault(key, _History())
-            if h.write is not None and not self._ordered(h.write, sid):
-                self._report("read-after-write", site, h.write.site, sid)
-            h.reads.append(acc)
+            reg = where.get(key)
+            for w, wr in reversed(h.writes):
+                if overlaps(reg, wr) and not self._ordered(w, sid):
+                    self._report("read-after-write", site, w.site, sid)
+                    break
+            h.reads.append((acc, reg))
         for key in writes:
             h = self.history.setdefault(key, _History())
-            for r in h.reads:
-                if not self._ordered(r, sid):
+            reg = where.get(key)
+            for r, rr in h.reads:
+                if overlaps(reg, rr) and not self._ordered(r, sid):
                     self._report("write-after-read", site, r.site, sid)
                     break
             else:
-                if h.write is not None and not self._ordered(h.write, sid):
-                    self._report("write-after-write", site, h.write.site, sid)
-            h.write = acc
-            h.reads = [acc] if key in reads else []
+                for w, wr in reversed(h.writes):
+                    if overlaps(reg, wr) and not self._ordered(w, sid):
+                        self._report("write-after-write", site, w.site, sid)
+                        break
+            h.writes = [(w, wr) for w, wr in h.writes if not covers(reg, wr)] + [(acc, reg)]
+            h.reads = [(r, rr) for r, rr in h.reads if not covers(reg, rr)] + ([(acc, reg)] if key in reads else [])
 
     def report(self, kind: str, now: Site, before: Site, sid: int) -> None:
         """Report a finding the backend found itself (``read-before-await``)."""

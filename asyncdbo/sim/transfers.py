@@ -126,6 +126,7 @@ class Transfers:
     _ub_end: dict[tuple[int, int], float]
     _multi: bool
     _comm_derived: set[int]
+    _host_known: set[int]
     _watch: dict[int, Watch]
     _seg_host: dict[tuple[int, int], float]
     _relocated: dict[int, float]
@@ -226,6 +227,7 @@ class Transfers:
         if what == "dispatch":
             self._dispatch_done[ub.id] = handle.t_done
         self._comm_derived |= writes
+        self._host_known -= writes
         if watch is not None:
             for k in writes:
                 self._watch[k] = watch
