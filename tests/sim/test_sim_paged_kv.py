@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,10 +22,13 @@ from asyncdbo.cli.check import add_arguments
 from asyncdbo.cli.check import main as check_main
 from asyncdbo.dbo import dbo_record_event, dbo_wait_event, dbo_yield
 from asyncdbo.lowlevel import get_ubatch
-from asyncdbo.models import attention, mini
+from asyncdbo.models import attention, mini, tiled_attention
+from asyncdbo.serving import kv_cache
 from asyncdbo.sim.backend import SimBackend
 
 pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------ slots of one storage
@@ -92,21 +98,33 @@ def _without_kv_wait(monkeypatch: pytest.MonkeyPatch) -> None:
         attention.wait_for_earlier_kv, ('await dbo_wait_event(("models.kv", id(owner), layer, ub.id - 1))', "pass")))
 
 
+def at(module: Any, text: str) -> str:
+    """``path:line`` of the one line of ``module``'s source that contains ``text``."""
+    path = Path(inspect.getsourcefile(module) or "")
+    (line,) = [i + 1 for i, s in enumerate(path.read_text().splitlines()) if text in s]
+    return f"{path.relative_to(ROOT)}:{line}"
+
+
 def _race(place: str) -> str:
+    mini_write = at(mini, "self.kv_cache.write(layer")
+    mini_attn = at(mini, "await self._attention(layer")
+    gather = at(tiled_attention, "k_rows, v_rows = k_flat.index_select(0, slots)")
+    chunk = at(tiled_attention, "_attend_chunk(out_THK, q_THK")
+    tiled = at(attention, "tiled_causal_attention(q_THK, positions_T")
     return "\n".join([
         "read-after-write race: aten::index_select on stream ub1 reads a buffer aten::index_copy_ on stream ub0 wrote, "
         "with no event between them",
         "    1. write by aten::index_copy_: ubatch 0 before its first yield, stream ub0",
         f"        at {place} in write",
-        "           asyncdbo/models/mini.py:186 in _attention",
-        "           asyncdbo/models/mini.py:214 in forward",
+        f"           {mini_write} in _attention",
+        f"           {mini_attn} in forward",
         "    2. read by aten::index_select: ubatch 1 before its first yield, stream ub1",
-        "        at asyncdbo/models/tiled_attention.py:122 in _attend_chunk",
-        "           asyncdbo/models/tiled_attention.py:92 in tiled_causal_attention",
-        "           asyncdbo/models/attention.py:88 in paged_causal_attention",
+        f"        at {gather} in _attend_chunk",
+        f"           {chunk} in tiled_causal_attention",
+        f"           {tiled} in paged_causal_attention",
         f"    missing: no wait on stream ub0 between aten::index_copy_ ({place} in write) and aten::index_select "
-        "(asyncdbo/models/tiled_attention.py:122 in _attend_chunk): record an event on ub0 after the write and make "
-        "stream ub1 wait on it before the read",
+        f"({gather} in _attend_chunk): record an event on ub0 after the write and make stream ub1 wait on it before "
+        "the read",
     ])
 
 
@@ -121,8 +139,8 @@ def test_check_paged_kv_exits_1_with_the_kv_wait_removed(monkeypatch: pytest.Mon
     out = capsys.readouterr().out.splitlines()
     assert out[3:] == ["ubatch streams: 2 finding(s)", "",
                        "ubatch streams: asyncdbo sim: 2 ordering problem(s):",
-                       *f"  1. {_race('asyncdbo/serving/kv_cache.py:77')}".splitlines(),
-                       *f"  2. {_race('asyncdbo/serving/kv_cache.py:80')}".splitlines()]
+                       *f"  1. {_race(at(kv_cache, 'flat_k.index_copy_(0, slots'))}".splitlines(),
+                       *f"  2. {_race(at(kv_cache, 'flat_v.index_copy_(0, slots'))}".splitlines()]
 
 
 def test_check_paged_kv_refuses_a_workload(capsys: pytest.CaptureFixture[str]) -> None:
