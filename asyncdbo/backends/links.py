@@ -12,6 +12,10 @@ per GPU/NIC, from public vendor specs:
 * ``hccs``: Huawei HCCS between Ascend 910B chips, 56 GB/s per direction (vendor material); ~5 us.
 * ``roce200``: 200 Gb/s RoCE between Ascend servers (Atlas 800T A2: one 200GE port per NPU) = 25
   GB/s; ~10 us.
+* ``pcie5``: PCIe 5.0 x16 between GPUs without NVLink (PCIe cards, e.g. H20/L20 PCIe servers):
+  32 GT/s x 16 lanes with 128b/130b coding = 63 GB/s per direction (PCI-SIG's PCIe 5.0 base
+  specification rate). Its latency is not a spec-sheet number: the ``ib400`` preset's 10 us is
+  assumed.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ LINKS: dict[str, LinkSpec] = {
     "eth100": LinkSpec(name="eth100", latency_s=25e-6, bandwidth_Bps=12.5e9),
     "hccs": LinkSpec(name="hccs", latency_s=5e-6, bandwidth_Bps=56e9),
     "roce200": LinkSpec(name="roce200", latency_s=10e-6, bandwidth_Bps=25e9),
+    "pcie5": LinkSpec(name="pcie5", latency_s=10e-6, bandwidth_Bps=63e9),
 }
 
 

@@ -76,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", choices=("decode", "prefill"), default="decode")
     p.add_argument("--context", type=int, default=None,
                    help="decode: cached tokens per request (default 2000); prefill: prompt length (default 4096)")
+    p.add_argument("--spec-tokens", type=int, default=0,
+                   help="decode: draft tokens per request (MTP, speculative verify): each request decodes 1 + K "
+                        "tokens a step, modeled as decode (default 0)")
     p.add_argument("--ep", type=int, default=32, help="expert-parallel ranks (modeled; default 32)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="ranks that share a node's NVLink/HCCS (default 8)")
     p.add_argument("--ubatches", type=int, default=2, help="DBO ubatches, 2 to 4 (default 2)")
@@ -250,6 +253,7 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
             progress.step(t_i * len(policies) + i + 1, f"{tokens} tokens/rank, {pol} streams")
             pred: Prediction = asyncdbo.run(
                 _call(predict, tokens, model=model, shape=args.shape, context=args.context, deployment=dep,
+                      spec_tokens=getattr(args, "spec_tokens", 0),
                       ubatches=args.ubatches, stream_policy=pol, check_races=args.check_races, fail_on=_fail_on(args)),
                 loop="asyncio",
             )

@@ -7,6 +7,13 @@ factors turn peaks into what large, well-shaped kernels reach in practice. Sourc
   TFLOP/s FP8 dense, 4.8 TB/s HBM3e, 141 GB.
 * ``h100``: NVIDIA H100 SXM datasheet: 989 TFLOP/s BF16 dense, 1,979 TFLOP/s FP8 dense, 3.35 TB/s
   HBM3, 80 GB.
+* ``h20``: NVIDIA H20 (Hopper, the export part) product brief: 148 TFLOP/s BF16 dense, 296 TFLOP/s
+  FP8 dense, 4.0 TB/s HBM3, 96 GB, NVLink 900 GB/s (the ``nvlink`` link preset).
+* ``b200``: NVIDIA HGX B200 datasheet, per GPU: 2.25 PFLOP/s BF16 dense (4.5 with 2:4 sparsity),
+  4.5 PFLOP/s FP8 dense, 8 TB/s HBM3e, 180 GB (DGX B200: 1,440 GB and 64 TB/s over 8 GPUs); NVLink 5
+  moves 1.8 TB/s bidirectional (``link_spec("nvlink", bandwidth_Bps=900e9)``). Its GEMM tile,
+  efficiencies and kernel overhead are the Hopper values: no published Blackwell curve calibrates
+  them.
 * ``ascend910b``: Huawei Ascend 910B (910B3 class) public material: ~313 TFLOP/s FP16/BF16, ~640
   TOPS INT8, ~1.6 TB/s HBM2e, 64 GB. Less well documented than the NVIDIA parts; treat as
   approximate.
@@ -72,9 +79,11 @@ DEVICES: dict[str, DeviceSpec] = {
     "h100": DeviceSpec(name="h100", peak_flops=989e12, peak_8bit_flops=1979e12, hbm_Bps=3.35e12),
     "ascend910b": DeviceSpec(name="ascend910b", peak_flops=313e12, peak_8bit_flops=640e12, hbm_Bps=1.6e12,
                              min_tile=16 * 8),
+    "h20": DeviceSpec(name="h20", peak_flops=148e12, peak_8bit_flops=296e12, hbm_Bps=4.0e12),
+    "b200": DeviceSpec(name="b200", peak_flops=2250e12, peak_8bit_flops=4500e12, hbm_Bps=8.0e12),
 }
 
 
 def device_spec(name_or_spec: str | DeviceSpec, **overrides: object) -> DeviceSpec:
-    """A preset by name (``h200``, ``h100``, ``ascend910b``), with fields overridden."""
+    """A preset by name (``h200``, ``h100``, ``h20``, ``b200``, ``ascend910b``), with fields overridden."""
     return preset(DEVICES, name_or_spec, "device", **overrides)

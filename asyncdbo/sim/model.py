@@ -22,7 +22,8 @@ from .._core import get_ubatch
 from .kernels import attention, grouped_swiglu
 from .shapes import ModelShape, Request, Shape
 
-__all__ = ["AttentionGroup", "ModelLayer", "chunks", "attention_groups", "default_requests", "fake_ep_group",
+__all__ = ["DECODE_QUERIES", "AttentionGroup", "ModelLayer", "chunks", "attention_groups", "default_requests",
+           "fake_ep_group", "is_decode",
            "forward", "meta", "node_dedup", "order"]
 
 AttentionGroup = tuple[int, int, int, int]  # (first row, rows, queries per request, keys per request)
@@ -137,7 +138,16 @@ class ModelLayer:
             q_TF = F.linear(F.linear(h_TD, w["q_a"]), w["q_b"])
             F.linear(h_TD, w["kv_a"])  # the latent and rope key written to the cache
             for r0, n, q, keys in groups:
-                if q == 1:  # decode: absorbed into the latent (FlashMLA)
+                if 1 < q <= DECODE_QUERIES and keys > q:  # multi-token decode (MTP, speculative verify): absorbed
+                    b = n // q
+                    q_nHF = q_TF[r0:r0 + n].view(n, H, N + P)
+                    q_lat_HnL = torch.bmm(q_nHF[..., :N].transpose(0, 1), self.uk_HNL)
+                    q_BHqC = torch.cat([q_lat_HnL.transpose(0, 1), q_nHF[..., N:]], -1).view(b, q, H, L + P).transpose(1, 2)
+                    cache_B1SC = meta(b, 1, keys, L + P)
+                    o_BHqL = attention(q_BHqC, cache_B1SC, cache_B1SC[..., :L], True)
+                    o_nHL = o_BHqL.transpose(1, 2).reshape(n, H, L)
+                    outs.append(torch.bmm(o_nHL.transpose(0, 1), self.uv_HLV).transpose(0, 1).reshape(n, -1))
+                elif q == 1:  # decode: absorbed into the latent (FlashMLA)
                     q_HBN = q_TF[r0:r0 + n].view(n, H, N + P)[..., :N].transpose(0, 1)
                     q_lat_HBL = torch.bmm(q_HBN, self.uk_HNL)
                     cache_B1SC = meta(n, 1, keys, L + P)
@@ -194,16 +204,34 @@ def chunks(requests: Sequence[Request], lo: int, hi: int) -> list[Request]:
     return out
 
 
+#: The most query tokens per request that decode in the decode form (MLA absorbed into the
+#: latent): one token, or 1 + the draft tokens of MTP or speculative verify. vLLM's MLA backends
+#: likewise send a request to the decode kernel when its query is at most 1 + the speculative
+#: tokens; FlashMLA takes several queries per request. Longer chunks are prefill.
+DECODE_QUERIES = 8
+
+
+def is_decode(q: int, keys: int) -> bool:
+    """Whether a request of ``q`` new tokens seeing ``keys`` keys in all decodes: a few queries
+    over a longer cached context (a prompt's first chunk, with nothing cached, is prefill)."""
+    return q == 1 or (q <= DECODE_QUERIES and keys > q)
+
+
 def attention_groups(chunks: list[Request]) -> list[AttentionGroup]:
-    """Attention calls for a ubatch: all single-query requests in one call (keys: their mean),
-    every longer chunk in a call of its own."""
-    decode = [k for q, k in chunks if q == 1]
-    groups, row = [], 0
-    if decode:
-        groups.append((0, len(decode), 1, max(1, round(sum(decode) / len(decode)))))
-        row = len(decode)
+    """Attention calls for a ubatch: the decode requests with the same number of queries (1, or 1
+    + the draft tokens of MTP or speculative verify) in one call each (keys: their mean), every
+    longer chunk in a call of its own."""
+    by_q: dict[int, list[int]] = {}
     for q, k in chunks:
-        if q > 1:
+        if is_decode(q, k):
+            by_q.setdefault(q, []).append(k)
+    groups, row = [], 0
+    for q in sorted(by_q):
+        keys = by_q[q]
+        groups.append((row, q * len(keys), q, max(1, round(sum(keys) / len(keys)))))
+        row += q * len(keys)
+    for q, k in chunks:
+        if not is_decode(q, k):
             groups.append((row, q, q, k))
             row += q
     return groups
@@ -221,13 +249,19 @@ def node_dedup(ids_TK: torch.Tensor, per_rank: int, ep: int, gpus_per_node: int,
 
 
 def order(requests: Sequence[Request]) -> list[Request]:
-    return sorted(requests, key=lambda r: r[0] > 1)  # decode rows first, as _groups lays them out
+    """Decode requests first, by queries per request, as :func:`attention_groups` lays them out."""
+    return sorted(requests, key=lambda r: (not is_decode(r[0], r[0] + r[1]), r[0] if is_decode(r[0], r[0] + r[1]) else 0))
 
 
-def default_requests(tokens: int, shape: Shape, context: int) -> list[Request]:
-    """Decode: one token per request with ``context`` cached; prefill: prompts of ``context``
-    tokens (the last one shorter) with nothing cached."""
+def default_requests(tokens: int, shape: Shape, context: int, spec_tokens: int = 0) -> list[Request]:
+    """Decode: ``1 + spec_tokens`` tokens per request (MTP or speculative verify when above one)
+    with ``context`` cached; prefill: prompts of ``context`` tokens (the last one shorter) with
+    nothing cached."""
     if shape == "decode":
-        return [(1, context)] * tokens
+        q = 1 + spec_tokens
+        if spec_tokens < 0 or q > DECODE_QUERIES or tokens % q:
+            raise ValueError(f"decode with {spec_tokens} draft tokens takes {q} tokens per request: tokens ({tokens}) "
+                             f"must be a multiple of {q}, and spec_tokens between 0 and {DECODE_QUERIES - 1}")
+        return [(q, context)] * (tokens // q)
     full, rest = divmod(tokens, context)
     return [(context, 0)] * full + ([(rest, 0)] if rest else [])

@@ -178,10 +178,13 @@ async def predict(
     requests: Sequence[Request] | None = None,
     ubatch_tokens: Sequence[int] | None = None,
     seed: int = 0,
+    spec_tokens: int = 0,
 ) -> Prediction:
     """Run ``model`` on ``tokens`` tokens of one rank, serially (one ubatch) and as ``ubatches``
     DBO ubatches, on the sim backend; return both reports. ``requests`` (default: from ``shape``
-    and ``context``) lays the tokens out; ``ubatch_tokens`` sets the DBO split (default: equal)."""
+    and ``context``) lays the tokens out; ``ubatch_tokens`` sets the DBO split (default: equal).
+    ``spec_tokens``: decode requests carry ``1 + spec_tokens`` tokens each (MTP, speculative
+    verify), attended in the decode form (:func:`asyncdbo.sim.model.is_decode`)."""
     m = ModelShape.of(model) if isinstance(model, str) else model
     if shape not in ("decode", "prefill"):
         raise ValueError(f"shape must be 'decode' or 'prefill' (got {shape!r})")
@@ -190,11 +193,16 @@ async def predict(
     if tokens < ubatches:
         raise ValueError(f"tokens ({tokens}) must be >= ubatches ({ubatches}) so that every ubatch gets a token")
     reqs = list(requests) if requests is not None else default_requests(
-        tokens, shape, context or (2000 if shape == "decode" else 4096))
+        tokens, shape, context or (2000 if shape == "decode" else 4096), spec_tokens)
     if sum(q for q, _ in reqs) != tokens:
         raise ValueError(f"requests hold {sum(q for q, _ in reqs)} tokens, not {tokens}")
+    q = 1 + spec_tokens if shape == "decode" and requests is None else 1
+    if ubatch_tokens is None and q > 1:  # whole requests per ubatch, as the planner cuts a uniform decode
+        cuts = [n * q for n in _cuts(tokens // q, ubatches, None)]
+    else:
+        cuts = _cuts(tokens, ubatches, ubatch_tokens)
     (serial, serial_layer), (dbo, dbo_layer) = await simulate(
-        reqs, [[tokens], _cuts(tokens, ubatches, ubatch_tokens)], model=m, shape=shape, deployment=deployment,
+        reqs, [[tokens], cuts], model=m, shape=shape, deployment=deployment,
         stream_policy=stream_policy, check_races=check_races, fail_on=fail_on, seed=seed)
     return Prediction(tokens, shape, serial, dbo, serial_layer, dbo_layer)
 
