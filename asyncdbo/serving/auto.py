@@ -11,7 +11,10 @@ measured, and chooses the next step's configuration from them:
 2. **Bounded exploration.** It then runs each configuration of a fixed schedule (the prior, its
    opposite on/off, the other ubatch counts, the other split policies, the other dispatch modes)
    for ``warmup + samples`` steps of that bucket, at most ``max_arms`` of them beyond the prior.
-   The schedule is a pure function of the bucket's history, never of a random draw.
+   It climbs (``AutoConfig.climb``): a larger ubatch count is tried only while the next smaller
+   one leads, another split or dispatch mode only while DBO leads off, so a bucket where DBO loses
+   spends its exploration on two configurations. The schedule is a pure function of the bucket's
+   history, never of a random draw.
 3. **Hysteresis.** A configuration is judged once, when its samples are complete: it replaces
    the incumbent only if the median of its samples is more than ``margin`` below the incumbent's
    (so near-ties never flip, and the earlier configuration of the schedule, the prior first, wins
@@ -65,7 +68,11 @@ class AutoConfig:
     bucket, not counted (caches, allocator). ``margin``: how much faster (a share) a configuration
     must be to replace the incumbent. ``max_arms``: configurations tried per bucket beyond the
     prior. ``window``: the incumbent's recent samples kept. ``pin``: ``(bucket, Arm)`` pairs that
-    override the choice for those buckets (e.g. ``(("decode 64-127", OFF),)``).
+    override the choice for those buckets (e.g. ``(("decode 64-127", OFF),)``). ``climb``: explore
+    a larger ubatch count only while the next smaller one of the same split and dispatch leads,
+    and the other splits and dispatch modes only while DBO leads off (a bucket where the first DBO
+    configuration loses to off then explores two configurations, not the whole schedule); False
+    tries every configuration of the schedule.
     """
 
     ubatch_counts: tuple[int, ...] = (2, 3, 4)
@@ -77,6 +84,7 @@ class AutoConfig:
     max_arms: int = 6
     window: int = 8
     pin: tuple[tuple[str, Arm], ...] = ()
+    climb: bool = True
 
     def __post_init__(self) -> None:
         if not self.ubatch_counts or any(n < 2 for n in self.ubatch_counts):
@@ -159,12 +167,25 @@ class AutoPolicy:
         b = self.bucket(name)
         need = self.cfg.warmup + self.cfg.samples
         for i, arm in enumerate(b.schedule):
-            if b.seen.get(arm, 0) < need and feasible(arm):
+            if b.seen.get(arm, 0) < need and feasible(arm) and self._worth(b, arm):
                 return arm, f"{name}: exploring {i + 1}/{len(b.schedule)} ({b.seen.get(arm, 0) + 1}/{need}); {self.evidence(name)}"
         arm = b.incumbent
         if not feasible(arm):
             return OFF, f"{name}: {arm.label} cannot split this batch, off; {self.evidence(name)}"
         return arm, f"{name}: {self.evidence(name)}"
+
+    def _worth(self, b: _Bucket, arm: Arm) -> bool:
+        """Whether exploring ``arm`` can still pay, given the incumbent (``AutoConfig.climb``): the
+        prior and its opposite (the schedule's first two) always; N = k only while the next smaller
+        count of the same split and dispatch leads; another split or dispatch at the smallest
+        count only while DBO leads off."""
+        cfg = self.cfg
+        if not cfg.climb or arm in b.schedule[:2]:
+            return True
+        smaller = [n for n in cfg.ubatch_counts if n < arm.num_ubatches]
+        if not smaller:
+            return b.incumbent != OFF
+        return b.incumbent == Arm(max(smaller), arm.split, arm.dispatch)
 
     def evidence(self, name: str) -> str:
         """The bucket's medians, e.g. ``'best N=2 token auto 41.2 us/token (3); off 48.0 (3)'``."""

@@ -5,6 +5,7 @@ runs the same configuration. Step times come from an injected clock: no test rea
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -65,6 +66,26 @@ def test_a_prior_of_off_still_tries_dbo_and_takes_it_where_it_wins() -> None:
     policy = AutoPolicy(SMALL_SPACE, prior=lambda bucket: OFF)
     chosen = _drive(policy, {OFF: 1.0, N2: 0.7, N3: 0.75, N4: 0.8}, 24, jitter=0.0, seed=0)
     assert chosen[:8] == [OFF] * 4 + [N2] * 4 and chosen[16:] == [N2] * 8
+
+
+def test_climbing_skips_what_cannot_win_and_climb_false_tries_everything() -> None:
+    losing = {OFF: 1.0, N2: 1.2, N3: 1.3, N4: 1.4}
+    # N = 2 lost to off: N = 3 and 4 are not tried (N = k only while N = k - 1 leads)
+    assert _drive(AutoPolicy(SMALL_SPACE, prior=lambda b: N2), losing, 16, jitter=0.0, seed=0) == [N2] * 4 + [OFF] * 12
+    flat = dataclasses.replace(SMALL_SPACE, climb=False)
+    assert _drive(AutoPolicy(flat, prior=lambda b: N2), losing, 20, jitter=0.0, seed=0) == (
+        [N2] * 4 + [OFF] * 4 + [N3] * 4 + [N4] * 4 + [OFF] * 4)
+    # what climbing gives up: N = 4 would win here, but N = 3 lost to N = 2, so N = 4 is never tried
+    dip = {OFF: 1.0, N2: 0.8, N3: 0.9, N4: 0.7}
+    assert _drive(AutoPolicy(SMALL_SPACE, prior=lambda b: N2), dip, 20, jitter=0.0, seed=0) == (
+        [N2] * 4 + [OFF] * 4 + [N3] * 4 + [N2] * 8)
+    # the other splits are tried only where DBO leads off
+    both = AutoConfig(ubatch_counts=(2,), splits=("token", "balanced"), dispatches=("auto",))
+    bal = Arm(2, "balanced")
+    assert _drive(AutoPolicy(both, prior=lambda b: N2), {OFF: 1.0, N2: 1.1, bal: 0.5}, 12, jitter=0.0, seed=0) == (
+        [N2] * 4 + [OFF] * 8)
+    assert _drive(AutoPolicy(both, prior=lambda b: N2), {OFF: 1.0, N2: 0.9, bal: 0.5}, 16, jitter=0.0, seed=0) == (
+        [N2] * 4 + [OFF] * 4 + [bal] * 8)
 
 
 def test_the_same_measurements_give_the_same_choices() -> None:
