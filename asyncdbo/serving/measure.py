@@ -23,9 +23,14 @@ __all__ = ["OverlapLedger", "host_timing", "shape_bucket", "union_s"]
 
 def union_s(intervals: Iterable[tuple[float, float]]) -> float:
     """Seconds covered by the union of ``(start, end)`` intervals (empty ones count nothing)."""
+    return _union_sorted(sorted(intervals))
+
+
+def _union_sorted(intervals: list[tuple[float, float]]) -> float:
+    """:func:`union_s` of intervals sorted by start."""
     total = cur_start = cur_end = 0.0
     first = True
-    for start, end in sorted(intervals):
+    for start, end in intervals:
         if end <= start:
             continue
         if first or start > cur_end:
@@ -52,14 +57,21 @@ def host_timing(stats: RunStats, step_s: float) -> StepTiming:
                           hidden_by_others_s=0.0, hidden_own_s=0.0, source="host")
     flight: list[tuple[float, float]] = []
     waits: list[tuple[float, float]] = []
-    for c in comm:
-        end = c.t_end
-        if end is not None:
-            flight.append((c.t_issue, end))
-            if c.t_wait is not None:
-                waits.append((c.t_wait, end))
-    comm_s = union_s(flight)
-    waited = min(union_s(waits), comm_s)
+    add_flight, add_wait = flight.append, waits.append
+    for c in comm:  # CommRecord.t_end inlined: this loop is the part that grows with the works
+        end = c.t_done
+        if end is None:
+            continue
+        release = c.t_release
+        if release is not None and release > end:
+            end = release
+        add_flight((c.t_issue, end))
+        if c.t_wait is not None:
+            add_wait((c.t_wait, end))
+    flight.sort()  # in place: issue order is nearly sorted already
+    waits.sort()
+    comm_s = _union_sorted(flight)
+    waited = min(_union_sorted(waits), comm_s)
     exposed = min(stats.time_asleep_s, waited)
     return StepTiming(step_s=step_s, num_ubatches=stats.num_ubatches, comm_s=comm_s, exposed_s=exposed,
                       hidden_by_others_s=waited - exposed, hidden_own_s=comm_s - waited, source="host")
