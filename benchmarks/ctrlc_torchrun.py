@@ -22,37 +22,16 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # the tests' /proc readers
+from _procs import catches, children  # noqa: E402
 
 DEMO = ["demo", "--launcher", "env", "--hidden", "64", "--layers", "1", "--experts", "4", "--tokens", "256",
         "--steps", "100000", "--link", "ib400"]
 NO_HANDLER = ("import sys, asyncdbo.cli.demo_env as d; d._end_on_signals = lambda rank: None; "
               "from asyncdbo.cli import main; sys.argv[0] = 'asyncdbo'; raise SystemExit(main())")
 ABORTS = ("terminate called", "SIGABRT", "IoException", "exitcode  : -6")
-SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
-
-
-def workers(agent: int) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == agent and b"demo" in cmd:
-            found.append(int(pid))
-    return found
-
-
-def catches_sigterm(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            line = next(ln for ln in f if ln.startswith("SigCgt:"))
-    except (OSError, StopIteration):
-        return False
-    return bool(int(line.split()[1], 16) & SIGTERM_BIT)
 
 
 def one_try(no_handler: bool, settle_s: float, delay_s: float) -> tuple[list[str], str]:
@@ -66,8 +45,8 @@ def one_try(no_handler: bool, settle_s: float, delay_s: float) -> tuple[list[str
         deadline = time.monotonic() + 150
         found: list[int] = []
         while time.monotonic() < deadline:
-            found = workers(proc.pid)
-            if len(found) == 2 and (no_handler or all(map(catches_sigterm, found))):
+            found = children(proc.pid)
+            if len(found) == 2 and (no_handler or all(catches(pid, signal.SIGTERM) for pid in found)):
                 break
             time.sleep(0.1)
         time.sleep((settle_s if no_handler else 0.0) + delay_s)

@@ -15,39 +15,17 @@ import time
 
 import pytest
 
+from _procs import catches, children
+
 pytestmark = pytest.mark.slow
 
 TINY = ["--hidden", "64", "--layers", "1", "--experts", "4", "--tokens", "256", "--steps", "100000",
         "--link", "ib400"]
-SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
-
-
-def _workers(agent: int) -> list[int]:
-    """Pids of the agent's children that run the demo."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == agent and b"demo" in cmd:
-            found.append(int(pid))
-    return found
 
 
 def _catches_sigterm(pid: int) -> bool:
     """Whether the worker installed its handlers (Python catches SIGINT from the start, not SIGTERM)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            line = next(ln for ln in f if ln.startswith("SigCgt:"))
-    except (OSError, StopIteration):
-        return False
-    return bool(int(line.split()[1], 16) & SIGTERM_BIT)
+    return catches(pid, signal.SIGTERM)
 
 
 @pytest.mark.timeout(240)
@@ -62,7 +40,7 @@ def test_ctrl_c_ends_every_torchrun_worker_by_its_exit_status() -> None:
         workers: list[int] = []
         while time.monotonic() < deadline and not (len(workers) == 2 and all(map(_catches_sigterm, workers))):
             time.sleep(0.2)
-            workers = _workers(proc.pid)
+            workers = children(proc.pid)  # the agent's children: its workers
         assert len(workers) == 2 and all(map(_catches_sigterm, workers)), "the workers did not start in 150 s"
         time.sleep(3.0)  # into the steps (the handlers hold from here on, whatever the moment)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the job's terminal does

@@ -1,13 +1,10 @@
 """What the tests that start real processes read about them in /proc (Linux): a process's
-children, a field of its status, whether it catches SIGUSR1, and the rank torchrun gave it."""
+children, a field of its status, whether it catches a signal, and the rank torchrun gave it."""
 
 from __future__ import annotations
 
 import os
 import signal
-
-SIGUSR1_BIT = 1 << (signal.SIGUSR1 - 1)
-
 
 def children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (read from every /proc/<pid>/stat)."""
@@ -41,11 +38,16 @@ def alive(pid: int) -> bool:
     return state is not None and not state.startswith(("Z", "X"))
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether ``pid`` has a handler for ``signum`` (its SigCgt mask)."""
+    caught = status(pid, "SigCgt")
+    return caught is not None and bool(int(caught, 16) & (1 << (signum - 1)))
+
+
 def catches_sigusr1(pid: int) -> bool:
     """Whether ``pid`` has a SIGUSR1 handler: before it does, the signal's default action would
     end the process."""
-    caught = status(pid, "SigCgt")
-    return caught is not None and bool(int(caught, 16) & SIGUSR1_BIT)
+    return catches(pid, signal.SIGUSR1)
 
 
 def signal_masks(pid: int) -> str:
