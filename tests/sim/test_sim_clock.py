@@ -70,8 +70,9 @@ def test_views_cost_nothing() -> None:
 def test_specs_are_overridable_and_reject_bad_values() -> None:
     assert device_spec("h200", hbm_Bps=5e12).hbm_Bps == 5e12
     assert device_spec("ascend910b").peak_flops == 313e12
-    with pytest.raises(ValueError, match=r"unknown device 'b200'; choose one of \['ascend910b', 'h100', 'h200'\]"):
-        device_spec("b200")
+    with pytest.raises(ValueError, match=r"unknown device 'mi300x'; choose one of "
+                                         r"\['ascend910b', 'b200', 'h100', 'h20', 'h200'\] or pass a DeviceSpec"):
+        device_spec("mi300x")
     with pytest.raises(ValueError, match=r"unknown DeviceSpec field\(s\) \['tflops'\]"):
         device_spec("h100", tflops=1.0)
     with pytest.raises(ValueError, match=r"gemm_efficiency must be in \(0, 1\] \(got 1.5\)"):
