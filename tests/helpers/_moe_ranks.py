@@ -77,8 +77,9 @@ def moe_dbo_vs_serial(
 
 
 def moe_overlap_trace(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
-    """One layer, 2 ubatches, a slow modeled link (20 ms latency) so each comm completes well after
-    the issuing ubatch parks: returns which ubatches resumed while ubatch 0's dispatch was in
+    """One layer, 2 ubatches, a slow modeled link (200 ms latency) so each comm completes well after
+    the issuing ubatch parks, even on a loaded machine (at 20 ms, one of three suite runs beside
+    two others saw a rank descheduled past a dispatch's whole flight): returns which ubatches resumed while ubatch 0's dispatch was in
     flight (issue to completion), each ubatch's comm works in issue order, the yield counts and
     whether anything parked. (The interleaving of the two ubatches' works is left out: which
     counts exchange completes first is timing.)"""
@@ -92,7 +93,7 @@ def moe_overlap_trace(rank: int, world_size: int, schedule: str) -> dict[str, An
         def run_finished(self, run: Any, exc: BaseException | None) -> None:
             holder["run"] = run
 
-    link = link_spec("ib400", latency_s=20e-3)
+    link = link_spec("ib400", latency_s=200e-3)
 
     async def dbo() -> list[torch.Tensor]:
         return await asyncdbo.run_ubatches(
