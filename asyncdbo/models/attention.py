@@ -138,8 +138,7 @@ def _batched_attention(out_THK: torch.Tensor, q_THK: torch.Tensor, positions_T: 
     real_RQ = q_Q[None, :] < qlen_R[:, None]
     rows_RQ = (start_R[:, None] + q_Q[None, :]).where(real_RQ, 0)
     kpos_RS = pos_S[None, :].where(pos_S[None, :] < seq_R[:, None], 0).to(attn.block_table.device)
-    table_RB = attn.block_table[: attn.num_reqs].long()
-    slots_RS = (table_RB.gather(1, kpos_RS // block_size) * block_size + kpos_RS % block_size).to(dev)
+    slots_RS = slots_for(attn.block_table[: attn.num_reqs], kpos_RS, block_size).to(dev)
     k_RSHK, v_RSHK = k_flat[slots_RS], v_flat[slots_RS]
     rows = rows_RQ.flatten().to(dev)
     R, H, K = qlen_R.numel(), q_THK.shape[1], q_THK.shape[2]

@@ -92,5 +92,6 @@ class PagedKVCache:
 
 
 def slots_for(block_table_B: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of the given positions of one request (int64)."""
-    return block_table_B.long()[positions // block_size] * block_size + positions % block_size
+    """Cache slots of the given positions (int64): of one request (a table row ``[B]``), or of
+    several at once (tables ``[R, B]`` and positions ``[R, S]``, one row per request)."""
+    return block_table_B.long().gather(-1, positions // block_size) * block_size + positions % block_size
