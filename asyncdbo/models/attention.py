@@ -30,6 +30,7 @@ call it is in, so a DBO ubatch computes the serial step's bits.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -40,7 +41,7 @@ from ..serving import current_slice
 from ..serving.kv_cache import PAD_SLOT_ID, KVCacheConfig, PagedKVCache, slots_for
 from .tiled_attention import tiled_causal_attention
 
-__all__ = ["LOGITS", "PAD_SLOT_ID", "KVCacheConfig", "PagedKVCache", "check_logits", "last_token_rows",
+__all__ = ["LOGITS", "PAD_SLOT_ID", "KVCacheConfig", "PagedKVCache", "check_logits", "last_token_rows", "lm_head",
            "paged_causal_attention", "slots_for", "wait_for_earlier_kv"]
 
 #: What a model's ``logits=`` may ask for: the LM head on every token, or on each request's last.
@@ -83,6 +84,18 @@ def last_token_rows(attn: AttentionMetadata) -> torch.Tensor:
     if attn.num_reqs and ub_slice is not None and ub_slice.last_is_truncated:
         keep_R[-1] = False
     return (qsl_R1[1:] - 1)[keep_R].long()
+
+
+def lm_head(h_TD: torch.Tensor, attn: AttentionMetadata, logits: str, vocab_size: int,
+            head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """A model's ``[T, V]`` logits: ``head`` on every row (``logits="all"``), or only on
+    :func:`last_token_rows` (``"last"``), the other rows zeros."""
+    if logits == "all":
+        return head(h_TD)
+    rows = last_token_rows(attn).to(h_TD.device)
+    logits_TV = h_TD.new_zeros(h_TD.shape[0], vocab_size)
+    logits_TV[rows] = head(h_TD[rows])
+    return logits_TV
 
 
 def paged_causal_attention(

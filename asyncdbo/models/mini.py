@@ -49,7 +49,7 @@ from ..moe.batch_invariant import ROW_TILE, is_deterministic, linear
 from ..moe.config import Schedule, Scoring
 from ..plan.metadata import AttentionMetadata
 from ..serving import KVCacheConfig, PagedKVCache, check_token_ids
-from .attention import check_logits, last_token_rows, paged_causal_attention, wait_for_earlier_kv
+from .attention import check_logits, lm_head, paged_causal_attention, wait_for_earlier_kv
 
 __all__ = ["MiniConfig", "MiniModel"]
 
@@ -225,10 +225,5 @@ class MiniModel:
             h_TD = _rms_norm(x_TD, p["moe_norm_D"], self.cfg.rms_eps)
             x_TD = x_TD + await p["moe"].forward(h_TD)
         h_TD = _rms_norm(x_TD, self.final_norm_D, self.cfg.rms_eps)
-        if self.logits == "all":
-            return _matmul(h_TD, self.lm_head_DV, tile)
-        rows = last_token_rows(attn).to(h_TD.device)
-        logits_TV = h_TD.new_zeros(h_TD.shape[0], self.cfg.vocab_size)
-        logits_TV[rows] = _matmul(h_TD[rows], self.lm_head_DV, tile)
-        return logits_TV
+        return lm_head(h_TD, attn, self.logits, self.cfg.vocab_size, lambda h: _matmul(h, self.lm_head_DV, tile))
 

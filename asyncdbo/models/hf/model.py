@@ -39,7 +39,7 @@ from ...moe.config import Schedule
 from ...moe.experts import swiglu
 from ...plan.metadata import AttentionMetadata
 from ...serving import check_token_ids, exact_tap
-from ..attention import KVCacheConfig, PagedKVCache, check_logits, last_token_rows
+from ..attention import KVCacheConfig, PagedKVCache, check_logits, lm_head
 from .common import (
     Rope,
     WeightSlots,
@@ -307,12 +307,8 @@ class HFMoEModel:
             next_norm_D = layers[i + 1].attn_norm_D if i + 1 < len(layers) else self.final_norm_D
             x_TD, h_TD = seg.residual_norm(x_TD, f_TD, next_norm_D, eps)
             exact_tap("residual", x_TD, layer=i)
-        if self.logits == "all":
-            return seg.linear(h_TD, self.lm_head_VD, None, tile)
-        rows = last_token_rows(attn).to(h_TD.device)
-        logits_TV = h_TD.new_zeros(h_TD.shape[0], self.lm_head_VD.shape[0])
-        logits_TV[rows] = seg.linear(h_TD[rows], self.lm_head_VD, None, tile)
-        return logits_TV
+        return lm_head(h_TD, attn, self.logits, self.lm_head_VD.shape[0],
+                       lambda h: seg.linear(h, self.lm_head_VD, None, tile))
 
 
 #: A fused expert tensor's name (transformers 5's in-memory layout).
