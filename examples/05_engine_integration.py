@@ -34,6 +34,7 @@ choice over the same tokens, and each greedy request of the trace against transf
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 from typing import Any
 
@@ -161,7 +162,6 @@ def torchrun_main(hf_model: Any) -> None:
     """One rank of a ``torchrun`` job (any number of nodes): each rank writes the same seeded
     checkpoint to its own directory (on a cluster a node has no other's disk), runs
     :func:`worker`, and rank 0 gathers every rank's result and checks it."""
-    import os
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -184,8 +184,6 @@ def torchrun_main(hf_model: Any) -> None:
 
 
 if __name__ == "__main__":
-    import os
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
