@@ -141,6 +141,9 @@ class _Hooks(Instrument):
             if be._lost_overlap(LostOverlap("skipped-recv-hook", site, None, owner)):
                 ub.ctx_run(run_pending_hook, ub)  # the counterfactual: the hook runs before the yield
         seg = be._segment.get(ub.id, 0)
+        if request is None and be._deferred.get(ub.id):  # ended with a moved await still pending
+            be._segment[ub.id] = seg + 1
+            ub.ctx_run(be._settle, ub)
         be._seg_host[(ub.id, seg)] = be._host.t  # when this segment's last launch was issued
         be._host.switch()
         be._segment[ub.id] = seg + 1
@@ -217,6 +220,9 @@ class SimBackend(Transfers, StreamBackend):
         self.node_dedup = node_dedup
         self.fix = frozenset(fix)
         self.host_args = host_args
+        #: ``comm-not-overlapped`` keys in ``fix`` whose await this run could not move past the
+        #: next yield (the transfer's data was used before it): :mod:`.counterfactual` reruns them.
+        self.undeferred: set[tuple[str, str]] = set()
         self.report: SimReport | None = None
         self._run: DBORun | None = None
         self._mode: SimMode | None = None
@@ -271,6 +277,8 @@ class SimBackend(Transfers, StreamBackend):
         self._watch: dict[int, Watch] = {}
         self._seg_end: dict[tuple[int, int, int], float] = {}  # (stream, ubatch, segment) -> end of its last op
         self._pending_reads: dict[int, SimHandle] = {}  # storage -> the background transfer that writes it
+        self._deferred: dict[int, list[SimHandle]] = {}  # ubatch -> awaits a counterfactual moved past its yield
+        self.undeferred = set()
         self._relocated: dict[int, float] = {}  # counterfactual: outputs moved to compute -> their end  # storage -> a transfer not yet used, issued in its data's segment
         self.report = SimReport(self.device.name, self.link.name, state.policy, len(run.ubatches))
         shared = {"compute": VStream("compute"), "comm": VStream("comm")}
@@ -336,6 +344,8 @@ class SimBackend(Transfers, StreamBackend):
     def record(self, event: VEvent, stream: VStream) -> None:
         self._flush_c10d()
         ub = get_ubatch()
+        if self._deferred and ub is not None and ub.run is self._run:
+            self._settle(ub)
         event.recorded = True
         event.t = stream.t
         event.by = self._site(ub, stream, "record event")
@@ -357,6 +367,8 @@ class SimBackend(Transfers, StreamBackend):
     def wait(self, stream: VStream, event: VEvent) -> None:
         self._flush_c10d()
         ub = get_ubatch()
+        if self._deferred and ub is not None and ub.run is self._run:
+            self._settle(ub)
         if not event.recorded:
             # A device would hang here (NPU) or not wait at all (CUDA): report it at the end.
             self._waits_unrecorded.append((event, self._site(ub, stream, "wait event")))
@@ -408,6 +420,8 @@ class SimBackend(Transfers, StreamBackend):
             self._c10d_op(ub, stream, func, args, kwargs)
             return
         self._flush_c10d()
+        if self._deferred:
+            self._settle(ub, {k for t in tensor_items(list(args)) if (k := storage_key(t)) is not None})
         cost = self.cost.op_cost(func, args, kwargs, out)
         if cost.seconds > 0:
             # Ops a ubatch issues in its comm role that only move data (packing rows for a dispatch)
@@ -484,6 +498,8 @@ class SimBackend(Transfers, StreamBackend):
         if ub is None or ub.run is not self._run:
             return
         keys = {k for t in tensor_items(list(args)) if (k := storage_key(t)) is not None}
+        if self._deferred:
+            self._settle(ub, keys)
         sized_by = {k for t in _sizing_tensors(record.op, args) if (k := storage_key(t)) is not None}
         if sized_by and sized_by <= self._host_known:
             return  # the host holds these values (metadata it prepared): it waits for no device

@@ -4,7 +4,8 @@ A lost-overlap finding (:class:`~asyncdbo.sim.races.LostOverlap`) is found from 
 ops, not from timing. What it costs is measured by a counterfactual run: the same schedule on a
 fresh backend of the same configuration whose ``fix`` names the finding's key, where the sim does
 at that place what the schedule without the defect would do (:data:`~asyncdbo.sim.races.LOST_KINDS`
-says what, per kind). The cost is this run's makespan minus the counterfactual's: a figure of the
+says what, per kind; a ``comm-not-overlapped`` await that cannot move past the next yield, because
+the transfer's data is used before it, is rerun with a yield before it instead). The cost is this run's makespan minus the counterfactual's: a figure of the
 sim itself, not an estimate beside it, so a layer that got slower never reads "0 us".
 """
 
@@ -39,6 +40,9 @@ async def measure_lost_overlap(run: Callable[[SimBackend], Awaitable[Any]], make
             continue
         fixed = make(on_problem="record", fix=[lo.key])
         await run(fixed)
+        if lo.key in fixed.undeferred:  # the await could not move past the next yield: a yield before it
+            fixed = make(on_problem="record", fix=[lo.key, ("yield-before-use", lo.site.place)])
+            await run(fixed)
         assert fixed.report is not None
         costs[lo.key] = rep.makespan_s - fixed.report.makespan_s
     rep.lost_overlaps = [replace(lo, cost_s=costs[lo.key]) for lo in rep.lost_overlaps]

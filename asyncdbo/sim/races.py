@@ -164,8 +164,9 @@ LOST_KINDS = {
     "send-after-yield": "the send leaves when its data was ready, as if issued before the yield",
     "skipped-recv-hook": "the held recv hook runs at the yield, as if dbo_maybe_run_recv_hook() had been called",
     "host-sync": "the host does not wait at that op",
-    "comm-not-overlapped": "a yield before awaiting the transfer (used without an await: the transfer takes no time, "
-                           "the most a yield could hide)",
+    "comm-not-overlapped": "the await moves past the ubatch's next yield (the fixed schedule awaits the transfer once "
+                           "the other ubatch ran); where its data is used before that yield, a yield before the await "
+                           "(used without an await: the transfer takes no time, the most a yield could hide)",
     "compute-on-comm-stream": "the op runs on the compute stream; comm waits for it only where it reads its output",
 }
 

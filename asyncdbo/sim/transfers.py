@@ -85,10 +85,19 @@ class SimHandle:
         if w is not None and be is not None and ("comm-not-overlapped", w.site.place) in be.fix:
             ub = get_ubatch()
             if ub is not None and ub.id == w.ubatch and be._segment.get(ub.id) == w.segment:
-                # the counterfactual: a yield before the wait lets another ubatch's work overlap it
-                from ..dbo import dbo_yield
+                if ("yield-before-use", w.site.place) in be.fix:
+                    # the counterfactual where the data is used before the next yield: a yield
+                    # before the wait lets another ubatch's work overlap the transfer
+                    from ..dbo import dbo_yield
 
-                yield from dbo_yield("sim: counterfactual yield").__await__()
+                    yield from dbo_yield("sim: counterfactual yield").__await__()
+                elif self.owner_waited:  # already used in this segment: the await cannot move
+                    be.undeferred.add(("comm-not-overlapped", w.site.place))
+                else:
+                    # the counterfactual: the await moves past the ubatch's next yield (the fixed
+                    # schedule awaits it once the other ubatch ran), unless its data is used first
+                    be._deferred.setdefault(ub.id, []).append(self)
+                    return
         self.stream_wait()
 
     def __repr__(self) -> str:
@@ -133,9 +142,30 @@ class Transfers:
     _pending_reads: dict[int, SimHandle]
     _seg_end: dict[tuple[int, int, int], float]
     fix: frozenset[tuple[str, str]]
+    _deferred: dict[int, list[SimHandle]]
+    undeferred: set[tuple[str, str]]
 
     def _lost_overlap(self, lo: LostOverlap) -> bool:
         raise NotImplementedError
+
+    def _settle(self, ub: Any, reads: set[int] | frozenset[int] = frozenset()) -> None:
+        """Apply the waits a ``comm-not-overlapped`` counterfactual moved past ``ub``'s next yield
+        (:meth:`SimHandle.__await__`): once that yield is behind it, on the stream it runs on now,
+        where the fixed schedule's await would wait; before it, where an op reads what the transfer
+        wrote (``reads``): then the await cannot move, and the key goes to ``undeferred`` (the
+        counterfactual is rerun with a yield before the await instead)."""
+        pending = self._deferred.get(ub.id) if self._deferred else None
+        if not pending:
+            return
+        seg = self._segment[ub.id]
+        due = [h for h in pending if h.watch is None or seg > h.watch.segment or reads & h.writes]
+        if not due:
+            return
+        self._deferred[ub.id] = [h for h in pending if h not in due]
+        for h in due:
+            if h.watch is not None and seg == h.watch.segment:
+                self.undeferred.add(("comm-not-overlapped", h.watch.site.place))
+            h.stream_wait()
 
     def _used(self, ub: Any, keys: set[int]) -> None:
         """``ub`` waits on or reads what a watched transfer wrote: report it if that happens in the
@@ -187,6 +217,7 @@ class Transfers:
     def _comm(self, ub: Any, stream: VStream, reads: set[int], writes: set[int], site: Site, nbytes: int, what: str) -> SimHandle:
         """A transfer of ``nbytes`` issued on ``stream`` (module docstring: where it runs and who
         waits for it); its outputs count as written by the stream it runs on."""
+        self._settle(ub, reads)
         lane = ub.ext
         low_latency = not (lane.role == "comm" and lane.streams["comm"] is not lane.streams["compute"])
         spec = self.comm

@@ -41,6 +41,7 @@ CASES = [
     ("ht", "role", "deepep", "graph", "experts on the comm stream"),
     ("ht", "role", "deepep", "graph", "shared expert on the comm stream"),
     ("ht", "role", "deepep", "graph", "record after yield"),
+    ("ht", "role", "a2a", "graph", "counts awaited before the yield"),
     ("ht", "ubatch", "deepep", "graph", "host sync after the experts"),
     ("ll", "role", "deepep", "eager", "host sync after the experts"),
     ("ll", "role", "deepep", "graph", "shared expert on the comm stream"),
@@ -57,17 +58,9 @@ CASES = [
 # - experts on the comm stream under ll + role streams: nothing else queues on that comm stream
 #   (ll's transfers run on streams of their own), and both streams share the compute engine;
 # - the host sync under ll on graph replay (above);
-# Not costed correctly yet (a known gap): the ht counts awaited before the yield with plain
-# collectives (--comm a2a) is found (comm-not-overlapped) and makes the run 23 us slower (1430.5 ->
-# 1453.6 us), but its counterfactual is slower still (1503.9 us: a cost of -50.3 us, reported as
-# "no cost measured"). Measured (the counterfactual's report, with the mutant's and the clean
-# run's): 16 ubatch switches against 12 in both, host blocked 1436.2 us against 1385.8 and 1362.8,
-# the same 24 host syncs. The counterfactual inserts a bare yield before the await, on top of the
-# schedule's own yield-and-switch to the comm stream that follows it, so it is not the fixed
-# schedule (the await moved after that switch) but one with 4 more yields, and the host waits
-# 50 us longer at its reads (the counts' .tolist() among them) in it. Costing this defect needs a
-# counterfactual that moves the await past the schedule's next yield: see
-# test_the_counts_awaited_before_the_yield_are_found.
+# - the counts awaited before the yield under per-ubatch streams (ht, --comm a2a): the wait lands on the
+#   ubatch's own compute stream, and the host reads the counts only after the yield either way
+#   (1425.1 us with and without the mutant).
 
 CONFIGS = sorted({c[:4] for c in CASES} | {("ht", "role", "a2a", "graph"), ("ht", "ubatch", "a2a", "graph")})
 
@@ -158,9 +151,16 @@ def test_check_fails_by_default_on_lost_overlap_and_allows_it_on_request(monkeyp
         assert ("warning (1 run(s)): lost overlap" in text) == bool(extra), text
 
 
-def test_the_counts_awaited_before_the_yield_are_found(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_counts_awaited_before_the_yield_cost_what_moving_the_await_saves(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fixed schedule awaits the counts after the dispatch yield, once the other ubatch ran: the
+    # counterfactual moves the await there (a bare yield before it used to be inserted on top of the
+    # schedule's own, a schedule slower than the mutant: a cost of -50.3 us). The cost is the
+    # mutant's makespan minus the unmutated schedule's, to the last bit of the sim's arithmetic.
+    clean = _dbo("ht", "role", "a2a", "graph")
     _apply(monkeypatch, "ht", "role", "counts awaited before the yield")
     mutant = _dbo("ht", "role", "a2a", "graph", fail=False)
     (lost,) = mutant.lost_overlaps
     assert (lost.kind, lost.site.place) == ("comm-not-overlapped", lost.site.frames[0])
     assert "asyncdbo/moe/layer.py:" in lost.site.place
+    assert mutant.makespan_s > clean.makespan_s
+    assert lost.cost_s == pytest.approx(mutant.makespan_s - clean.makespan_s, rel=1e-9)
