@@ -33,7 +33,7 @@ import asyncdbo  # noqa: E402
 from asyncdbo.models.hf import from_hf_model  # noqa: E402
 from asyncdbo.models.hf.generate import Generation, compare_with_hf  # noqa: E402
 from asyncdbo.models.hf.reference import tiny_hf_model  # noqa: E402
-from asyncdbo.testing import RankPool, run_ranks  # noqa: E402
+from asyncdbo.testing import RankPool  # noqa: E402
 
 #: Max |logits diff| against transformers' fp32 forward (measured: <= 3e-6 on these models).
 HF_TOL = 2e-5
@@ -96,8 +96,9 @@ def test_two_ranks_load_their_experts_and_match_transformers(pool: RankPool, hf_
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_four_ranks_with_an_idle_rank_match_transformers(hf_models: dict[str, Any], checkpoints: dict[str, str]) -> None:
-    per_rank = run_ranks(checkpoints_on_ranks, 4, checkpoints, (2,), timeout_s=220.0)
+def test_four_ranks_with_an_idle_rank_match_transformers(pool4: RankPool, hf_models: dict[str, Any],
+                                                          checkpoints: dict[str, str]) -> None:
+    per_rank = pool4.run(checkpoints_on_ranks, checkpoints, (2,), timeout_s=220.0)
     for rank, results in enumerate(per_rank):
         for name in ARCHS:
             if rank == 2:  # idle: no requests, yet it joined every step's collectives

@@ -18,7 +18,7 @@ from asyncdbo.moe.hf import moe_from_hf  # noqa: E402
 
 from _hf_ranks import HFCase, hf_all_cases, hf_case, hf_plain_call, hf_vs_asyncdbo, tiny_block  # noqa: E402
 
-from asyncdbo.testing import RankPool, run_ranks  # noqa: E402
+from asyncdbo.testing import RankPool  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -94,10 +94,10 @@ def test_a_plain_asyncio_run_of_the_layer_on_a_BSD_input(pool: RankPool, kind: s
 
 
 @pytest.mark.timeout(120)
-def test_four_ranks_match_the_hf_blocks() -> None:
+def test_four_ranks_match_the_hf_blocks(pool4: RankPool) -> None:
     tokens = [16, 0, 5, 32]
     sizes = [[8, 8], [0, 0], [2, 3], [20, 12]]
-    results = run_ranks(hf_all_cases, 4, tokens, sizes, timeout_s=100.0)
+    results = pool4.run(hf_all_cases, tokens, sizes, timeout_s=100.0)
     for rank, per_case in enumerate(results):
         assert sorted(per_case) == ["deepseek/ht", "deepseek/ll", "mixtral/ht", "mixtral/ll"]
         for case, res in per_case.items():

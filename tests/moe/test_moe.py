@@ -30,7 +30,7 @@ from asyncdbo.backends import LinkSpec, link_spec
 from asyncdbo.dist import choose_dispatch, dispatch_options
 from asyncdbo.dist.fused import fused_rows
 from asyncdbo.moe import MoEConfig, MoELayer
-from asyncdbo.testing import RankError, RankPool, run_ranks
+from asyncdbo.testing import RankError, RankPool
 
 pytestmark = pytest.mark.slow
 
@@ -164,9 +164,9 @@ def test_a_rank_failing_mid_forward_makes_its_peer_fail_not_hang() -> None:
 
 
 @pytest.mark.timeout(90)
-def test_dp_with_two_disjoint_ep_groups() -> None:
+def test_dp_with_two_disjoint_ep_groups(pool4: RankPool) -> None:
     # 4 ranks, EP groups {0, 1} and {2, 3}: each group builds its own per-ubatch twins.
-    results = run_ranks(moe_two_ep_groups, 4, timeout_s=60.0)
+    results = pool4.run(moe_two_ep_groups, timeout_s=60.0)
     assert [r["ep"] for r in results] == [(2, 0), (2, 1), (2, 0), (2, 1)]
     assert all(r["equal"] for r in results), results
 

@@ -38,7 +38,7 @@ from asyncdbo.plan import (
     split_tokens,
 )
 from asyncdbo.serving import Batch, BatchBuilder, DBORunner, RunnerConfig
-from asyncdbo.testing import RankError, RankPool, run_ranks
+from asyncdbo.testing import RankError, RankPool
 
 
 # ------------------------------------------------------------------------- one process, no DP
@@ -295,12 +295,12 @@ def test_split_dispatch_never_fuses(pool: RankPool) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_four_ranks_prefill_and_decode_equal_serial_bit_for_bit() -> None:
+def test_four_ranks_prefill_and_decode_equal_serial_bit_for_bit(pool4: RankPool) -> None:
     """DP = EP = 4: one expert per rank, prefill then decode, low-latency schedule, per-ubatch
     streams, 4 ubatches."""
     case = Case(steps=tuple(_decode_steps(rank, 8) for rank in range(4)), model=replace(SMALL, schedule="ll"),
                 runner=RunnerConfig(thresholds=ALWAYS, stream_policy="ubatch", num_ubatches=4))
-    results = run_ranks(serial_vs_dbo, 4, case, timeout_s=120.0)
+    results = pool4.run(serial_vs_dbo, case, timeout_s=120.0)
     for r in results:
         assert all(rec.microbatched for rec in r["records"])
         assert r["bitwise"], r["max_abs_diff"]
