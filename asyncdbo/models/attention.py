@@ -173,13 +173,16 @@ def _decode_attention(q_RHK: torch.Tensor, positions_R: torch.Tensor, k_flat: to
     The per-request loop costs a few Python-level ops per request, which dominates a decode step
     of hundreds of short requests on a CPU; here the contexts are gathered into one padded
     ``[R, S]`` slot table (entries past a request's ``seq_len`` are masked) and attended in one
-    batched matmul.
+    batched matmul. The padding entries re-read the request's own last slot: read through the
+    table's unused columns, they would touch blocks of other requests (whose contents the mask
+    drops, but whose NaN would survive it, and whose reads order a DBO step against the ubatch
+    that writes them).
     """
     s_max = attn.max_seq_len
     pos_S = torch.arange(s_max, device=q_RHK.device)
-    table_RB = attn.block_table.long()
-    blocks_RS = table_RB[:, (pos_S // block_size).clamp_(max=table_RB.shape[1] - 1)]
-    slots_RS = blocks_RS * block_size + pos_S % block_size
+    last_R = (attn.seq_lens.long() - 1).clamp_(min=0)
+    own_RS = torch.minimum(pos_S[None, :], last_R[:, None])
+    slots_RS = slots_for(attn.block_table, own_RS, block_size)
     k_RSHK, v_RSHK = k_flat[slots_RS], v_flat[slots_RS]
     scores_RHS = torch.einsum("rhk,rshk->rhs", q_RHK, k_RSHK) * scale
     visible_RS = (pos_S[None, :] <= positions_R[:, None]) & (pos_S[None, :] < attn.seq_lens.long()[:, None])

@@ -145,3 +145,19 @@ def test_uniform_decode_batch_equals_per_request_attention() -> None:
     out = _attend(cache, builder, [(r, [0]) for r in lengths], kv)
     expected = torch.cat([_dense_causal(*kv[r], first_pos=0)[-1:] for r in lengths])
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+
+
+def test_uniform_decode_padding_reads_only_each_requests_own_written_slots() -> None:
+    # The batched decode pads every context to the longest; the padding re-reads the request's own
+    # last slot. Here every slot nobody wrote holds NaN: a padding read through the block table's
+    # unused columns (another request's block) or of the unwritten rest of the request's own block
+    # would turn a masked-out weight into 0 * NaN = NaN.
+    lengths = {7: 6, 3: 10, 11: 2}
+    kv = _random_requests(lengths)
+    cache, builder = _cache(), BatchBuilder(_cache().cfg)
+    for t in (*cache.k_cache_LNZHK, *cache.v_cache_LNZHK):
+        t.fill_(float("nan"))
+    _attend(cache, builder, [(r, [0] * (n - 1)) for r, n in lengths.items()], kv)
+    out = _attend(cache, builder, [(r, [0]) for r in lengths], kv)
+    expected = torch.cat([_dense_causal(*kv[r], first_pos=0)[-1:] for r in lengths])
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
