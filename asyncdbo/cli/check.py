@@ -78,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode: cached tokens per request (default 2000); prefill: prompt length (default 4096)")
     p.add_argument("--spec-tokens", type=int, default=0,
                    help="decode: draft tokens per request (MTP, speculative verify): each request decodes 1 + K "
-                        "tokens a step, modeled as decode (default 0)")
+                        "tokens a step, modeled as decode (default 0); with --workload, the planner's uniform decode "
+                        "and the synthetic trace's decode requests")
     p.add_argument("--ep", type=int, default=32, help="expert-parallel ranks (modeled; default 32)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="ranks that share a node's NVLink/HCCS (default 8)")
     p.add_argument("--ubatches", type=int, default=2, help="DBO ubatches, 2 to 4 (default 2)")

@@ -38,7 +38,14 @@ def parse_policies(values: list[str] | None) -> list[str]:
 def _thresholds(args: argparse.Namespace) -> Any:
     from ..plan import ThresholdConfig
 
-    return ThresholdConfig(decode_threshold=args.decode_threshold, prefill_threshold=args.prefill_threshold)
+    from ..sim.model import DECODE_QUERIES
+
+    spec = getattr(args, "spec_tokens", 0)
+    if not 0 <= spec < DECODE_QUERIES:
+        raise ValueError(f"--spec-tokens must be between 0 and {DECODE_QUERIES - 1} (got {spec}): the draft tokens "
+                         "each decode request carries (MTP, speculative verify)")
+    return ThresholdConfig(decode_threshold=args.decode_threshold, prefill_threshold=args.prefill_threshold,
+                           num_spec_tokens=spec)
 
 
 def run(args: argparse.Namespace, model: Any, dep: Any, header: Any, fail_on: list[str]) -> int:
@@ -51,7 +58,8 @@ def run(args: argparse.Namespace, model: Any, dep: Any, header: Any, fail_on: li
     if args.repeat < 1:
         raise ValueError(f"--repeat must be >= 1 (got {args.repeat}): how many times to replay the trace in a row")
     thresholds = _thresholds(args)
-    trace = synthetic_workload() if args.workload == "synthetic" else load_workload(args.workload)
+    trace = (synthetic_workload(spec_tokens=thresholds.num_spec_tokens) if args.workload == "synthetic"
+             else load_workload(args.workload))
     steps = list(trace) * args.repeat
     streams = ["role", "ubatch"] if args.stream_policy == "both" else [args.stream_policy]
     header(args, model, dep, None)
@@ -60,7 +68,9 @@ def run(args: argparse.Namespace, model: Any, dep: Any, header: Any, fail_on: li
     print(f"workload: {source}, {len(trace)} steps x {len(trace[0])} DP ranks{repeat}; policies "
           f"{', '.join(policies)}; {' and '.join(streams)} streams")
     print(f"thresholds: fixed splits a step into {args.ubatches} ubatches ({args.split_policy} split) when every busy rank "
-          f"has >= {thresholds.decode_threshold} tokens of uniform decode or >= {thresholds.prefill_threshold} "
+          f"has >= {thresholds.decode_threshold} tokens of uniform decode"
+          f"{f' (1 + {thresholds.num_spec_tokens} tokens per request, --spec-tokens)' if thresholds.num_spec_tokens else ''}"
+          f" or >= {thresholds.prefill_threshold} "
           "otherwise (--decode-threshold, --prefill-threshold); auto starts from them")
     if "auto" in policies:
         cfg = SIM_AUTO

@@ -6,8 +6,9 @@ through the real planner (:mod:`asyncdbo.plan`) and the sim, with and without DB
     {"ranks": [[[1, 2048], [1, 1500]], [[512, 0], [1, 900]], []]}
 
 ``ranks`` holds one list per DP rank (every line the same number of ranks): that rank's requests
-this step as ``[new_tokens, cached_tokens]`` pairs (a decode request is ``[1, context]``, a
-prefill chunk ``[chunk_len, prefix_len]``); an empty list is an idle rank. Other keys (``"step"``,
+this step as ``[new_tokens, cached_tokens]`` pairs (a decode request is ``[1, context]``, or
+``[1 + K, context]`` with K draft tokens of MTP or speculative verify; a prefill chunk
+``[chunk_len, prefix_len]``); an empty list is an idle rank. Other keys (``"step"``,
 comments under ``"note"``) are ignored. Blank lines and lines starting with ``#`` are skipped.
 
 **Per step**: every rank's local vote (:func:`asyncdbo.plan.plan_step` without a group: threshold,
@@ -17,12 +18,13 @@ padded to the group's count). Each rank's step is simulated (:func:`asyncdbo.sim
 per MoE layer in steady state) serially and, when the step microbatched, as the planned ubatches
 (padding tokens included: they cost compute). EP all-to-alls hold every rank to the slowest, so
 a step takes its slowest rank's time. Throughput is real tokens over time; the gain is DBO's
-throughput over the same steps run unsplit. Steps whose ranks all decode run with the decode
+throughput over the same steps run unsplit. Steps whose ranks all decode (multi-token decode
+included: :func:`~asyncdbo.sim.model.is_decode`) run with the decode
 defaults (``ll``, graph replay), others with the prefill ones (``ht``, eager), unless the
 deployment fixes them.
 
 The planner sees the exact requests; the sim sees each rank's decode requests summarized (their
-count, and their mean context rounded to ``context_bucket``: decode attention reads every cached
+count, and their mean context per query count rounded to ``context_bucket``: decode attention reads every cached
 token once, so its cost follows the sum) beside its prefill chunks as they are, and caches
 simulations by that composition. Races are checked on the first simulation of each split
 (serial, microbatched); the others only time.
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ..plan import PlanReason, RankVote, ThresholdConfig, decide_from_votes, plan_slices, plan_step
+from .model import is_decode
 from .predict import Deployment, ModelShape, Request, simulate
 
 __all__ = ["ReplayResult", "StepOutcome", "StepSims", "load_workload", "replay", "step_shape", "synthetic_workload"]
@@ -83,10 +86,11 @@ def load_workload(path: str | Path) -> list[Step]:
     return steps
 
 
-def synthetic_workload(*, ranks: int = 4, steps: int = 16, seed: int = 0) -> list[Step]:
+def synthetic_workload(*, ranks: int = 4, steps: int = 16, seed: int = 0, spec_tokens: int = 0) -> list[Step]:
     """A mixed serving trace: mostly decode steps whose batch sizes differ per rank (some below
     the decode threshold), some steps where a prefill chunk joins a rank's decodes, and now and
-    then an idle rank. Deterministic in ``seed``."""
+    then an idle rank. Deterministic in ``seed``. Each decode request carries ``1 + spec_tokens``
+    tokens (MTP, speculative verify)."""
     rng = random.Random(seed)
     out: list[Step] = []
     for _ in range(steps):
@@ -97,7 +101,7 @@ def synthetic_workload(*, ranks: int = 4, steps: int = 16, seed: int = 0) -> lis
                 step.append([])  # idle rank
                 continue
             batch = rng.choice((8, 16, 24, 48, 64, 96, 128, 160, 192, 256))
-            reqs = [(1, rng.randrange(256, 4096)) for _ in range(batch)]
+            reqs = [(1 + spec_tokens, rng.randrange(256, 4096)) for _ in range(batch)]
             if kind > 0.8:  # a prefill chunk joins this rank's decodes
                 reqs.append((rng.choice((256, 512, 1024, 2048)), rng.choice((0, 0, 1024, 4096))))
             step.append(reqs)
@@ -154,10 +158,21 @@ class ReplayResult:
 
 
 def _summary(reqs: Sequence[Request], bucket: int) -> list[Request]:
-    """Decode requests at their mean context (rounded to ``bucket``), prefill chunks as they are."""
-    ctx = [c for q, c in reqs if q == 1]
-    mean = 0 if not ctx else max(1, round(sum(ctx) / len(ctx) / bucket)) * bucket
-    return [(1, mean)] * len(ctx) + [(q, c) for q, c in reqs if q > 1]
+    """Decode requests (one token, or the few of MTP and speculative verify over a longer cache:
+    :func:`~asyncdbo.sim.model.is_decode`) at the mean context of their query count (rounded to
+    ``bucket``), prefill chunks as they are."""
+    by_q: dict[int, list[int]] = {}
+    chunks: list[Request] = []
+    for q, c in reqs:
+        if is_decode(q, q + c):
+            by_q.setdefault(q, []).append(c)
+        else:
+            chunks.append((q, c))
+    out: list[Request] = []
+    for q in sorted(by_q):
+        ctx = by_q[q]
+        out += [(q, max(1, round(sum(ctx) / len(ctx) / bucket)) * bucket)] * len(ctx)
+    return out + chunks
 
 
 class StepSims:
@@ -209,9 +224,10 @@ class StepSims:
 
 
 def step_shape(step: Step) -> str:
-    """The sim's shape of a step: ``decode`` where every request of every rank decodes (the decode
-    defaults: ``ll``, graph replay), else ``prefill``."""
-    return "decode" if all(q == 1 for reqs in step for q, _ in reqs) else "prefill"
+    """The sim's shape of a step: ``decode`` where every request of every rank decodes, multi-token
+    decode (MTP, speculative verify) included (the decode defaults: ``ll``, graph replay), else
+    ``prefill``."""
+    return "decode" if all(is_decode(q, q + c) for reqs in step for q, c in reqs) else "prefill"
 
 
 def replay(

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from asyncdbo.cli import main as cli_main
-from asyncdbo.plan import PlanReason
+from asyncdbo.plan import PlanReason, ThresholdConfig
 from asyncdbo.sim.predict import Deployment, ModelShape
-from asyncdbo.sim.workload import load_workload, replay, synthetic_workload
+from asyncdbo.sim.workload import _summary, load_workload, replay, step_shape, synthetic_workload
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -84,6 +84,23 @@ def test_replay_follows_the_planner_and_times_every_rank() -> None:
     assert res.microbatched_share == 0.5
     assert res.reasons() == {PlanReason.RANK_DECLINED: 2}
     assert res.rank_reasons() == {PlanReason.BELOW_THRESHOLD: 2}
+
+
+def test_multi_token_decode_is_replayed_as_decode_and_held_to_the_decode_threshold() -> None:
+    # MTP / speculative verify: 2 tokens per request over a long cache. They were simulated as
+    # prefill chunks (issue 27); now as decode, each query count summarized at its mean context.
+    step = [[(2, 700)] * 32, [(2, 900)] * 20]  # 64 and 40 tokens of uniform 2-token decode
+    assert step_shape(step) == "decode"
+    assert step_shape([[(2, 700)], [(256, 0)]]) == step_shape([[(2, 0)]]) == "prefill"  # a chunk, a first chunk
+    assert _summary([(1, 500), (2, 1000), (2, 2000), (512, 0)], 512) == [(1, 512), (2, 1536), (2, 1536), (512, 0)]
+    with_k = replay([step], model=TINY, deployment=Deployment(ep=4), thresholds=ThresholdConfig(num_spec_tokens=1))
+    without = replay([step], model=TINY, deployment=Deployment(ep=4))
+    assert [(s.microbatched, s.reason) for s in with_k.steps] == [(True, PlanReason.MICROBATCHED)]
+    # without the draft-token count the planner does not see uniform decode: the prefill threshold (512) holds
+    assert [(s.microbatched, s.reason, s.detail) for s in without.steps] == [
+        (False, PlanReason.RANK_DECLINED, "rank 0: below_threshold; rank 1: below_threshold")]
+    assert synthetic_workload(spec_tokens=1) == [[[(q + 1, c) if q == 1 else (q, c) for q, c in r] for r in s]
+                                                 for s in synthetic_workload()]
 
 
 ARGV = ["--model", "qwen3-moe", "--hidden", "64", "--intermediate", "32", "--experts", "8", "--heads", "4", "--ep", "4"]
@@ -157,6 +174,8 @@ def test_check_prints_every_policy_under_both_stream_policies(tmp_path: Path,
                                   "separate them with commas)"),
     (["--repeat", "0"], "--repeat must be >= 1 (got 0): how many times to replay the trace in a row"),
     (["--decode-threshold", "-1"], "decode_threshold (-1) must be >= 0; use 0 to always microbatch"),
+    (["--spec-tokens", "8"], "--spec-tokens must be between 0 and 7 (got 8): the draft tokens each decode request "
+                             "carries (MTP, speculative verify)"),
 ])
 def test_check_workload_refuses_bad_flags_before_simulating(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                             flags: list[str], message: str) -> None:
@@ -169,3 +188,15 @@ def test_the_workload_flags_are_refused_without_a_workload(capsys: pytest.Captur
     assert cli_main(["check", "--policy", "auto", "--repeat", "2"]) == 2
     assert capsys.readouterr().err == ("asyncdbo check: error: --policy, --repeat apply to --workload only; add "
                                        "--workload FILE|synthetic or drop them\n")
+
+
+def test_check_workload_takes_the_draft_tokens_and_prints_them(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    steps = [[[[2, 700]] * 32, [[2, 900]] * 20]]
+    argv = ["check", "--workload", str(write(tmp_path, steps)), *ARGV, "--policy", "fixed", "--no-check-races",
+            "--spec-tokens", "1"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[4] == THRESHOLDS.replace("uniform decode or", "uniform decode (1 + 1 tokens per request, --spec-tokens) or")
+    assert re.fullmatch(r"  fixed role   \d+\.\d\d M  speedup \d+\.\d\dx  \(1 of 1 steps microbatched; on those "
+                        r"alone \d+\.\d\dx\)", out[6]), out
