@@ -161,7 +161,11 @@ class Transfers:
         due = [h for h in pending if h.watch is None or seg > h.watch.segment or reads & h.writes]
         if not due:
             return
-        self._deferred[ub.id] = [h for h in pending if h not in due]
+        rest = [h for h in pending if h not in due]
+        if rest:
+            self._deferred[ub.id] = rest
+        else:  # none left: ops stop checking (``if self._deferred``)
+            del self._deferred[ub.id]
         for h in due:
             if h.watch is not None and seg == h.watch.segment:
                 self.undeferred.add(("comm-not-overlapped", h.watch.site.place))
