@@ -34,16 +34,17 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def export_base(rev: str, into: Path, name: str = "asyncdbo_base", built: tuple[Path, ...] = ()) -> ModuleType:
+def export_base(rev: str, into: Path, name: str = "asyncdbo_base", built: tuple[Path, ...] = (),
+                built_in: Path = ROOT / "asyncdbo") -> ModuleType:
     """The package at ``rev`` as an importable ``name``. Its Python files only: a C extension of
     that revision is not built, so the package runs its pure-Python paths, unless ``built`` names
-    this checkout's built extension files (under ``asyncdbo/``) to copy in: do that only where
-    their sources are the same at ``rev``."""
+    built extension files under ``built_in`` to copy in: this checkout's (do that only where their
+    sources are the same at ``rev``), or ones built from ``rev``'s own sources."""
     archive = subprocess.run(["git", "archive", rev, "asyncdbo"], cwd=ROOT, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     pkg = into / "asyncdbo"
     for path in built:
-        shutil.copy2(path, pkg / path.relative_to(ROOT / "asyncdbo"))
+        shutil.copy2(path, pkg / path.relative_to(built_in))
     for path in pkg.rglob("*.py"):
         text = path.read_text()
         new = re.sub(r"\basyncdbo\.", f"{name}.", text)

@@ -81,17 +81,27 @@ C_SOURCES = ("asyncdbo/_core/_spin.c", "asyncdbo/dbo/_speedups.c", "asyncdbo/_na
 
 
 def export_base(rev: str, into: Path) -> tuple[ModuleType, str]:
-    """The package at ``rev`` (compare_commits.export_base), with this checkout's built C
-    extensions copied in when their sources are the same at ``rev`` (else it runs pure Python).
-    Returns the package and a line saying which."""
+    """The package at ``rev`` (compare_commits.export_base) with its C extensions: this checkout's
+    built ones copied in when their sources are the same at ``rev``, else built from ``rev``'s own
+    sources (``setup.py build_ext`` in a copy of that revision); without a compiler it runs pure
+    Python. Returns the package and a line saying which."""
     from compare_commits import ROOT
     from compare_commits import export_base as export
 
     same = subprocess.run(["git", "diff", "--quiet", rev, "--", *C_SOURCES], cwd=ROOT, check=False).returncode == 0
-    built = tuple(ROOT.joinpath("asyncdbo").rglob("_*.so")) if same else ()
-    pkg = export(rev, into, built=built)
+    built_in, built = ROOT / "asyncdbo", tuple(ROOT.joinpath("asyncdbo").rglob("_*.so")) if same else ()
+    if not same:
+        src = into / "src"
+        src.mkdir()
+        archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+        made = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=src,
+                              capture_output=True, check=False)
+        built_in, built = src / "asyncdbo", tuple(src.joinpath("asyncdbo").rglob("_*.so")) if made.returncode == 0 else ()
+    pkg = export(rev, into, built=built, built_in=built_in)
     spin = sys.modules["asyncdbo_base._core.kernel"]._spin
-    return pkg, f"its C kernel loop {'on' if spin is not None else 'off (C sources differ from this checkout, or none built)'}"
+    whose = "this checkout's build" if same else f"built from {rev}'s sources"
+    return pkg, f"its C kernel loop {f'on ({whose})' if spin is not None else 'off (its C extensions did not build)'}"
 
 
 async def _warm(n: int, pkgs: dict[str, ModuleType | None]) -> None:

@@ -27,13 +27,22 @@
 /* What spin() reports; kernel.py has the same numbers. */
 enum { SWITCHED = 0, PARKED = 1, FINISHED = 2, FAILED = 3, EMPTY = 4 };
 
-enum { UB_RESUME, UB_RESUME_WITH, UB_NSLOTS };
-static const char *const ub_names[UB_NSLOTS] = {"resume", "resume_with"};
+enum {
+    UB_RESUME, UB_RESUME_WITH,
+    /* what start() fills */
+    UB_RUN, UB_CORO, UB_CTX, UB_CTX_RUN, UB_SEND, UB_STATE, UB_TAG, UB_NUM_YIELDS, UB_UNAWAITED_AT, UB_CANCELS,
+    UB_NSLOTS
+};
+static const char *const ub_names[UB_NSLOTS] = {
+    "resume", "resume_with",
+    "run", "coro", "ctx", "ctx_run", "send", "state", "tag", "num_yields", "unawaited_at", "cancels",
+};
 
 typedef struct {
     PyTypeObject *ubatch_type; /* NULL until configure() */
     Py_ssize_t ub[UB_NSLOTS];
     PyTypeObject *resume_type;
+    PyObject *str_run, *str_start; /* interned "run", "_start" */
 } SpinState;
 
 /* ------------------------------------------------------------------ Resume */
@@ -45,9 +54,33 @@ typedef struct {
     vectorcallfunc vectorcall;
     PyObject *ctx, *coro;
     PyObject *send; /* coro.send, bound when made (so a coroutine without one fails there, as a
-                       partial over coro.send would); called for anything but a native
-                       coroutine or generator, whose send is run by PyIter_Send */
+                       partial over coro.send would) and called, for anything but a native
+                       coroutine or generator: NULL for those, whose send is run by PyIter_Send */
 } ResumeObject;
+
+static PyObject *resume_vectorcall(PyObject *, PyObject *const *, size_t, PyObject *);
+
+/* A new Resume(ctx, coro) of `type`; ctx must be a Context (the caller checked). */
+static PyObject *
+resume_make(PyTypeObject *type, PyObject *ctx, PyObject *coro)
+{
+    PyObject *send = NULL;
+    if (!PyCoro_CheckExact(coro) && !PyGen_CheckExact(coro)) {
+        send = PyObject_GetAttrString(coro, "send");
+        if (send == NULL)
+            return NULL;
+    }
+    ResumeObject *r = (ResumeObject *)type->tp_alloc(type, 0);
+    if (r == NULL) {
+        Py_XDECREF(send);
+        return NULL;
+    }
+    r->vectorcall = resume_vectorcall;
+    r->ctx = Py_NewRef(ctx);
+    r->coro = Py_NewRef(coro);
+    r->send = send;
+    return (PyObject *)r;
+}
 
 /* Run the send in the context: PYGEN_NEXT (yielded *result), PYGEN_RETURN (returned *result) or
  * PYGEN_ERROR (an error set, *result NULL). */
@@ -55,7 +88,7 @@ static PySendResult
 resume_send(ResumeObject *r, PyObject **result)
 {
     /* held for the call: what the coroutine runs may drop every other reference */
-    PyObject *ctx = Py_NewRef(r->ctx), *coro = Py_NewRef(r->coro), *send = Py_NewRef(r->send);
+    PyObject *ctx = Py_NewRef(r->ctx), *coro = Py_NewRef(r->coro), *send = Py_XNewRef(r->send);
     PySendResult status;
     *result = NULL;
     if (PyContext_Enter(ctx) < 0) {
@@ -67,6 +100,14 @@ resume_send(ResumeObject *r, PyObject **result)
     else {
         *result = PyObject_CallOneArg(send, Py_None);
         status = *result != NULL ? PYGEN_NEXT : PYGEN_ERROR;
+        if (status == PYGEN_ERROR && PyErr_ExceptionMatches(PyExc_StopIteration)) {
+            /* its send returned (as the Python loop reads a StopIteration: a return, not a failure) */
+            PyObject *stop = adb_take_exception();
+            *result = PyObject_GetAttrString(stop, "value");
+            Py_DECREF(stop);
+            if (*result != NULL)
+                status = PYGEN_RETURN;
+        }
     }
     if (PyContext_Exit(ctx) < 0) {
         Py_CLEAR(*result);
@@ -75,7 +116,7 @@ resume_send(ResumeObject *r, PyObject **result)
 done:
     Py_DECREF(ctx);
     Py_DECREF(coro);
-    Py_DECREF(send);
+    Py_XDECREF(send);
     return status;
 }
 
@@ -109,19 +150,7 @@ resume_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     if (!PyArg_ParseTuple(args, "O!O:Resume", &PyContext_Type, &ctx, &coro))
         return NULL;
-    PyObject *send = PyObject_GetAttrString(coro, "send");
-    if (send == NULL)
-        return NULL;
-    ResumeObject *r = (ResumeObject *)type->tp_alloc(type, 0);
-    if (r == NULL) {
-        Py_DECREF(send);
-        return NULL;
-    }
-    r->vectorcall = resume_vectorcall;
-    r->ctx = Py_NewRef(ctx);
-    r->coro = Py_NewRef(coro);
-    r->send = send;
-    return (PyObject *)r;
+    return resume_make(type, ctx, coro);
 }
 
 static int
@@ -323,6 +352,114 @@ spin(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
 }
 
+/* Fill one UBatch for a run of `coro` as UBatch._start does: the fallible steps first (the
+ * context copy, its bound run, the Resume, the contextvar set inside the new context), then the
+ * stores in _start's order, each at its slot while `ub` is an exact UBatch and else through
+ * setattr, each replaced value released at once as the member descriptor releases it (a finalizer
+ * it runs may reassign __class__: the type is checked again before every store). 0, or -1 with an
+ * error set. */
+static int
+start_one(SpinState *st, PyObject *ub, PyObject *run, PyObject *coro, PyObject *var, PyObject *ready)
+{
+    /* in _start's order: run, coro, ctx, ctx_run, send, resume, state, tag, num_yields, unawaited_at, cancels */
+    static const int order[] = {UB_RUN, UB_CORO, UB_CTX, UB_CTX_RUN, UB_SEND, UB_RESUME, UB_STATE, UB_TAG,
+                                UB_NUM_YIELDS, UB_UNAWAITED_AT, UB_CANCELS};
+    PyObject *vals[UB_NSLOTS] = {NULL}, *ctx_run = NULL, *resume = NULL, *zero = NULL, *token;
+    int rc = -1;
+    PyObject *ctx = PyContext_CopyCurrent();
+    if (ctx == NULL)
+        return -1;
+    if ((ctx_run = PyObject_GetAttr(ctx, st->str_run)) == NULL
+        || (resume = resume_make(st->resume_type, ctx, coro)) == NULL || (zero = PyLong_FromLong(0)) == NULL)
+        goto done;
+    if (PyContext_Enter(ctx) < 0)
+        goto done;
+    token = PyContextVar_Set(var, ub);
+    if (PyContext_Exit(ctx) < 0 || token == NULL) {
+        Py_XDECREF(token);
+        goto done;
+    }
+    Py_DECREF(token);
+    vals[UB_RUN] = run;
+    vals[UB_CORO] = coro;
+    vals[UB_CTX] = ctx;
+    vals[UB_CTX_RUN] = ctx_run;
+    vals[UB_SEND] = resume;
+    vals[UB_RESUME] = resume;
+    vals[UB_STATE] = ready;
+    vals[UB_TAG] = Py_None;
+    vals[UB_NUM_YIELDS] = zero;
+    vals[UB_UNAWAITED_AT] = Py_None;
+    vals[UB_CANCELS] = zero;
+    for (size_t k = 0; k < sizeof order / sizeof order[0]; k++) {
+        int f = order[k];
+        if (Py_IS_TYPE(ub, st->ubatch_type))
+            adb_slot_set(ub, st->ub[f], vals[f]);
+        else if (PyObject_SetAttrString(ub, ub_names[f], vals[f]) < 0)
+            goto done;
+    }
+    rc = 0;
+done:
+    Py_DECREF(ctx);
+    Py_XDECREF(ctx_run);
+    Py_XDECREF(resume);
+    Py_XDECREF(zero);
+    return rc;
+}
+
+/* start(ubatches, run, coros, var, ready): for ub, coro in zip(ubatches, coros): ub._start(run, coro)
+ * (DBORun.restart's loop), with `var` (current_ubatch) and `ready` (UBatchState.READY) passed in.
+ * An exact UBatch is filled here (start_one), anything else through its own _start. Both lists
+ * are read at each step, as zip reads them. */
+static PyObject *
+start(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "start() takes 5 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    SpinState *st = get_state(module);
+    if (st == NULL)
+        return NULL;
+    if (st->ubatch_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "asyncdbo._core._spin.configure() was not called");
+        return NULL;
+    }
+    PyObject *ubs = args[0], *run = args[1], *coros = args[2], *var = args[3], *ready = args[4];
+    if (!PyList_Check(ubs) || !PyList_Check(coros)) {
+        PyErr_SetString(PyExc_TypeError, "start(): ubatches and coros must be lists");
+        return NULL;
+    }
+    if (!PyContextVar_CheckExact(var)) {
+        PyErr_Format(PyExc_TypeError, "start(): var must be a ContextVar (got %R)", var);
+        return NULL;
+    }
+    /* held: a finalizer run by a store may drop the caller's references */
+    Py_INCREF(ubs);
+    Py_INCREF(coros);
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ubs) && i < PyList_GET_SIZE(coros); i++) {
+        PyObject *ub = Py_NewRef(PyList_GET_ITEM(ubs, i)), *coro = Py_NewRef(PyList_GET_ITEM(coros, i));
+        int rc;
+        if (Py_IS_TYPE(ub, st->ubatch_type))
+            rc = start_one(st, ub, run, coro, var, ready);
+        else {
+            PyObject *r = PyObject_CallMethodObjArgs(ub, st->str_start, run, coro, NULL);
+            rc = r == NULL ? -1 : 0;
+            Py_XDECREF(r);
+        }
+        Py_DECREF(ub);
+        Py_DECREF(coro);
+        if (rc < 0)
+            goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_DECREF(ubs);
+    Py_DECREF(coros);
+    return result;
+}
+
 /* configure(UBatch): the record whose slots spin() reads. All or nothing: a type that lacks a slot
  * raises TypeError and leaves the previous configuration in place. */
 static PyObject *
@@ -349,7 +486,9 @@ configure(PyObject *module, PyObject *tp)
 static PyMethodDef module_methods[] = {
     {"spin", (PyCFunction)(void (*)(void))spin, METH_FASTCALL,
      "spin(pop, push, woken, timers, switch, install) -> (switches, ubatch, status, value): the kernel's fast loop."},
-    {"configure", configure, METH_O, "configure(UBatch): the record whose slots spin() reads."},
+    {"start", (PyCFunction)(void (*)(void))start, METH_FASTCALL,
+     "start(ubatches, run, coros, var, ready): each UBatch._start(run, coro), as DBORun.restart runs them."},
+    {"configure", configure, METH_O, "configure(UBatch): the record whose slots spin() and start() use."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -359,6 +498,9 @@ module_exec(PyObject *m)
     SpinState *st = get_state(m);
     st->resume_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &resume_spec, NULL);
     if (st->resume_type == NULL || PyModule_AddObjectRef(m, "Resume", (PyObject *)st->resume_type) < 0)
+        return -1;
+    if ((st->str_run = PyUnicode_InternFromString("run")) == NULL
+        || (st->str_start = PyUnicode_InternFromString("_start")) == NULL)
         return -1;
     if (PyModule_AddIntConstant(m, "SWITCHED", SWITCHED) || PyModule_AddIntConstant(m, "PARKED", PARKED)
         || PyModule_AddIntConstant(m, "FINISHED", FINISHED) || PyModule_AddIntConstant(m, "FAILED", FAILED)
@@ -374,6 +516,8 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
     if (st != NULL) {
         Py_VISIT(st->ubatch_type);
         Py_VISIT(st->resume_type);
+        Py_VISIT(st->str_run);
+        Py_VISIT(st->str_start);
     }
     return 0;
 }
@@ -385,6 +529,8 @@ module_clear(PyObject *m)
     if (st != NULL) {
         Py_CLEAR(st->ubatch_type);
         Py_CLEAR(st->resume_type);
+        Py_CLEAR(st->str_run);
+        Py_CLEAR(st->str_start);
     }
     return 0;
 }

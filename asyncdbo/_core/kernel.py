@@ -70,7 +70,7 @@ from .live import LIVE_RUNS
 from .parking import is_future
 from .tasks import RunTaskFactory, UBatchTaskView, attach_task_factory, enter_view, leave_view
 from .traps import SWITCH
-from .ubatch import UBatch, UBatchState
+from .ubatch import UBatch, UBatchState, current_ubatch
 
 __all__ = ["GIL_HANDOFF_S", "LIVE_RUNS", "LOOP_POLL_S", "DBORun"]
 
@@ -134,6 +134,11 @@ class DBORun(Endings):
         self._ready = deque(self.ubatches)
         self._woken = deque()
         self._timers = []
+        # spin()'s arguments without an install (a host's runs), with and without wake-ups to
+        # watch: built once per run object, as its ring and queues are (no cycle: none names the run)
+        ready = self._ready
+        self._spin_args = ((ready.popleft, ready.append, None, self._timers, SWITCH, None),
+                           (ready.popleft, ready.append, self._woken, self._timers, SWITCH, None))
         self._timer_seq = itertools.count()
         self._released = False
         self._wref = weakref.ref(self, LIVE_RUNS.forget)  # its entry in LIVE_RUNS while driven
@@ -179,8 +184,11 @@ class DBORun(Endings):
                 f"has ubatches ({len(ubs)}; got {len(coros)}, {'released' if self._released else 'not finished'}); "
                 "build a new DBORun instead"
             )
-        for ub, coro in zip(ubs, coros):
-            ub._start(self, coro)
+        if _spin is None:
+            for ub, coro in zip(ubs, coros):
+                ub._start(self, coro)
+        else:  # the same loop in C (UBatch._start is its reference)
+            _spin.start(ubs, self, coros, current_ubatch, READY)
         self._ready.extend(ubs)
         self._released = False
         self._arm(install, before_park, at_exit, instrument, watchdog_s, clock, loop_poll_s, name)
@@ -271,7 +279,8 @@ class DBORun(Endings):
             attach_task_factory(loop)
         try:
             try:
-                await self._loop_until_done()
+                if self._fresh_switch():  # not all done in one pass (they parked, or one waits on the loop)
+                    await self._loop_until_done()
             except BaseException as exc:
                 self._fail_run(exc)
                 raise
@@ -285,11 +294,18 @@ class DBORun(Endings):
             self._release()
         return results
 
+    def _fresh_switch(self) -> int:
+        """The first pass of :meth:`_loop_until_done` at the start of a run (nothing woken, no
+        timer or loop poll yet), without making its coroutine: a run whose ubatches only switch
+        ends here. Returns how many ubatches are still live."""
+        if self._ready and not (self._timers or self._woken or self._poll_due):
+            self._switch_in_view()
+        return self._live
+
     async def _loop_until_done(self) -> None:
         """Switch ubatches until every one finished; sleep while all are parked, and let the event
         loop run while one waits on it."""
         ready, woken, timers = self._ready, self._woken, self._timers
-        loop, task, view = self._loop, self._task, self._view
         while self._live:
             if timers or woken:
                 self._drain()
@@ -297,14 +313,21 @@ class DBORun(Endings):
                 await self._sleep()
             elif self._poll_due:
                 await self._let_the_loop_run()
-            elif view is None:  # no task drives the run (a bare coroutine.send): no view to enter
-                self._switch()
             else:
-                enter_view(loop, task, view)  # type: ignore[arg-type]  # a view has both
-                try:
-                    self._switch()
-                finally:
-                    leave_view(loop, task, view)  # type: ignore[arg-type]
+                self._switch_in_view()
+
+    def _switch_in_view(self) -> None:
+        """:meth:`_switch` with the run's task view as the loop's current task (no view: no task
+        drives the run, a bare coroutine.send)."""
+        view = self._view
+        if view is None:
+            self._switch()
+            return
+        enter_view(self._loop, self._task, view)  # type: ignore[arg-type]  # a view has both
+        try:
+            self._switch()
+        finally:
+            leave_view(self._loop, self._task, view)  # type: ignore[arg-type]
 
     def _switch(self) -> None:
         if _spin is not None and self.instrument is None and not self._loop_waits:
@@ -372,8 +395,9 @@ class DBORun(Endings):
         (``asyncdbo/_core/_spin.c``); it hands back what it cannot decide."""
         ready, push = self._ready, self._ready.append
         watch = self._num_parked > 0 or bool(self._timers)
-        args = (ready.popleft, push, self._woken if watch else None, self._timers, SWITCH,
-                self.install if self.installs else None)
+        args = self._spin_args[watch]
+        if self.installs:
+            args = (*args[:5], self.install)
         n = 0
         try:
             while ready:

@@ -107,17 +107,20 @@ class UBatch:
         """Fill a new or released record for a run of ``coro``: its own context (a copy of the
         caller's, with this ubatch current) and the counters at their start values. A new record
         does this once; :meth:`DBORun.restart` does it again on a released one."""
-        self.run = run
-        self.coro = coro
-        ctx = self.ctx = contextvars.copy_context()
-        self.ctx_run = ctx.run
+        # What can fail first, then the stores (as ``asyncdbo._core._spin.start``, its C twin in
+        # DBORun.restart, fills the record).
+        ctx = contextvars.copy_context()
+        ctx_run = ctx.run
         # coro.send(None) inside this ubatch's context, prebuilt: the kernel's fast path calls it
         # once per switch, with no attribute lookups or argument packing of its own.
-        self.send: Callable[[], object] = (
-            functools.partial(ctx.run, coro.send, None) if _Resume is None else _Resume(ctx, coro)
-        )
-        self.resume: Callable[[], object] = self.send  # swapped for a one-shot throw by a cancellation
-        ctx.run(current_ubatch.set, self)
+        send: Callable[[], object] = functools.partial(ctx_run, coro.send, None) if _Resume is None else _Resume(ctx, coro)
+        ctx_run(current_ubatch.set, self)
+        self.run = run
+        self.coro = coro
+        self.ctx = ctx
+        self.ctx_run = ctx_run
+        self.send = send
+        self.resume: Callable[[], object] = send  # swapped for a one-shot throw by a cancellation
         self.state = UBatchState.READY
         self.tag: str | None = None
         self.num_yields = 0
