@@ -54,12 +54,14 @@ class Shell:
     """A kernel run and its DBO state, wired together (``run.ext`` is ``state``, each lane's
     ``ub`` the record at its index), plus the reference counts of its objects when idle."""
 
-    __slots__ = ("run", "state", "baseline")
+    __slots__ = ("run", "state", "objs", "baseline")
 
     def __init__(self, n: int, backend: StreamBackend, policy: StreamPolicy) -> None:
         run = self.run = DBORun.released(n)
         state = self.state = RunState(backend=backend, policy=policy, lanes=[Lane(ub) for ub in run.ubatches])
         run.ext = state
+        # its objects, whose counts give_back compares (this tuple's own reference is in the baseline)
+        self.objs = (run, state, *run.ubatches, *state.lanes)
         self.baseline: tuple[int, ...] = ()
 
 
@@ -67,8 +69,9 @@ def _counts(shell: Shell) -> tuple[int, ...]:
     """References to each object of the shell, strong then weak. Called only from frames that
     hold the shell alone (not its run, state, records or lanes), so that two calls on the same
     idle structure agree."""
-    objs = (shell.run, shell.state, *shell.run.ubatches, *shell.state.lanes)
-    return (*map(sys.getrefcount, objs), *map(weakref.getweakrefcount, objs))
+    objs = shell.objs  # and how many records and lanes the run and state hold now (the same ones, if counts agree)
+    return (len(shell.run.ubatches), len(shell.state.lanes), *map(sys.getrefcount, objs),
+            *map(weakref.getweakrefcount, objs))
 
 
 def _build(n: int, backend: StreamBackend, policy: StreamPolicy) -> Shell:
