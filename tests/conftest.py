@@ -6,6 +6,10 @@
 * Async tests where the event loop matters (the kernel, the DBO layer, the backends, the stack
   dumps and tracer) run on both loops asyncdbo supports, asyncio's default loop and uvloop; the
   rest run on uvloop, the loop ``asyncdbo.run`` picks by default.
+* Every temporary file of the session, the test process's and its subprocesses' (rank pools'
+  store files, torchrun agents' log folders), goes into one folder under pytest's own base
+  folder (:func:`session_tmpdir`), which pytest prunes after a few runs: a process a test kills
+  with SIGKILL cannot clean up after itself, and its leftovers would otherwise stay in /tmp.
 * Multi-process tests share one pool of real gloo ranks per world size for the whole session
   (:func:`rank_pools`); a test that breaks its pool (a failed rank closes it) gets a fresh one
   for the next test instead of failing the others.
@@ -14,7 +18,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -42,6 +48,23 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
     if uvloop is not None:
         factories["uvloop"] = uvloop.new_event_loop
     return factories
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """TMPDIR for this process and every process a test starts, for the whole session."""
+    folder = tmp_path_factory.mktemp("tmp")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    tempfile.tempdir = None  # gettempdir() caches its answer: read TMPDIR again
+    try:
+        yield folder
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+        tempfile.tempdir = None
 
 
 #: Start-up bound of the tests' rank pools (spawn, import torch, join the group), generous for a
