@@ -110,91 +110,69 @@ def take(
         for lane in state.lanes:
             lane.record, lane.wait = backend.record, backend.wait
     state.policy = policy
-    install = run.install if run.installs else None
     for ub, lane in zip(run.ubatches, state.lanes):
         ub.ext = lane
-        ub.debug = debug
-        lane.install = install
+    # a released record's debug and an idle lane's install are None already
+    if debug is not None:
+        for ub in run.ubatches:
+            ub.debug = debug
+    if run.installs:
+        install = run.install
+        for lane in state.lanes:
+            lane.install = install
     return shell
 
 
-_Dropped = list[tuple[int, str, object]]  # (where: -2 the run, -1 its state, i lane i; attribute; value)
-
-
-def _where(shell: Shell, where: int) -> object:
-    return shell.run if where == -2 else shell.state if where == -1 else shell.state.lanes[where]
-
-
-def _idle(shell: Shell) -> _Dropped:
+def _idle(shell: Shell) -> None:
     """Drop what the shell's last run left in its state and lanes (the kernel run released its
-    records itself), so an idle shell holds nothing of it; return what was dropped for
-    :func:`_restore`, naming each holder by position (a reference to it would change the counts).
-    Written out field by field: every run that ends goes through here."""
-    dropped: _Dropped = []
+    records itself), so an idle shell holds nothing of it. Written out field by field: every run
+    that ends goes through here."""
     run, state = shell.run, shell.state
     if run.instrument is not None:
-        dropped.append((-2, "instrument", run.instrument))
         run.instrument = None
     if state.on_finish is not None:
-        dropped.append((-1, "on_finish", state.on_finish))
         state.on_finish = None
     if state.unsubmitted is not None:
-        dropped.append((-1, "unsubmitted", state.unsubmitted))
         state.unsubmitted = None
     if state.comm_account is not None:
-        dropped.append((-1, "comm_account", state.comm_account))
         state.comm_account = None
     if state.comm:
-        dropped.append((-1, "comm", state.comm))
         state.comm = []
     if state.events:
-        dropped.append((-1, "events", state.events))
         state.events = {}
     if state.blocking:
-        dropped.append((-1, "blocking", state.blocking))
         state.blocking = []
-    for i, lane in enumerate(state.lanes):
+    for lane in state.lanes:
         if lane.install is not None:
-            dropped.append((i, "install", lane.install))
             lane.install = None
         if lane.recv_hook is not None:
-            dropped.append((i, "recv_hook", lane.recv_hook))
             lane.recv_hook = None
         if lane.stream is not None:
-            dropped.append((i, "stream", lane.stream))
             lane.stream = None
         if lane.role != "compute":
-            dropped.append((i, "role", lane.role))
             lane.role = "compute"
         if lane.submitted:
-            dropped.append((i, "submitted", lane.submitted))
             lane.submitted = 0
         if lane.streams:
-            dropped.append((i, "streams", lane.streams))
             lane.streams = {}
         if lane.events:
-            dropped.append((i, "events", lane.events))
             lane.events = {}
-    return dropped
-
-
-def _restore(shell: Shell, dropped: _Dropped) -> None:
-    for where, attr, value in dropped:
-        setattr(_where(shell, where), attr, value)
 
 
 def give_back(shell: Shell) -> None:
     """The run of ``shell`` ended cleanly and its caller read what it needed: keep the shell for
     the next run if nothing outside it refers to its objects (see the module docstring). The
-    caller must hold the shell alone, not its run, state, records or lanes."""
-    dropped = _idle(shell)
+    caller must hold the shell alone, not its run, state, records or lanes.
+
+    The counts are read before :func:`_idle` drops what the run left: moving those values out of
+    their fields would change no count of the shell's objects (every reference a value holds
+    stays while it lives), so they are the counts the idle shell would have; a shell not reused
+    is left as its run ended, its comm records and streams included, for whoever still holds it
+    (an instrument that kept the run, a stored ``get_ubatch()``)."""
     n = len(shell.run.ubatches)
     if not _REUSE or n > MAX_UBATCHES or _counts(shell) != shell.baseline:
-        # Not reused: whoever still holds the run (an instrument that kept it, a stored
-        # get_ubatch()) reads it as it ended, its comm records and streams included.
-        _restore(shell, dropped)
         return
-    del dropped
+    _idle(shell)
     idle = _IDLE.get(n)
     if idle is None:
         idle = _IDLE.setdefault(n, [])
