@@ -16,6 +16,7 @@ from types import ModuleType
 import pytest
 
 from asyncdbo import cli
+from asyncdbo.testing import RankPool
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))  # the benchmarks import their helpers as top-level modules
@@ -266,3 +267,36 @@ def test_measure_cost_quick() -> None:
                           timeout=110, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| 61 layers (366 comm works) |" in proc.stdout
+
+
+def test_auto_measured_refuses_an_unknown_link_by_name() -> None:
+    import auto_measured  # on BENCH, a plain module: the pool's ranks import its functions by name
+
+    with pytest.raises(SystemExit, match=r"unknown link or workload \['ib401'\]; links: \['loopback', 'ib400', "):
+        auto_measured.main(["--links", "ib401"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_auto_measured_runs_one_cell_on_the_shared_ranks(pool: RankPool) -> None:
+    """One tiny cell of the measured auto benchmark on the session's 2 gloo ranks: a sweep of three
+    of the 13 configurations (one step), then one round of off, today's rule, the best fixed one
+    and auto (two steps), every configuration's trace timed on both ranks."""
+    import argparse
+
+    import auto_measured
+
+    args = argparse.Namespace(steps=2, rounds=1, sweep_rounds=1, sweep_steps=1, warmup=0, link_scale=1000.0, seed=0,
+                              timeout=150.0)
+    space = auto_measured.sweep_configs()
+    assert len(space) == 13 and space[0] == auto_measured.OFF  # off and N 2-4 x 2 splits x 2 dispatches
+    sweep = [space[0], space[1], space[-1]]
+    row = auto_measured.measure_cell(pool, "loopback", "decode-small", args, sweep=sweep)
+    assert sorted(row["total"]) == ["auto", "best fixed", "fixed N=2 today", "off"]
+    assert all(len(v) == 1 and v[0] > 0 for v in row["total"].values())
+    assert list(row["sweep"]) == ["off", "fixed N=2 token auto", "fixed N=4 balanced split"]
+    assert row["best_label"] in row["sweep"]
+    assert row["exploring_steps"] == [2]  # a fresh auto explores its first steps of each bucket
+    assert row["choices"] and all(c.startswith("decode ") for c in row["choices"])
+    table = auto_measured.render([row], args)
+    assert "| loopback | decode-small | " in table

@@ -1,0 +1,333 @@
+"""Does ``tuning="auto"`` choose well on real runs? auto against DBO off, today's fixed rule and the
+best fixed configuration a sweep finds, measured on 2 gloo ranks (issue 26, item 4).
+
+``auto_policy.py`` answers the same question on the simulated device; here every number is a
+wall clock of real ``DBORunner`` steps: 2 gloo DP ranks on 127.0.0.1 (a :class:`RankPool`, no
+port), EP over both, ``asyncdbo.models.MiniModel`` (hidden 256, 8 experts, top-2, a shared expert,
+2 layers, deterministic mode off), the host backend.
+
+**Links**: ``loopback`` (gloo's own comm, no model), ``ib400 xS`` and ``eth100 xS``: the presets
+with latency x S and bandwidth / S (``--link-scale``, default 1000: the CPU computes about 1000x
+slower than the GPUs such a link serves, as in ``moe_step.py``), so that a step's comm is long
+next to the shared machine's noise.
+
+**Workloads** (``--steps`` steps, seeded; the step *shapes* alternate so every shape bucket gets
+its share; decode requests are fresh one-token requests, so attention is cheap and the MoE layer
+is the step):
+
+- ``decode-small``: 16 or 48 decode requests per rank (today's threshold, 32, splits only 48);
+- ``prefill-heavy``: one prefill chunk of 128 or 512 tokens per rank (threshold 512);
+- ``mixed-arrivals``: 32 decode requests per rank; with probability 1/4 a 256-token prefill chunk
+  arrives on one rank (alternating) beside its decodes.
+
+**Configurations**: ``off`` (one batch, ``enabled=False``); ``fixed N=2 today`` (the runner's
+defaults: N = 2, token split, ``dispatch="auto"``, thresholds 32 decode / 512 prefill); ``auto``
+(``tuning="auto"``, default ``AutoConfig``: one runner over all the rounds, as a server keeps its
+policy, so its exploration falls in the first rounds); ``best fixed``: the fastest of auto's own
+search space run on every step (``AutoConfig().arms()``: off and N in 2, 3, 4 x token/balanced
+split x auto/split dispatch, 13), found by a sweep phase over the trace's first ``--sweep-steps``
+steps before the measuring phase. In the measuring phase the four run the whole trace one after
+the other in each of ``--rounds`` rounds, the order rotated every round. Before each phase every
+configuration runs the trace's first ``--warmup`` steps once, unrecorded.
+
+A trace's time is the sum over its steps of the slower rank's step wall time. Ratios are speed
+ratios, ``other time / auto time`` (> 1: auto faster), paired by round, median [min..max] over
+rounds. The noise is the spread of off's trace time over the rounds. ``auto after exploring``: the
+same ratio over the steps where auto had stopped exploring that step's bucket, against the best
+fixed configuration's same steps of the same round.
+
+    python benchmarks/auto_measured.py --out benchmarks/results     # ~15-25 min on the shared 2 cores
+    python benchmarks/auto_measured.py --quick                      # one link, one short workload, print only
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import publish_results, results_preamble  # noqa: E402
+
+#: ``(decode requests, prefill tokens)`` per rank: one step's shape on each rank.
+Step = tuple[tuple[int, int], ...]
+
+LINKS: dict[str, str | None] = {"loopback": None, "ib400": "ib400", "eth100": "eth100"}
+
+
+def decode_small(steps: int, rng: random.Random) -> list[Step]:
+    return [((b, 0), (b, 0)) for b in (rng.choice((16, 48)) for _ in range(steps))]
+
+
+def prefill_heavy(steps: int, rng: random.Random) -> list[Step]:
+    return [((0, c), (0, c)) for c in (rng.choice((128, 512)) for _ in range(steps))]
+
+
+def mixed_arrivals(steps: int, rng: random.Random) -> list[Step]:
+    out, turn = [], 0
+    for _ in range(steps):
+        ranks = [(32, 0), (32, 0)]
+        if rng.random() < 0.25:
+            ranks[turn] = (32, 256)
+            turn = 1 - turn
+        out.append((ranks[0], ranks[1]))
+    return out
+
+
+WORKLOADS = {"decode-small": decode_small, "prefill-heavy": prefill_heavy, "mixed-arrivals": mixed_arrivals}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration of the comparison: ``kind`` ``off`` | ``today`` | ``auto`` | ``arm``
+    (a fixed arm of auto's search space on every step: ``n``, ``split``, ``dispatch``)."""
+
+    label: str
+    kind: str
+    n: int = 1
+    split: str = "token"
+    dispatch: str = "auto"
+
+
+OFF = Config("off", "off")
+TODAY = Config("fixed N=2 today", "today")
+AUTO = Config("auto", "auto")
+
+
+def sweep_configs() -> list[Config]:
+    """auto's own search space, each configuration on every step (off is one of them)."""
+    from asyncdbo.serving import AutoConfig
+
+    return [OFF if a.num_ubatches == 1 else Config(f"fixed {a.label}", "arm", a.num_ubatches, a.split, a.dispatch)
+            for a in AutoConfig().arms()]
+
+
+# ------------------------------------------------------------------------------------ per rank
+def run_rounds(rank: int, world: int, link: str | None, scale: float, trace: list[Step], configs: list[Config],
+               rounds: int, warmup: int) -> dict[str, Any]:
+    """On every rank: ``rounds`` rounds of ``trace`` under each of ``configs`` (order rotated per
+    round). Returns this rank's step wall times ``times[label][round][step]`` and, for auto, which
+    steps ran while their bucket was still exploring and what auto chose."""
+    import asyncdbo
+
+    return asyncdbo.run(_run_rounds, rank, world, link, scale, trace, configs, rounds, warmup)  # type: ignore[arg-type]
+
+
+async def _run_rounds(rank: int, world: int, link: str | None, scale: float, trace: list[Step],
+                      configs: list[Config], rounds: int, warmup: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from asyncdbo.backends import link_spec
+    from asyncdbo.models import MiniConfig, MiniModel
+    from asyncdbo.plan import ThresholdConfig
+    from asyncdbo.serving import BatchBuilder, DBORunner, RunnerConfig
+
+    torch.set_num_threads(1)
+    group = dist.group.WORLD
+    spec = None
+    if link is not None:
+        base = link_spec(link)
+        spec = link_spec(base, latency_s=base.latency_s * scale, bandwidth_Bps=base.bandwidth_Bps / scale)
+    mcfg = MiniConfig(num_kv_blocks=256, deterministic=False)
+    model = MiniModel(mcfg, ep_group=group, max_ubatches=4)
+    builder = BatchBuilder(mcfg.kv_cache_config)
+    always = ThresholdConfig(decode_threshold=1, prefill_threshold=1)
+    g = torch.Generator().manual_seed(rank)
+    prompt = torch.randint(0, mcfg.vocab_size, (2048,), generator=g).tolist()
+
+    def runner_config(c: Config) -> RunnerConfig:
+        common: dict[str, Any] = {"backend": "host", "link": spec}
+        if c.kind == "off":
+            return RunnerConfig(enabled=False, **common)
+        if c.kind == "today":
+            return RunnerConfig(**common)
+        if c.kind == "auto":
+            return RunnerConfig(tuning="auto", **common)
+        return RunnerConfig(num_ubatches=c.n, policy=c.split, dispatch=c.dispatch, thresholds=always,  # type: ignore[arg-type]
+                            **common)
+
+    def new_runner(c: Config) -> Any:
+        return DBORunner(model, runner_config(c), dp_group=group)
+
+    def batch(step: Step) -> Any:
+        decodes, prefill = step[rank]
+        builder.reset()
+        chunks = [(rid, [prompt[rid]]) for rid in range(decodes)]
+        if prefill:
+            chunks.append((10_000, prompt[:prefill]))
+        return builder.build(chunks)
+
+    async def run_trace(runner: Any, steps: list[Step]) -> tuple[list[float], list[Any]]:
+        times, records = [], []
+        for step in steps:
+            b = batch(step)
+            t0 = time.perf_counter()
+            res = await runner.step(b)
+            times.append(time.perf_counter() - t0)
+            records.append(res.record)
+        return times, records
+
+    runners = {c.label: new_runner(c) for c in configs}
+    for c in configs:  # warm-up: the first steps of the trace, once, unrecorded (auto's on a runner of its own)
+        dist.barrier()
+        await run_trace(new_runner(c) if c.kind == "auto" else runners[c.label], trace[:warmup])
+    times: dict[str, list[list[float]]] = {c.label: [] for c in configs}
+    auto_exploring: list[list[bool]] = []
+    auto_choices: list[str] = []
+    for r in range(rounds):
+        k = r % len(configs)
+        for c in configs[k:] + configs[:k]:
+            dist.barrier()
+            ts, recs = await run_trace(runners[c.label], trace)
+            if c.kind == "auto":  # one runner over every round, as a server keeps its policy
+                auto_exploring.append([": exploring " in rec.evidence for rec in recs])
+                pol = runners[c.label].auto
+                auto_choices = [f"{b}: {pol.bucket(b).incumbent.label}" for b in sorted(pol.buckets) if b != "idle"]
+            times[c.label].append(ts)
+    return {"times": times, "auto_exploring": auto_exploring, "auto_choices": auto_choices}
+
+
+# ------------------------------------------------------------------------------------ parent side
+def group_times(per_rank: list[dict[str, Any]], label: str) -> list[list[float]]:
+    """``[round][step]``: the slower rank's step time."""
+    return [[max(ts) for ts in zip(*rounds)] for rounds in zip(*(r["times"][label] for r in per_rank))]
+
+
+def spread(xs: list[float], fmt: str = "{:.3f}") -> str:
+    return f"{fmt.format(statistics.median(xs))} [{fmt.format(min(xs))}..{fmt.format(max(xs))}]"
+
+
+def measure_cell(pool: Any, link: str, workload: str, args: argparse.Namespace,
+                 say: Any = lambda s: None, sweep: list[Config] | None = None) -> dict[str, Any]:
+    """Sweep (``sweep``: default :func:`sweep_configs`), then the measuring rounds, for one link and
+    workload; one table row's numbers."""
+    trace = WORKLOADS[workload](args.steps, random.Random(args.seed))
+    warmup = min(args.warmup, len(trace))
+    timeout = args.timeout
+    sweep = sweep_configs() if sweep is None else sweep
+    t0 = time.perf_counter()
+    sweep_trace = trace[:args.sweep_steps or len(trace)]
+    res = pool.run(run_rounds, LINKS[link], args.link_scale, sweep_trace, sweep, args.sweep_rounds, warmup,
+                   timeout_s=timeout)
+    sweep_s = {c.label: statistics.median(sum(ts) for ts in group_times(res, c.label)) for c in sweep}
+    best = min(sweep, key=lambda c: (sweep_s[c.label], sweep.index(c)))
+    say(f"{link} {workload}: swept {len(sweep)} in {time.perf_counter() - t0:.0f} s, best {best.label}")
+    best_cfg = Config("best fixed", best.kind, best.n, best.split, best.dispatch)
+    configs = [OFF, TODAY, best_cfg, AUTO]
+    t1 = time.perf_counter()
+    res = pool.run(run_rounds, LINKS[link], args.link_scale, trace, configs, args.rounds, warmup, timeout_s=timeout)
+    say(f"{link} {workload}: measured in {time.perf_counter() - t1:.0f} s")
+    g = {c.label: group_times(res, c.label) for c in configs}
+    total = {k: [sum(ts) for ts in v] for k, v in g.items()}
+    exploring = res[0]["auto_exploring"]
+    assert all(r["auto_exploring"] == exploring for r in res), "the ranks disagree on what auto explored"
+    after = []
+    for rnd, flags in enumerate(exploring):
+        idx = [i for i, f in enumerate(flags) if not f]
+        if idx:
+            after.append(sum(g["best fixed"][rnd][i] for i in idx) / sum(g["auto"][rnd][i] for i in idx))
+    ratio = lambda a, b: [x / y for x, y in zip(total[a], total[b])]  # noqa: E731
+    return {
+        "link": link, "workload": workload, "steps": len(trace), "total": total,
+        "sweep": sweep_s, "best_label": best.label,
+        "auto_vs_off": ratio("off", "auto"), "auto_vs_today": ratio("fixed N=2 today", "auto"),
+        "auto_vs_best": ratio("best fixed", "auto"),
+        "noise": (max(total["off"]) - min(total["off"])) / statistics.median(total["off"]),
+        "after": after, "auto_vs_best_sum": sum(total["best fixed"]) / sum(total["auto"]), "exploring_steps": [sum(f) for f in exploring], "choices": res[0]["auto_choices"],
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        f"\n2 gloo ranks, MiniModel (hidden 256, 8 experts top-2, 1 shared expert, 2 layers), host backend; links "
+        f"scaled x{args.link_scale:g} (latency x, bandwidth /); {args.steps} steps per trace, seed {args.seed}; "
+        f"a sweep of 13 configurations over the trace's first {args.sweep_steps or args.steps} steps "
+        f"({args.sweep_rounds} round(s)), then {args.rounds} measuring rounds of 4 configurations (order rotated), "
+        f"{args.warmup} warm-up steps per configuration before each phase. Trace times: seconds, the sum over "
+        "steps of the slower rank's step, median [min..max] over rounds. Ratios: other / auto (> 1: auto "
+        "faster), paired by round, median [min..max]. Noise: the spread of off's trace time over the rounds, "
+        "(max - min) / median. auto is one runner over all rounds (its exploration falls in the first ones); "
+        "'all rounds summed': the best fixed's total time over auto's, exploration included; 'after exploring': "
+        "over the steps where auto had stopped exploring that step's bucket, the best fixed's time of the same "
+        "steps over auto's, per round that has such steps.\n\n",
+        "| link | workload | off s | fixed N=2 today s | best fixed s | auto s | noise | auto vs off | "
+        "auto vs today | auto vs best | auto vs best, all rounds summed | auto vs best after exploring | "
+        "auto exploring steps |\n",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    ]
+    for r in rows:
+        t = r["total"]
+        after = spread(r["after"]) if r["after"] else "n/a"
+        lines.append(
+            f"| {r['link']} | {r['workload']} | {spread(t['off'], '{:.2f}')} | {spread(t['fixed N=2 today'], '{:.2f}')} | "
+            f"{spread(t['best fixed'], '{:.2f}')} | {spread(t['auto'], '{:.2f}')} | {r['noise']:.1%} | "
+            f"{spread(r['auto_vs_off'])} | {spread(r['auto_vs_today'])} | {spread(r['auto_vs_best'])} | "
+            f"{r['auto_vs_best_sum']:.3f} | {after} | {sum(r['exploring_steps'])} of {r['steps'] * len(t['auto'])} |\n")
+    lines.append("\nThe sweep (median trace seconds per configuration), the best fixed one, and auto's final "
+                 "choice per shape bucket:\n\n")
+    for r in rows:
+        sw = ", ".join(f"{k} {v:.2f}" for k, v in r["sweep"].items())
+        lines.append(f"- {r['link']} {r['workload']} ({r['wall_s']:.0f} s): best {r['best_label']}; auto chose "
+                     f"{'; '.join(r['choices'])}. Sweep: {sw}\n")
+    return "".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=24, help="steps per trace (default 24)")
+    parser.add_argument("--rounds", type=int, default=4, help="measuring rounds (default 4)")
+    parser.add_argument("--sweep-rounds", type=int, default=1, help="sweep rounds (default 1)")
+    parser.add_argument("--sweep-steps", type=int, default=12,
+                        help="the sweep runs the trace's first steps only (default 12; 0: all of them)")
+    parser.add_argument("--warmup", type=int, default=2, help="unrecorded warm-up steps per configuration (default 2)")
+    parser.add_argument("--link-scale", type=float, default=1000.0, help="latency x, bandwidth / (default 1000)")
+    parser.add_argument("--links", default=",".join(LINKS), help=f"comma-separated, of {list(LINKS)}")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {list(WORKLOADS)}")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per pool call before it fails")
+    parser.add_argument("--quick", action="store_true", help="ib400, decode-small, 8 steps, 1 round, print only")
+    parser.add_argument("--out", type=Path, default=None, help="write the results file into this folder")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.links, args.workloads, args.steps, args.rounds, args.sweep_rounds, args.sweep_steps, args.warmup = (
+            "ib400", "decode-small", 8, 2, 1, 4, 1)
+    links, workloads = args.links.split(","), args.workloads.split(",")
+    bad = [x for x in links if x not in LINKS] + [x for x in workloads if x not in WORKLOADS]
+    if bad:
+        raise SystemExit(f"unknown link or workload {bad}; links: {list(LINKS)}, workloads: {list(WORKLOADS)}")
+    if args.steps < 1 or args.rounds < 1 or args.sweep_rounds < 1 or args.warmup < 0 or args.link_scale <= 0 \
+            or args.sweep_steps < 0:
+        raise SystemExit(f"--steps ({args.steps}), --rounds ({args.rounds}) and --sweep-rounds ({args.sweep_rounds}) "
+                         f"must be >= 1, --warmup ({args.warmup}) and --sweep-steps ({args.sweep_steps}) >= 0, "
+                         f"--link-scale ({args.link_scale}) > 0")
+    from asyncdbo.testing import RankPool
+
+    lines, info = results_preamble("auto vs off, today's fixed rule and the best fixed configuration (measured)",
+                                   "python benchmarks/auto_measured.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    rows, t0 = [], time.perf_counter()
+    say = (lambda s: print(f"[{time.perf_counter() - t0:.0f} s] {s}", file=sys.stderr)) if not args.quick else (
+        lambda s: None)
+    import os
+
+    with RankPool(2, timeout_s=args.timeout, start_timeout_s=300.0) as pool:
+        for link in links:
+            for workload in workloads:
+                rows.append(measure_cell(pool, link, workload, args, say))
+                say(next(ln for ln in render(rows[-1:], args).splitlines() if ln.startswith(f"| {link} ")))
+    load_end = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    lines.append(render(rows, args))
+    lines.append(f"\nWall time {time.perf_counter() - t0:.0f} s; load average at the end {load_end}.\n")
+    publish_results("".join(lines), None if args.quick else args.out, "auto_measured", info)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
