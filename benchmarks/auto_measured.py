@@ -70,7 +70,8 @@ def prefill_heavy(steps: int, rng: random.Random) -> list[Step]:
 
 
 def mixed_arrivals(steps: int, rng: random.Random) -> list[Step]:
-    out, turn = [], 0
+    out: list[Step] = []
+    turn = 0
     for _ in range(steps):
         ranks = [(32, 0), (32, 0)]
         if rng.random() < 0.25:
