@@ -117,7 +117,7 @@ def run_rounds(rank: int, world: int, link: str | None, scale: float, trace: lis
     steps ran while their bucket was still exploring and what auto chose."""
     import asyncdbo
 
-    return asyncdbo.run(_run_rounds, rank, world, link, scale, trace, configs, rounds, warmup)  # type: ignore[arg-type]
+    return asyncdbo.run(_run_rounds, rank, world, link, scale, trace, configs, rounds, warmup)
 
 
 async def _run_rounds(rank: int, world: int, link: str | None, scale: float, trace: list[Step],
