@@ -17,8 +17,8 @@ is the step):
 
 - ``decode-small``: 16 or 48 decode requests per rank (today's threshold, 32, splits only 48);
 - ``prefill-heavy``: one prefill chunk of 128 or 512 tokens per rank (threshold 512);
-- ``mixed-arrivals``: 32 decode requests per rank; with probability 1/4 a 256-token prefill chunk
-  arrives on one rank (alternating) beside its decodes.
+- ``mixed-arrivals``: 32 decode requests per rank; in a quarter of the steps (seeded positions) a
+  256-token prefill chunk arrives on one rank (alternating) beside its decodes.
 
 **Configurations**: ``off`` (one batch, ``enabled=False``); ``fixed N=2 today`` (the runner's
 defaults: N = 2, token split, ``dispatch="auto"``, thresholds 32 decode / 512 prefill); ``auto``
@@ -70,14 +70,12 @@ def prefill_heavy(steps: int, rng: random.Random) -> list[Step]:
 
 
 def mixed_arrivals(steps: int, rng: random.Random) -> list[Step]:
-    out: list[Step] = []
-    turn = 0
-    for _ in range(steps):
-        ranks = [(32, 0), (32, 0)]
-        if rng.random() < 0.25:
-            ranks[turn] = (32, 256)
-            turn = 1 - turn
-        out.append((ranks[0], ranks[1]))
+    # A quarter of the steps, drawn without replacement: a short trace drawn step by step with
+    # probability 1/4 can have none (24 steps, seed 0 had none).
+    arrivals = sorted(rng.sample(range(steps), steps // 4))
+    out: list[Step] = [((32, 0), (32, 0))] * steps
+    for turn, i in enumerate(arrivals):
+        out[i] = ((32, 256), (32, 0)) if turn % 2 == 0 else ((32, 0), (32, 256))
     return out
 
 

@@ -7,10 +7,11 @@ fixed rules, the runner's own ``AutoPolicy`` code for auto, every composition si
 the sim (DeepSeek-V3 MoE layers on H200, DeepEP-fitted comm) and shared by every policy. The
 numbers are predicted MoE-layer times, not wall clocks: the sim is deterministic, so a replay has
 no noise and "side by side" means the same steps and the same simulations for every policy; there
-is nothing to interleave or take a median of. Real 2-rank gloo runs were not used: on the shared
-2-core machine (load 6-15) their step-to-step noise is larger than the 3% this compares (see
-``benchmarks/results/fused_choice_*``), and a sweep of every fixed configuration over three links
-and three workloads would take hours there.
+is nothing to interleave or take a median of. Real 2-rank gloo runs are ``auto_measured.py``'s: on
+the shared 2-core machine (load 6-15) their step-to-step noise is larger than the 3% this compares
+(see ``benchmarks/results/fused_choice_*`` and ``auto_measured_*``), and a sweep of these 145 fixed
+configurations over three links and three workloads would take hours there, so that one measures a
+small model, short traces and auto's own 13 configurations.
 
 **Links**: ``nvlink`` (EP 8 inside one node: the fast end; the sim has no loopback), ``ib400``
 (EP 32 over 400 Gb/s InfiniBand), ``eth100`` (EP 32 over 100 Gb/s Ethernet: the slow one), the

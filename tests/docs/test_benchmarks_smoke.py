@@ -276,6 +276,19 @@ def test_auto_measured_refuses_an_unknown_link_by_name() -> None:
         auto_measured.main(["--links", "ib401"])
 
 
+def test_auto_measured_workloads_have_the_shapes_they_name() -> None:
+    import random
+
+    import auto_measured
+
+    trace = auto_measured.mixed_arrivals(24, random.Random(0))
+    arrivals = [i for i, step in enumerate(trace) if step != ((32, 0), (32, 0))]
+    assert len(arrivals) == 6  # a quarter of the steps, whatever the seed
+    assert [trace[i] for i in arrivals] == [((32, 256), (32, 0)), ((32, 0), (32, 256))] * 3  # alternating ranks
+    assert {s for s in auto_measured.decode_small(24, random.Random(0))} == {((16, 0), (16, 0)), ((48, 0), (48, 0))}
+    assert {s for s in auto_measured.prefill_heavy(24, random.Random(0))} == {((0, 128), (0, 128)), ((0, 512), (0, 512))}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_auto_measured_runs_one_cell_on_the_shared_ranks(pool: RankPool) -> None:
