@@ -77,25 +77,32 @@ def _rows(t: torch.Tensor, dim: int, index: Any) -> Region:
         return span(t)
     dim = dim % t.dim()
     n = int(t.shape[dim])
-    # Read the index values with the sim's own modes off: this is the checker looking, not the run.
-    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
-        values = sorted({int(v) % n if n else 0 for v in index.reshape(-1).tolist()})
-    if not values:
-        return ()
     size = t.element_size()
     step = int(t.stride(dim)) * size
     base = int(t.storage_offset()) * size
     rest = 1 + sum((int(m) - 1) * int(s) for i, (m, s) in enumerate(zip(t.shape, t.stride())) if i != dim)
     width = rest * size
-    out: list[tuple[int, int]] = []
-    for v in values:
-        lo = base + v * step
-        if out and out[-1][1] >= lo:
-            out[-1] = (out[-1][0], max(out[-1][1], lo + width))
+    # Read the index values with the sim's own modes off: this is the checker looking, not the run.
+    # Vectorized: a dispatch index of a 16k-token prefill has ~10^5 entries, too many for a loop.
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        flat = index.detach().reshape(-1).to("cpu", torch.int64)
+        if flat.numel() == 0:
+            return ()
+        if step < 0:
+            return span(t)
+        if n:  # which of the n rows are named, without sorting the (often expanded) index
+            named = torch.zeros(n, dtype=torch.bool)
+            named[torch.remainder(flat, n)] = True
+            values = torch.nonzero(named).reshape(-1)
         else:
-            out.append((lo, lo + width))
-    if step < 0 or any(b[0] < a[1] for a, b in zip(out, out[1:])):
-        return span(t)
+            values = torch.zeros(1, dtype=torch.int64)
+        lo = base + values * step
+        # rows merge with the one before when they touch: a new interval starts where the gap opens
+        starts = torch.ones_like(values, dtype=torch.bool)
+        starts[1:] = (values[1:] - values[:-1]) * step > width
+        first = torch.nonzero(starts).reshape(-1)
+        last = torch.cat([first[1:] - 1, torch.tensor([values.numel() - 1])])
+        out = list(zip(lo[first].tolist(), (lo[last] + width).tolist()))
     return tuple(out)
 
 

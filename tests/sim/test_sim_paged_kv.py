@@ -147,3 +147,22 @@ def test_check_paged_kv_refuses_a_workload(capsys: pytest.CaptureFixture[str]) -
     assert _check(["--paged-kv", "--workload", "synthetic"]) == 2
     assert capsys.readouterr().err == ("asyncdbo check: error: --paged-kv checks one serving step of its own; drop "
                                        "--workload (or --paged-kv)\n")
+
+
+def test_an_indexed_op_claims_the_byte_ranges_of_the_rows_it_names() -> None:
+    """The regions are the rows' bytes (16 per row of a [8, 4] float32 cache), negative indices
+    wrap, repeats count once, touching rows merge; a view starts at its storage offset; an
+    index with ~10^6 entries (an expanded dispatch index) is read without a Python loop."""
+    from asyncdbo.sim.ops import self_region
+
+    aten = torch.ops.aten
+    cache_SK = torch.zeros(8, 4)
+    region = self_region(aten.index_select.default, (cache_SK, 0, torch.tensor([5, 1, 2, 2, -1])), {})
+    assert region == ((16, 48), (80, 96), (112, 128))
+    assert self_region(aten.index_copy_.default, (cache_SK[2:], 0, torch.tensor([0]), torch.zeros(1, 4)), {}) \
+        == ((32, 48),)
+    assert self_region(aten.index_select.default, (cache_SK, 0, torch.tensor([], dtype=torch.long)), {}) == ()
+    big = torch.arange(8).repeat_interleave(125_000)  # every row, 10^6 entries
+    assert self_region(aten.index_select.default, (cache_SK, 0, big), {}) == ((0, 128),)
+    # along dim 1 a "row" is a column: strided, so each named column claims its span down the rows
+    assert self_region(aten.index_select.default, (cache_SK, 1, torch.tensor([3])), {}) == ((12, 128),)
