@@ -167,6 +167,10 @@ def _where(ub: UBatch) -> str:
     return "start" if frame is None else f"{frame.filename}:{frame.lineno} in {frame.name}"
 
 
+#: The blocking detector's wall clock (a module attribute, so a test can put its own clock here).
+_wall = time.perf_counter
+
+
 class _ThreadTimes:
     """This thread's CPU time and the time it waited for a CPU while runnable, in seconds, from
     ``/proc/thread-self/schedstat`` (Linux); elsewhere ``time.thread_time`` and no wait time."""
@@ -218,14 +222,14 @@ class BlockingDetector(Instrument):
 
     def resuming(self, ub: UBatch) -> None:
         cpu, runq = self._times.read()
-        self._open[ub.id] = (time.perf_counter(), cpu, runq, self._clock.now(), ub.tag, _where(ub))
+        self._open[ub.id] = (_wall(), cpu, runq, self._clock.now(), ub.tag, _where(ub))
 
     def stepped(self, ub: UBatch, request: object) -> None:
         opened = self._open.pop(ub.id, None)
         if opened is None:
             return
         w0, cpu0, runq0, t0, from_tag, from_where = opened
-        wall = time.perf_counter() - w0
+        wall = _wall() - w0
         cpu, runq = self._times.read()
         blocked = wall - (runq - runq0) - ((cpu - cpu0) if self._host else 0.0)
         if blocked > self.threshold_s:

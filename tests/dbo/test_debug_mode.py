@@ -86,26 +86,48 @@ async def test_the_checker_works_as_an_explicit_instrument_and_is_reusable() -> 
 
 
 # ---------------------------------------------------------------- blocking code between yields
-async def test_debug_mode_reports_a_step_that_blocks_with_its_yield_points_and_lines() -> None:
-    import time
-
+async def test_debug_mode_reports_a_step_that_blocks_with_its_yield_points_and_lines(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The detector's clocks are this test's: ubatch 1's step between 'attn' and 'moe' takes 50 ms
+    of wall time, 5 ms of it on the CPU (compute, on the host backend) and 7 ms waiting for a CPU
+    (the machine's doing): blocked 38 ms, above the 20 ms threshold; every other step takes none."""
     from asyncdbo import run_ubatches_with_stats
+    from asyncdbo.dbo import debug
+
+    now = {"wall": 0.0, "cpu": 0.0, "runq": 0.0}
+    monkeypatch.setattr(debug, "_wall", lambda: now["wall"])
+    monkeypatch.setattr(debug._ThreadTimes, "read", lambda self: (now["cpu"], now["runq"]))
 
     async def forward(i: int) -> int:
         await dbo_yield("attn")
-        if i == 1:
-            time.sleep(0.05)  # a host sync in disguise: nothing else can run meanwhile
+        if i == 1:  # a host sync in disguise: nothing else can run meanwhile
+            now["wall"] += 0.050
+            now["cpu"] += 0.005
+            now["runq"] += 0.007
         await dbo_yield("moe")  # BLOCKED BEFORE THIS
         return i
 
     with open(__file__) as f:
         line = next(n + 1 for n, ln in enumerate(f) if ln.rstrip().endswith("# BLOCKED BEFORE THIS"))
     _, stats = await run_ubatches_with_stats(forward, [(0,), (1,)], debug=True, blocking_s=0.02)
-    (step,) = [b for b in stats.blocking if b.ub == 1]
-    assert (step.from_tag, step.to_tag) == ("attn", "moe")
+    (step,) = stats.blocking
+    assert (step.ub, step.from_tag, step.to_tag) == (1, "attn", "moe")
     assert step.to_where.endswith(f"tests/dbo/test_debug_mode.py:{line} in test_debug_mode_reports_a_step_that_blocks_with_its_yield_points_and_lines.<locals>.forward")
-    assert step.blocked_s >= 0.04  # the 50 ms sleep, less the tick granularity of the kernel's CPU accounting
-    assert step.describe().startswith(f"asyncdbo: ubatch 1 blocked the CPU for {step.blocked_s * 1e3:.1f} ms between yield points 'attn'")
+    assert step.blocked_s == pytest.approx(0.038)
+    assert step.describe().startswith("asyncdbo: ubatch 1 blocked the CPU for 38.0 ms between yield points 'attn'")
+
+
+async def test_the_thread_times_are_this_threads_cpu_and_run_queue_wait() -> None:
+    from asyncdbo.dbo.debug import _ThreadTimes
+
+    times = _ThreadTimes()
+    try:
+        cpu0, runq0 = times.read()
+        sum(range(10**6))
+        cpu1, runq1 = times.read()
+    finally:
+        times.close()
+    assert cpu1 > cpu0 and runq1 >= runq0
 
 
 async def test_outside_debug_mode_nothing_is_measured() -> None:
