@@ -23,7 +23,7 @@ without yielding): on the host backend the CPU is the compute stream, so a yield
 issue would only delay the comm behind the other ubatch's compute.
 
 What it shows: DBO no faster than serial (a speedup below 1x: 0.84-0.95x in four runs on a
-2-core VM shared with other jobs), and the CPU blocked for about one link latency per ubatch and layer.
+2-core VM shared with other jobs), and the CPU blocked for most of one link latency per ubatch and layer.
 ``04_item_kills_overlap_fixed.py`` is the same step with the wait made a park;
 ``tests/docs/test_examples_claims.py`` runs both in one process, alternating, and checks that
 04's speedup is at least 1.15x this one's.

@@ -8,8 +8,8 @@ the time its thread waited for a CPU core (other jobs' load; Linux's schedstat).
 shared with other jobs at load average 10-11, 04/03 measured 1.23-1.35 that way in four runs (04
 1.12-1.21x, 03 0.84-0.95x), where the plain wall-time ratio of the same runs spread over
 1.10-2.03; the stated margin is 1.15. The blocked time is a measure of the schedule, not of the
-machine's speed: 03 blocks the CPU for about one link latency (4 ms) per ubatch and layer, 04
-never.
+machine's speed: 03 blocks the CPU for most of one link latency (4 ms) per ubatch and layer (2.7-3.5
+ms on average over a step's 6 in one run on that VM), 04 never.
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def test_the_fixed_example_beats_the_broken_one_by_the_stated_margin() -> None:
     fixed = median([r["speedup"] for r in runs["fixed"]])
     assert fixed / broken >= MARGIN, (fixed, broken, runs)
 
-    # 03 blocks the thread once per ubatch and layer for about the link latency; 04 parks instead.
+    # 03 blocks the thread once per ubatch and layer for most of the link latency (less what the
+    # other ubatch's work already covered of it, and only steps past the example's 3 ms blocking
+    # threshold count); 04 parks instead.
     expected_block_s = 2 * data["layers"] * data["latency_s"]
-    assert median([r["dbo_blocked_s"] for r in runs["broken"]]) >= 0.75 * expected_block_s, runs
+    assert median([r["dbo_blocked_s"] for r in runs["broken"]]) >= 0.5 * expected_block_s, runs
     assert median([r["dbo_blocked_s"] for r in runs["fixed"]]) <= 0.25 * expected_block_s, runs
