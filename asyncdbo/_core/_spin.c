@@ -220,6 +220,25 @@ get_state(PyObject *module)
     return (SpinState *)PyModule_GetState(module);
 }
 
+/* The module state of a configured module, for an entry point `name` taking `want` arguments;
+ * NULL with the exception set when the count is wrong or configure() was not called. */
+static SpinState *
+configured_state(PyObject *module, Py_ssize_t nargs, Py_ssize_t want, const char *name)
+{
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
+        return NULL;
+    }
+    SpinState *st = get_state(module);
+    if (st == NULL)
+        return NULL;
+    if (st->ubatch_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "asyncdbo._core._spin.configure() was not called");
+        return NULL;
+    }
+    return st;
+}
+
 /* ub.<field> as a new reference: at its slot for an exact UBatch, else through the attribute. */
 static inline PyObject *
 ub_get(SpinState *st, PyObject *ub, int field)
@@ -264,17 +283,9 @@ take_error(void)
 static PyObject *
 spin(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "spin() takes 6 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    SpinState *st = get_state(module);
+    SpinState *st = configured_state(module, nargs, 6, "spin");
     if (st == NULL)
         return NULL;
-    if (st->ubatch_type == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "asyncdbo._core._spin.configure() was not called");
-        return NULL;
-    }
     /* The arguments are the caller's (alive for the call); `timers` must stay a list. */
     PyObject *pop = args[0], *push = args[1], *woken = args[2], *timers = args[3], *switch_ = args[4];
     PyObject *install = args[5] == Py_None ? NULL : args[5];
@@ -414,17 +425,9 @@ done:
 static PyObject *
 start(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "start() takes 5 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    SpinState *st = get_state(module);
+    SpinState *st = configured_state(module, nargs, 5, "start");
     if (st == NULL)
         return NULL;
-    if (st->ubatch_type == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "asyncdbo._core._spin.configure() was not called");
-        return NULL;
-    }
     PyObject *ubs = args[0], *run = args[1], *coros = args[2], *var = args[3], *ready = args[4];
     if (!PyList_Check(ubs) || !PyList_Check(coros)) {
         PyErr_SetString(PyExc_TypeError, "start(): ubatches and coros must be lists");
