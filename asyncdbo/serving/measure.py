@@ -46,9 +46,9 @@ def host_timing(stats: RunStats, step_s: float) -> StepTiming:
     backend that tracks none, an accelerator's, gives the step time alone).
 
     comm = union of [issue, ready]; waited = union of [first wait, ready] (a ubatch parked on the
-    work); exposed = the kernel's time with every ubatch parked (capped at comm); hidden by other
-    ubatches = waited - exposed (parked, but another ubatch ran); hidden by its own ubatch = comm
-    - waited."""
+    work); exposed = the kernel's time with every ubatch parked (capped at waited; all of waited
+    with one ubatch); hidden by other ubatches = waited - exposed (parked, but another ubatch ran);
+    hidden by its own ubatch = comm - waited."""
     comm: tuple[CommRecord, ...] = stats.comm
     if not comm:
         if stats.time_asleep_s > 0:  # parked on something the backend does not track
@@ -72,7 +72,10 @@ def host_timing(stats: RunStats, step_s: float) -> StepTiming:
     waits.sort()
     comm_s = _union_sorted(flight)
     waited = min(_union_sorted(waits), comm_s)
-    exposed = min(stats.time_asleep_s, waited)
+    # One ubatch: nobody else can run while it waits, so all its waiting is exposed. The kernel's
+    # asleep time is that same span read at other moments (after the kernel's own bookkeeping
+    # around the park), which under load came out 20 us shorter and read as "hidden by others".
+    exposed = waited if stats.num_ubatches == 1 else min(stats.time_asleep_s, waited)
     return StepTiming(step_s=step_s, num_ubatches=stats.num_ubatches, comm_s=comm_s, exposed_s=exposed,
                       hidden_by_others_s=waited - exposed, hidden_own_s=comm_s - waited, source="host")
 

@@ -38,6 +38,15 @@ def test_host_timing_splits_comm_into_exposed_hidden_by_others_and_own() -> None
     assert t.describe() == "step 6000.00 ms, comm 5000.00 ms (1000.00 exposed, 3000.00 hidden by other ubatches, 1000.00 by its own)"
 
 
+def test_with_one_ubatch_all_waiting_is_exposed() -> None:
+    # the kernel's asleep time reads a little short of the wait (its bookkeeping around the park):
+    # with nobody else to run, none of the wait is hidden by another ubatch
+    comm = (CommRecord(ub=0, what="dispatch", nbytes=8, t_issue=0.0, t_done=4.0, t_wait=1.0),)
+    assert host_timing(_stats(comm, asleep=2.99998, n=1), step_s=5.0) == StepTiming(
+        step_s=5.0, num_ubatches=1, comm_s=4.0, exposed_s=3.0, hidden_by_others_s=0.0, hidden_own_s=1.0,
+        source="host")
+
+
 def test_host_timing_without_comm() -> None:
     assert host_timing(_stats((), asleep=0.0, n=1), 0.5) == StepTiming(
         step_s=0.5, num_ubatches=1, comm_s=0.0, exposed_s=0.0, hidden_by_others_s=0.0, hidden_own_s=0.0, source="host")
