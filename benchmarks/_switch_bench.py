@@ -169,8 +169,8 @@ class _NoHooksRun(DBORun):
     branches cost when no instrument is set; keep it in step with asyncdbo/_core/kernel.py's
     ``DBORun._loop_until_done`` and ``DBORun._switch_in_python``."""
 
-    def _fresh_switch(self) -> int:
-        return self._live  # every pass in the loop below
+    def _switch(self) -> None:
+        """Nothing: drive()'s first pass leaves every pass to the loop below."""
 
     async def _loop_until_done(self) -> None:
         ready, woken, timers = self._ready, self._woken, self._timers

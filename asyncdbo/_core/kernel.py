@@ -58,7 +58,8 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine
-from types import ModuleType
+from asyncio import tasks as _tasks
+from types import BuiltinFunctionType, ModuleType
 from typing import Any
 
 from .cancel import throw_at_next_resume
@@ -90,6 +91,14 @@ _spin = _load_spin()
 _SWITCHED, _PARKED, _FINISHED, _FAILED = 0, 1, 2, 3  # what _spin.spin reports (its enum)
 _MONOTONIC = MonotonicClock()
 _now = time.perf_counter
+# What drive() asks the loop for once per run, without asyncio's Python wrappers: on 3.11
+# ``asyncio.current_task`` is a Python function (its dict lookup is done inline in drive), from
+# 3.12 the C one. ``_enter_task``/``_leave_task`` are asyncio's (C where _asyncio is built).
+_get_running_loop = asyncio.get_running_loop
+_current_task: Callable[[asyncio.AbstractEventLoop], Any] | None = (
+    asyncio.current_task if isinstance(asyncio.current_task, BuiltinFunctionType) else None
+)
+_enter_task, _leave_task = _tasks._enter_task, _tasks._leave_task
 
 #: Default for how often the kernel lets the event loop run while a ubatch waits on it and others
 #: keep switching (seconds of real time).
@@ -141,6 +150,10 @@ class DBORun(Endings):
                            (ready.popleft, ready.append, self._woken, self._timers, SWITCH, None))
         self._timer_seq = itertools.count()
         self._released = False
+        self._installed: object = None
+        self._wakeup = None
+        self._task: asyncio.Task[Any] | None = None
+        self._view: UBatchTaskView | None = None
         self._wref = weakref.ref(self, LIVE_RUNS.forget)  # its entry in LIVE_RUNS while driven
         hash(self._wref)  # computed while the run lives: the callback finds a dead reference by it
         self._arm(install, before_park, at_exit, instrument, watchdog_s, clock, loop_poll_s, name)
@@ -175,6 +188,17 @@ class DBORun(Endings):
         that was driven to its end (which released every ubatch) can restart: building its
         records again is most of what a short run costs (benchmarks/run_setup.py), and a
         caller that runs one shape again and again (``asyncdbo.dbo``'s run shells) need not."""
+        self._refill(coros)
+        self._arm(install, before_park, at_exit, instrument, watchdog_s, clock, loop_poll_s, name)
+
+    def rerun(self, coros: list[Coroutine[Any, Any, Any]]) -> None:
+        """:meth:`restart` with the options its last :meth:`restart` (or ``__init__``) gave it:
+        only the records and the per-run counters are set again. A caller that runs one shape
+        with one set of options step after step (``asyncdbo.dbo``'s run shells) passes them once."""
+        self._refill(coros)
+        self._reset()
+
+    def _refill(self, coros: list[Coroutine[Any, Any, Any]]) -> None:
         ubs = self.ubatches
         if not self._released or len(coros) != len(ubs):
             for c in coros:
@@ -191,7 +215,6 @@ class DBORun(Endings):
             _spin.start(ubs, self, coros, current_ubatch, READY)
         self._ready.extend(ubs)
         self._released = False
-        self._arm(install, before_park, at_exit, instrument, watchdog_s, clock, loop_poll_s, name)
 
     def _arm(
         self,
@@ -204,12 +227,23 @@ class DBORun(Endings):
         loop_poll_s: float,
         name: str | None,
     ) -> None:
-        """Every per-run field at its start value (the ubatches are in the ready ring)."""
-        self.name = name or f"dbo-run-{next(self._ids)}"
+        """The run's options, then every per-run field at its start value (the ubatches are in
+        the ready ring)."""
+        self._name = name
         self.instrument = instrument
         self.watchdog_s = watchdog_s
         self.clock = _MONOTONIC if clock is None else clock
         self.loop_poll_s = loop_poll_s
+        self._install = install
+        self.installs = install is not None  # whether install() has anything to do (a host: no)
+        self._before_park = before_park
+        self._at_exit = at_exit
+        self._reset()
+
+    def _reset(self) -> None:
+        """Every per-run field at its start value (a released run has ``_installed``, ``_wakeup``,
+        ``_task`` and ``_view`` None already: :meth:`_release`)."""
+        self._serial = next(self._ids)  # names the run unless its options did (``name``)
         self.num_parks = 0
         self.num_switches = 0
         self._num_parked = 0
@@ -218,17 +252,9 @@ class DBORun(Endings):
         self._poll_due = False
         self._loop_wait_since = 0.0
         self.time_asleep_s = 0.0
-        self._install = install
-        self.installs = install is not None  # whether install() has anything to do (a host: no)
-        self._before_park = before_park
-        self._at_exit = at_exit
-        self._installed: object = None
         self.home: object = None  # what install() makes current while the run waits on the loop
         self._sleeping = False
-        self._wakeup = None
         self._loop = None
-        self._task: asyncio.Task[Any] | None = None
-        self._view: UBatchTaskView | None = None
         self._live = len(self.ubatches)
 
     # ------------------------------------------------------------------ services for the layer above
@@ -266,10 +292,10 @@ class DBORun(Endings):
     # ------------------------------------------------------------------ the run
     async def drive(self) -> list[Any]:
         """Run every ubatch to completion; return their results in ubatch order."""
-        loop = self._loop = asyncio.get_running_loop()
-        task = self._task = asyncio.current_task(loop)
-        if task is not None:
-            self._view = UBatchTaskView(self, task)
+        loop = self._loop = _get_running_loop()
+        task = self._task = _current_task(loop) if _current_task is not None else _tasks._current_tasks.get(loop)  # type: ignore[attr-defined]
+        view = None if task is None else UBatchTaskView(self, task)
+        self._view = view
         if self.instrument is not None:
             self.instrument.run_started(self)
         live = LIVE_RUNS.refs
@@ -279,7 +305,20 @@ class DBORun(Endings):
             attach_task_factory(loop)
         try:
             try:
-                if self._fresh_switch():  # not all done in one pass (they parked, or one waits on the loop)
+                # The first pass of _loop_until_done (nothing woken, no timer or loop poll yet),
+                # without making its coroutine: a run whose ubatches only switch ends here.
+                if self._ready and not (self._timers or self._woken or self._poll_due):
+                    if view is None:
+                        self._switch()
+                    else:  # _switch_in_view, inline: every run starts here
+                        _leave_task(loop, task)
+                        _enter_task(loop, view)  # type: ignore[arg-type]  # asyncio takes any object
+                        try:
+                            self._switch()
+                        finally:
+                            _leave_task(loop, view)  # type: ignore[arg-type]
+                            _enter_task(loop, task)
+                if self._live:  # they parked, or one waits on the loop
                     await self._loop_until_done()
             except BaseException as exc:
                 self._fail_run(exc)
@@ -293,14 +332,6 @@ class DBORun(Endings):
             live.discard(self._wref)
             self._release()
         return results
-
-    def _fresh_switch(self) -> int:
-        """The first pass of :meth:`_loop_until_done` at the start of a run (nothing woken, no
-        timer or loop poll yet), without making its coroutine: a run whose ubatches only switch
-        ends here. Returns how many ubatches are still live."""
-        if self._ready and not (self._timers or self._woken or self._poll_due):
-            self._switch_in_view()
-        return self._live
 
     async def _loop_until_done(self) -> None:
         """Switch ubatches until every one finished; sleep while all are parked, and let the event

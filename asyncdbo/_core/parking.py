@@ -93,7 +93,8 @@ class Parking:
     """Parking, waking and sleeping for :class:`~asyncdbo._core.kernel.DBORun` (its base class;
     the attributes below are set by ``DBORun.__init__``)."""
 
-    name: str
+    _name: str | None
+    _serial: int
     ubatches: list[UBatch]
     instrument: Instrument | None
     watchdog_s: float | None
@@ -116,6 +117,12 @@ class Parking:
     _install: Callable[[object], None] | None
     _installed: object
     home: object
+
+    @property
+    def name(self) -> str:
+        """The run's name (its ``name`` option, else ``dbo-run-<serial>``): errors and traces show
+        it. Made when read, which few runs need."""
+        return self._name or f"dbo-run-{self._serial}"
 
     def wake(self, ub: UBatch, token: object) -> None:
         """Make ``ub`` runnable if it is still parked on ``token`` (a stale wake, from something it

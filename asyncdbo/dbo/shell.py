@@ -54,7 +54,7 @@ class Shell:
     """A kernel run and its DBO state, wired together (``run.ext`` is ``state``, each lane's
     ``ub`` the record at its index), plus the reference counts of its objects when idle."""
 
-    __slots__ = ("run", "state", "objs", "baseline")
+    __slots__ = ("run", "state", "objs", "baseline", "armed")
 
     def __init__(self, n: int, backend: StreamBackend, policy: StreamPolicy) -> None:
         run = self.run = DBORun.released(n)
@@ -63,6 +63,8 @@ class Shell:
         # its objects, whose counts give_back compares (this tuple's own reference is in the baseline)
         self.objs = (run, state, *run.ubatches, *state.lanes)
         self.baseline: tuple[int, ...] = ()
+        # the options and backend its run was last restarted with (see take)
+        self.armed: tuple[object, object] = (None, None)
 
 
 def _counts(shell: Shell) -> tuple[int, ...]:
@@ -102,9 +104,16 @@ def take(
     if shell is None:
         shell = _build(n, backend, policy)
     run, state = shell.run, shell.state
-    run.restart(coros, install=backend.install_stream, before_park=run_pending_hook, at_exit=on_exit,
-                instrument=instrument, watchdog_s=opts.watchdog_s, clock=opts.clock, loop_poll_s=opts.loop_poll_s,
-                name=opts.name)
+    armed_opts, armed_backend = shell.armed
+    if armed_opts is opts and armed_backend is backend and instrument is None:
+        # The options of its last run (a frozen DBOOptions, one per set of plain keyword options:
+        # asyncdbo.dbo.run._options) with the same backend and no instrument: its run has them all.
+        run.rerun(coros)
+    else:
+        run.restart(coros, install=backend.install_stream, before_park=run_pending_hook, at_exit=on_exit,
+                    instrument=instrument, watchdog_s=opts.watchdog_s, clock=opts.clock,
+                    loop_poll_s=opts.loop_poll_s, name=opts.name)
+        shell.armed = (opts, backend) if instrument is None else (None, None)
     if state.backend is not backend:
         state.backend = backend
         for lane in state.lanes:
