@@ -76,8 +76,9 @@ def run(args: argparse.Namespace, model: Any, dep: Any, header: Any, fail_on: li
         cfg = SIM_AUTO
         print(f"auto: per shape bucket, off or N={'/'.join(map(str, cfg.ubatch_counts))} with the "
               f"{'/'.join(cfg.splits)} split, from the simulated step times (asyncdbo.serving.AutoPolicy, the runner's); "
-              f"starts from the thresholds' choice, {cfg.warmup} warm-up + {cfg.samples} samples per configuration, "
-              f"median, {cfg.margin:.0%} margin; split dispatch only (the sim does not model fused counts)")
+              f"starts from the thresholds' choice, {cfg.warmup} warm-up + {cfg.samples} to {cfg.max_samples} samples per "
+              f"configuration, medians apart by {cfg.margin:.0%} and {cfg.separation:g} standard errors; split dispatch "
+              "only (the sim does not model fused counts)")
     runs = len(streams) * (("off" in policies or "fixed" in policies) + ("auto" in policies))
     progress = Progress(runs * len(steps), "workload steps (each composition simulated once)",
                         enabled=wants_progress(getattr(args, "quiet", False)))

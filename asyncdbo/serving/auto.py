@@ -8,38 +8,51 @@ measured, and chooses the next step's configuration from them:
 1. **Prior.** A new bucket starts from today's fixed rule: the configured thresholds say whether
    a step of this shape microbatches (then N = 2, the token split, ``dispatch="auto"``, which
    prices fused against split dispatch on the run's link model), or not (off).
-2. **Bounded exploration.** It then runs each configuration of a fixed schedule (the prior, its
-   opposite on/off, the other ubatch counts, the other split policies, the other dispatch modes)
-   for ``warmup + samples`` steps of that bucket, at most ``max_arms`` of them beyond the prior.
-   It climbs (``AutoConfig.climb``): a larger ubatch count is tried only while the next smaller
-   one leads, another split or dispatch mode only while DBO leads off, so a bucket where DBO loses
-   spends its exploration on two configurations. The schedule is a pure function of the bucket's
-   history, never of a random draw.
-3. **Hysteresis.** A configuration is judged once, when its samples are complete: it replaces
-   the incumbent only if the median of its samples is more than ``margin`` below the incumbent's
-   (so near-ties never flip, and the earlier configuration of the schedule, the prior first, wins
-   them). After exploring, the choice stays; the incumbent keeps its last ``window`` samples as
-   evidence.
+2. **Bounded exploration.** It then tries the configurations of a fixed schedule (the prior, its
+   opposite on/off, the other ubatch counts, the other split policies, the other dispatch modes),
+   at most ``max_arms`` of them beyond the prior, one at a time against the incumbent, each for
+   ``warmup + samples`` steps of that bucket and then, while the two do not separate (below),
+   more steps of whichever of the two has fewer samples, up to ``max_samples`` each. It climbs
+   (``AutoConfig.climb``): a larger ubatch count is tried only where the next smaller one leads or
+   tied (was not clearly slower), another split or dispatch mode only where DBO leads off or tied with it, so a
+   bucket where DBO clearly loses spends its exploration on two configurations, and a loss within
+   the noise does not end the climb. A bucket explores at most ``(1 + max_arms) * (warmup +
+   max_samples)`` steps. The schedule is a pure function of the bucket's history, never of a
+   random draw.
+3. **Noise-aware comparison** (:func:`compare`). Two configurations are compared on the medians
+   of their samples, with the medians' standard error from the interquartile ranges (robust to an
+   outlier step) or the bucket's pooled spread, whichever is larger. The *default* side, off where
+   off is one of the two, else the incumbent, keeps the choice unless the other's median is below
+   it by more than ``margin`` (a share) and by more than ``separation`` standard errors (as
+   Student's t for the samples' degrees of freedom, and higher at the early looks of the
+   sequential test). The comparison ends early once even the gain plus that many standard errors
+   stays within the margin; one still not separated at ``max_samples`` each is a tie, and ties go
+   to the default. So DBO runs only where it is clearly faster than off, and a near-tie never
+   flips a choice. After the schedule the choice stays; the incumbent keeps its last ``window``
+   samples.
 
 Every input is shared by the DP group (the runner exchanges each rank's last step time in the one
 vote of the step and feeds the group's slowest), so every rank holds the same account and makes the
-same choice: the policy itself never talks to another rank. The choice and its evidence go into
-the step's record.
+same choice: the policy itself never talks to another rank. The choice and its evidence (medians,
+spreads, sample counts and the verdicts) go into the step's record.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ..dist.fused import DISPATCH_MODES, DispatchMode
 from ..plan import DPDecision, SplitPolicy, ThresholdConfig, plan_slices
 from ..plan.slices import SPLIT_POLICIES
 from .measure import shape_bucket
 
-__all__ = ["Arm", "AutoConfig", "AutoPolicy", "OFF", "choose_for_group", "splittable_mask", "threshold_prior"]
+__all__ = ["Arm", "AutoConfig", "AutoPolicy", "Comparison", "OFF", "choose_for_group", "compare", "pooled_sigma",
+           "relative_sigma", "splittable_mask", "threshold_prior"]
 
 
 @dataclass(frozen=True, order=True)
@@ -64,14 +77,17 @@ class AutoConfig:
     """The ``"auto"`` tuning's search space and guards (see the module docstring).
 
     ``ubatch_counts``, ``splits``, ``dispatches``: the configurations it may try. ``samples``: the
-    measured steps of a configuration judged by their median; ``warmup``: its first steps in a
-    bucket, not counted (caches, allocator). ``margin``: how much faster (a share) a configuration
-    must be to replace the incumbent. ``max_arms``: configurations tried per bucket beyond the
-    prior. ``window``: the incumbent's recent samples kept. ``pin``: ``(bucket, Arm)`` pairs that
-    override the choice for those buckets (e.g. ``(("decode 64-127", OFF),)``). ``climb``: explore
-    a larger ubatch count only while the next smaller one of the same split and dispatch leads,
-    and the other splits and dispatch modes only while DBO leads off (a bucket where the first DBO
-    configuration loses to off then explores two configurations, not the whole schedule); False
+    measured steps of a configuration before it is first compared; ``max_samples``: at most this
+    many while the comparison does not separate; ``warmup``: a configuration's first steps in a
+    bucket, not counted (caches, allocator). ``margin``: how much faster (a share of the default's
+    median) a configuration must be to replace the default; ``separation``: by how many standard
+    errors of the difference of the medians. ``max_arms``: configurations tried per bucket beyond
+    the prior. ``window``: the incumbent's recent samples kept (>= ``max_samples``). ``pin``:
+    ``(bucket, Arm)`` pairs that override the choice for those buckets (e.g.
+    ``(("decode 64-127", OFF),)``). ``climb``: explore a larger ubatch count only where the next
+    smaller one of the same split and dispatch leads or tied, and the other splits and dispatch
+    modes only where DBO leads off or tied with it (a bucket where the first DBO configuration is
+    clearly slower than off then explores two configurations, not the whole schedule); False
     tries every configuration of the schedule.
     """
 
@@ -79,8 +95,10 @@ class AutoConfig:
     splits: tuple[SplitPolicy, ...] = ("token", "balanced")
     dispatches: tuple[DispatchMode, ...] = ("auto", "split")
     samples: int = 3
+    max_samples: int = 6
     warmup: int = 1
     margin: float = 0.03
+    separation: float = 2.0
     max_arms: int = 6
     window: int = 8
     pin: tuple[tuple[str, Arm], ...] = ()
@@ -95,12 +113,14 @@ class AutoConfig:
         bad_d = [d for d in self.dispatches if d not in DISPATCH_MODES]
         if not self.dispatches or bad_d:
             raise ValueError(f"dispatches {self.dispatches!r}: use some of {DISPATCH_MODES}")
-        if self.samples < 1 or self.warmup < 0 or self.window < self.samples:
+        if self.samples < 1 or self.warmup < 0 or not self.samples <= self.max_samples <= self.window:
             raise ValueError(
-                f"samples ({self.samples}) must be >= 1, warmup ({self.warmup}) >= 0 and window ({self.window}) "
-                f">= samples")
+                f"samples ({self.samples}) must be >= 1, warmup ({self.warmup}) >= 0 and samples <= max_samples "
+                f"({self.max_samples}) <= window ({self.window})")
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"margin ({self.margin}) must lie in [0, 1)")
+        if not self.separation >= 0.0:
+            raise ValueError(f"separation ({self.separation}) must be >= 0 (standard errors; 0 compares medians only)")
         if self.max_arms < 0:
             raise ValueError(f"max_arms ({self.max_arms}) must be >= 0")
 
@@ -113,12 +133,89 @@ class AutoConfig:
         return [OFF] + [Arm(n, s, d) for n in self.ubatch_counts for s in self.splits for d in self.dispatches]
 
 
+#: A configuration's standing after its comparison: ``"slower"`` (separated: clearly slower than the
+#: one it was compared with), ``"tie"`` (not separated, or faster by no more than the margin).
+Verdict = Literal["slower", "tie"]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """What :func:`compare` found: ``outcome`` is ``"other"`` (it is faster, separated), ``"default"``
+    (it cannot be faster by the margin, or it is clearly slower) or ``None`` (not separated yet);
+    ``gain``: the default's median minus the other's, as a share of the default's; ``se``: the
+    standard error of that difference, the same share; ``slower``: which side is separated as slower,
+    if either."""
+
+    outcome: Literal["other", "default"] | None
+    gain: float
+    se: float
+    slower: Literal["other", "default"] | None
+
+
+def _spread(xs: Sequence[float]) -> float:
+    """The interquartile range (0 for fewer than 2 samples)."""
+    if len(xs) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q3 - q1
+
+
+def relative_sigma(xs: Sequence[float]) -> float:
+    """The samples' robust sigma as a share of their median: IQR / 1.349 (a normal's sigma) / median."""
+    m = statistics.median(xs) if xs else 0.0
+    return _spread(xs) / 1.349 / m if m > 0 else 0.0
+
+
+def compare(default: Sequence[float], other: Sequence[float], *, margin: float, separation: float,
+            noise: float = 0.0, final_n: int = 0) -> Comparison:
+    """Is ``other`` faster than ``default`` by more than ``margin`` and ``separation`` standard errors?
+
+    The gain is the difference of the medians as a share of the default's. Its standard error takes
+    the largest of the two sides' relative sigmas (:func:`relative_sigma`) and ``noise`` (the
+    bucket's pooled one) for both: ``se = 1.2533 * sigma * sqrt(1/n_d + 1/n_o)`` (the median of n
+    normal samples has 1.2533 sigma / sqrt(n)). Two guards keep few, noisy samples from faking a
+    separation: sigma comes from few samples, so ``separation`` becomes Student's t for
+    ``n_d + n_o - 2`` degrees of freedom (Cornish-Fisher's first term: ``z + (z**3 + z) / (4 df)``);
+    and the test looks again after every sample up to ``final_n`` each, so to *win* (or to be
+    called slower) the gain must clear O'Brien-Fleming's boundary, ``t * se * sqrt(K / k)`` with
+    ``K / k`` the ratio of the variance now to the one at ``final_n`` samples (higher at the early
+    looks). The other is ruled out (the default wins) as soon as ``gain + t * se`` stays within
+    the margin. Pure: the same samples give the same answer."""
+    n_d, n_o = len(default), len(other)
+    m_d = statistics.median(default)
+    gain = (m_d - statistics.median(other)) / (m_d if m_d > 0 else 1.0)
+    sigma = max(relative_sigma(default), relative_sigma(other), noise)
+    se = 1.2533 * sigma * math.sqrt(1 / n_d + 1 / n_o)
+    df = n_d + n_o - 2
+    t = separation + (separation**3 + separation) / (4 * df) if df > 0 else separation
+    inv_now, inv_last = 1 / n_d + 1 / n_o, 1 / max(n_d, final_n) + 1 / max(n_o, final_n)
+    win = t * se * math.sqrt(inv_now / inv_last)
+    slower: Literal["other", "default"] | None = None
+    if gain > win and gain > margin:
+        slower = "default"
+    elif -gain > win and -gain > margin:
+        slower = "other"
+    if slower == "default":
+        return Comparison("other", gain, se, slower)
+    if gain + t * se <= margin:
+        return Comparison("default", gain, se, slower)
+    return Comparison(None, gain, se, slower)
+
+
+def pooled_sigma(samples: Sequence[Sequence[float]]) -> float:
+    """The relative sigma of every configuration's samples about its own median, pooled (the host's
+    noise is common to them; one configuration's three samples estimate it poorly)."""
+    devs = [x / m - 1.0 for xs in samples if len(xs) >= 2 and (m := statistics.median(xs)) > 0 for x in xs]
+    return _spread(devs) / 1.349 if len(devs) >= 2 else 0.0
+
+
 @dataclass
 class _Bucket:
     schedule: list[Arm]
     incumbent: Arm
     seen: dict[Arm, int] = field(default_factory=dict)  # steps run, warm-ups included
     samples: dict[Arm, deque[float]] = field(default_factory=dict)
+    verdicts: dict[Arm, Verdict] = field(default_factory=dict)  # the arms compared that did not win
     switches: int = 0
 
 
@@ -140,7 +237,7 @@ class AutoPolicy:
 
     def _schedule(self, prior: Arm) -> list[Arm]:
         cfg = self.cfg
-        base = prior if prior != OFF else Arm(cfg.ubatch_counts[0], cfg.splits[0], cfg.dispatches[0])
+        base = self._base(prior)
         order = [prior, OFF, base]
         order += [Arm(n, base.split, base.dispatch) for n in cfg.ubatch_counts]
         order += [Arm(base.num_ubatches, s, base.dispatch) for s in cfg.splits]
@@ -151,12 +248,21 @@ class AutoPolicy:
                 out.append(arm)
         return out[: 1 + cfg.max_arms]
 
+    def _base(self, prior: Arm) -> Arm:
+        """The schedule's first DBO configuration: the prior, or the smallest N's first split and dispatch."""
+        cfg = self.cfg
+        return prior if prior != OFF else Arm(cfg.ubatch_counts[0], cfg.splits[0], cfg.dispatches[0])
+
     def bucket(self, name: str) -> _Bucket:
         b = self.buckets.get(name)
         if b is None:
             prior = self.prior(name)
             b = self.buckets[name] = _Bucket(schedule=self._schedule(prior), incumbent=prior)
         return b
+
+    def _trials(self, b: _Bucket) -> list[Arm]:
+        """The schedule's configurations still to compare with the incumbent (schedule order)."""
+        return [a for a in b.schedule if a != b.incumbent and a not in b.verdicts and self._worth(b, a)]
 
     def choose(self, name: str, feasible: Callable[[Arm], bool] = lambda arm: True) -> tuple[Arm, str]:
         """The configuration for the next step of bucket ``name`` and why. ``feasible(arm)``:
@@ -165,37 +271,56 @@ class AutoPolicy:
         if pinned is not None:
             return pinned, f"{name}: pinned by AutoConfig.pin"
         b = self.bucket(name)
-        need = self.cfg.warmup + self.cfg.samples
-        for i, arm in enumerate(b.schedule):
-            if b.seen.get(arm, 0) < need and feasible(arm) and self._worth(b, arm):
-                return arm, f"{name}: exploring {i + 1}/{len(b.schedule)} ({b.seen.get(arm, 0) + 1}/{need}); {self.evidence(name)}"
-        arm = b.incumbent
-        if not feasible(arm):
-            return OFF, f"{name}: {arm.label} cannot split this batch, off; {self.evidence(name)}"
-        return arm, f"{name}: {self.evidence(name)}"
+        cfg = self.cfg
+        need = cfg.warmup + cfg.samples
+        inc = b.incumbent
+        n_inc = len(b.samples.get(inc, ()))
+        trials = self._trials(b)
+        if trials and n_inc < cfg.samples and feasible(inc):  # the incumbent (the prior) needs its samples first
+            i = b.schedule.index(inc)
+            return inc, f"{name}: exploring {i + 1}/{len(b.schedule)} ({b.seen.get(inc, 0) + 1}/{need}); {self.evidence(name)}"
+        for arm in trials:
+            i = b.schedule.index(arm)
+            seen = b.seen.get(arm, 0)
+            if seen < need:
+                want, why = arm, f"({seen + 1}/{need})"
+            else:  # not separated yet: another sample of the side with fewer, the trial on a tie
+                n_arm = len(b.samples[arm])
+                want = inc if n_inc < n_arm else arm
+                why = (f"(not separated from {inc.label}: sample {len(b.samples.get(want, ())) + 1}/{cfg.max_samples} "
+                       f"of {want.label})")
+            if feasible(want):
+                return want, f"{name}: exploring {i + 1}/{len(b.schedule)} {why}; {self.evidence(name)}"
+        if not feasible(inc):
+            return OFF, f"{name}: {inc.label} cannot split this batch, off; {self.evidence(name)}"
+        return inc, f"{name}: {self.evidence(name)}"
 
     def _worth(self, b: _Bucket, arm: Arm) -> bool:
-        """Whether exploring ``arm`` can still pay, given the incumbent (``AutoConfig.climb``): the
-        prior and its opposite (the schedule's first two) always; N = k only while the next smaller
-        count of the same split and dispatch leads; another split or dispatch at the smallest
-        count only while DBO leads off."""
+        """Whether exploring ``arm`` can still pay, given the comparisons so far (``AutoConfig.climb``):
+        the prior and its opposite (the schedule's first two) always; N = k only where the next
+        smaller count of the same split and dispatch leads or tied; another split or dispatch at the
+        smallest count only where DBO leads off or the schedule's first DBO configuration tied with it."""
         cfg = self.cfg
         if not cfg.climb or arm in b.schedule[:2]:
             return True
         smaller = [n for n in cfg.ubatch_counts if n < arm.num_ubatches]
         if not smaller:
-            return b.incumbent != OFF
-        return b.incumbent == Arm(max(smaller), arm.split, arm.dispatch)
+            return b.incumbent != OFF or b.verdicts.get(self._base(b.schedule[0])) == "tie"
+        prev = Arm(max(smaller), arm.split, arm.dispatch)
+        return b.incumbent == prev or b.verdicts.get(prev) == "tie"
 
     def evidence(self, name: str) -> str:
-        """The bucket's medians, e.g. ``'best N=2 token auto 41.2 us/token (3); off 48.0 (3)'``."""
+        """The bucket's medians, spreads (half the interquartile range), sample counts and verdicts,
+        e.g. ``'best N=2 token auto 41.20±0.30 us/token (3); off 48.00±2.10 (3, slower)'``."""
         b = self.bucket(name)
-        parts = [f"{b.incumbent.label} {_median(b.samples[b.incumbent]) * 1e6:.2f} us/token ({len(b.samples[b.incumbent])})"
-                 if b.samples.get(b.incumbent) else f"{b.incumbent.label} (prior, unmeasured)"]
+        inc = b.samples.get(b.incumbent)
+        parts = [f"{b.incumbent.label} {_fmt(inc)} us/token ({len(inc)})" if inc
+                 else f"{b.incumbent.label} (prior, unmeasured)"]
         for arm in b.schedule:
             xs = b.samples.get(arm)
             if arm != b.incumbent and xs:
-                parts.append(f"{arm.label} {_median(xs) * 1e6:.2f} ({len(xs)})")
+                verdict = b.verdicts.get(arm)
+                parts.append(f"{arm.label} {_fmt(xs)} ({len(xs)}{', ' + verdict if verdict else ''})")
         return "best " + "; ".join(parts)
 
     def observe(self, name: str, arm: Arm, seconds_per_token: float) -> None:
@@ -210,28 +335,37 @@ class AutoPolicy:
         if xs is None:
             xs = b.samples[arm] = deque(maxlen=self.cfg.window)
         xs.append(seconds_per_token)
-        if len(xs) == self.cfg.samples:  # judged once, when its samples are complete: no flapping later
-            self._judge(b)
+        self._judge(b)
 
     def _judge(self, b: _Bucket) -> None:
-        """Replace the incumbent by the configurations (schedule order) whose medians are each more
-        than ``margin`` below the best so far. An unjudged incumbent (the prior, before its
-        samples) is never replaced."""
+        """Compare each trial that has its samples with the incumbent (schedule order); a trial
+        that wins becomes the incumbent, the other side gets its verdict. Every comparison ends
+        (separated, cannot win, or a tie at ``max_samples``), so exploration is bounded."""
         cfg = self.cfg
-        inc = b.samples.get(b.incumbent)
-        if inc is None or len(inc) < cfg.samples:
-            return
-        best, best_t = b.incumbent, _median(inc)
-        for arm in b.schedule:
-            xs = b.samples.get(arm)
-            if arm == best or xs is None or len(xs) < cfg.samples:
+        for arm in self._trials(b):
+            inc = b.incumbent
+            xi, xa = b.samples.get(inc), b.samples.get(arm)
+            if not xi or not xa or len(xi) < cfg.samples or len(xa) < cfg.samples:
                 continue
-            t = _median(xs)
-            if t < best_t * (1.0 - cfg.margin):
-                best, best_t = arm, t
-        if best != b.incumbent:
-            b.incumbent = best
-            b.switches += 1
+            off_first = arm == OFF  # off is the default side wherever it is one of the two
+            default, other = (arm, inc) if off_first else (inc, arm)
+            c = compare(b.samples[default], b.samples[other], margin=cfg.margin, separation=cfg.separation,
+                        noise=pooled_sigma(list(b.samples.values())), final_n=cfg.max_samples)
+            outcome = c.outcome
+            if outcome is None and len(xi) >= cfg.max_samples and len(xa) >= cfg.max_samples:
+                outcome = "default"  # still not separated: the tie goes to the default
+            if outcome is None:
+                continue
+            winner, loser = (other, default) if outcome == "other" else (default, other)
+            b.verdicts[loser] = "slower" if c.slower == ("other" if loser == other else "default") else "tie"
+            b.verdicts.pop(winner, None)
+            if winner != inc:
+                b.incumbent = winner
+                b.switches += 1
+
+
+def _fmt(xs: Sequence[float]) -> str:
+    return f"{_median(xs) * 1e6:.2f}±{_spread(xs) / 2 * 1e6:.2f}"
 
 
 def threshold_prior(thresholds: ThresholdConfig, cfg: AutoConfig) -> Callable[[str], Arm]:

@@ -6,7 +6,9 @@ runs the same configuration. Step times come from an injected clock: no test rea
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
+import re
 
 import pytest
 from _auto_ranks import CACHE, ClockedModel, agree, decode_batches
@@ -14,6 +16,7 @@ from _auto_ranks import CACHE, ClockedModel, agree, decode_batches
 from asyncdbo.lowlevel import VirtualClock
 from asyncdbo.plan import PlanReason, ThresholdConfig
 from asyncdbo.serving import OFF, Arm, AutoConfig, AutoPolicy, BatchBuilder, DBORunner, RunnerConfig
+from asyncdbo.serving.auto import Comparison, compare
 from asyncdbo.testing import RankPool
 
 N2, N3, N4 = Arm(2), Arm(3), Arm(4)
@@ -22,25 +25,79 @@ SMALL_SPACE = AutoConfig(splits=("token",), dispatches=("auto",))  # off, N = 2,
 
 def _drive(policy: AutoPolicy, cost: dict[Arm, float], steps: int, *, jitter: float, seed: int,
            bucket: str = "decode 64-127") -> list[Arm]:
+    return [arm for arm, _ in _drive_why(policy, cost, steps, jitter=jitter, seed=seed, bucket=bucket)]
+
+
+def _drive_why(policy: AutoPolicy, cost: dict[Arm, float], steps: int, *, jitter: float, seed: int,
+               bucket: str = "decode 64-127") -> list[tuple[Arm, str]]:
+    """``steps`` steps of ``bucket``: each costs ``cost[arm]`` us per token times a factor drawn
+    uniformly from [1 - jitter, 1 + jitter] (the injected clock); the choices and their reasons."""
     rng = random.Random(seed)
-    chosen = []
+    out = []
     for _ in range(steps):
-        arm, _ = policy.choose(bucket)
-        chosen.append(arm)
+        arm, why = policy.choose(bucket)
+        out.append((arm, why))
         policy.observe(bucket, arm, cost[arm] * 1e-6 * (1 + rng.uniform(-jitter, jitter)))  # us per token
-    return chosen
+    return out
+
+
+def _explored(chosen: list[tuple[Arm, str]]) -> int:
+    """Steps up to and including the last one that was still exploring."""
+    return max((i + 1 for i, (_, why) in enumerate(chosen) if ": exploring " in why), default=0)
 
 
 def test_explores_the_schedule_from_the_prior_then_runs_the_fastest() -> None:
     policy = AutoPolicy(SMALL_SPACE, prior=lambda bucket: N2)
     cost = {OFF: 1.0, N2: 0.9, N3: 0.8, N4: 0.85}
     chosen = _drive(policy, cost, 40, jitter=0.0, seed=0)
-    # prior first, then off, then the other counts: warmup + samples = 4 steps each
+    # prior first, then off, then the other counts: warmup + samples = 4 steps each (no noise: every
+    # comparison separates at its first 3 samples)
     assert chosen[:16] == [N2] * 4 + [OFF] * 4 + [N3] * 4 + [N4] * 4
     assert chosen[16:] == [N3] * 24
     arm, why = policy.choose("decode 64-127")
     assert arm == N3
-    assert why == "decode 64-127: best N=3 token auto 0.80 us/token (8); N=2 token auto 0.90 (3); off 1.00 (3); N=4 token auto 0.85 (3)"
+    assert why == ("decode 64-127: best N=3 token auto 0.80±0.00 us/token (8); N=2 token auto 0.90±0.00 (3, slower); "
+                   "off 1.00±0.00 (3, slower); N=4 token auto 0.85±0.00 (3, slower)")
+
+
+def test_compare_separates_medians_by_the_margin_and_their_standard_errors() -> None:
+    # default: median 1.0, IQR 0.1 (inclusive quartiles 0.95, 1.05), relative sigma 0.1 / 1.349;
+    # other: median 0.65, a smaller relative sigma: the larger one applies to both sides. With 3 + 3
+    # samples (4 degrees of freedom) the 2.5 standard errors become t = 2.5 + (2.5**3 + 2.5) / 16
+    sigma, t = 0.1 / 1.349, 2.5 + (2.5**3 + 2.5) / 16
+    se = 1.2533 * sigma * math.sqrt(1 / 3 + 1 / 3)
+    c = compare([1.0, 1.1, 0.9], [0.6, 0.65, 0.7], margin=0.03, separation=2.5)
+    assert (c.outcome, c.slower) == ("other", "default")
+    assert c.gain == pytest.approx(0.35) and c.se == pytest.approx(se) and 0.35 > t * se
+    # a gain of 0.25 clears 2.5 normal standard errors but not t of them: not separated yet
+    assert 2.5 * se < 0.25 < t * se
+    assert compare([1.0, 1.1, 0.9], [0.7, 0.75, 0.8], margin=0.03, separation=2.5).outcome is None
+    # an early look of a test that may go on to 6 samples each needs more: t se x (2/3) / sqrt(1/3)
+    early = compare([1.0, 1.1, 0.9], [0.6, 0.65, 0.7], margin=0.03, separation=2.5, final_n=6)
+    assert early.outcome is None and 0.35 < t * 1.2533 * sigma * (2 / 3) / math.sqrt(1 / 3)
+    # the bucket's pooled noise, where larger than the two sides' own, widens the bar too
+    assert compare([1.0, 1.1, 0.9], [0.6, 0.65, 0.7], margin=0.03, separation=2.5, noise=0.2).outcome is None
+    # the other cannot be faster by the margin even at gain + 2.5 se: the default wins, the other is slower
+    ruled_out = compare([1.0, 1.01, 0.99], [1.05, 1.06, 1.04], margin=0.03, separation=2.5)
+    assert (ruled_out.outcome, ruled_out.slower) == ("default", "other")
+    # faster by less than the margin, without noise: the default wins, and neither is "slower"
+    assert compare([1.0] * 3, [0.99] * 3, margin=0.03, separation=2.5) == Comparison(
+        "default", pytest.approx(0.01), 0.0, None)
+    # one outlier step moves neither the median nor the spread (IQR, not the range)
+    assert compare([1.0, 1.0, 1.0, 1.0, 9.0], [0.8] * 5, margin=0.03, separation=2.5).outcome == "other"
+
+
+def test_noisy_samples_converge_to_what_the_measurements_favour_within_the_bound() -> None:
+    # +-10% per step, N = 3 is 25% faster than N = 2
+    cfg = SMALL_SPACE
+    bound = (1 + cfg.max_arms) * (cfg.warmup + cfg.max_samples)
+    cost = {OFF: 1.0, N2: 0.8, N3: 0.6, N4: 0.75}
+    for seed in range(20):
+        policy = AutoPolicy(cfg, prior=lambda bucket: N2)
+        chosen = _drive_why(policy, cost, 120, jitter=0.10, seed=seed)
+        explored = _explored(chosen)
+        assert explored <= bound, (seed, explored)
+        assert {arm for arm, _ in chosen[explored:]} == {N3}, seed
 
 
 def test_noise_below_the_margin_never_flips_the_choice() -> None:
@@ -48,18 +105,40 @@ def test_noise_below_the_margin_never_flips_the_choice() -> None:
     cost = {OFF: 1.0, N2: 0.80, N3: 0.792, N4: 0.9}
     for seed in range(20):
         policy = AutoPolicy(SMALL_SPACE, prior=lambda bucket: N2)
-        chosen = _drive(policy, cost, 200, jitter=0.02, seed=seed)
-        tail = chosen[16:]
-        assert len(set(tail)) == 1 and tail[0] in (N2, N3), (seed, set(tail))
-        assert policy.buckets["decode 64-127"].switches <= 1
+        chosen = _drive_why(policy, cost, 200, jitter=0.02, seed=seed)
+        tail = {arm for arm, _ in chosen[_explored(chosen):]}
+        assert tail == {N2}, (seed, tail)  # a near-tie goes to the incumbent
+        assert policy.buckets["decode 64-127"].switches == 0
+
+
+def test_dbo_that_loses_to_off_by_less_than_the_noise_falls_back_to_off_and_says_why() -> None:
+    # ib400 decode-small: every DBO configuration 5% slower than off, each step +-10% (a sigma of
+    # 5.8%). Over 20 seeds the noise-aware comparison ends off in 19; a 3-sample median comparison
+    # with the 3% margin alone (separation=0) keeps a DBO configuration in 3
+    cost = {OFF: 1.0, N2: 1.05, N3: 1.05, N4: 1.05}
+    finals, naive_finals = [], []
+    for seed in range(20):
+        policy = AutoPolicy(SMALL_SPACE, prior=lambda bucket: N2)
+        chosen = _drive_why(policy, cost, 150, jitter=0.10, seed=seed)
+        explored = _explored(chosen)
+        assert explored <= 28 and len({arm for arm, _ in chosen[explored:]}) == 1, seed  # no flapping after
+        finals.append(chosen[-1][0])
+        if chosen[-1][0] == OFF:
+            last_policy = policy
+        naive = AutoPolicy(dataclasses.replace(SMALL_SPACE, separation=0.0, max_samples=3), prior=lambda bucket: N2)
+        naive_finals.append(_drive(naive, cost, 150, jitter=0.10, seed=seed)[-1])
+    assert finals.count(OFF) == 19 and naive_finals.count(OFF) == 17
+    arm, why = last_policy.choose("decode 64-127")
+    assert arm == OFF and re.fullmatch(r"decode 64-127: best off \d\.\d\d±\d\.\d\d us/token \(\d\); "
+                                       r"N=2 token auto \d\.\d\d±\d\.\d\d \(\d, (tie|slower)\).*", why), why
 
 
 def test_falls_back_to_off_where_dbo_loses_and_says_why() -> None:
     policy = AutoPolicy(SMALL_SPACE, prior=lambda bucket: N2)
     chosen = _drive(policy, {OFF: 1.0, N2: 1.2, N3: 1.3, N4: 1.4}, 30, jitter=0.01, seed=3)
-    assert chosen[16:] == [OFF] * 14
+    assert chosen[8:] == [OFF] * 22  # N = 2 clearly slower: N = 3 and 4 are not tried
     arm, why = policy.choose("decode 64-127")
-    assert arm == OFF and why.startswith("decode 64-127: best off ")
+    assert arm == OFF and why.startswith("decode 64-127: best off ") and why.endswith(" (3, slower)")
 
 
 def test_a_prior_of_off_still_tries_dbo_and_takes_it_where_it_wins() -> None:
@@ -68,18 +147,55 @@ def test_a_prior_of_off_still_tries_dbo_and_takes_it_where_it_wins() -> None:
     assert chosen[:8] == [OFF] * 4 + [N2] * 4 and chosen[16:] == [N2] * 8
 
 
+def test_a_comparison_that_does_not_separate_asks_for_more_samples_alternately() -> None:
+    # off (the prior) then N = 2, 4% apart with a spread of +-10%: after 3 samples each they overlap,
+    # so each side gets another sample (the one with fewer; the trial on a tie) up to max_samples
+    cfg = AutoConfig(ubatch_counts=(2,), splits=("token",), dispatches=("auto",), max_samples=5)
+    us = {OFF: iter([0.0, 1.0, 1.1, 0.9, 1.05, 0.95]), N2: iter([0.0, 0.96, 1.06, 0.86, 1.01, 0.91])}  # warm-up first
+    policy = AutoPolicy(cfg, prior=lambda bucket: OFF)
+    steps = []
+    for _ in range(12):
+        arm, why = policy.choose("b")
+        steps.append((arm, why.split("; ")[0]))
+        policy.observe("b", arm, next(us[arm]) * 1e-6)
+    assert steps == [
+        (OFF, "b: exploring 1/2 (1/4)"), (OFF, "b: exploring 1/2 (2/4)"), (OFF, "b: exploring 1/2 (3/4)"),
+        (OFF, "b: exploring 1/2 (4/4)"),
+        (N2, "b: exploring 2/2 (1/4)"), (N2, "b: exploring 2/2 (2/4)"), (N2, "b: exploring 2/2 (3/4)"),
+        (N2, "b: exploring 2/2 (4/4)"),
+        (N2, "b: exploring 2/2 (not separated from off: sample 4/5 of N=2 token auto)"),
+        (OFF, "b: exploring 2/2 (not separated from off: sample 4/5 of off)"),
+        (N2, "b: exploring 2/2 (not separated from off: sample 5/5 of N=2 token auto)"),
+        (OFF, "b: exploring 2/2 (not separated from off: sample 5/5 of off)"),
+    ]
+    # after 5 samples each still 4% apart within the spread: a tie, and ties go to off
+    b = policy.buckets["b"]
+    assert b.incumbent == OFF and b.verdicts == {N2: "tie"} and policy.choose("b") == (
+        OFF, "b: best off 1.00±0.05 us/token (5); N=2 token auto 0.96±0.05 (5, tie)")
+
+
+def test_climbing_does_not_stop_after_a_loss_within_the_noise() -> None:
+    # ib400 prefill-heavy: N = 2 token within the noise of off, N = 2 balanced 35% faster
+    space = AutoConfig(ubatch_counts=(2,), splits=("token", "balanced"), dispatches=("auto",))
+    bal = Arm(2, "balanced")
+    for seed in range(10):
+        policy = AutoPolicy(space, prior=lambda b: N2)
+        chosen = _drive_why(policy, {OFF: 1.0, N2: 0.97, bal: 0.65}, 80, jitter=0.15, seed=seed)
+        assert {arm for arm, _ in chosen[_explored(chosen):]} == {bal}, seed
+
+
 def test_climbing_skips_what_cannot_win_and_climb_false_tries_everything() -> None:
     losing = {OFF: 1.0, N2: 1.2, N3: 1.3, N4: 1.4}
-    # N = 2 lost to off: N = 3 and 4 are not tried (N = k only while N = k - 1 leads)
+    # N = 2 clearly slower than off: N = 3 and 4 are not tried (N = k only where N = k - 1 leads or tied)
     assert _drive(AutoPolicy(SMALL_SPACE, prior=lambda b: N2), losing, 16, jitter=0.0, seed=0) == [N2] * 4 + [OFF] * 12
     flat = dataclasses.replace(SMALL_SPACE, climb=False)
     assert _drive(AutoPolicy(flat, prior=lambda b: N2), losing, 20, jitter=0.0, seed=0) == (
         [N2] * 4 + [OFF] * 4 + [N3] * 4 + [N4] * 4 + [OFF] * 4)
-    # what climbing gives up: N = 4 would win here, but N = 3 lost to N = 2, so N = 4 is never tried
+    # what climbing gives up: N = 4 would win here, but N = 3 was clearly slower than N = 2
     dip = {OFF: 1.0, N2: 0.8, N3: 0.9, N4: 0.7}
     assert _drive(AutoPolicy(SMALL_SPACE, prior=lambda b: N2), dip, 20, jitter=0.0, seed=0) == (
         [N2] * 4 + [OFF] * 4 + [N3] * 4 + [N2] * 8)
-    # the other splits are tried only where DBO leads off
+    # the other splits are tried only where DBO leads off or tied with it
     both = AutoConfig(ubatch_counts=(2,), splits=("token", "balanced"), dispatches=("auto",))
     bal = Arm(2, "balanced")
     assert _drive(AutoPolicy(both, prior=lambda b: N2), {OFF: 1.0, N2: 1.1, bal: 0.5}, 12, jitter=0.0, seed=0) == (
@@ -90,17 +206,28 @@ def test_climbing_skips_what_cannot_win_and_climb_false_tries_everything() -> No
 
 def test_the_same_measurements_give_the_same_choices() -> None:
     cost = {OFF: 1.0, N2: 0.82, N3: 0.8, N4: 0.81}
-    runs = [_drive(AutoPolicy(SMALL_SPACE, prior=lambda b: N2), cost, 60, jitter=0.03, seed=7) for _ in range(2)]
+    runs = [_drive_why(AutoPolicy(SMALL_SPACE, prior=lambda b: N2), cost, 80, jitter=0.1, seed=7) for _ in range(2)]
     assert runs[0] == runs[1]
 
 
 def test_exploration_is_bounded_and_pins_override() -> None:
-    cfg = AutoConfig(max_arms=2, samples=2, warmup=0, pin=(("mixed 512-1023", OFF),))
+    cfg = AutoConfig(max_arms=2, samples=2, max_samples=2, warmup=0, pin=(("mixed 512-1023", OFF),))
     policy = AutoPolicy(cfg, prior=lambda bucket: Arm(2))
     assert len(policy.bucket("decode 64-127").schedule) == 3
     chosen = _drive(policy, {a: 1.0 for a in cfg.arms()}, 20, jitter=0.0, seed=0)
     assert len(set(chosen[6:])) == 1  # 3 arms x 2 samples, then one configuration
     assert policy.choose("mixed 512-1023") == (OFF, "mixed 512-1023: pinned by AutoConfig.pin")
+    # pure noise (+-10%), every configuration tried (climb=False): each comparison ends by
+    # max_samples, and ties go to off
+    wide = AutoConfig(climb=False)
+    bound = (1 + wide.max_arms) * (wide.warmup + wide.max_samples)
+    finals = []
+    for seed in range(10):
+        noisy = _drive_why(AutoPolicy(wide, prior=lambda b: Arm(2)), {a: 1.0 for a in wide.arms()}, 120,
+                           jitter=0.10, seed=seed)
+        assert _explored(noisy) <= bound, seed
+        finals.append(noisy[-1][0])
+    assert finals.count(OFF) == 8  # 2 of 10 keep a configuration as fast as off: a lucky separation
 
 
 def test_bad_auto_configs_name_the_value() -> None:
@@ -110,6 +237,12 @@ def test_bad_auto_configs_name_the_value() -> None:
         AutoConfig(splits=("tokens",))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"margin \(1.5\) must lie in \[0, 1\)"):
         AutoConfig(margin=1.5)
+    with pytest.raises(ValueError, match=re.escape("samples (3) must be >= 1, warmup (1) >= 0 and samples <= "
+                                                   "max_samples (2) <= window (8)")):
+        AutoConfig(max_samples=2)
+    with pytest.raises(ValueError, match=re.escape("separation (-1.0) must be >= 0 (standard errors; 0 compares "
+                                                   "medians only)")):
+        AutoConfig(separation=-1.0)
     with pytest.raises(ValueError, match="unknown tuning 'on'; use 'fixed' or 'auto'"):
         RunnerConfig(tuning="on")  # type: ignore[arg-type]
 

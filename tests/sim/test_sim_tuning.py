@@ -47,10 +47,10 @@ def test_auto_explores_then_keeps_what_the_simulated_times_favour() -> None:
     large_off, large_n2 = auto.steps[3].dbo_s / 256, auto.steps[1].dbo_s / 256
     assert small_off < small_n2 * 0.97 and not large_off < large_n2 * 0.97
     assert [b for b, _, e in auto.choices] == [step_bucket(s) for s in STEPS]
-    assert auto.choices[4][2] == (f"decode 64-127: best off {small_off * 1e6:.2f} us/token (1); "
-                                  f"N=2 token split {small_n2 * 1e6:.2f} (1)")
+    assert auto.choices[4][2] == (f"decode 64-127: best off {small_off * 1e6:.2f}±0.00 us/token (1); "
+                                  f"N=2 token split {small_n2 * 1e6:.2f}±0.00 (1, slower)")
     assert auto.choices[2][2] == (f"decode 64-127: exploring 2/2 (1/1); best N=2 token split "
-                                  f"{small_n2 * 1e6:.2f} us/token (1)")
+                                  f"{small_n2 * 1e6:.2f}±0.00 us/token (1)")
     assert auto.exploring() == 4 and auto.buckets() == {"decode 64-127": (3, 2), "decode 256-511": (3, 2)}
     assert [s.reason for s in auto.steps] == [PlanReason.MICROBATCHED] * 2 + [PlanReason.AUTO_OFF] * 3 + [
         PlanReason.MICROBATCHED]
