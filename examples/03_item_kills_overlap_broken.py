@@ -26,9 +26,9 @@ What it shows: DBO no faster than serial (a speedup below 1x: 0.84-0.95x in four
 2-core VM shared with other jobs), and the CPU blocked for most of one link latency per ubatch and layer.
 ``04_item_kills_overlap_fixed.py`` is the same step with the wait made a park;
 ``benchmarks/example_claims.py`` runs both in one process, alternating, and reports their
-speedups side by side (``benchmarks/results/example_claims_*.md``: 04's speedup 1.15-2.20x this
-one's per alternation, 1.35x the medians', in one run at load 4-5); ``tests/docs/test_examples_claims.py``
-checks the blocked times.
+speedups side by side (``benchmarks/results/example_claims_cpu-2c_2026-12-02.md``: 04's median
+speedup 1.20x this one's over 5 alternations, 0.85-1.49x per alternation, at load 7 on a 2-core
+VM); ``tests/docs/test_examples_claims.py`` checks the blocked times.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ What it shows, measured the same way as 03 (tracer wall times, also less the tim
 for a CPU core; debug mode's blocking detector on the serial and the DBO step alike): a speedup
 above 1x (1.12-1.21x in four runs on a 2-core VM shared with other jobs, where 03 gave
 0.84-0.95x), and no step blocked. ``benchmarks/example_claims.py`` runs
-both in one process, alternating, and reports both speedups side by side (this one 1.15-2.20x 03's
-per alternation in one run at load 4-5: ``benchmarks/results/example_claims_*.md``).
+both in one process, alternating, and reports both speedups side by side (this one's median 1.20x
+03's over 5 alternations, 0.85-1.49x per alternation, at load 7:
+``benchmarks/results/example_claims_cpu-2c_2026-12-02.md``).
 
 The same rule on a GPU: never read a comm result on the host (``.item()``, ``.tolist()``,
 ``.cpu()``, ``if tensor:``) before yielding; yield first, or keep the value on the device.
