@@ -142,6 +142,8 @@ class RunStreams:
     policy: StreamPolicy
     lanes: list[Any]  # list[UBatchStreams] (or the DBO layer's subclass)
     comm: list[Any] = field(default_factory=list)  # backend-specific work handles, in issue order
+    # what the backend kept of an earlier run of these lanes for the next one (StreamBackend.keep)
+    kept: Any = field(default=None, init=False, repr=False)
 
     def comm_records(self) -> list[CommRecord]:
         """Every tracked work as a :class:`CommRecord` (the backend knows its handles' fields)."""
@@ -169,6 +171,14 @@ class StreamBackend(ABC):
 
     def detach(self, run: DBORun, state: RunStreams) -> None:
         """Called after the run; restore whatever ``attach`` changed."""
+
+    def keep(self, state: RunStreams) -> bool:
+        """The run of ``state`` ended cleanly and its lanes are kept for a next run with as many
+        ubatches (``asyncdbo.dbo``'s run shells), each lane's ``stream`` reset to None: return
+        True to keep each lane's ``streams`` and ``events`` for that run's :meth:`attach`, after
+        dropping everything of this run they hold, or False to have the lanes emptied (the
+        default: ``attach`` builds every run's)."""
+        return False
 
     @property
     def install_stream(self) -> Any:

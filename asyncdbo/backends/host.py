@@ -19,6 +19,7 @@ until ``issue time + latency + bytes / bandwidth`` on a serialized link, taking 
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -122,6 +123,20 @@ class HostWork:
         return f"<HostWork {self.what} {self.nbytes}B {'done' if self.done() else 'pending'}>"
 
 
+def _kept_objects(lanes: list[Any]) -> tuple[Any, ...]:
+    """The lanes' streams and events dicts, their comm streams (each once) and those streams'
+    comm events: what :meth:`HostBackend.keep` keeps, and counts."""
+    streams = [lane.streams for lane in lanes]
+    comms = list({id(s["comm"]): s["comm"] for s in streams}.values())
+    return (*streams, *(lane.events for lane in lanes), *comms, *(event for c in comms for _, event in c.lanes))  # events last
+
+
+def _counts(objs: tuple[Any, ...]) -> tuple[int, ...]:
+    """References to each of ``objs``. Called only from frames that hold none of them but through
+    the tuple, so that two calls on the same structure agree."""
+    return tuple(map(sys.getrefcount, objs))
+
+
 def _forward(src: Signal, dst: Signal) -> Callable[[], None]:
     """Waiter for ``src`` that counts one arrival on ``dst``, carrying ``src``'s error if any."""
     return lambda: dst.set(src.exception())
@@ -150,6 +165,12 @@ class HostBackend(StreamBackend):
         # The CPU is one compute stream for every ubatch; under the ubatch policy each ubatch gets
         # a comm stream of its own (its own FIFO of works), as a device backend gives it one.
         cpu = self._cpu
+        kept = state.kept
+        if kept is not None and kept[0] is self and kept[1] == state.policy:
+            for lane in state.lanes:  # its streams and events are an earlier run's, emptied (keep)
+                lane.stream = lane.ub.resume_with = cpu
+            return
+        state.kept = None
         shared_comm = HostStream("comm", inline=False)
         for lane in state.lanes:
             comm = shared_comm if state.policy == "role" else HostStream(f"ub{lane.ub.id}:comm", inline=False)
@@ -166,6 +187,44 @@ class HostBackend(StreamBackend):
             lane.events = {"compute": None, "comm": None}
             comm.lanes.append((lane.events, HostEvent()))
             lane.stream = lane.ub.resume_with = cpu
+        if state.policy in ("role", "ubatch"):  # what keep() may hand the next run, and its counts now
+            del shared_comm, comm
+            objs = _kept_objects(state.lanes)
+            comms = tuple(obj for obj in objs if type(obj) is HostStream)
+            pairs = tuple(pair for c in comms for pair in c.lanes)
+            state.kept = (self, state.policy, objs, _counts(objs), comms, pairs)
+
+    def keep(self, state: RunStreams) -> bool:
+        """Keep the lanes' streams and events for the next run of ``state``'s lanes (a run shell's),
+        so that :meth:`attach` builds none: only while nothing but the lanes and their streams
+        refers to them (a stream or dict taken out of a lane during the run is never handed to
+        another run; the counts below, as the shell's own, show it), and emptied of this run's
+        works first."""
+        kept = state.kept
+        if kept is None or kept[0] is not self:
+            return False
+        _, _, objs, counts, comms, pairs = kept
+        busy = [i for i, comm in enumerate(comms) if comm.pending]
+        if busy:  # the lanes' comm events of a stream with works pending are in their dicts too
+            expected = list(counts)
+            first = len(objs) - len(pairs)  # where the events start in objs (see _kept_objects)
+            for i in busy:
+                start = first + sum(len(c.lanes) for c in comms[:i])
+                for j in range(start, start + len(comms[i].lanes)):
+                    expected[j] += 1
+            counts = tuple(expected)
+        if tuple(map(sys.getrefcount, objs)) != counts:
+            state.kept = None
+            return False
+        for i in busy:  # drop every work of the run its comm streams ...
+            comms[i].pending = []
+            comms[i].arm(False)
+        for pair in pairs:  # ... and their events hold
+            event = pair[1]
+            if event.recorded:
+                event.works = ()
+                event.recorded = False
+        return True
 
     def new_event(self) -> HostEvent:
         return HostEvent()

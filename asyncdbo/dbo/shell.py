@@ -162,10 +162,13 @@ def _idle(shell: Shell) -> None:
             lane.role = "compute"
         if lane.submitted:
             lane.submitted = 0
-        if lane.streams:
-            lane.streams = {}
-        if lane.events:
-            lane.events = {}
+    # the backend keeps the lanes' streams and events for the next run, emptied, or they go
+    if not state.backend.keep(state):
+        for lane in state.lanes:
+            if lane.streams:
+                lane.streams = {}
+            if lane.events:
+                lane.events = {}
 
 
 def give_back(shell: Shell) -> None:

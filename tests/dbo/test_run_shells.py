@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import gc
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -211,3 +212,100 @@ async def test_restart_refuses_a_run_that_is_not_finished_or_has_another_size() 
         run.restart([nothing()])
     run.restart([nothing(), nothing()], name="again")
     assert (run.name, await run.drive()) == ("again", [None, None])
+
+
+class _Future:
+    """The part of a torch future the host backend uses, completed by the test (no torch)."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Any] = []
+
+    def add_done_callback(self, fn: Any) -> None:
+        self.callbacks.append(fn)
+
+    def value(self) -> None:
+        return None
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.fut = _Future()
+
+    def get_future(self) -> _Future:
+        return self.fut
+
+
+@pytest.mark.parametrize("policy", ["role", "ubatch"])
+async def test_a_kept_shell_hands_its_host_streams_to_the_next_run_emptied(policy: str) -> None:
+    """The host backend keeps a shell's streams and events for its next run instead of building
+    them again, without the works of the run before: a work left pending at the end of a run (a
+    send nobody awaited) is in no stream, event or lane of the idle shell, and goes with its last
+    reference, with no cycle collection."""
+    from asyncdbo import dbo_submit, dbo_switch_to_comm
+
+    seen: list[tuple[int, int, bool]] = []
+    work = _Work()
+
+    async def fwd(i: int, submit: bool) -> int:
+        lane = get_ubatch().ext  # type: ignore[union-attr]
+        seen.append((id(lane.streams), id(lane.events), lane.events["comm"] is None))
+        await dbo_switch_to_comm()
+        if submit and i == 0:
+            dbo_submit(work, what="send")
+            assert lane.events["comm"] is not None  # the stream has a work pending
+        await dbo_yield()
+        return i
+
+    gc.disable()
+    try:
+        assert await run_ubatches(fwd, [(0, True), (1, True)], backend="host", stream_policy=policy) == [0, 1]
+        idle = shell._IDLE[2][-1]
+        state = idle.state
+        assert [lane.events["comm"] for lane in state.lanes] == [None, None]
+        comms = {id(lane.streams["comm"]): lane.streams["comm"] for lane in state.lanes}.values()
+        assert [c.pending for c in comms] == [[]] * len(comms)
+        assert all(ev.works == () and not ev.recorded for c in comms for _, ev in c.lanes)
+        del idle, state, comms
+        hw = work.fut.callbacks.pop().__self__  # the HostWork: only the torch-like future held it
+        assert sys.getrefcount(hw) == 2  # this local and the call's argument
+        del hw
+        first = seen[:]
+        seen.clear()
+        assert await run_ubatches(fwd, [(0, False), (1, False)], backend="host", stream_policy=policy) == [0, 1]
+        assert seen == [(s, e, True) for s, e, _ in first]  # the same dicts, nothing of the run before
+    finally:
+        gc.enable()
+
+
+async def test_host_streams_taken_out_of_a_run_are_never_handed_to_another() -> None:
+    """A stream or a lane's dict that someone keeps past its run (a tracer that stored them) is
+    not reused: the next run of the shell gets new ones, as it got new records when a record was
+    kept."""
+    from asyncdbo import dbo_submit, dbo_switch_to_comm
+
+    kept: list[Any] = []
+    work = _Work()
+
+    async def fwd(i: int, keep: bool) -> int:
+        lane = get_ubatch().ext  # type: ignore[union-attr]
+        ids.append((id(lane.streams), id(lane.streams["comm"])))
+        if keep and i == 1:
+            kept.append(lane.streams["comm"])
+            await dbo_switch_to_comm()
+            dbo_submit(work, what="send")  # never completed
+        await dbo_yield()
+        return i
+
+    ids: list[tuple[int, int]] = []
+    await run_ubatches(fwd, [(0, False), (1, True)], backend="host")
+    assert [w.what for w in kept[0].pending] == ["send"]  # left as its run ended, for whoever holds it
+    first = ids[:]
+    ids.clear()
+    await run_ubatches(fwd, [(0, False), (1, False)], backend="host")
+    assert not {c for _, c in ids} & {c for _, c in first}  # a new comm stream: the old one is kept
+    PINNED.extend(shell._IDLE.get(2, ()))
+    second = ids[:]
+    ids.clear()
+    await run_ubatches(fwd, [(0, False), (1, False)], backend="host")
+    assert ids == second  # nothing kept them this time: reused
+    kept.clear()
