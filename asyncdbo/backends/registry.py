@@ -25,12 +25,22 @@ _REGISTRY: dict[str, str | Callable[..., StreamBackend]] = {
 }
 
 
+# Names whose factory, called without options, returns the process's one backend of that kind
+# whatever the caller's state (the host's; a device backend depends on the current device), and
+# what they resolved to (so are "auto" where there is no accelerator): a run that names its
+# backend then resolves it with one dict lookup (benchmarks/run_setup.py's "backend" phase).
+_PROCESS_SHARED = {"host"}
+_RESOLVED: dict[str, StreamBackend] = {}
+
+
 def register_backend(name: str, factory: str | Callable[..., StreamBackend]) -> None:
     """Make ``get_backend(name, **options)`` call ``factory(**options)`` (a callable, or a
     ``"module:attribute"`` string imported on first use)."""
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"a backend name must be a non-empty string other than 'auto' (got {name!r})")
     _REGISTRY[name] = factory
+    _PROCESS_SHARED.discard(name)
+    _RESOLVED.clear()
 
 
 def backend_names() -> tuple[str, ...]:
@@ -42,8 +52,12 @@ def get_backend(name: str | StreamBackend | None = "auto", **options: Any) -> St
     """A backend by name: ``auto`` (the accelerator if torch has one, else ``host``), ``host``,
     ``cuda``, ``npu``, ``xpu``, ``accelerator``, ``sim`` (simulated device), or one registered
     with :func:`register_backend`; a :class:`StreamBackend` instance is returned as it is."""
-    if type(name) is not str and isinstance(name, StreamBackend):
-        return name
+    if type(name) is not str:
+        if isinstance(name, StreamBackend):
+            return name
+    elif not options and (resolved := _RESOLVED.get(name)) is not None:
+        return resolved
+    asked = name
     if name is None or name == "auto":
         try:
             import torch
@@ -61,4 +75,7 @@ def get_backend(name: str | StreamBackend | None = "auto", **options: Any) -> St
         factory = getattr(importlib.import_module(module), attr)
         if _REGISTRY.get(name) == spec:  # resolved once (unless the import registered another)
             _REGISTRY[name] = factory
-    return factory(**options)
+    backend = factory(**options)
+    if not options and name in _PROCESS_SHARED and type(asked) is str:
+        _RESOLVED[asked] = backend
+    return backend

@@ -130,9 +130,12 @@ def _make_coros(fn: Callable[..., Awaitable[T]], ubatch_args: Iterable[Sequence[
             raise _not_a_coroutine_error(fn, "run_ubatches")
         if not callable(fn):
             raise TypeError(f"run_ubatches expects an async function as fn, got {fn!r}")
-    if type(ubatch_args) is not list and (isinstance(ubatch_args, (str, bytes)) or not isinstance(ubatch_args, Iterable)):
+    if type(ubatch_args) is list:
+        args_list = ubatch_args  # iterated once, below; only other iterables are copied
+    elif isinstance(ubatch_args, (str, bytes)) or not isinstance(ubatch_args, Iterable):
         raise TypeError(f"ubatch_args must be a list of argument tuples, one per ubatch (got {ubatch_args!r})")
-    args_list = list(ubatch_args)
+    else:
+        args_list = list(ubatch_args)
     if len(args_list) < 1:
         raise ValueError("run_ubatches needs at least 1 ubatch (got 0 argument tuples); pass e.g. [(x0,), (x1,)]")
     coros: list[Coroutine[Any, Any, T]] = []

@@ -54,7 +54,7 @@ class Shell:
     """A kernel run and its DBO state, wired together (``run.ext`` is ``state``, each lane's
     ``ub`` the record at its index), plus the reference counts of its objects when idle."""
 
-    __slots__ = ("run", "state", "objs", "baseline", "armed")
+    __slots__ = ("run", "state", "objs", "weakable", "baseline", "armed")
 
     def __init__(self, n: int, backend: StreamBackend, policy: StreamPolicy) -> None:
         run = self.run = DBORun.released(n)
@@ -62,6 +62,8 @@ class Shell:
         run.ext = state
         # its objects, whose counts give_back compares (this tuple's own reference is in the baseline)
         self.objs = (run, state, *run.ubatches, *state.lanes)
+        # those a weak reference can point to (a Lane has no __weakref__ slot: its count stays 0)
+        self.weakable = tuple(obj for obj in self.objs if type(obj).__weakrefoffset__)
         self.baseline: tuple[int, ...] = ()
         # the options and backend its run was last restarted with (see take)
         self.armed: tuple[object, object] = (None, None)
@@ -73,7 +75,7 @@ def _counts(shell: Shell) -> tuple[int, ...]:
     idle structure agree."""
     objs = shell.objs  # and how many records and lanes the run and state hold now (the same ones, if counts agree)
     return (len(shell.run.ubatches), len(shell.state.lanes), *map(sys.getrefcount, objs),
-            *map(weakref.getweakrefcount, objs))
+            *map(weakref.getweakrefcount, shell.weakable))
 
 
 def _build(n: int, backend: StreamBackend, policy: StreamPolicy) -> Shell:

@@ -272,3 +272,22 @@ async def test_a_comm_event_is_there_only_while_its_stream_has_works_pending(pol
         f"ub1 on compute: {'ub0:- ub1:-' if policy == 'role' else armed}",
     ]
     assert stats[1].num_parks == 0
+
+
+def test_a_named_host_backend_resolves_to_the_shared_one_until_its_name_is_registered_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``get_backend("host")`` returns the process's one host backend, resolved once and then
+    looked up (a run that names it pays one dict lookup); options still make a new one, and
+    registering the name again is what later calls get."""
+    from asyncdbo.backends import get_backend, register_backend, registry
+
+    for name in ("_REGISTRY", "_PROCESS_SHARED", "_RESOLVED"):
+        monkeypatch.setattr(registry, name, type(getattr(registry, name))(getattr(registry, name)))
+    shared = get_backend("host")
+    assert get_backend("host") is shared and registry._RESOLVED["host"] is shared
+    assert get_backend("host", link=None) is not shared  # options: a new backend, not remembered
+    assert registry._RESOLVED == {"host": shared} or registry._RESOLVED == {"host": shared, "auto": shared}
+    other = HostBackend()
+    register_backend("host", lambda: other)
+    assert (get_backend("host"), get_backend("host"), registry._RESOLVED) == (other, other, {})
