@@ -16,7 +16,11 @@ a signal that still holds a waker) shows up in those counts, and such a shell is
 run was before shells: a reference kept past its run never sees the record serve another run. A
 run that fails, is cancelled or whose set-up raised is dropped too, so the failure paths build
 nothing and reuse nothing. An idle shell holds none of its run's coroutines, contexts, results,
-streams, events or comm works (:meth:`DBORun._release` and :func:`_idle`).
+named events or comm works (:meth:`DBORun._release` and :func:`_idle`). Its lanes' streams and
+done-events stay only where the backend keeps them for the next run, emptied of the run's works
+and on the same terms, by their own counts (:meth:`~asyncdbo.backends.StreamBackend.keep`; the
+host backend does); otherwise they go too. A next run with the same options and backend reruns
+the kernel run as it is (:meth:`DBORun.rerun`), else restarts it with its own.
 
 Shells are per number of ubatches, at most :data:`MAX_IDLE` idle per number, and none past
 :data:`MAX_UBATCHES` ubatches or on a free-threaded build running without the GIL (where other

@@ -309,3 +309,26 @@ async def test_host_streams_taken_out_of_a_run_are_never_handed_to_another() -> 
     await run_ubatches(fwd, [(0, False), (1, False)], backend="host")
     assert ids == second  # nothing kept them this time: reused
     kept.clear()
+
+
+async def test_a_reused_run_has_the_options_and_a_new_name_of_each_run() -> None:
+    """A shell whose last run had the same options (one frozen DBOOptions per set of plain keyword
+    options) reruns its run with them as they are (DBORun.rerun); other options restart it. Either
+    way each run sees its own options, and an unnamed run a name no earlier run had."""
+    seen: list[tuple[str, float | None, float]] = []
+
+    async def fwd(i: int) -> int:
+        run = get_ubatch().run  # type: ignore[union-attr]
+        if i == 0:
+            seen.append((run.name, run.watchdog_s, run.loop_poll_s))
+        await dbo_yield()
+        return i
+
+    for options in ({}, {}, {"watchdog_s": 5.0}, {"watchdog_s": 5.0, "name": "step"}, {"loop_poll_s": 0.5}, {}):
+        await run_ubatches(fwd, [(0,), (1,)], backend="host", **options)
+        assert len(shell._IDLE[2]) == 1  # one shell served them all
+    assert [s[1:] for s in seen] == [(300.0, 0.001), (300.0, 0.001), (5.0, 0.001), (5.0, 0.001), (300.0, 0.5),
+                                     (300.0, 0.001)]
+    names = [s[0] for s in seen]
+    assert names[3] == "step" and len(set(names)) == 6
+    assert all(name.startswith("dbo-run-") for i, name in enumerate(names) if i != 3)
