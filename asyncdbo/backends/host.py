@@ -310,8 +310,8 @@ _SHARED: list[HostBackend] = []
 
 def host_backend(**options: Any) -> HostBackend:
     """``get_backend("host", **options)``: without options the process's one shared
-    :class:`HostBackend` (without a modeled link it keeps no state between runs: ``attach`` builds
-    each run's streams), so a run that names its backend builds none; with options a new one."""
+    :class:`HostBackend` (without a modeled link it keeps no state between runs: a run's streams
+    live in its lanes, built by ``attach`` or kept there by :meth:`HostBackend.keep`), so a run that names its backend builds none; with options a new one."""
     if options:
         return HostBackend(**options)
     if not _SHARED:
