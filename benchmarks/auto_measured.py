@@ -188,7 +188,9 @@ async def _run_rounds(rank: int, world: int, link: str | None, scale: float, tra
             if c.kind == "auto":  # one runner over every round, as a server keeps its policy
                 auto_exploring.append([": exploring " in rec.evidence for rec in recs])
                 pol = runners[c.label].auto
-                auto_choices = [f"{b}: {pol.bucket(b).incumbent.label}" for b in sorted(pol.buckets) if b != "idle"]
+                # the choice and its evidence (medians, spreads, samples, verdicts), so a miss can be read back
+                auto_choices = [f"{b}: {pol.bucket(b).incumbent.label} ({pol.evidence(b)})" for b in sorted(pol.buckets)
+                                if b != "idle"]
             times[c.label].append(ts)
     return {"times": times, "auto_exploring": auto_exploring, "auto_choices": auto_choices}
 
