@@ -27,8 +27,9 @@ _REGISTRY: dict[str, str | Callable[..., StreamBackend]] = {
 
 # Names whose factory, called without options, returns the process's one backend of that kind
 # whatever the caller's state (the host's; a device backend depends on the current device), and
-# what they resolved to (so are "auto" where there is no accelerator): a run that names its
-# backend then resolves it with one dict lookup (benchmarks/run_setup.py's "backend" phase).
+# what they resolved to: a run that names its backend then resolves it with one dict lookup
+# (benchmarks/run_setup.py's "backend" phase). Never "auto": it follows what torch says the
+# accelerator is now, which can change (tests/backends/test_fake_device.py).
 _PROCESS_SHARED = {"host"}
 _RESOLVED: dict[str, StreamBackend] = {}
 
@@ -76,6 +77,6 @@ def get_backend(name: str | StreamBackend | None = "auto", **options: Any) -> St
         if _REGISTRY.get(name) == spec:  # resolved once (unless the import registered another)
             _REGISTRY[name] = factory
     backend = factory(**options)
-    if not options and name in _PROCESS_SHARED and type(asked) is str:
+    if not options and name in _PROCESS_SHARED and asked == name:
         _RESOLVED[asked] = backend
     return backend
