@@ -213,7 +213,7 @@ class HostBackend(StreamBackend):
                 for j in range(start, start + len(comms[i].lanes)):
                     expected[j] += 1
             counts = tuple(expected)
-        if tuple(map(sys.getrefcount, objs)) != counts:
+        if _counts(objs) != counts:
             state.kept = None
             return False
         for i in busy:  # drop every work of the run its comm streams ...
@@ -311,7 +311,8 @@ _SHARED: list[HostBackend] = []
 def host_backend(**options: Any) -> HostBackend:
     """``get_backend("host", **options)``: without options the process's one shared
     :class:`HostBackend` (without a modeled link it keeps no state between runs: a run's streams
-    live in its lanes, built by ``attach`` or kept there by :meth:`HostBackend.keep`), so a run that names its backend builds none; with options a new one."""
+    live in its lanes, built by ``attach`` or kept there by :meth:`HostBackend.keep`), so a run
+    that names its backend builds none; with options a new one."""
     if options:
         return HostBackend(**options)
     if not _SHARED:
