@@ -3,8 +3,10 @@
  * Why: while every ubatch keeps yielding SWITCH, the Python loop pays its own bytecode for each
  * switch (pop, install check, resume, compare, push). This loop does the same steps and nothing
  * else: pop the next ready ubatch, install what it resumes with, call its `resume`, push it back
- * if it switched; it stops at anything the Python loop must decide (a park, a finish, an error, a
- * pending timer or wake-up), handing the ubatch and what happened back to it. Python stays the
+ * if it switched, finish it if it returned (Endings._finish: its exit hook in its context); it
+ * stops at anything the Python loop must decide (a park, an error, a pending timer or wake-up),
+ * handing the ubatch and what happened back to it. release() is Endings._release_records, the
+ * stores that free a finished run's records. Python stays the
  * reference: the kernel runs its Python loop where an instrument or an event-loop wait is
  * involved, and under ASYNCDBO_PURE_PYTHON=1 / ASYNCDBO_NO_C_KERNEL=1. Measurements of what it
  * saves are in benchmarks/results/ (benchmarks/host_overhead.py, switch_cost.py).
@@ -25,17 +27,20 @@
 #include "slots.h"
 
 /* What spin() reports; kernel.py has the same numbers. */
-enum { SWITCHED = 0, PARKED = 1, FINISHED = 2, FAILED = 3, EMPTY = 4 };
+enum { SWITCHED = 0, PARKED = 1, FINISHED = 2, FAILED = 3, EMPTY = 4, EXITED = 5, EXIT_FAILED = 6 };
 
 enum {
     UB_RESUME, UB_RESUME_WITH,
     /* what start() fills */
     UB_RUN, UB_CORO, UB_CTX, UB_CTX_RUN, UB_SEND, UB_STATE, UB_TAG, UB_NUM_YIELDS, UB_UNAWAITED_AT, UB_CANCELS,
+    /* what a finish and release() also store */
+    UB_RESULT, UB_PARKED_ON, UB_EXT, UB_WAKER, UB_DEBUG, UB_UNAWAITED,
     UB_NSLOTS
 };
 static const char *const ub_names[UB_NSLOTS] = {
     "resume", "resume_with",
     "run", "coro", "ctx", "ctx_run", "send", "state", "tag", "num_yields", "unawaited_at", "cancels",
+    "result", "parked_on", "ext", "waker", "debug", "unawaited",
 };
 
 typedef struct {
@@ -43,6 +48,8 @@ typedef struct {
     Py_ssize_t ub[UB_NSLOTS];
     PyTypeObject *resume_type;
     PyObject *str_run, *str_start; /* interned "run", "_start" */
+    PyObject *str_live, *str_at_exit, *str_woken; /* interned "_live", "_at_exit", "_woken" (the run's) */
+    PyObject *one;
 } SpinState;
 
 /* ------------------------------------------------------------------ Resume */
@@ -271,7 +278,76 @@ take_error(void)
     return exc;
 }
 
-/* spin(pop, push, woken, timers, switch, install) -> (switches, ubatch, status, value)
+/* ub.<field> = value: at its slot while `ub` is an exact UBatch (checked at each store: what a
+ * store releases may run a finalizer that reassigns __class__), else through setattr. */
+static int
+ub_set(SpinState *st, PyObject *ub, int field, PyObject *value)
+{
+    if (Py_IS_TYPE(ub, st->ubatch_type)) {
+        adb_slot_set(ub, st->ub[field], value);
+        return 0;
+    }
+    return PyObject_SetAttrString(ub, ub_names[field], value);
+}
+
+/* Endings._finish on the C path (which runs only without an instrument): `ub` returned `result`.
+ * ub.state = done; ub.result = result; ub.parked_on = None; run._live -= 1; then, where the run
+ * has an exit hook, ub.ctx_run(run._at_exit, ub). 0; -1 with the error set where the bookkeeping
+ * failed (it propagates, as from _finish); 1 with the error set where the exit hook raised, or
+ * reading ub.ctx_run did (both inside _finish's try): the ubatch failed at its exit. */
+static int
+finish(SpinState *st, PyObject *ub, PyObject *result, PyObject *run, PyObject *done)
+{
+    if (ub_set(st, ub, UB_STATE, done) < 0 || ub_set(st, ub, UB_RESULT, result) < 0
+        || ub_set(st, ub, UB_PARKED_ON, Py_None) < 0)
+        return -1;
+    PyObject *live = PyObject_GetAttr(run, st->str_live);
+    if (live == NULL)
+        return -1;
+    PyObject *less = PyNumber_InPlaceSubtract(live, st->one);
+    Py_DECREF(live);
+    if (less == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(run, st->str_live, less);
+    Py_DECREF(less);
+    if (rc < 0)
+        return -1;
+    PyObject *at_exit = PyObject_GetAttr(run, st->str_at_exit);
+    if (at_exit == NULL)
+        return -1;
+    if (at_exit == Py_None) {
+        Py_DECREF(at_exit);
+        return 0;
+    }
+    PyObject *r = NULL, *ctx_run = ub_get(st, ub, UB_CTX_RUN);
+    if (ctx_run != NULL) {
+        PyObject *argv[2] = {at_exit, ub};
+        r = PyObject_Vectorcall(ctx_run, argv, 2, NULL);
+        Py_DECREF(ctx_run);
+    }
+    Py_DECREF(at_exit);
+    if (r == NULL)
+        return 1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* What the Python loop asks after a finish: `self._woken or self._timers` (its exit woke or armed
+ * something, to be drained out there first). 1, 0, or -1 with an error set. */
+static int
+exit_pending(SpinState *st, PyObject *run, PyObject *timers)
+{
+    PyObject *woken = PyObject_GetAttr(run, st->str_woken);
+    if (woken == NULL)
+        return -1;
+    int pending = PyObject_IsTrue(woken);
+    Py_DECREF(woken);
+    if (pending != 0)
+        return pending;
+    return PyList_GET_SIZE(timers) > 0;
+}
+
+/* spin(pop, push, woken, timers, switch, install[, run, done]) -> (switches, ubatch, status, value)
  *
  * Resume ubatches in ring order while each yields `switch`, counting the switches; before each
  * resume, `install(ubatch.resume_with)` unless `install` is None (the run's install, which does
@@ -279,16 +355,23 @@ take_error(void)
  * loop). Returns when a ubatch does anything else: PARKED (value: what it yielded), FINISHED
  * (value: its result), FAILED (value: the exception, not raised); or when it switched and `timers`
  * (a list) or `woken` (a sized container, or None to ignore it) is not empty: SWITCHED, the
- * ubatch not pushed back yet. EMPTY when the ring is empty. */
+ * ubatch not pushed back yet. EMPTY when the ring is empty.
+ *
+ * Given the run (not None) and `done` (UBatchState.DONE), a ubatch that returns is finished here
+ * as the Python loop finishes it (Endings._finish: its exit hook runs in its context) and the
+ * loop goes on; it returns EXITED (value None) once such an exit left the run's `_woken` or
+ * `timers` not empty, and EXIT_FAILED (value: the exception, not raised) where the exit hook
+ * raised. A run whose ubatches only switch is then one call, however many ubatches it has. */
 static PyObject *
 spin(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    SpinState *st = configured_state(module, nargs, 6, "spin");
+    SpinState *st = configured_state(module, nargs, nargs == 8 ? 8 : 6, "spin");
     if (st == NULL)
         return NULL;
     /* The arguments are the caller's (alive for the call); `timers` must stay a list. */
     PyObject *pop = args[0], *push = args[1], *woken = args[2], *timers = args[3], *switch_ = args[4];
     PyObject *install = args[5] == Py_None ? NULL : args[5];
+    PyObject *run = nargs == 8 && args[6] != Py_None ? args[6] : NULL, *done = nargs == 8 ? args[7] : NULL;
     if (!PyList_Check(timers)) {
         PyErr_SetString(PyExc_TypeError, "spin(): timers must be a list");
         return NULL;
@@ -317,14 +400,16 @@ spin(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *resume = ub_get(st, ub, UB_RESUME);
         if (resume == NULL) /* as the Python loop's `ub.resume()`: the ubatch fails with it */
             return report(n, ub, FAILED, take_error());
-        PyObject *result;
+        PyObject *result, *value;
         if (Py_IS_TYPE(resume, st->resume_type)) { /* its send, inline */
             PySendResult r = resume_send((ResumeObject *)resume, &result);
             Py_DECREF(resume);
             if (r == PYGEN_ERROR)
                 return report(n, ub, FAILED, take_error());
-            if (r == PYGEN_RETURN)
-                return report(n, ub, FINISHED, result);
+            if (r == PYGEN_RETURN) {
+                value = result;
+                goto returned;
+            }
         }
         else {
             result = PyObject_CallNoArgs(resume);
@@ -334,11 +419,11 @@ spin(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (!PyErr_ExceptionMatches(PyExc_StopIteration))
                 return report(n, ub, FAILED, take_error());
             PyObject *stop = adb_take_exception();
-            PyObject *value = PyObject_GetAttrString(stop, "value");
+            value = PyObject_GetAttrString(stop, "value");
             Py_DECREF(stop);
             if (value == NULL)
                 return report(n, ub, FAILED, take_error());
-            return report(n, ub, FINISHED, value);
+            goto returned;
         }
         if (result != switch_)
             return report(n, ub, PARKED, result);
@@ -360,7 +445,57 @@ spin(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (r == NULL)
             return NULL;
         Py_DECREF(r);
+        continue;
+    returned: /* `ub` returned `value` (both owned here) */
+        if (run == NULL)
+            return report(n, ub, FINISHED, value);
+        int rc = finish(st, ub, value, run, done);
+        Py_DECREF(value);
+        if (rc > 0)
+            return report(n, ub, EXIT_FAILED, take_error());
+        if (rc == 0)
+            rc = exit_pending(st, run, timers);
+        if (rc > 0)
+            return report(n, ub, EXITED, Py_NewRef(Py_None));
+        Py_DECREF(ub);
+        if (rc < 0)
+            return NULL;
     }
+}
+
+/* release(ubatches): Endings._release_records: each record's coroutine, context, resume, state of
+ * the layer above, what it waited on, result and run set to None, in that method's order, at its
+ * slots while it is an exact UBatch and else through setattr (whose error propagates, the rest
+ * left as they are, as from the Python loop). Each replaced value is released at once (a
+ * finalizer it runs may reassign __class__: the type is checked again before every store); the
+ * list is read at each step, as a for loop reads it. */
+static PyObject *
+release(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const int order[] = {UB_CORO, UB_CTX, UB_CTX_RUN, UB_SEND, UB_RESUME, UB_EXT, UB_WAKER, UB_PARKED_ON,
+                                UB_RESULT, UB_RESUME_WITH, UB_DEBUG, UB_UNAWAITED, UB_RUN};
+    SpinState *st = configured_state(module, nargs, 1, "release");
+    if (st == NULL)
+        return NULL;
+    PyObject *ubs = args[0];
+    if (!PyList_Check(ubs)) {
+        PyErr_SetString(PyExc_TypeError, "release(): ubatches must be a list");
+        return NULL;
+    }
+    Py_INCREF(ubs); /* held: a finalizer run by a store may drop the caller's reference */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ubs); i++) {
+        PyObject *ub = Py_NewRef(PyList_GET_ITEM(ubs, i));
+        for (size_t k = 0; k < sizeof order / sizeof order[0]; k++) {
+            if (ub_set(st, ub, order[k], Py_None) < 0) {
+                Py_DECREF(ub);
+                Py_DECREF(ubs);
+                return NULL;
+            }
+        }
+        Py_DECREF(ub);
+    }
+    Py_DECREF(ubs);
+    Py_RETURN_NONE;
 }
 
 /* Fill one UBatch for a run of `coro` as UBatch._start does: the fallible steps first (the
@@ -402,13 +537,9 @@ start_one(SpinState *st, PyObject *ub, PyObject *run, PyObject *coro, PyObject *
     vals[UB_NUM_YIELDS] = zero;
     vals[UB_UNAWAITED_AT] = Py_None;
     vals[UB_CANCELS] = zero;
-    for (size_t k = 0; k < sizeof order / sizeof order[0]; k++) {
-        int f = order[k];
-        if (Py_IS_TYPE(ub, st->ubatch_type))
-            adb_slot_set(ub, st->ub[f], vals[f]);
-        else if (PyObject_SetAttrString(ub, ub_names[f], vals[f]) < 0)
+    for (size_t k = 0; k < sizeof order / sizeof order[0]; k++)
+        if (ub_set(st, ub, order[k], vals[order[k]]) < 0)
             goto done;
-    }
     rc = 0;
 done:
     Py_DECREF(ctx);
@@ -488,7 +619,10 @@ configure(PyObject *module, PyObject *tp)
 
 static PyMethodDef module_methods[] = {
     {"spin", (PyCFunction)(void (*)(void))spin, METH_FASTCALL,
-     "spin(pop, push, woken, timers, switch, install) -> (switches, ubatch, status, value): the kernel's fast loop."},
+     "spin(pop, push, woken, timers, switch, install[, run, done]) -> (switches, ubatch, status, value): the kernel's "
+     "fast loop."},
+    {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,
+     "release(ubatches): Endings._release_records, each record's run state set to None."},
     {"start", (PyCFunction)(void (*)(void))start, METH_FASTCALL,
      "start(ubatches, run, coros, var, ready): each UBatch._start(run, coro), as DBORun.restart runs them."},
     {"configure", configure, METH_O, "configure(UBatch): the record whose slots spin() and start() use."},
@@ -503,11 +637,16 @@ module_exec(PyObject *m)
     if (st->resume_type == NULL || PyModule_AddObjectRef(m, "Resume", (PyObject *)st->resume_type) < 0)
         return -1;
     if ((st->str_run = PyUnicode_InternFromString("run")) == NULL
-        || (st->str_start = PyUnicode_InternFromString("_start")) == NULL)
+        || (st->str_start = PyUnicode_InternFromString("_start")) == NULL
+        || (st->str_live = PyUnicode_InternFromString("_live")) == NULL
+        || (st->str_at_exit = PyUnicode_InternFromString("_at_exit")) == NULL
+        || (st->str_woken = PyUnicode_InternFromString("_woken")) == NULL
+        || (st->one = PyLong_FromLong(1)) == NULL)
         return -1;
     if (PyModule_AddIntConstant(m, "SWITCHED", SWITCHED) || PyModule_AddIntConstant(m, "PARKED", PARKED)
         || PyModule_AddIntConstant(m, "FINISHED", FINISHED) || PyModule_AddIntConstant(m, "FAILED", FAILED)
-        || PyModule_AddIntConstant(m, "EMPTY", EMPTY))
+        || PyModule_AddIntConstant(m, "EMPTY", EMPTY) || PyModule_AddIntConstant(m, "EXITED", EXITED)
+        || PyModule_AddIntConstant(m, "EXIT_FAILED", EXIT_FAILED))
         return -1;
     return 0;
 }
@@ -521,6 +660,10 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
         Py_VISIT(st->resume_type);
         Py_VISIT(st->str_run);
         Py_VISIT(st->str_start);
+        Py_VISIT(st->str_live);
+        Py_VISIT(st->str_at_exit);
+        Py_VISIT(st->str_woken);
+        Py_VISIT(st->one);
     }
     return 0;
 }
@@ -534,6 +677,10 @@ module_clear(PyObject *m)
         Py_CLEAR(st->resume_type);
         Py_CLEAR(st->str_run);
         Py_CLEAR(st->str_start);
+        Py_CLEAR(st->str_live);
+        Py_CLEAR(st->str_at_exit);
+        Py_CLEAR(st->str_woken);
+        Py_CLEAR(st->one);
     }
     return 0;
 }

@@ -102,13 +102,19 @@ class Endings(Parking):
     def _release(self) -> None:
         """Drop everything a ubatch held (coroutine, context, state, the back-reference to this
         run), so a finished run is freed by reference counting alone (invariant 8)."""
-        for ub in self.ubatches:
-            ub.coro = ub.ctx = ub.ctx_run = ub.send = ub.resume = None  # type: ignore[assignment]
-            ub.ext = ub.waker = ub.parked_on = ub.result = ub.resume_with = ub.debug = ub.unawaited = None
-            ub.run = None  # type: ignore[assignment]
+        self._release_records()
         self._ready.clear()
         self._woken.clear()
         self._timers.clear()
         self._view = self._task = self._wakeup = None
         self._installed = None
         self._released = True
+
+    def _release_records(self) -> None:
+        """Each record's coroutine, context, layer-above state, what it waited on, result and run
+        set to None (the reference of ``asyncdbo._core._spin.release``, which the kernel calls
+        where the extension is loaded)."""
+        for ub in self.ubatches:
+            ub.coro = ub.ctx = ub.ctx_run = ub.send = ub.resume = None  # type: ignore[assignment]
+            ub.ext = ub.waker = ub.parked_on = ub.result = ub.resume_with = ub.debug = ub.unawaited = None
+            ub.run = None  # type: ignore[assignment]

@@ -88,7 +88,7 @@ def _load_spin() -> ModuleType | None:
 
 
 _spin = _load_spin()
-_SWITCHED, _PARKED, _FINISHED, _FAILED = 0, 1, 2, 3  # what _spin.spin reports (its enum)
+_SWITCHED, _PARKED, _FINISHED, _FAILED, _EMPTY, _EXITED, _EXIT_FAILED = range(7)  # what _spin.spin reports (its enum)
 _MONOTONIC = MonotonicClock()
 _now = time.perf_counter
 # What drive() asks the loop for once per run, without asyncio's Python wrappers: on 3.11
@@ -308,13 +308,15 @@ class DBORun(Endings):
                 # The first pass of _loop_until_done (nothing woken, no timer or loop poll yet),
                 # without making its coroutine: a run whose ubatches only switch ends here.
                 if self._ready and not (self._timers or self._woken or self._poll_due):
+                    # _switch, inline (a run starts with no loop wait)
+                    switch = self._switch_in_c if _spin is not None and self.instrument is None else self._switch_in_python
                     if view is None:
-                        self._switch()
+                        switch()
                     else:  # _switch_in_view, inline: every run starts here
                         _leave_task(loop, task)
                         _enter_task(loop, view)  # type: ignore[arg-type]  # asyncio takes any object
                         try:
-                            self._switch()
+                            switch()
                         finally:
                             _leave_task(loop, view)  # type: ignore[arg-type]
                             _enter_task(loop, task)
@@ -423,7 +425,9 @@ class DBORun(Endings):
 
     def _switch_in_c(self) -> None:
         """:meth:`_switch_in_python` without an instrument or a loop wait, in C
-        (``asyncdbo/_core/_spin.c``); it hands back what it cannot decide."""
+        (``asyncdbo/_core/_spin.c``); it hands back what it cannot decide. It finishes a ubatch
+        that returns itself (:meth:`_finish`, exit hook included) and goes on, so a run whose
+        ubatches only switch is one call."""
         ready, push = self._ready, self._ready.append
         watch = self._num_parked > 0 or bool(self._timers)
         args = self._spin_args[watch]
@@ -432,7 +436,7 @@ class DBORun(Endings):
         n = 0
         try:
             while ready:
-                k, ub, status, value = _spin.spin(*args)  # type: ignore[union-attr]
+                k, ub, status, value = _spin.spin(*args, self, DONE)  # type: ignore[union-attr]
                 n += k
                 if status == _SWITCHED:  # switched, with timers or wake-ups pending
                     if watch:
@@ -443,10 +447,14 @@ class DBORun(Endings):
                 elif status == _PARKED:
                     self._park(ub, value)
                     return
-                elif status == _FINISHED:
-                    self._finish(ub, value)
-                    if self._woken or self._timers:  # its exit woke or armed something: drained out there first
-                        return
+                elif status == _EXITED or status == _EMPTY:
+                    return  # its exit woke or armed something (drained out there first), or none is left to run
+                elif status == _EXIT_FAILED:  # _finish's annotation of an exit that raised
+                    self._annotate(ub, value, where="at its exit")
+                    try:
+                        raise value
+                    finally:
+                        del value  # see below
                 else:
                     assert status == _FAILED, status
                     self._failed(ub, value)
@@ -458,6 +466,12 @@ class DBORun(Endings):
                         del value
         finally:
             self.num_switches += n
+
+    def _release_records(self) -> None:
+        if _spin is None:
+            Endings._release_records(self)
+        else:
+            _spin.release(self.ubatches)  # the same stores in C (Endings._release_records is their reference)
 
     async def _let_the_loop_run(self) -> None:
         """A ubatch waits on the event loop: let the loop run one turn (invariant 7).
