@@ -53,6 +53,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import operator
 import sys
 import time
 import weakref
@@ -90,6 +91,7 @@ def _load_spin() -> ModuleType | None:
 _spin = _load_spin()
 _SWITCHED, _PARKED, _FINISHED, _FAILED, _EMPTY, _EXITED, _EXIT_FAILED = range(7)  # what _spin.spin reports (its enum)
 _MONOTONIC = MonotonicClock()
+_RESULT = operator.attrgetter("result")
 _now = time.perf_counter
 # What drive() asks the loop for once per run, without asyncio's Python wrappers: on 3.11
 # ``asyncio.current_task`` is a Python function (its dict lookup is done inline in drive), from
@@ -329,7 +331,7 @@ class DBORun(Endings):
                 self.instrument.run_finished(self, None)
             if not self.num_switches and not self.num_parks:
                 self._warn_if_nothing_overlapped()
-            results = [ub.result for ub in self.ubatches]
+            results = list(map(_RESULT, self.ubatches))  # no comprehension frame (3.11)
         finally:
             live.discard(self._wref)
             self._release()

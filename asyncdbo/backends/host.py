@@ -204,7 +204,10 @@ class HostBackend(StreamBackend):
         if kept is None or kept[0] is not self:
             return False
         _, _, objs, counts, comms, pairs = kept
-        busy = [i for i, comm in enumerate(comms) if comm.pending]
+        busy: list[int] = []
+        for i in range(len(comms)):  # not a comprehension (a frame of its own on 3.11), nor a loop
+            if comms[i].pending:  # variable holding a stream while the counts are read
+                busy.append(i)
         if busy:  # the lanes' comm events of a stream with works pending are in their dicts too
             expected = list(counts)
             first = len(objs) - len(pairs)  # where the events start in objs (see _kept_objects)

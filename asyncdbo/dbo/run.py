@@ -175,42 +175,56 @@ class RunStats:
 # DBOOptions: a run's set-up then builds and validates none (benchmarks/host_overhead.py counts the
 # set-up in the host time per yield). Bounded; instruments and clocks are never keys.
 # The key is the keyword options in the order they were passed (a call site passes them in one
-# order; another order only adds an equal entry), with their types (1 == True, yet debug=1 is
-# refused).
+# order; another order only adds an equal entry); where one is a number or a flag, with their types
+# too (1 == True, yet debug=1 is refused), in a map of its own. Names and None need no types: a
+# str or None equals only a str or None (a str subclass is not plain, never a key).
 _PLAIN = frozenset((str, int, float, bool, type(None)))
-_OPTIONS_CACHE: dict[tuple[tuple[tuple[str, Any], ...], tuple[type, ...]], DBOOptions] = {}
+_OPTIONS_CACHE: dict[tuple[tuple[str, Any], ...], DBOOptions] = {}
+_TYPED_OPTIONS_CACHE: dict[tuple[tuple[tuple[str, Any], ...], tuple[type, ...]], DBOOptions] = {}
 _OPTION_NAMES: frozenset[str] = frozenset()
 
 
 def _options(options: dict[str, Any]) -> DBOOptions:
-    global _OPTION_NAMES
     opts = options.pop("options", None)
     if opts is None:
-        key: tuple[tuple[tuple[str, Any], ...], tuple[type, ...]] | None = None
+        typed = False
         for value in options.values():
+            if value is None or type(value) is str:
+                continue
             if type(value) not in _PLAIN:
-                break
-        else:
-            key = (tuple(options.items()), tuple(map(type, options.values())))  # debug=1 is not debug=True
-            if (cached := _OPTIONS_CACHE.get(key)) is not None:
+                return _new_options(options, None, None)
+            typed = True
+        items = tuple(options.items())
+        if not typed:
+            if (cached := _OPTIONS_CACHE.get(items)) is not None:
                 return cached
-        if not _OPTION_NAMES:
-            _OPTION_NAMES = frozenset(f.name for f in fields(DBOOptions))
-        unknown = sorted(set(options) - _OPTION_NAMES)
-        if unknown:
-            raise TypeError(
-                f"run_ubatches() got an unexpected keyword argument {unknown[0]!r}; valid options are the fields "
-                f"of DBOOptions ({', '.join(f.name for f in fields(DBOOptions))})"
-            )
-        made = DBOOptions(**options)
-        if key is not None and len(_OPTIONS_CACHE) < 256:
-            _OPTIONS_CACHE[key] = made
-        return made
+            return _new_options(options, _OPTIONS_CACHE, items)
+        key = (items, tuple(map(type, options.values())))  # debug=1 is not debug=True
+        if (made := _TYPED_OPTIONS_CACHE.get(key)) is not None:
+            return made
+        return _new_options(options, _TYPED_OPTIONS_CACHE, key)
     if options:
         raise TypeError(f"pass either options=DBOOptions(...) or keyword options, not both (got {sorted(options)})")
     if not isinstance(opts, DBOOptions):
         raise TypeError(f"options must be a DBOOptions (got {type(opts).__name__})")
     return opts
+
+
+def _new_options(options: dict[str, Any], cache: dict[Any, DBOOptions] | None, key: object) -> DBOOptions:
+    """The DBOOptions of keyword ``options`` (validated), kept in ``cache`` under ``key`` if given."""
+    global _OPTION_NAMES
+    if not _OPTION_NAMES:
+        _OPTION_NAMES = frozenset(f.name for f in fields(DBOOptions))
+    unknown = sorted(set(options) - _OPTION_NAMES)
+    if unknown:
+        raise TypeError(
+            f"run_ubatches() got an unexpected keyword argument {unknown[0]!r}; valid options are the fields "
+            f"of DBOOptions ({', '.join(f.name for f in fields(DBOOptions))})"
+        )
+    made = DBOOptions(**options)
+    if cache is not None and len(cache) < 256:
+        cache[key] = made
+    return made
 
 
 #: The error of a ubatch leaves through the kernel's loop and this module's entry points; their

@@ -332,3 +332,21 @@ async def test_a_reused_run_has_the_options_and_a_new_name_of_each_run() -> None
     names = [s[0] for s in seen]
     assert names[3] == "step" and len(set(names)) == 6
     assert all(name.startswith("dbo-run-") for i, name in enumerate(names) if i != 3)
+
+
+async def test_plain_keyword_options_map_to_one_options_object_and_numbers_keep_their_types() -> None:
+    """Names and None are keys by value alone; numbers and flags with their types (``1 == 1.0 ==
+    True``, yet each is its own option value, and ``debug=1`` is refused); an option that is not a
+    plain value (an instrument) is never a key."""
+    run_mod = sys.modules["asyncdbo.dbo.run"]
+    host = run_mod._options({"backend": "host", "name": None})
+    assert run_mod._options({"backend": "host", "name": None}) is host
+    assert run_mod._options({"backend": "host"}) is not host  # other options, another object
+    as_int, as_float = run_mod._options({"watchdog_s": 1}), run_mod._options({"watchdog_s": 1.0})
+    assert (type(as_int.watchdog_s), type(as_float.watchdog_s)) == (int, float)
+    assert run_mod._options({"watchdog_s": 1}) is as_int and run_mod._options({"watchdog_s": 1.0}) is as_float
+    assert run_mod._options({"debug": True}).debug is True
+    with pytest.raises(TypeError, match=r"debug must be True or False \(got 1 of type int\)"):
+        run_mod._options({"debug": 1})
+    inst = Instrument()
+    assert run_mod._options({"instrument": inst}) is not run_mod._options({"instrument": inst})
