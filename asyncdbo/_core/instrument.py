@@ -1,7 +1,10 @@
 """Hooks a tool (a tracer, the yield checker, a simulator) can subscribe to.
 
 The kernel calls them only when an instrument is set, so an unused instrument costs one
-``is not None`` branch per yield.
+``is not None`` branch per yield. The kernel reads the run's instrument (``DBOOptions.instrument``)
+when it enters its switch loop, at the run's start and after every park, and that loop runs in C
+when there is none: an instrument set on a run whose ubatches are switching is heard from the
+loop's next entry on (set it before the run).
 """
 
 from __future__ import annotations
