@@ -77,7 +77,8 @@ def run(args: argparse.Namespace, model: Any, dep: Any, header: Any, fail_on: li
         print(f"auto: per shape bucket, off or N={'/'.join(map(str, cfg.ubatch_counts))} with the "
               f"{'/'.join(cfg.splits)} split, from the simulated step times (asyncdbo.serving.AutoPolicy, the runner's); "
               f"starts from the thresholds' choice, {cfg.warmup} warm-up + {cfg.samples} to {cfg.max_samples} samples per "
-              f"configuration, medians apart by {cfg.margin:.0%} and {cfg.separation:g} standard errors; split dispatch "
+              f"configuration, each paired with one of the incumbent's, the pairs' median ratio apart from 1 by "
+              f"{cfg.margin:.0%} and {cfg.separation:g} standard errors; split dispatch "
               "only (the sim does not model fused counts)")
     runs = len(streams) * (("off" in policies or "fixed" in policies) + ("auto" in policies))
     progress = Progress(runs * len(steps), "workload steps (each composition simulated once)",

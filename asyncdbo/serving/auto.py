@@ -10,31 +10,35 @@ measured, and chooses the next step's configuration from them:
    prices fused against split dispatch on the run's link model), or not (off).
 2. **Bounded exploration.** It then tries the configurations of a fixed schedule (the prior, its
    opposite on/off, the other ubatch counts, the other split policies, the other dispatch modes),
-   at most ``max_arms`` of them beyond the prior, one at a time against the incumbent, each for
-   ``warmup + samples`` steps of that bucket and then, while the two do not separate (below),
-   more steps of whichever of the two has fewer samples, up to ``max_samples`` each. It climbs
+   at most ``max_arms`` of them beyond the prior, one at a time against the incumbent. After the
+   prior's ``warmup`` steps, a trial runs its own ``warmup`` steps and then **alternates with the
+   incumbent step by step**, the trial first: each incumbent step right after a trial sample is
+   that sample's pair, and the comparison uses only those pairs, never the incumbent's samples from
+   before the trial. So a load change between two stretches of the run moves both sides of every
+   pair it does not fall inside (at most one). The trial goes on for ``samples`` pairs and then,
+   while the two do not separate (below), a pair at a time up to ``max_samples`` pairs. It climbs
    (``AutoConfig.climb``): a larger ubatch count is tried only where the next smaller one leads or
-   tied (was not clearly slower), another split or dispatch mode only where DBO leads off or tied with it, so a
-   bucket where DBO clearly loses spends its exploration on two configurations, and a loss within
-   the noise does not end the climb. A bucket explores at most ``(1 + max_arms) * (warmup +
-   max_samples)`` steps. The schedule is a pure function of the bucket's history, never of a
-   random draw.
-3. **Noise-aware comparison** (:func:`compare`). Two configurations are compared on the medians
-   of their samples, with the medians' standard error from the interquartile ranges (robust to an
-   outlier step) or the bucket's pooled spread, whichever is larger. The *default* side, off where
-   off is one of the two, else the incumbent, keeps the choice unless the other's median is below
-   it by more than ``margin`` (a share) and by more than ``separation`` standard errors (as
-   Student's t for the samples' degrees of freedom, and higher at the early looks of the
-   sequential test). The comparison ends early once even the gain plus that many standard errors
-   stays within the margin; one still not separated at ``max_samples`` each is a tie, and ties go
-   to the default. So DBO runs only where it is clearly faster than off, and a near-tie never
-   flips a choice. After the schedule the choice stays; the incumbent keeps its last ``window``
-   samples.
+   tied (was not clearly slower), another split or dispatch mode only where DBO leads off or tied
+   with it, so a bucket where DBO clearly loses spends its exploration on two configurations, and a
+   loss within the noise does not end the climb. A bucket explores at most ``warmup + max_arms *
+   (warmup + 2 * max_samples)`` steps, half of them (bar the warm-ups) on the incumbent. The
+   schedule is a pure function of the bucket's history, never of a random draw.
+3. **Noise-aware comparison** (:func:`compare_paired`). A trial and the incumbent are compared on
+   the median of the pairs' ratios (trial / incumbent), with its standard error from the ratios'
+   interquartile range (robust to an outlier pair) or the spread of every comparison's ratios in
+   the bucket, pooled, whichever is larger. The *default* side, off where off is one of the two,
+   else the incumbent, keeps the choice unless the other is faster by more than ``margin`` (a
+   share) and by more than ``separation`` standard errors (as Student's t for the pairs' degrees
+   of freedom, and higher at the early looks of the sequential test). The comparison ends early
+   once even the gain plus that many standard errors stays within the margin; one still not
+   separated at ``max_samples`` pairs is a tie, and ties go to the default. So DBO runs only where
+   it is clearly faster than off, and a near-tie never flips a choice. After the schedule the
+   choice stays; the incumbent keeps its last ``window`` samples.
 
 Every input is shared by the DP group (the runner exchanges each rank's last step time in the one
 vote of the step and feeds the group's slowest), so every rank holds the same account and makes the
 same choice: the policy itself never talks to another rank. The choice and its evidence (medians,
-spreads, sample counts and the verdicts) go into the step's record.
+spreads, sample counts, the verdicts and the pairs each was decided on) go into the step's record.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ from ..plan import DPDecision, SplitPolicy, ThresholdConfig, plan_slices
 from ..plan.slices import SPLIT_POLICIES
 from .measure import shape_bucket
 
-__all__ = ["Arm", "AutoConfig", "AutoPolicy", "Comparison", "OFF", "choose_for_group", "compare", "pooled_sigma",
+__all__ = ["Arm", "AutoConfig", "AutoPolicy", "Comparison", "OFF", "choose_for_group", "compare", "compare_paired",
+           "paired_sigma", "pooled_sigma",
            "relative_sigma", "splittable_mask", "threshold_prior"]
 
 
@@ -77,8 +82,8 @@ class AutoConfig:
     """The ``"auto"`` tuning's search space and guards (see the module docstring).
 
     ``ubatch_counts``, ``splits``, ``dispatches``: the configurations it may try. ``samples``: the
-    measured steps of a configuration before it is first compared; ``max_samples``: at most this
-    many while the comparison does not separate; ``warmup``: a configuration's first steps in a
+    pairs (a trial's step, then the incumbent's) before a trial is first compared; ``max_samples``:
+    at most this many pairs while the comparison does not separate; ``warmup``: a configuration's first steps in a
     bucket, not counted (caches, allocator). ``margin``: how much faster (a share of the default's
     median) a configuration must be to replace the default; ``separation``: by how many standard
     errors of the difference of the medians. ``max_arms``: configurations tried per bucket beyond
@@ -202,6 +207,40 @@ def compare(default: Sequence[float], other: Sequence[float], *, margin: float, 
     return Comparison(None, gain, se, slower)
 
 
+def compare_paired(default: Sequence[float], other: Sequence[float], *, margin: float, separation: float,
+                   noise: float = 0.0, final_n: int = 0) -> Comparison:
+    """:func:`compare` for samples taken in pairs (``default[i]`` next to ``other[i]`` in time): it
+    compares the ratios ``other[i] / default[i]``, so a load level common to a pair cancels. The
+    gain is one minus their median; its standard error ``1.2533 * sigma * median / sqrt(n)``, sigma
+    the ratios' relative sigma (:func:`relative_sigma`) or ``noise``, whichever is larger; t for
+    ``n - 1`` degrees of freedom; O'Brien-Fleming's boundary ``t * se * sqrt(final_n / n)`` to win or
+    be called slower; ruled out once ``gain + t * se`` stays within the margin. Pure."""
+    assert len(default) == len(other) > 0, "paired samples come in pairs"
+    n = len(default)
+    ratios = [o / d if d > 0 else 1.0 for d, o in zip(default, other)]
+    m = statistics.median(ratios)
+    gain = 1.0 - m
+    sigma = max(relative_sigma(ratios), noise)
+    se = 1.2533 * sigma * m / math.sqrt(n)
+    df = n - 1
+    t = separation + (separation**3 + separation) / (4 * df) if df > 0 else separation
+    win = t * se * math.sqrt(max(n, final_n) / n)
+    slower: Literal["other", "default"] | None = None
+    if gain > win and gain > margin:
+        return Comparison("other", gain, se, "default")
+    if -gain > win and -gain > margin:
+        slower = "other"
+    if gain + t * se <= margin:
+        return Comparison("default", gain, se, slower)
+    return Comparison(None, gain, se, slower)
+
+
+def paired_sigma(pairs: Sequence[tuple[Sequence[float], Sequence[float]]]) -> float:
+    """The relative sigma of every comparison's pair ratios about their own median, pooled (the
+    host's noise is common to them; three pairs estimate it poorly)."""
+    return pooled_sigma([[o / d for d, o in zip(ds, os) if d > 0] for ds, os in pairs])
+
+
 def pooled_sigma(samples: Sequence[Sequence[float]]) -> float:
     """The relative sigma of every configuration's samples about its own median, pooled (the host's
     noise is common to them; one configuration's three samples estimate it poorly)."""
@@ -216,6 +255,10 @@ class _Bucket:
     seen: dict[Arm, int] = field(default_factory=dict)  # steps run, warm-ups included
     samples: dict[Arm, deque[float]] = field(default_factory=dict)
     verdicts: dict[Arm, Verdict] = field(default_factory=dict)  # the arms compared that did not win
+    # per trial, the incumbent's samples taken each right after one of the trial's (the pairs compared)
+    paired: dict[Arm, deque[float]] = field(default_factory=dict)
+    # per loser, the comparison that decided it: the winner, the loser's and the winner's samples compared
+    compared: dict[Arm, tuple[Arm, tuple[float, ...], tuple[float, ...]]] = field(default_factory=dict)
     switches: int = 0
 
 
@@ -272,28 +315,33 @@ class AutoPolicy:
             return pinned, f"{name}: pinned by AutoConfig.pin"
         b = self.bucket(name)
         cfg = self.cfg
-        need = cfg.warmup + cfg.samples
         inc = b.incumbent
-        n_inc = len(b.samples.get(inc, ()))
+        k = len(b.schedule)
         trials = self._trials(b)
-        if trials and n_inc < cfg.samples and feasible(inc):  # the incumbent (the prior) needs its samples first
-            i = b.schedule.index(inc)
-            return inc, f"{name}: exploring {i + 1}/{len(b.schedule)} ({b.seen.get(inc, 0) + 1}/{need}); {self.evidence(name)}"
+        if trials and b.seen.get(inc, 0) < cfg.warmup and feasible(inc):  # the prior's own warm-up
+            return inc, (f"{name}: exploring {b.schedule.index(inc) + 1}/{k} (warm-up {b.seen.get(inc, 0) + 1}/"
+                         f"{cfg.warmup} of {inc.label}); {self.evidence(name)}")
         for arm in trials:
-            i = b.schedule.index(arm)
-            seen = b.seen.get(arm, 0)
-            if seen < need:
-                want, why = arm, f"({seen + 1}/{need})"
-            else:  # not separated yet: another sample of the side with fewer, the trial on a tie
-                n_arm = len(b.samples[arm])
-                want = inc if n_inc < n_arm else arm
-                why = (f"(not separated from {inc.label}: sample {len(b.samples.get(want, ())) + 1}/{cfg.max_samples} "
-                       f"of {want.label})")
+            want, why = self._turn(b, arm)
             if feasible(want):
-                return want, f"{name}: exploring {i + 1}/{len(b.schedule)} {why}; {self.evidence(name)}"
+                return want, f"{name}: exploring {b.schedule.index(arm) + 1}/{k} {why}; {self.evidence(name)}"
         if not feasible(inc):
             return OFF, f"{name}: {inc.label} cannot split this batch, off; {self.evidence(name)}"
         return inc, f"{name}: {self.evidence(name)}"
+
+    def _turn(self, b: _Bucket, arm: Arm) -> tuple[Arm, str]:
+        """Whose step it is in trial ``arm``'s comparison, and why: the trial's warm-up, then the
+        trial and the incumbent alternately (trial first), so each incumbent sample of the
+        comparison is taken next to one of the trial's (:meth:`observe` pairs them)."""
+        cfg = self.cfg
+        seen = b.seen.get(arm, 0)
+        if seen < cfg.warmup:
+            return arm, f"(warm-up {seen + 1}/{cfg.warmup} of {arm.label})"
+        n_arm, n_inc = len(b.samples.get(arm, ())), len(b.paired.get(arm, ()))
+        more = "not separated yet: " if min(n_arm, n_inc) >= cfg.samples else ""
+        if n_arm <= n_inc:
+            return arm, f"({more}sample {n_arm + 1}/{cfg.max_samples} of {arm.label})"
+        return b.incumbent, f"({more}sample {n_inc + 1}/{cfg.max_samples} of {b.incumbent.label}, paired with {arm.label})"
 
     def _worth(self, b: _Bucket, arm: Arm) -> bool:
         """Whether exploring ``arm`` can still pay, given the comparisons so far (``AutoConfig.climb``):
@@ -310,27 +358,42 @@ class AutoPolicy:
         return b.incumbent == prev or b.verdicts.get(prev) == "tie"
 
     def evidence(self, name: str) -> str:
-        """The bucket's medians, spreads (half the interquartile range), sample counts and verdicts,
-        e.g. ``'best N=2 token auto 41.20±0.30 us/token (3); off 48.00±2.10 (3, slower)'``."""
+        """The bucket's medians, spreads (half the interquartile range) and sample counts; per
+        configuration compared, its verdict and the samples it was compared on (its own and the
+        other side's, taken in pairs), e.g. ``'best N=2 token auto 41.20±0.30 us/token (5); off
+        48.00±2.10 (3, slower vs N=2 token auto 41.10±0.40 (3))'``; a trial under way shows the
+        incumbent's samples paired with it so far."""
         b = self.bucket(name)
         inc = b.samples.get(b.incumbent)
         parts = [f"{b.incumbent.label} {_fmt(inc)} us/token ({len(inc)})" if inc
                  else f"{b.incumbent.label} (prior, unmeasured)"]
         for arm in b.schedule:
             xs = b.samples.get(arm)
-            if arm != b.incumbent and xs:
-                verdict = b.verdicts.get(arm)
-                parts.append(f"{arm.label} {_fmt(xs)} ({len(xs)}{', ' + verdict if verdict else ''})")
+            if arm == b.incumbent or not xs:
+                continue
+            if arm in b.compared:
+                w, mine, theirs = b.compared[arm]
+                parts.append(f"{arm.label} {_fmt(mine)} ({len(mine)}, {b.verdicts[arm]} vs {w.label} {_fmt(theirs)} "
+                             f"({len(theirs)}))")
+            else:
+                pi = b.paired.get(arm)
+                paired = f", {b.incumbent.label} paired {_fmt(pi)} ({len(pi)})" if pi else ""
+                parts.append(f"{arm.label} {_fmt(xs)} ({len(xs)}{paired})")
         return "best " + "; ".join(parts)
 
     def observe(self, name: str, arm: Arm, seconds_per_token: float) -> None:
-        """A step of bucket ``name`` ran ``arm`` and cost ``seconds_per_token`` (the group's)."""
+        """A step of bucket ``name`` ran ``arm`` and cost ``seconds_per_token`` (the group's). An
+        incumbent step right after a trial's sample (its turn, :meth:`_turn`) is that sample's pair."""
         if name in self._pins:
             return
         b = self.bucket(name)
         n = b.seen[arm] = b.seen.get(arm, 0) + 1
         if n <= self.cfg.warmup:
             return
+        if arm == b.incumbent:
+            waiting = [t for t in self._trials(b) if len(b.samples.get(t, ())) > len(b.paired.get(t, ()))]
+            if waiting:
+                b.paired.setdefault(waiting[0], deque()).append(seconds_per_token)
         xs = b.samples.get(arm)
         if xs is None:
             xs = b.samples[arm] = deque(maxlen=self.cfg.window)
@@ -338,27 +401,31 @@ class AutoPolicy:
         self._judge(b)
 
     def _judge(self, b: _Bucket) -> None:
-        """Compare each trial that has its samples with the incumbent (schedule order); a trial
-        that wins becomes the incumbent, the other side gets its verdict. Every comparison ends
-        (separated, cannot win, or a tie at ``max_samples``), so exploration is bounded."""
+        """Compare each trial that has its samples with the incumbent's samples paired with them
+        (schedule order), at whole pairs only; a trial that wins becomes the incumbent, the other
+        side gets its verdict. Every comparison ends (separated, cannot win, or a tie at
+        ``max_samples``), so exploration is bounded."""
         cfg = self.cfg
         for arm in self._trials(b):
             inc = b.incumbent
-            xi, xa = b.samples.get(inc), b.samples.get(arm)
-            if not xi or not xa or len(xi) < cfg.samples or len(xa) < cfg.samples:
+            xa, xi = b.samples.get(arm, ()), b.paired.get(arm, ())
+            if len(xa) < cfg.samples or len(xi) != len(xa):
                 continue
-            off_first = arm == OFF  # off is the default side wherever it is one of the two
-            default, other = (arm, inc) if off_first else (inc, arm)
-            c = compare(b.samples[default], b.samples[other], margin=cfg.margin, separation=cfg.separation,
-                        noise=pooled_sigma(list(b.samples.values())), final_n=cfg.max_samples)
+            default, other = (arm, inc) if arm == OFF else (inc, arm)  # off is the default side wherever it is one of the two
+            side = {arm: list(xa), inc: list(xi)}
+            pairs = [(b.paired[t], list(b.samples.get(t, ()))[:len(b.paired[t])]) for t in b.paired]
+            c = compare_paired(side[default], side[other], margin=cfg.margin, separation=cfg.separation,
+                               noise=paired_sigma(pairs), final_n=cfg.max_samples)
             outcome = c.outcome
-            if outcome is None and len(xi) >= cfg.max_samples and len(xa) >= cfg.max_samples:
+            if outcome is None and len(xa) >= cfg.max_samples:
                 outcome = "default"  # still not separated: the tie goes to the default
             if outcome is None:
                 continue
             winner, loser = (other, default) if outcome == "other" else (default, other)
             b.verdicts[loser] = "slower" if c.slower == ("other" if loser == other else "default") else "tie"
             b.verdicts.pop(winner, None)
+            b.compared[loser] = (winner, tuple(side[loser]), tuple(side[winner]))
+            b.compared.pop(winner, None)
             if winner != inc:
                 b.incumbent = winner
                 b.switches += 1

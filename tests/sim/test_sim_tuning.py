@@ -37,23 +37,23 @@ def _runs() -> tuple[StepSims, ReplayResult, ReplayResult]:
 def test_auto_explores_then_keeps_what_the_simulated_times_favour() -> None:
     sims, auto, fixed = _runs()
     assert [(b, arm) for b, arm, _ in auto.choices] == [
-        ("decode 64-127", N2), ("decode 256-511", N2),  # the prior: both are above the decode threshold of 32
-        ("decode 64-127", OFF), ("decode 256-511", OFF),  # its opposite
+        ("decode 64-127", OFF), ("decode 256-511", OFF),  # the prior's opposite: the trial runs first in each pair
+        ("decode 64-127", N2), ("decode 256-511", N2),  # the prior (above the decode threshold of 32), its pair
         ("decode 64-127", OFF), ("decode 256-511", N2),  # judged with the 3% margin: DBO loses at 64, wins at 256
     ]
     assert sims.simulations == 4  # each composition once: the fixed replay reused auto's
     # the policy observed the slowest rank's time per real token of the largest rank
-    small_off, small_n2 = auto.steps[2].dbo_s / 64, auto.steps[0].dbo_s / 64
-    large_off, large_n2 = auto.steps[3].dbo_s / 256, auto.steps[1].dbo_s / 256
+    small_off, small_n2 = auto.steps[0].dbo_s / 64, auto.steps[2].dbo_s / 64
+    large_off, large_n2 = auto.steps[1].dbo_s / 256, auto.steps[3].dbo_s / 256
     assert small_off < small_n2 * 0.97 and not large_off < large_n2 * 0.97
     assert [b for b, _, e in auto.choices] == [step_bucket(s) for s in STEPS]
     assert auto.choices[4][2] == (f"decode 64-127: best off {small_off * 1e6:.2f}±0.00 us/token (1); "
-                                  f"N=2 token split {small_n2 * 1e6:.2f}±0.00 (1, slower)")
-    assert auto.choices[2][2] == (f"decode 64-127: exploring 2/2 (1/1); best N=2 token split "
-                                  f"{small_n2 * 1e6:.2f}±0.00 us/token (1)")
+                                  f"N=2 token split {small_n2 * 1e6:.2f}±0.00 (1, slower vs off {small_off * 1e6:.2f}±0.00 (1))")
+    assert auto.choices[2][2] == ("decode 64-127: exploring 2/2 (sample 1/6 of N=2 token split, paired with off); best "
+                                  f"N=2 token split (prior, unmeasured); off {small_off * 1e6:.2f}±0.00 (1)")
     assert auto.exploring() == 4 and auto.buckets() == {"decode 64-127": (3, 2), "decode 256-511": (3, 2)}
-    assert [s.reason for s in auto.steps] == [PlanReason.MICROBATCHED] * 2 + [PlanReason.AUTO_OFF] * 3 + [
-        PlanReason.MICROBATCHED]
+    assert [s.reason for s in auto.steps] == [PlanReason.AUTO_OFF] * 2 + [PlanReason.MICROBATCHED] * 2 + [
+        PlanReason.AUTO_OFF, PlanReason.MICROBATCHED]
     # the same measurements fed to a fresh policy by hand give the same choices: it is the runner's code
     assert auto.policy is not None and auto.policy.buckets["decode 64-127"].incumbent == OFF
     again = AutoPolicy(NARROW, prior=lambda bucket: N2)

@@ -117,7 +117,8 @@ def test_check_replays_a_file_under_fixed_and_auto_and_prints_why(tmp_path: Path
         THRESHOLDS,
         "auto: per shape bucket, off or N=2/3/4 with the token/balanced split, from the simulated step times "
         "(asyncdbo.serving.AutoPolicy, the runner's); starts from the thresholds' choice, 1 warm-up + 3 to 6 samples per "
-        "configuration, medians apart by 3% and 2 standard errors; split dispatch only (the sim does not model fused "
+        "configuration, each paired with one of the incumbent's, the pairs' median ratio apart from 1 by 3% and 2 "
+        "standard errors; split dispatch only (the sim does not model fused "
         "counts)",
     ]
     assert re.fullmatch(r"throughput, real tokens of all ranks per second of MoE-layer time \(off runs every step "
@@ -126,8 +127,9 @@ def test_check_replays_a_file_under_fixed_and_auto_and_prints_why(tmp_path: Path
                          r"alone (\d+\.\d\d)x\)", out[7])
     assert fixed, out[7]
     # auto's prior is the thresholds' choice; step 2 (8 tokens on rank 1) is in the same bucket as step 1
-    # (the largest rank's 64), so auto splits it too while exploring; the mixed step of 257 tokens starts off
-    assert re.fullmatch(r"  auto  role   \d+\.\d\d M  speedup \d+\.\d\dx  \(3 of 4 steps microbatched, 4 while "
+    # (the largest rank's 64), so it runs there as the prior's warm-up (the one split step), then
+    # off's warm-up and its first sample; the mixed step of 257 tokens starts off
+    assert re.fullmatch(r"  auto  role   \d+\.\d\d M  speedup \d+\.\d\dx  \(1 of 4 steps microbatched, 4 while "
                         r"exploring\)", out[8]), out[8]
     assert out[9:15] == [
         "fixed: steps that fell out",
@@ -139,7 +141,7 @@ def test_check_replays_a_file_under_fixed_and_auto_and_prints_why(tmp_path: Path
         out[14],
     ]
     assert re.fullmatch(r"  decode 64-127: still exploring \(3 of 3 step\(s\)\); best N=2 token split "
-                        r"\d+\.\d\d±\d+\.\d\d us/token \(2\)", out[14]), out[14]
+                        r"\(prior, unmeasured\); off \d+\.\d\d±\d+\.\d\d \(1\)", out[14]), out[14]
     assert out[15] == "  mixed 256-511: still exploring (1 of 1 step(s)); best off (prior, unmeasured)"
     # the sim prices this tiny model's split decode steps above the serial ones (launch-bound): flagged
     assert float(fixed.group(2)) < 1
