@@ -18,9 +18,11 @@ measured, and chooses the next step's configuration from them:
    pair it does not fall inside (at most one). The trial goes on for ``samples`` pairs and then,
    while the two do not separate (below), a pair at a time up to ``max_samples`` pairs. It climbs
    (``AutoConfig.climb``): a larger ubatch count is tried only where the next smaller one leads or
-   tied (was not clearly slower), another split or dispatch mode only where DBO leads off or tied
-   with it, so a bucket where DBO clearly loses spends its exploration on two configurations, and a
-   loss within the noise does not end the climb. A bucket explores at most ``warmup + max_arms *
+   tied (was neither separated as slower nor ruled out with its pairs' median ratio more than
+   ``behind`` above 1), another split or dispatch mode only where DBO leads off or tied with it, so
+   a bucket where DBO clearly loses spends its exploration on two configurations, and a loss within
+   the noise does not end the climb. A comparison also ends after its first ``samples`` pairs where
+   the side that would have to win is not even ahead (``stop_behind``): a tie to the default. A bucket explores at most ``warmup + max_arms *
    (warmup + 2 * max_samples)`` steps, half of them (bar the warm-ups) on the incumbent. The
    schedule is a pure function of the bucket's history, never of a random draw.
 3. **Noise-aware comparison** (:func:`compare_paired`). A trial and the incumbent are compared on
@@ -93,7 +95,11 @@ class AutoConfig:
     smaller one of the same split and dispatch leads or tied, and the other splits and dispatch
     modes only where DBO leads off or tied with it (a bucket where the first DBO configuration is
     clearly slower than off then explores two configurations, not the whole schedule); False
-    tries every configuration of the schedule.
+    tries every configuration of the schedule. ``stop_behind``: end a comparison after its first
+    ``samples`` pairs where the side that would have to win is not even ahead (its pairs' median
+    ratio >= 1), a tie to the default; False runs such a comparison on to ``max_samples`` pairs.
+    ``behind``: a loser ruled out (not separated) with its pairs' median ratio above ``1 + behind``
+    gets the verdict ``"behind"``, which ends the climb from it as ``"slower"`` does.
     """
 
     ubatch_counts: tuple[int, ...] = (2, 3, 4)
@@ -108,6 +114,8 @@ class AutoConfig:
     window: int = 8
     pin: tuple[tuple[str, Arm], ...] = ()
     climb: bool = True
+    stop_behind: bool = True
+    behind: float = 0.15
 
     def __post_init__(self) -> None:
         if not self.ubatch_counts or any(n < 2 for n in self.ubatch_counts):
@@ -122,6 +130,8 @@ class AutoConfig:
             raise ValueError(
                 f"samples ({self.samples}) must be >= 1, warmup ({self.warmup}) >= 0 and samples <= max_samples "
                 f"({self.max_samples}) <= window ({self.window})")
+        if not self.behind >= 0.0:
+            raise ValueError(f"behind ({self.behind}) must be >= 0 (a share of the winner's time)")
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"margin ({self.margin}) must lie in [0, 1)")
         if not self.separation >= 0.0:
@@ -139,8 +149,10 @@ class AutoConfig:
 
 
 #: A configuration's standing after its comparison: ``"slower"`` (separated: clearly slower than the
-#: one it was compared with), ``"tie"`` (not separated, or faster by no more than the margin).
-Verdict = Literal["slower", "tie"]
+#: one it was compared with), ``"behind"`` (not separated, but ruled out with its median behind the
+#: other's by more than the margin), ``"tie"`` (not separated, or faster by no more than the margin).
+#: Only a tie lets the climb go on from it (``AutoConfig.climb``).
+Verdict = Literal["slower", "behind", "tie"]
 
 
 @dataclass(frozen=True)
@@ -258,7 +270,8 @@ class _Bucket:
     # per trial, the incumbent's samples taken each right after one of the trial's (the pairs compared)
     paired: dict[Arm, deque[float]] = field(default_factory=dict)
     # per loser, the comparison that decided it: the winner, the loser's and the winner's samples compared
-    compared: dict[Arm, tuple[Arm, tuple[float, ...], tuple[float, ...]]] = field(default_factory=dict)
+    # and the pairs' median ratio, loser / winner
+    compared: dict[Arm, tuple[Arm, tuple[float, ...], tuple[float, ...], float]] = field(default_factory=dict)
     switches: int = 0
 
 
@@ -360,9 +373,10 @@ class AutoPolicy:
     def evidence(self, name: str) -> str:
         """The bucket's medians, spreads (half the interquartile range) and sample counts; per
         configuration compared, its verdict and the samples it was compared on (its own and the
-        other side's, taken in pairs), e.g. ``'best N=2 token auto 41.20±0.30 us/token (5); off
-        48.00±2.10 (3, slower vs N=2 token auto 41.10±0.40 (3))'``; a trial under way shows the
-        incumbent's samples paired with it so far."""
+        other side's, taken in pairs) and the pairs' median ratio (its time over the other's), e.g.
+        ``'best N=2 token auto 41.20±0.30 us/token (5); off 48.00±2.10 (3, slower vs N=2 token auto
+        41.10±0.40 (3), ratio 1.168)'``; a trial under way shows the incumbent's samples paired with
+        it so far."""
         b = self.bucket(name)
         inc = b.samples.get(b.incumbent)
         parts = [f"{b.incumbent.label} {_fmt(inc)} us/token ({len(inc)})" if inc
@@ -372,9 +386,9 @@ class AutoPolicy:
             if arm == b.incumbent or not xs:
                 continue
             if arm in b.compared:
-                w, mine, theirs = b.compared[arm]
+                w, mine, theirs, ratio = b.compared[arm]
                 parts.append(f"{arm.label} {_fmt(mine)} ({len(mine)}, {b.verdicts[arm]} vs {w.label} {_fmt(theirs)} "
-                             f"({len(theirs)}))")
+                             f"({len(theirs)}), ratio {ratio:.3f})")
             else:
                 pi = b.paired.get(arm)
                 paired = f", {b.incumbent.label} paired {_fmt(pi)} ({len(pi)})" if pi else ""
@@ -413,18 +427,20 @@ class AutoPolicy:
                 continue
             default, other = (arm, inc) if arm == OFF else (inc, arm)  # off is the default side wherever it is one of the two
             side = {arm: list(xa), inc: list(xi)}
-            pairs = [(b.paired[t], list(b.samples.get(t, ()))[:len(b.paired[t])]) for t in b.paired]
+            pairs = [(ls, ws) for _, ls, ws, _ in b.compared.values()] + [(xi, xa)]
             c = compare_paired(side[default], side[other], margin=cfg.margin, separation=cfg.separation,
                                noise=paired_sigma(pairs), final_n=cfg.max_samples)
             outcome = c.outcome
-            if outcome is None and len(xa) >= cfg.max_samples:
-                outcome = "default"  # still not separated: the tie goes to the default
+            if outcome is None and (len(xa) >= cfg.max_samples or (cfg.stop_behind and c.gain <= 0)):
+                outcome = "default"  # still not separated, or the other not even ahead: the tie goes to the default
             if outcome is None:
                 continue
             winner, loser = (other, default) if outcome == "other" else (default, other)
-            b.verdicts[loser] = "slower" if c.slower == ("other" if loser == other else "default") else "tie"
+            b.verdicts[loser] = ("slower" if c.slower == ("other" if loser == other else "default")
+                                 else "behind" if loser == other and -c.gain > cfg.behind else "tie")
             b.verdicts.pop(winner, None)
-            b.compared[loser] = (winner, tuple(side[loser]), tuple(side[winner]))
+            ratio = 1.0 - c.gain if loser == other else 1.0 / (1.0 - c.gain)
+            b.compared[loser] = (winner, tuple(side[loser]), tuple(side[winner]), ratio)
             b.compared.pop(winner, None)
             if winner != inc:
                 b.incumbent = winner

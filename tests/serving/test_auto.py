@@ -62,9 +62,9 @@ def test_explores_the_schedule_from_the_prior_then_runs_the_fastest() -> None:
     arm, why = policy.choose("decode 64-127")
     assert arm == N3
     assert why == ("decode 64-127: best N=3 token auto 0.80±0.00 us/token (8); "
-                   "N=2 token auto 0.90±0.00 (3, slower vs N=3 token auto 0.80±0.00 (3)); "
-                   "off 1.00±0.00 (3, slower vs N=2 token auto 0.90±0.00 (3)); "
-                   "N=4 token auto 0.85±0.00 (3, slower vs N=3 token auto 0.80±0.00 (3))")
+                   "N=2 token auto 0.90±0.00 (3, slower vs N=3 token auto 0.80±0.00 (3), ratio 1.125); "
+                   "off 1.00±0.00 (3, slower vs N=2 token auto 0.90±0.00 (3), ratio 1.111); "
+                   "N=4 token auto 0.85±0.00 (3, slower vs N=3 token auto 0.80±0.00 (3), ratio 1.062)")
 
 
 def test_compare_separates_medians_by_the_margin_and_their_standard_errors() -> None:
@@ -157,7 +157,7 @@ def test_dbo_that_loses_to_off_by_less_than_the_noise_falls_back_to_off_and_says
     arm, why = last_policy.choose("decode 64-127")
     assert arm == OFF and re.fullmatch(r"decode 64-127: best off \d\.\d\d±\d\.\d\d us/token \(\d\); "
                                        r"N=2 token auto \d\.\d\d±\d\.\d\d \(\d, (tie|slower) vs off "
-                                       r"\d\.\d\d±\d\.\d\d \(\d\)\).*", why), why
+                                       r"\d\.\d\d±\d\.\d\d \(\d\), ratio \d\.\d\d\d\).*", why), why
 
 
 def test_falls_back_to_off_where_dbo_loses_and_says_why() -> None:
@@ -166,7 +166,7 @@ def test_falls_back_to_off_where_dbo_loses_and_says_why() -> None:
     assert chosen == [N2] + _trial(N2, OFF) + [OFF] * 22  # N = 2 clearly slower: N = 3 and 4 are not tried
     arm, why = policy.choose("decode 64-127")
     assert arm == OFF and re.fullmatch(r"decode 64-127: best off 1\.0\d±0\.0\d us/token \(8\); N=2 token auto "
-                                       r"1\.2\d±0\.0\d \(3, slower vs off 1\.0\d±0\.0\d \(3\)\)", why), why
+                                       r"1\.2\d±0\.0\d \(3, slower vs off 1\.0\d±0\.0\d \(3\), ratio 1\.\d\d\d\)", why), why
 
 
 def test_a_prior_of_off_still_tries_dbo_and_takes_it_where_it_wins() -> None:
@@ -202,7 +202,7 @@ def test_a_comparison_that_does_not_separate_asks_for_more_pairs() -> None:
     # after 5 pairs still a 4% gain within the ratios' spread: a tie, and ties go to off
     b = policy.buckets["b"]
     assert b.incumbent == OFF and b.verdicts == {N2: "tie"} and policy.choose("b") == (
-        OFF, "b: best off 1.00±0.05 us/token (5); N=2 token auto 0.96±0.05 (5, tie vs off 1.00±0.05 (5))")
+        OFF, "b: best off 1.00±0.05 us/token (5); N=2 token auto 0.96±0.05 (5, tie vs off 1.00±0.05 (5), ratio 0.964)")
 
 
 def test_a_load_step_between_two_configurations_does_not_flip_the_choice() -> None:
@@ -259,6 +259,45 @@ def test_climbing_skips_what_cannot_win_and_climb_false_tries_everything() -> No
         [N2] + _trial(N2, OFF) + _trial(N2, bal) + [bal] * 5)
 
 
+def _patterned(cfg: AutoConfig, cost: dict[Arm, float], steps: int) -> tuple[list[Arm], AutoPolicy]:
+    """``steps`` steps of one bucket, step i costing ``cost[arm]`` times 1 + 0.1 * ((7 i mod 5) - 2) / 2
+    (a fixed +-10% pattern, no draw); the choices and the policy."""
+    policy, out = AutoPolicy(cfg, prior=lambda b: N2), []
+    for i in range(steps):
+        arm, _ = policy.choose("b")
+        out.append(arm)
+        policy.observe("b", arm, cost[arm] * (1 + 0.1 * ((i * 7) % 5 - 2) / 2) * 1e-6)
+    return out, policy
+
+
+def test_a_trial_not_even_ahead_after_its_first_pairs_stops_there() -> None:
+    # off and N = 2, 3 within 2% under +-10%: not separated after 3 pairs. stop_behind ends a
+    # comparison at the first look (from 3 pairs on) where the side that would have to win is not
+    # ahead: N = 2 after 4 pairs (off's pairs ahead of it); N = 3 stays ahead by less than the bar and
+    # runs to 6 pairs, a tie to off: 23 exploring steps; without stop_behind N = 2 runs to 6 pairs too
+    space = AutoConfig(ubatch_counts=(2, 3), splits=("token",), dispatches=("auto",))
+    near = {OFF: 1.0, N2: 1.02, N3: 1.02}
+    chosen, policy = _patterned(space, near, 30)
+    assert chosen == [N2] + _trial(N2, OFF, pairs=4) + _trial(OFF, N3, pairs=6) + [OFF] * 7
+    assert policy.buckets["b"].verdicts == {N2: "tie", N3: "tie"}
+    longer, _ = _patterned(dataclasses.replace(space, stop_behind=False), near, 30)
+    assert longer == [N2] + _trial(N2, OFF, pairs=6) + _trial(OFF, N3, pairs=6) + [OFF] * 3
+
+
+def test_a_trial_ruled_out_far_behind_ends_the_climb_one_within_the_noise_does_not() -> None:
+    # N = 2 30% slower than off under +-10%: ruled out (not separated at 5 pairs, the ratio's bar is
+    # wide) with its pairs' median ratio above 1 + behind (15%): 'behind', so N = 3 is not tried
+    space = AutoConfig(ubatch_counts=(2, 3), splits=("token",), dispatches=("auto",), stop_behind=False)
+    chosen, policy = _patterned(space, {OFF: 1.0, N2: 1.3, N3: 1.3}, 20)
+    assert chosen == [N2] + _trial(N2, OFF, pairs=5) + [OFF] * 8
+    b = policy.buckets["b"]
+    assert b.verdicts == {N2: "behind"} and b.compared[N2][3] > 1 + space.behind
+    # 10% slower: within 'behind', a tie: the climb goes on to N = 3, which wins
+    chosen, policy = _patterned(space, {OFF: 1.0, N2: 1.1, N3: 0.8}, 30)
+    assert chosen[:14] == [N2] + _trial(N2, OFF, pairs=6) and N3 in chosen and policy.buckets["b"].incumbent == N3
+    assert policy.buckets["b"].verdicts == {N2: "tie", OFF: "slower"}
+
+
 def test_the_same_measurements_give_the_same_choices() -> None:
     cost = {OFF: 1.0, N2: 0.82, N3: 0.8, N4: 0.81}
     runs = [_drive_why(AutoPolicy(SMALL_SPACE, prior=lambda b: N2), cost, 80, jitter=0.1, seed=7) for _ in range(2)]
@@ -291,6 +330,8 @@ def test_bad_auto_configs_name_the_value() -> None:
         AutoConfig(ubatch_counts=(1, 2))
     with pytest.raises(ValueError, match=r"splits \('tokens',\): use some of"):
         AutoConfig(splits=("tokens",))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=re.escape("behind (-0.1) must be >= 0 (a share of the winner's time)")):
+        AutoConfig(behind=-0.1)
     with pytest.raises(ValueError, match=r"margin \(1.5\) must lie in \[0, 1\)"):
         AutoConfig(margin=1.5)
     with pytest.raises(ValueError, match=re.escape("samples (3) must be >= 1, warmup (1) >= 0 and samples <= "

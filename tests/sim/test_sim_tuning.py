@@ -48,7 +48,8 @@ def test_auto_explores_then_keeps_what_the_simulated_times_favour() -> None:
     assert small_off < small_n2 * 0.97 and not large_off < large_n2 * 0.97
     assert [b for b, _, e in auto.choices] == [step_bucket(s) for s in STEPS]
     assert auto.choices[4][2] == (f"decode 64-127: best off {small_off * 1e6:.2f}±0.00 us/token (1); "
-                                  f"N=2 token split {small_n2 * 1e6:.2f}±0.00 (1, slower vs off {small_off * 1e6:.2f}±0.00 (1))")
+                                  f"N=2 token split {small_n2 * 1e6:.2f}±0.00 (1, slower vs off {small_off * 1e6:.2f}±0.00 (1), "
+                                  f"ratio {small_n2 / small_off:.3f})")
     assert auto.choices[2][2] == ("decode 64-127: exploring 2/2 (sample 1/6 of N=2 token split, paired with off); best "
                                   f"N=2 token split (prior, unmeasured); off {small_off * 1e6:.2f}±0.00 (1)")
     assert auto.exploring() == 4 and auto.buckets() == {"decode 64-127": (3, 2), "decode 256-511": (3, 2)}
