@@ -34,7 +34,10 @@ A trace's time is the sum over its steps of the slower rank's step wall time. Ra
 ratios, ``other time / auto time`` (> 1: auto faster), paired by round, median [min..max] over
 rounds. The noise is the spread of off's trace time over the rounds. ``auto after exploring``: the
 same ratio over the steps where auto had stopped exploring that step's bucket, against the best
-fixed configuration's same steps of the same round.
+fixed configuration's same steps of the same round, and summed over those rounds. The results file
+also keeps auto's choice history: per cell and shape bucket, every auto step in order, the
+configuration it ran and why (a warm-up, a pair of a comparison, an extra pair of one not yet
+separated, the bucket's choice), so a miss can be read back from it.
 
     python benchmarks/auto_measured.py --out benchmarks/results     # ~15-25 min on the shared 2 cores
     python benchmarks/auto_measured.py --quick                      # one link, one short workload, print only
@@ -180,6 +183,7 @@ async def _run_rounds(rank: int, world: int, link: str | None, scale: float, tra
     times: dict[str, list[list[float]]] = {c.label: [] for c in configs}
     auto_exploring: list[list[bool]] = []
     auto_choices: list[str] = []
+    auto_history: list[list[tuple[str, str, str]]] = []
     for r in range(rounds):
         k = r % len(configs)
         for c in configs[k:] + configs[:k]:
@@ -187,12 +191,52 @@ async def _run_rounds(rank: int, world: int, link: str | None, scale: float, tra
             ts, recs = await run_trace(runners[c.label], trace)
             if c.kind == "auto":  # one runner over every round, as a server keeps its policy
                 auto_exploring.append([": exploring " in rec.evidence for rec in recs])
+                auto_history.append([step_why(rec) for rec in recs])
                 pol = runners[c.label].auto
                 # the choice and its evidence (medians, spreads, samples, verdicts), so a miss can be read back
                 auto_choices = [f"{b}: {pol.bucket(b).incumbent.label} ({pol.evidence(b)})" for b in sorted(pol.buckets)
                                 if b != "idle"]
             times[c.label].append(ts)
-    return {"times": times, "auto_exploring": auto_exploring, "auto_choices": auto_choices}
+    return {"times": times, "auto_exploring": auto_exploring, "auto_choices": auto_choices, "auto_history": auto_history}
+
+
+def step_why(rec: Any) -> tuple[str, str, str]:
+    """``(bucket, configuration, why)`` of one auto step from its record: why is ``warm-up``,
+    ``pair`` (a trial's first pairs, either side), ``extra pair`` (a comparison not separated yet),
+    ``chosen`` (the bucket's choice, exploring done), ``cannot split`` or ``no vote`` (the DP
+    decision did not microbatch, so the policy was not asked)."""
+    if not rec.evidence:
+        return "(no vote)", rec.config, "no vote"
+    bucket, _, rest = rec.evidence.partition(": ")
+    if rest.startswith("exploring "):
+        phase = rest.split(" (", 1)[1]
+        why = "warm-up" if phase.startswith("warm-up") else "extra pair" if phase.startswith("not separated") else "pair"
+    elif "cannot split this batch" in rest:
+        why = "cannot split"
+    else:
+        why = "chosen"
+    return bucket, rec.config, why
+
+
+def history_lines(history: list[list[tuple[str, str, str]]]) -> list[str]:
+    """Per bucket, the configurations its steps ran in order over the rounds, run-length coded:
+    ``off x3 (pair)`` is three consecutive steps of that bucket; the trial and the incumbent of
+    a comparison alternate, so a comparison reads ``N=3 token auto (warm-up), N=3 token auto
+    (pair), off (pair), ...``; ``|`` marks a new round."""
+    per: dict[str, list[str]] = {}
+    last: dict[str, list[Any]] = {}
+    for rnd, steps in enumerate(history):
+        for bucket, config, why in steps:
+            runs = per.setdefault(bucket, [])
+            cur = last.get(bucket)
+            if cur is not None and cur[0] == (config, why) and cur[2] == rnd:
+                cur[1] += 1
+                runs[-1] = f"{cur[3]}{config} x{cur[1]} ({why})"
+                continue
+            mark = "| " if cur is not None and cur[2] != rnd else ""
+            last[bucket] = [(config, why), 1, rnd, mark]
+            runs.append(f"{mark}{config} ({why})")
+    return [f"  - {b}: {', '.join(runs)}" for b, runs in sorted(per.items())]
 
 
 # ------------------------------------------------------------------------------------ parent side
@@ -229,11 +273,13 @@ def measure_cell(pool: Any, link: str, workload: str, args: argparse.Namespace,
     total = {k: [sum(ts) for ts in v] for k, v in g.items()}
     exploring = res[0]["auto_exploring"]
     assert all(r["auto_exploring"] == exploring for r in res), "the ranks disagree on what auto explored"
-    after = []
+    after, after_best, after_auto = [], 0.0, 0.0
     for rnd, flags in enumerate(exploring):
         idx = [i for i, f in enumerate(flags) if not f]
         if idx:
-            after.append(sum(g["best fixed"][rnd][i] for i in idx) / sum(g["auto"][rnd][i] for i in idx))
+            best_s, auto_s = sum(g["best fixed"][rnd][i] for i in idx), sum(g["auto"][rnd][i] for i in idx)
+            after.append(best_s / auto_s)
+            after_best, after_auto = after_best + best_s, after_auto + auto_s
     ratio = lambda a, b: [x / y for x, y in zip(total[a], total[b])]  # noqa: E731
     return {
         "link": link, "workload": workload, "steps": len(trace), "total": total,
@@ -241,7 +287,10 @@ def measure_cell(pool: Any, link: str, workload: str, args: argparse.Namespace,
         "auto_vs_off": ratio("off", "auto"), "auto_vs_today": ratio("fixed N=2 today", "auto"),
         "auto_vs_best": ratio("best fixed", "auto"),
         "noise": (max(total["off"]) - min(total["off"])) / statistics.median(total["off"]),
-        "after": after, "auto_vs_best_sum": sum(total["best fixed"]) / sum(total["auto"]), "exploring_steps": [sum(f) for f in exploring], "choices": res[0]["auto_choices"],
+        "after": after, "after_sum": after_best / after_auto if after_auto else None,
+        "auto_vs_best_sum": sum(total["best fixed"]) / sum(total["auto"]),
+        "exploring_steps": [sum(f) for f in exploring], "choices": res[0]["auto_choices"],
+        "history": history_lines(res[0]["auto_history"]),
         "wall_s": time.perf_counter() - t0,
     }
 
@@ -258,11 +307,12 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "(max - min) / median. auto is one runner over all rounds (its exploration falls in the first ones); "
         "'all rounds summed': the best fixed's total time over auto's, exploration included; 'after exploring': "
         "over the steps where auto had stopped exploring that step's bucket, the best fixed's time of the same "
-        "steps over auto's, per round that has such steps.\n\n",
+        "steps over auto's, per round that has such steps, and summed over those rounds.\n\n",
         "| link | workload | off s | fixed N=2 today s | best fixed s | auto s | noise | auto vs off | "
         "auto vs today | auto vs best | auto vs best, all rounds summed | auto vs best after exploring | "
+        "auto vs best after exploring, summed | "
         "auto exploring steps |\n",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     ]
     for r in rows:
         t = r["total"]
@@ -271,13 +321,18 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"| {r['link']} | {r['workload']} | {spread(t['off'], '{:.2f}')} | {spread(t['fixed N=2 today'], '{:.2f}')} | "
             f"{spread(t['best fixed'], '{:.2f}')} | {spread(t['auto'], '{:.2f}')} | {r['noise']:.1%} | "
             f"{spread(r['auto_vs_off'])} | {spread(r['auto_vs_today'])} | {spread(r['auto_vs_best'])} | "
-            f"{r['auto_vs_best_sum']:.3f} | {after} | {sum(r['exploring_steps'])} of {r['steps'] * len(t['auto'])} |\n")
+            f"{r['auto_vs_best_sum']:.3f} | {after} | {'n/a' if r['after_sum'] is None else format(r['after_sum'], '.3f')} | "
+            f"{sum(r['exploring_steps'])} of {r['steps'] * len(t['auto'])} |\n")
     lines.append("\nThe sweep (median trace seconds per configuration), the best fixed one, and auto's final "
                  "choice per shape bucket:\n\n")
     for r in rows:
         sw = ", ".join(f"{k} {v:.2f}" for k, v in r["sweep"].items())
         lines.append(f"- {r['link']} {r['workload']} ({r['wall_s']:.0f} s): best {r['best_label']}; auto chose "
                      f"{'; '.join(r['choices'])}. Sweep: {sw}\n")
+    lines.append("\nauto's choice history per cell and shape bucket (every auto step over the rounds, in order: the "
+                 "configuration it ran and why; run-length coded, '|' starts a round):\n\n")
+    for r in rows:
+        lines.append(f"- {r['link']} {r['workload']}:\n" + "\n".join(r["history"]) + "\n")
     return "".join(lines)
 
 

@@ -311,5 +311,24 @@ def test_auto_measured_runs_one_cell_on_the_shared_ranks(pool: RankPool) -> None
     assert row["best_label"] in row["sweep"]
     assert row["exploring_steps"] == [2]  # a fresh auto explores its first steps of each bucket
     assert row["choices"] and all(c.startswith("decode ") for c in row["choices"])
+    # the two steps (48 decode requests each) are one bucket's first: the prior's warm-up, off's
+    assert row["history"] == ["  - decode 32-63: N=2 token auto (warm-up), off (warm-up)"]
     table = auto_measured.render([row], args)
-    assert "| loopback | decode-small | " in table
+    assert "| loopback | decode-small | " in table and "\n- loopback decode-small:\n  - decode " in table
+
+
+def test_auto_measured_history_names_each_step_and_why() -> None:
+    """The choice history the results file keeps: per bucket, run-length coded over the rounds."""
+    import auto_measured
+
+    a, b = "decode 16-31", "decode 32-63"
+    history = [
+        [(a, "N=2 token auto", "warm-up"), (b, "N=2 token auto", "warm-up"), (a, "off", "warm-up"), (a, "off", "pair"),
+         (a, "N=2 token auto", "pair"), ("(no vote)", "off", "no vote")],
+        [(a, "off", "chosen"), (a, "off", "chosen"), (b, "off", "extra pair")],
+    ]
+    assert auto_measured.history_lines(history) == [
+        "  - (no vote): off (no vote)",
+        "  - decode 16-31: N=2 token auto (warm-up), off (warm-up), off (pair), N=2 token auto (pair), | off x2 (chosen)",
+        "  - decode 32-63: N=2 token auto (warm-up), | off (extra pair)",
+    ]
