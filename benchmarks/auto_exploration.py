@@ -23,6 +23,7 @@ in steps' worth (sum of ``cost[arm] / cost[best] - 1``); and in how many seeds t
 is the best configuration or within the 3% margin of it.
 
     python benchmarks/auto_exploration.py --out benchmarks/results
+  python benchmarks/auto_exploration.py --compare prune=None --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = [("default AutoConfig()", AutoConfig())]
     if args.compare:
         kv = dict(item.split("=") for item in args.compare.split(","))
-        over = {k: (v == "True" if v in ("True", "False") else type(getattr(AutoConfig(), k))(v)) for k, v in kv.items()}
+        over = {k: (None if v == "None" else v == "True" if v in ("True", "False") else type(getattr(AutoConfig(), k))(v))
+                for k, v in kv.items()}
         configs.append((f"AutoConfig({', '.join(f'{k}={v}' for k, v in over.items())})",
                         dataclasses.replace(AutoConfig(), **over)))
     lines.append(f"\n{args.seeds} seeds x {args.steps} steps of one bucket per scenario; median [min..max] over seeds.\n")

@@ -22,7 +22,12 @@ measured, and chooses the next step's configuration from them:
    ``behind`` above 1), another split or dispatch mode only where DBO leads off or tied with it, so
    a bucket where DBO clearly loses spends its exploration on two configurations, and a loss within
    the noise does not end the climb. A comparison also ends after its first ``samples`` pairs where
-   the side that would have to win is not even ahead (``stop_behind``): a tie to the default. A bucket explores at most ``warmup + max_arms *
+   the side that would have to win is not even ahead (``stop_behind``): a tie to the default. And the
+   other splits and dispatch modes, variants of the schedule's first DBO configuration (the base),
+   are skipped where the base measured more than ``1 + prune`` times the incumbent (``prune``; the
+   product of the pairs' median ratios along the comparisons linking them): such a variant would
+   have to beat its base by that much just to tie; the evidence names each skipped configuration
+   and that ratio. A bucket explores at most ``warmup + max_arms *
    (warmup + 2 * max_samples)`` steps, half of them (bar the warm-ups) on the incumbent. The
    schedule is a pure function of the bucket's history, never of a random draw.
 3. **Noise-aware comparison** (:func:`compare_paired`). A trial and the incumbent are compared on
@@ -100,6 +105,11 @@ class AutoConfig:
     ratio >= 1), a tie to the default; False runs such a comparison on to ``max_samples`` pairs.
     ``behind``: a loser ruled out (not separated) with its pairs' median ratio above ``1 + behind``
     gets the verdict ``"behind"``, which ends the climb from it as ``"slower"`` does.
+    ``prune``: while climbing, skip another split or dispatch mode of the schedule's first DBO
+    configuration (its *base*) where the base measured more than ``1 + prune`` times the incumbent
+    (the product of the pairs' median ratios along the comparisons from the base to the incumbent):
+    a variant that changes only how the base's ubatches are cut or dispatched would have to beat
+    the base by that much just to tie. None tries every variant the climb allows.
     """
 
     ubatch_counts: tuple[int, ...] = (2, 3, 4)
@@ -116,6 +126,7 @@ class AutoConfig:
     climb: bool = True
     stop_behind: bool = True
     behind: float = 0.15
+    prune: float | None = 0.15
 
     def __post_init__(self) -> None:
         if not self.ubatch_counts or any(n < 2 for n in self.ubatch_counts):
@@ -136,6 +147,8 @@ class AutoConfig:
             raise ValueError(f"margin ({self.margin}) must lie in [0, 1)")
         if not self.separation >= 0.0:
             raise ValueError(f"separation ({self.separation}) must be >= 0 (standard errors; 0 compares medians only)")
+        if self.prune is not None and not self.prune >= 0.0:
+            raise ValueError(f"prune ({self.prune}) must be >= 0 (a share of the incumbent's time) or None (no pruning)")
         if self.max_arms < 0:
             raise ValueError(f"max_arms ({self.max_arms}) must be >= 0")
 
@@ -366,9 +379,29 @@ class AutoPolicy:
             return True
         smaller = [n for n in cfg.ubatch_counts if n < arm.num_ubatches]
         if not smaller:
-            return b.incumbent != OFF or b.verdicts.get(self._base(b.schedule[0])) == "tie"
+            if b.incumbent == OFF and b.verdicts.get(self._base(b.schedule[0])) != "tie":
+                return False
+            return self._pruned(b, arm) is None
         prev = Arm(max(smaller), arm.split, arm.dispatch)
         return b.incumbent == prev or b.verdicts.get(prev) == "tie"
+
+    def _pruned(self, b: _Bucket, arm: Arm) -> float | None:
+        """The base's measured time over the incumbent's where it exceeds ``1 + prune`` so that
+        ``arm`` (a split or dispatch variant of the base) is skipped, else None (``AutoConfig.prune``).
+        The ratio multiplies the pairs' median ratios along the comparisons from the base to the
+        incumbent (each loser's ``compared`` names its winner); no such chain: nothing to prune on."""
+        base = self._base(b.schedule[0])
+        if self.cfg.prune is None or arm == base or arm.num_ubatches != base.num_ubatches:
+            return None
+        ratio, at, seen = 1.0, base, {base}
+        while at != b.incumbent:
+            link = b.compared.get(at)
+            if link is None or link[0] in seen:
+                return None
+            ratio *= link[3]
+            at = link[0]
+            seen.add(at)
+        return ratio if ratio > 1.0 + self.cfg.prune else None
 
     def evidence(self, name: str) -> str:
         """The bucket's medians, spreads (half the interquartile range) and sample counts; per
@@ -393,6 +426,11 @@ class AutoPolicy:
                 pi = b.paired.get(arm)
                 paired = f", {b.incumbent.label} paired {_fmt(pi)} ({len(pi)})" if pi else ""
                 parts.append(f"{arm.label} {_fmt(xs)} ({len(xs)}{paired})")
+        for arm in b.schedule:
+            r = self._pruned(b, arm) if self.cfg.climb and arm not in b.verdicts and arm != b.incumbent else None
+            if r is not None:
+                parts.append(f"{arm.label} skipped ({self._base(b.schedule[0]).label} measured {r:.3f}x "
+                             f"{b.incumbent.label}, above 1 + prune {self.cfg.prune})")
         return "best " + "; ".join(parts)
 
     def observe(self, name: str, arm: Arm, seconds_per_token: float) -> None:

@@ -259,6 +259,34 @@ def test_climbing_skips_what_cannot_win_and_climb_false_tries_everything() -> No
         [N2] + _trial(N2, OFF) + _trial(N2, bal) + [bal] * 5)
 
 
+def test_prune_skips_the_base_variants_where_the_base_measured_far_behind_the_incumbent() -> None:
+    # the default space: off, N = 2, 3, 4 token auto, N = 2 balanced auto, N = 2 token split
+    space = AutoConfig()
+    bal, spl = Arm(2, "balanced"), Arm(2, "token", "split")
+    cost = {OFF: 1.0, N2: 0.85, N3: 0.7, N4: 0.75, bal: 0.9, spl: 0.9}
+    climb = [N2] + _trial(N2, OFF) + _trial(N2, N3) + _trial(N3, N4)
+    policy = AutoPolicy(space, prior=lambda b: N2)
+    assert _drive(policy, cost, 30, jitter=0.0, seed=0) == climb + [N3] * 8
+    arm, why = policy.choose("decode 64-127")
+    assert arm == N3
+    assert why.endswith("; N=2 balanced auto skipped (N=2 token auto measured 1.214x N=3 token auto, above 1 + prune 0.15)"
+                        "; N=2 token split skipped (N=2 token auto measured 1.214x N=3 token auto, above 1 + prune 0.15)")
+    # prune=None (and climb=False) try them: 14 more exploring steps, the same final choice
+    for off_value in (dataclasses.replace(space, prune=None), dataclasses.replace(space, climb=False)):
+        assert _drive(AutoPolicy(off_value, prior=lambda b: N2), cost, 44, jitter=0.0, seed=0) == (
+            climb + _trial(N3, bal) + _trial(N3, spl) + [N3] * 8)
+    # the ratio multiplies along the chain of comparisons: N = 2 tied off (1.0), off lost to N = 3 (1.429)
+    chain = {**cost, N2: 1.0}
+    policy = AutoPolicy(space, prior=lambda b: N2)
+    assert _drive(policy, chain, 30, jitter=0.0, seed=0) == (
+        [N2] + _trial(N2, OFF) + _trial(OFF, N3) + _trial(N3, N4) + [N3] * 8)
+    assert "N=2 token split skipped (N=2 token auto measured 1.429x N=3 token auto" in policy.choose("decode 64-127")[1]
+    # the base within 1 + prune of the incumbent (N = 3 6% faster): the variants are still tried
+    close = {**cost, N2: 0.75, N4: 0.8}
+    assert _drive(AutoPolicy(space, prior=lambda b: N2), close, 44, jitter=0.0, seed=0) == (
+        [N2] + _trial(N2, OFF) + _trial(N2, N3) + _trial(N3, N4) + _trial(N3, bal) + _trial(N3, spl) + [N3] * 8)
+
+
 def _patterned(cfg: AutoConfig, cost: dict[Arm, float], steps: int) -> tuple[list[Arm], AutoPolicy]:
     """``steps`` steps of one bucket, step i costing ``cost[arm]`` times 1 + 0.1 * ((7 i mod 5) - 2) / 2
     (a fixed +-10% pattern, no draw); the choices and the policy."""
@@ -326,6 +354,8 @@ def test_exploration_is_bounded_and_pins_override() -> None:
 
 
 def test_bad_auto_configs_name_the_value() -> None:
+    with pytest.raises(ValueError, match=r"prune \(-0.1\) must be >= 0 \(a share of the incumbent's time\) or None"):
+        AutoConfig(prune=-0.1)
     with pytest.raises(ValueError, match=r"ubatch_counts \(1, 2\) must be ubatch counts >= 2"):
         AutoConfig(ubatch_counts=(1, 2))
     with pytest.raises(ValueError, match=r"splits \('tokens',\): use some of"):
