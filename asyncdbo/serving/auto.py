@@ -216,17 +216,20 @@ def compare(default: Sequence[float], other: Sequence[float], *, margin: float, 
     gain = (m_d - statistics.median(other)) / (m_d if m_d > 0 else 1.0)
     sigma = max(relative_sigma(default), relative_sigma(other), noise)
     se = 1.2533 * sigma * math.sqrt(1 / n_d + 1 / n_o)
-    df = n_d + n_o - 2
-    t = separation + (separation**3 + separation) / (4 * df) if df > 0 else separation
     inv_now, inv_last = 1 / n_d + 1 / n_o, 1 / max(n_d, final_n) + 1 / max(n_o, final_n)
-    win = t * se * math.sqrt(inv_now / inv_last)
-    slower: Literal["other", "default"] | None = None
+    return _decide(gain, se, n_d + n_o - 2, math.sqrt(inv_now / inv_last), margin=margin, separation=separation)
+
+
+def _decide(gain: float, se: float, df: int, look: float, *, margin: float, separation: float) -> Comparison:
+    """The sequential test :func:`compare` and :func:`compare_paired` end with: ``separation`` as
+    Student's t for ``df`` degrees of freedom; to win (or be called slower) the gain must clear
+    ``t * se * look`` (``look``: O'Brien-Fleming's factor for this look) and the margin; the other
+    is ruled out once ``gain + t * se`` stays within the margin."""
+    t = separation + (separation**3 + separation) / (4 * df) if df > 0 else separation
+    win = t * se * look
     if gain > win and gain > margin:
-        slower = "default"
-    elif -gain > win and -gain > margin:
-        slower = "other"
-    if slower == "default":
-        return Comparison("other", gain, se, slower)
+        return Comparison("other", gain, se, "default")
+    slower: Literal["other", "default"] | None = "other" if -gain > win and -gain > margin else None
     if gain + t * se <= margin:
         return Comparison("default", gain, se, slower)
     return Comparison(None, gain, se, slower)
@@ -247,17 +250,7 @@ def compare_paired(default: Sequence[float], other: Sequence[float], *, margin: 
     gain = 1.0 - m
     sigma = max(relative_sigma(ratios), noise)
     se = 1.2533 * sigma * m / math.sqrt(n)
-    df = n - 1
-    t = separation + (separation**3 + separation) / (4 * df) if df > 0 else separation
-    win = t * se * math.sqrt(max(n, final_n) / n)
-    slower: Literal["other", "default"] | None = None
-    if gain > win and gain > margin:
-        return Comparison("other", gain, se, "default")
-    if -gain > win and -gain > margin:
-        slower = "other"
-    if gain + t * se <= margin:
-        return Comparison("default", gain, se, slower)
-    return Comparison(None, gain, se, slower)
+    return _decide(gain, se, n - 1, math.sqrt(max(n, final_n) / n), margin=margin, separation=separation)
 
 
 def paired_sigma(pairs: Sequence[tuple[Sequence[float], Sequence[float]]]) -> float:
