@@ -27,7 +27,7 @@
 #include "slots.h"
 
 /* What spin() reports; kernel.py has the same numbers. */
-enum { SWITCHED = 0, PARKED = 1, FINISHED = 2, FAILED = 3, EMPTY = 4, EXITED = 5, EXIT_FAILED = 6 };
+enum { SWITCHED = 0, PARKED = 1, FAILED = 2, EMPTY = 3, EXITED = 4, EXIT_FAILED = 5 };
 
 enum {
     UB_RESUME, UB_RESUME_WITH,
@@ -347,33 +347,37 @@ exit_pending(SpinState *st, PyObject *run, PyObject *timers)
     return PyList_GET_SIZE(timers) > 0;
 }
 
-/* spin(pop, push, woken, timers, switch, install[, run, done]) -> (switches, ubatch, status, value)
+/* spin(pop, push, woken, timers, switch, install, run, done) -> (switches, ubatch, status, value)
  *
  * Resume ubatches in ring order while each yields `switch`, counting the switches; before each
  * resume, `install(ubatch.resume_with)` unless `install` is None (the run's install, which does
  * nothing when that stream is current already; an error from it propagates, as from the Python
- * loop). Returns when a ubatch does anything else: PARKED (value: what it yielded), FINISHED
- * (value: its result), FAILED (value: the exception, not raised); or when it switched and `timers`
- * (a list) or `woken` (a sized container, or None to ignore it) is not empty: SWITCHED, the
- * ubatch not pushed back yet. EMPTY when the ring is empty.
+ * loop). Returns when a ubatch does anything else: PARKED (value: what it yielded), FAILED (value:
+ * the exception, not raised); or when it switched and `timers` (a list) or `woken` (a sized
+ * container, or None to ignore it) is not empty: SWITCHED, the ubatch not pushed back yet. EMPTY
+ * when the ring is empty.
  *
- * Given the run (not None) and `done` (UBatchState.DONE), a ubatch that returns is finished here
- * as the Python loop finishes it (Endings._finish: its exit hook runs in its context) and the
- * loop goes on; it returns EXITED (value None) once such an exit left the run's `_woken` or
- * `timers` not empty, and EXIT_FAILED (value: the exception, not raised) where the exit hook
- * raised. A run whose ubatches only switch is then one call, however many ubatches it has. */
+ * A ubatch that returns is finished here as the Python loop finishes it (Endings._finish on
+ * `run`, with `done` the UBatchState.DONE: its exit hook runs in its context) and the loop goes
+ * on; it returns EXITED (value None) once such an exit left the run's `_woken` or `timers` not
+ * empty, and EXIT_FAILED (value: the exception, not raised) where the exit hook raised. A run
+ * whose ubatches only switch is then one call, however many ubatches it has. */
 static PyObject *
 spin(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    SpinState *st = configured_state(module, nargs, nargs == 8 ? 8 : 6, "spin");
+    SpinState *st = configured_state(module, nargs, 8, "spin");
     if (st == NULL)
         return NULL;
     /* The arguments are the caller's (alive for the call); `timers` must stay a list. */
     PyObject *pop = args[0], *push = args[1], *woken = args[2], *timers = args[3], *switch_ = args[4];
     PyObject *install = args[5] == Py_None ? NULL : args[5];
-    PyObject *run = nargs == 8 && args[6] != Py_None ? args[6] : NULL, *done = nargs == 8 ? args[7] : NULL;
+    PyObject *run = args[6], *done = args[7];
     if (!PyList_Check(timers)) {
         PyErr_SetString(PyExc_TypeError, "spin(): timers must be a list");
+        return NULL;
+    }
+    if (run == Py_None) {
+        PyErr_SetString(PyExc_TypeError, "spin(): run must be the DBORun whose ubatches it resumes, not None");
         return NULL;
     }
     if (woken == Py_None)
@@ -447,8 +451,6 @@ spin(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(r);
         continue;
     returned: /* `ub` returned `value` (both owned here) */
-        if (run == NULL)
-            return report(n, ub, FINISHED, value);
         int rc = finish(st, ub, value, run, done);
         Py_DECREF(value);
         if (rc > 0)
@@ -619,7 +621,7 @@ configure(PyObject *module, PyObject *tp)
 
 static PyMethodDef module_methods[] = {
     {"spin", (PyCFunction)(void (*)(void))spin, METH_FASTCALL,
-     "spin(pop, push, woken, timers, switch, install[, run, done]) -> (switches, ubatch, status, value): the kernel's "
+     "spin(pop, push, woken, timers, switch, install, run, done) -> (switches, ubatch, status, value): the kernel's "
      "fast loop."},
     {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,
      "release(ubatches): Endings._release_records, each record's run state set to None."},
@@ -644,7 +646,7 @@ module_exec(PyObject *m)
         || (st->one = PyLong_FromLong(1)) == NULL)
         return -1;
     if (PyModule_AddIntConstant(m, "SWITCHED", SWITCHED) || PyModule_AddIntConstant(m, "PARKED", PARKED)
-        || PyModule_AddIntConstant(m, "FINISHED", FINISHED) || PyModule_AddIntConstant(m, "FAILED", FAILED)
+        || PyModule_AddIntConstant(m, "FAILED", FAILED)
         || PyModule_AddIntConstant(m, "EMPTY", EMPTY) || PyModule_AddIntConstant(m, "EXITED", EXITED)
         || PyModule_AddIntConstant(m, "EXIT_FAILED", EXIT_FAILED))
         return -1;

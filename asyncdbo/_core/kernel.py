@@ -89,7 +89,7 @@ def _load_spin() -> ModuleType | None:
 
 
 _spin = _load_spin()
-_SWITCHED, _PARKED, _FINISHED, _FAILED, _EMPTY, _EXITED, _EXIT_FAILED = range(7)  # what _spin.spin reports (its enum)
+_SWITCHED, _PARKED, _FAILED, _EMPTY, _EXITED, _EXIT_FAILED = range(6)  # what _spin.spin reports (its enum)
 _MONOTONIC = MonotonicClock()
 _RESULT = operator.attrgetter("result")
 _now = time.perf_counter

@@ -94,7 +94,8 @@ def test_the_entry_points_refuse_bad_arguments_with_errors() -> None:
     spin = kernel._spin
     assert spin is not None
     errors = []
-    for call in (lambda: spin.release(), lambda: spin.release((1,)), lambda: spin.spin(*([None] * 7))):
+    for call in (lambda: spin.release(), lambda: spin.release((1,)), lambda: spin.spin(*([None] * 7)),
+                 lambda: spin.spin(None, None, None, [], None, None, None, None)):
         try:
             call()
         except TypeError as exc:
@@ -102,5 +103,6 @@ def test_the_entry_points_refuse_bad_arguments_with_errors() -> None:
     assert errors == [
         "release() takes 1 arguments (0 given)",
         "release(): ubatches must be a list",
-        "spin() takes 6 arguments (7 given)",
+        "spin() takes 8 arguments (7 given)",
+        "spin(): run must be the DBORun whose ubatches it resumes, not None",
     ]
