@@ -79,8 +79,13 @@ def test_all_to_all_overlaps_the_other_ubatch_under_a_modeled_link(pool: RankPoo
 
 
 def _released_while_switching_rank(rank: int, world_size: int) -> dict:
-    """ub0 issues on a 20 ms modeled link and keeps switching (never parked) until the link's
-    release time has passed and gloo completed the work; then it awaits the work."""
+    """ub0 issues on a 20 ms modeled link and keeps switching (never parked) until the work is
+    complete, both its arrivals counted: gloo's (its thread) and the link's release, a kernel timer
+    that only a switch can fire here (nothing parks); then it awaits the work.
+
+    It waits on the work's signal, not on ``t_done``: gloo's thread stores ``t_done`` just before it
+    counts its arrival, so a ubatch that saw ``t_done`` could await the work before the arrival
+    was counted and park (a race that a loaded machine loses now and then)."""
 
     async def forward(i: int) -> str:
         if i == 0:
@@ -88,9 +93,12 @@ def _released_while_switching_rank(rank: int, world_size: int) -> dict:
             _, handle = _submit_a2a(torch.tensor([float(rank), 1.0]), "dispatch")
             (work,) = get_ubatch().run.ext.comm
             clock = get_ubatch().run.clock
-            while work.t_done is None or clock.now() < work.t_release:
+            give_up = clock.now() + 60.0  # a bound, never reached: gloo and a 20 ms link take far less
+            while not work.done():  # each yield is a switch: the kernel fires due link timers there
+                if clock.now() > give_up:
+                    raise AssertionError(f"the work never completed while ub0 switched: {work!r}, {work.signal!r}")
                 await dbo_yield("spin")
-            await dbo_yield("one more switch")  # the kernel fires due link timers at a switch
+            assert work.t_done is not None and clock.now() >= work.t_release
             await handle
             return "received"
         while get_ubatch().run.ubatches[0].state.name != "DONE":
