@@ -197,7 +197,13 @@ class DBORun(Endings):
         """:meth:`restart` with the options its last :meth:`restart` (or ``__init__``) gave it:
         only the records and the per-run counters are set again. A caller that runs one shape
         with one set of options step after step (``asyncdbo.dbo``'s run shells) passes them once."""
-        self._refill(coros)
+        ubs = self.ubatches
+        if _spin is not None and self._released and len(coros) == len(ubs):  # _refill, without its frame
+            _spin.start(ubs, self, coros, current_ubatch, READY)
+            self._ready.extend(ubs)
+            self._released = False
+        else:
+            self._refill(coros)
         self._reset()
 
     def _refill(self, coros: list[Coroutine[Any, Any, Any]]) -> None:
@@ -310,16 +316,27 @@ class DBORun(Endings):
                 # The first pass of _loop_until_done (nothing woken, no timer or loop poll yet),
                 # without making its coroutine: a run whose ubatches only switch ends here.
                 if self._ready and not (self._timers or self._woken or self._poll_due):
-                    # _switch, inline (a run starts with no loop wait)
-                    switch = self._switch_in_c if _spin is not None and self.instrument is None else self._switch_in_python
-                    if view is None:
-                        switch()
-                    else:  # _switch_in_view, inline: every run starts here
+                    if view is not None:  # _switch_in_view, inline: every run starts here
                         _leave_task(loop, task)
                         _enter_task(loop, view)  # type: ignore[arg-type]  # asyncio takes any object
-                        try:
-                            switch()
-                        finally:
+                    try:
+                        if _spin is not None and self.instrument is None:
+                            # _switch_in_c, inline (a run starts with nothing parked, no timer and
+                            # no loop wait): a run whose ubatches only switch is this one call
+                            args = self._spin_args[0] if not self.installs else (*self._spin_args[0][:5], self.install)
+                            k, ub, status, value = _spin.spin(*args, self, DONE)
+                            if status == _EMPTY:  # each ran to its end
+                                self.num_switches += k
+                            else:
+                                try:
+                                    self._spun(args, False, k, ub, status, value)
+                                finally:
+                                    # an error's traceback holds this frame: no cycle through it (invariant 8)
+                                    del ub, value
+                        else:
+                            self._switch_in_python()
+                    finally:
+                        if view is not None:
                             _leave_task(loop, view)  # type: ignore[arg-type]
                             _enter_task(loop, task)
                 if self._live:  # they parked, or one waits on the loop
@@ -430,16 +447,20 @@ class DBORun(Endings):
         (``asyncdbo/_core/_spin.c``); it hands back what it cannot decide. It finishes a ubatch
         that returns itself (:meth:`_finish`, exit hook included) and goes on, so a run whose
         ubatches only switch is one call."""
-        ready, push = self._ready, self._ready.append
         watch = self._num_parked > 0 or bool(self._timers)
         args = self._spin_args[watch]
         if self.installs:
             args = (*args[:5], self.install)
-        n = 0
+        if self._ready:
+            self._spun(args, watch, *_spin.spin(*args, self, DONE))  # type: ignore[union-attr]
+
+    def _spun(self, args: tuple[Any, ...], watch: bool, n: int, ub: UBatch, status: int, value: Any) -> None:
+        """The rest of :meth:`_switch_in_c` once ``_spin.spin(*args, self, DONE)`` reported ``n``
+        switches and ``status`` (``ub``, ``value``): act on it, and spin on while one switched
+        with timers or wake-ups pending."""
+        ready, push = self._ready, self._ready.append
         try:
-            while ready:
-                k, ub, status, value = _spin.spin(*args, self, DONE)  # type: ignore[union-attr]
-                n += k
+            while True:
                 if status == _SWITCHED:  # switched, with timers or wake-ups pending
                     if watch:
                         self._drain()  # woken during this step: they were runnable first
@@ -466,6 +487,10 @@ class DBORun(Endings):
                         # The traceback holds this frame: keeping the error in a local too would
                         # make a cycle that only the cycle collector frees (invariant 8).
                         del value
+                if not ready:
+                    return
+                k, ub, status, value = _spin.spin(*args, self, DONE)  # type: ignore[union-attr]
+                n += k
         finally:
             self.num_switches += n
 

@@ -19,6 +19,7 @@ until ``issue time + latency + bytes / bandwidth`` on a serialized link, taking 
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 import time
@@ -137,6 +138,24 @@ def _counts(objs: tuple[Any, ...]) -> tuple[int, ...]:
     return tuple(map(sys.getrefcount, objs))
 
 
+_PENDING = operator.attrgetter("pending")  # a HostStream's works not yet completed
+
+
+def _busy_counts(
+    counts: tuple[int, ...], objs: tuple[Any, ...], comms: tuple[HostStream, ...], pairs: tuple[Any, ...]
+) -> tuple[int, ...]:
+    """``counts`` of :func:`_kept_objects`, with one more for each lane's comm event of a stream
+    with works pending: the lane's events dict holds that event too."""
+    expected = list(counts)
+    start = len(objs) - len(pairs)  # where the events start in objs, each comm stream's in turn
+    for comm in comms:
+        if comm.pending:
+            for j in range(start, start + len(comm.lanes)):
+                expected[j] += 1
+        start += len(comm.lanes)
+    return tuple(expected)
+
+
 def _forward(src: Signal, dst: Signal) -> Callable[[], None]:
     """Waiter for ``src`` that counts one arrival on ``dst``, carrying ``src``'s error if any."""
     return lambda: dst.set(src.exception())
@@ -204,24 +223,17 @@ class HostBackend(StreamBackend):
         if kept is None or kept[0] is not self:
             return False
         _, _, objs, counts, comms, pairs = kept
-        busy: list[int] = []
-        for i in range(len(comms)):  # not a comprehension (a frame of its own on 3.11), nor a loop
-            if comms[i].pending:  # variable holding a stream while the counts are read
-                busy.append(i)
-        if busy:  # the lanes' comm events of a stream with works pending are in their dicts too
-            expected = list(counts)
-            first = len(objs) - len(pairs)  # where the events start in objs (see _kept_objects)
-            for i in busy:
-                start = first + sum(len(c.lanes) for c in comms[:i])
-                for j in range(start, start + len(comms[i].lanes)):
-                    expected[j] += 1
-            counts = tuple(expected)
-        if _counts(objs) != counts:
+        busy = any(map(_PENDING, comms))  # no loop variable holding a stream while the counts are read
+        if busy:
+            counts = _busy_counts(counts, objs, comms, pairs)
+        if tuple(map(sys.getrefcount, objs)) != counts:  # _counts(objs), without its frame (every run ends here)
             state.kept = None
             return False
-        for i in busy:  # drop every work of the run its comm streams ...
-            comms[i].pending = []
-            comms[i].arm(False)
+        if busy:
+            for comm in comms:  # drop every work of the run its comm streams ...
+                if comm.pending:
+                    comm.pending = []
+                    comm.arm(False)
         for pair in pairs:  # ... and their events hold
             event = pair[1]
             if event.recorded:

@@ -51,6 +51,7 @@ MAX_IDLE = 4
 MAX_UBATCHES = 64
 
 _IDLE: dict[int, list[Shell]] = {}
+_refcount, _weakcount = sys.getrefcount, weakref.getweakrefcount
 _REUSE = not gil_disabled()
 
 
@@ -78,8 +79,7 @@ def _counts(shell: Shell) -> tuple[int, ...]:
     hold the shell alone (not its run, state, records or lanes), so that two calls on the same
     idle structure agree."""
     objs = shell.objs  # and how many records and lanes the run and state hold now (the same ones, if counts agree)
-    return (len(shell.run.ubatches), len(shell.state.lanes), *map(sys.getrefcount, objs),
-            *map(weakref.getweakrefcount, shell.weakable))
+    return (len(shell.run.ubatches), len(shell.state.lanes), *map(_refcount, objs), *map(_weakcount, shell.weakable))
 
 
 def _build(n: int, backend: StreamBackend, policy: StreamPolicy) -> Shell:
@@ -188,7 +188,10 @@ def give_back(shell: Shell) -> None:
     is left as its run ended, its comm records and streams included, for whoever still holds it
     (an instrument that kept the run, a stored ``get_ubatch()``)."""
     n = len(shell.run.ubatches)
-    if not _REUSE or n > MAX_UBATCHES or _counts(shell) != shell.baseline:
+    if not _REUSE or n > MAX_UBATCHES:
+        return
+    # _counts(shell), without its frame (every run that ends cleanly comes here)
+    if (n, len(shell.state.lanes), *map(_refcount, shell.objs), *map(_weakcount, shell.weakable)) != shell.baseline:
         return
     _idle(shell)
     idle = _IDLE.get(n)
