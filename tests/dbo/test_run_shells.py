@@ -235,8 +235,9 @@ class _Work:
         return self.fut
 
 
+@pytest.mark.parametrize("submitter", [0, 1])  # ubatch policy: the first or the second comm stream is busy
 @pytest.mark.parametrize("policy", ["role", "ubatch"])
-async def test_a_kept_shell_hands_its_host_streams_to_the_next_run_emptied(policy: str) -> None:
+async def test_a_kept_shell_hands_its_host_streams_to_the_next_run_emptied(policy: str, submitter: int) -> None:
     """The host backend keeps a shell's streams and events for its next run instead of building
     them again, without the works of the run before: a work left pending at the end of a run (a
     send nobody awaited) is in no stream, event or lane of the idle shell, and goes with its last
@@ -250,7 +251,7 @@ async def test_a_kept_shell_hands_its_host_streams_to_the_next_run_emptied(polic
         lane = get_ubatch().ext  # type: ignore[union-attr]
         seen.append((id(lane.streams), id(lane.events), lane.events["comm"] is None))
         await dbo_switch_to_comm()
-        if submit and i == 0:
+        if submit and i == submitter:
             dbo_submit(work, what="send")
             assert lane.events["comm"] is not None  # the stream has a work pending
         await dbo_yield()
