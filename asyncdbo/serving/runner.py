@@ -353,7 +353,7 @@ class DBORunner:
             instrument=insts,
             name=f"step{plan.record.step}",
         )
-        dispatch = cfg.dispatch if self.auto is None else _arm_dispatch(plan.record.config)
+        dispatch = cfg.dispatch if self.auto is None else _arm_dispatch(plan.record.config, cfg.dispatch)
         with _dispatch_block(plan, cfg.policy if self.auto is None else plan.record.policy, dispatch):
             outputs, stats = await run
         logits_TV = merge_outputs(outputs, plan.slices, batch.num_tokens)
@@ -376,10 +376,14 @@ class DBORunner:
         return dataclasses.replace(plan, record=record)
 
 
-def _arm_dispatch(config: str) -> DispatchMode:
-    """The dispatch mode an ``"auto"`` step's ``config`` label names (``'N=2 token split'``)."""
+def _arm_dispatch(config: str, unsplit: DispatchMode) -> DispatchMode:
+    """The dispatch mode an ``"auto"`` step's ``config`` label names (``'N=2 token split'``); an
+    ``'off'`` step, whose label names none, runs ``unsplit`` (``RunnerConfig.dispatch``), as a fixed
+    runner's unsplit step does: off is compared with DBO and must be the off a fixed runner runs, so
+    it fuses where the link model prices one message below two (a split off paid one more message
+    latency per MoE layer and lost to DBO configurations that beat the fixed off)."""
     mode = config.rsplit(" ", 1)[-1]
-    return mode if mode in DISPATCH_MODES else "split"
+    return mode if mode in DISPATCH_MODES else unsplit
 
 
 def _dispatch_block(plan: StepPlan, policy: str, dispatch: DispatchMode) -> contextlib.AbstractContextManager[Any]:

@@ -37,7 +37,7 @@ from asyncdbo.plan import (
     split_attn_metadata,
     split_tokens,
 )
-from asyncdbo.serving import Batch, BatchBuilder, DBORunner, RunnerConfig
+from asyncdbo.serving import OFF, AutoConfig, Batch, BatchBuilder, DBORunner, RunnerConfig
 from asyncdbo.testing import RankError, RankPool
 
 
@@ -291,6 +291,21 @@ def test_split_dispatch_never_fuses(pool: RankPool) -> None:
     runner = RunnerConfig(thresholds=ALWAYS, backend="host", link=DISPATCH_LINK, dispatch="split")
     for r in pool.run(dispatch_per_step, Case(steps=(_decode_steps(0), _decode_steps(1)), runner=runner)):
         assert r["sent"] == [["combine", "counts", "dispatch"]] * 4 and r["bitwise"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_auto_tunings_off_dispatches_as_a_fixed_runners_off_step(pool: RankPool) -> None:
+    """``tuning="auto"``'s off is the off it is compared with: a step it runs unsplit takes
+    ``RunnerConfig.dispatch`` ("auto": fused where the link model prices one message below two),
+    as a fixed runner's unsplit step does, not the split dispatch (one more message per MoE layer)."""
+    pin = AutoConfig(ubatch_counts=(2,), pin=(("mixed 32-63", OFF), ("decode 4-7", OFF)))
+    runner = RunnerConfig(tuning="auto", auto=pin, backend="host", link=DISPATCH_LINK)  # dispatch "auto"
+    case = Case(steps=(_decode_steps(0), _decode_steps(1)), model=replace(SMALL, schedule="ll"), runner=runner)
+    for r in pool.run(dispatch_per_step, case):
+        assert r["microbatched"] == [False] * 4
+        assert r["sent"] == [["combine", "counts", "dispatch"]] + [["combine", "dispatch+counts"]] * 3
+        assert r["bitwise"]  # fused off steps == split serial steps
 
 
 @pytest.mark.slow
