@@ -12,7 +12,9 @@ Scenarios (each one shape bucket; the costs are the classes the measured run sho
 - ``dbo loses in the noise``: every DBO configuration 5% slower than off (ib400 decode-small);
 - ``all equal``: every configuration the same (pure noise);
 - ``N=3 wins``: N = 3 token auto 30% faster than off, N = 2 15%, the rest 10%;
-- ``balanced wins``: N = 2 token as fast as off, N = 2 balanced auto 35% faster (ib400 prefill-heavy).
+- ``balanced wins``: N = 2 token as fast as off, N = 2 balanced auto 35% faster (ib400 prefill-heavy);
+- ``N=2 loses, N=3 wins``: N = 2 30% slower than off, N = 3 token auto 15% faster, N = 4 10% faster,
+  the rest 30% slower (eth100 decode-small, run 6).
 
 Per scenario and noise level, over ``--seeds`` seeds, each of ``--steps`` steps: the exploring
 steps (median [min..max]); of them the warm-ups, the steps in a trial's first ``samples`` pairs,
@@ -23,7 +25,8 @@ in steps' worth (sum of ``cost[arm] / cost[best] - 1``); and in how many seeds t
 is the best configuration or within the 3% margin of it.
 
     python benchmarks/auto_exploration.py --out benchmarks/results
-  python benchmarks/auto_exploration.py --compare prune=None --out benchmarks/results
+    python benchmarks/auto_exploration.py --compare prune=None --out benchmarks/results
+    python benchmarks/auto_exploration.py --compare step_over=0 --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def scenarios() -> dict[str, dict[Any, float]]:
         "all equal": table(1.0, 1.0),
         "N=3 wins": table(1.0, 0.9, **{"N=2 token auto": 0.85, "N=3 token auto": 0.7}),
         "balanced wins": table(1.0, 1.0, **{"N=2 balanced auto": 0.65}),
+        "N=2 loses, N=3 wins": table(1.0, 1.3, **{"N=3 token auto": 0.85, "N=4 token auto": 0.9}),
     }
 
 

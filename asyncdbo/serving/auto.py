@@ -19,9 +19,11 @@ measured, and chooses the next step's configuration from them:
    while the two do not separate (below), a pair at a time up to ``max_samples`` pairs. It climbs
    (``AutoConfig.climb``): a larger ubatch count is tried only where the next smaller one leads or
    tied (was neither separated as slower nor ruled out with its pairs' median ratio more than
-   ``behind`` above 1), another split or dispatch mode only where DBO leads off or tied with it, so
-   a bucket where DBO clearly loses spends its exploration on two configurations, and a loss within
-   the noise does not end the climb. A comparison also ends after its first ``samples`` pairs where
+   ``behind`` above 1), or, while off leads, where no more than ``step_over`` smaller counts were
+   tried and all lost (N = 2 losing to off does not rule out N = 3); another split or dispatch mode
+   only where DBO leads off or tied with it. So a bucket where DBO clearly loses spends its
+   exploration on three configurations (off, N = 2, N = 3), and a loss within the noise does not
+   end the climb. A comparison also ends after its first ``samples`` pairs where
    the side that would have to win is not even ahead (``stop_behind``): a tie to the default. And the
    other splits and dispatch modes, variants of the schedule's first DBO configuration (the base),
    are skipped where the base measured more than ``1 + prune`` times the incumbent (``prune``; the
@@ -99,12 +101,15 @@ class AutoConfig:
     ``(("decode 64-127", OFF),)``). ``climb``: explore a larger ubatch count only where the next
     smaller one of the same split and dispatch leads or tied, and the other splits and dispatch
     modes only where DBO leads off or tied with it (a bucket where the first DBO configuration is
-    clearly slower than off then explores two configurations, not the whole schedule); False
-    tries every configuration of the schedule. ``stop_behind``: end a comparison after its first
+    clearly slower than off then explores three configurations, not the whole schedule); False
+    tries every configuration of the schedule. ``step_over``: while off leads, the climb still
+    tries N = k where every smaller count lost, if there are no more than this many of them (1:
+    N = 3 after N = 2 lost to off, as on a latency-bound link where N = 2 loses and N = 3 wins;
+    0: the climb ends at the first loss). ``stop_behind``: end a comparison after its first
     ``samples`` pairs where the side that would have to win is not even ahead (its pairs' median
     ratio >= 1), a tie to the default; False runs such a comparison on to ``max_samples`` pairs.
     ``behind``: a loser ruled out (not separated) with its pairs' median ratio above ``1 + behind``
-    gets the verdict ``"behind"``, which ends the climb from it as ``"slower"`` does.
+    gets the verdict ``"behind"``, which ends the climb from it as ``"slower"`` does (bar ``step_over``).
     ``prune``: while climbing, skip another split or dispatch mode of the schedule's first DBO
     configuration (its *base*) where the base measured more than ``1 + prune`` times the incumbent
     (the product of the pairs' median ratios along the comparisons from the base to the incumbent):
@@ -127,6 +132,7 @@ class AutoConfig:
     stop_behind: bool = True
     behind: float = 0.15
     prune: float | None = 0.15
+    step_over: int = 1
 
     def __post_init__(self) -> None:
         if not self.ubatch_counts or any(n < 2 for n in self.ubatch_counts):
@@ -151,6 +157,8 @@ class AutoConfig:
             raise ValueError(f"prune ({self.prune}) must be >= 0 (a share of the incumbent's time) or None (no pruning)")
         if self.max_arms < 0:
             raise ValueError(f"max_arms ({self.max_arms}) must be >= 0")
+        if self.step_over < 0:
+            raise ValueError(f"step_over ({self.step_over}) must be >= 0 (ubatch counts lost to off that the climb steps over)")
 
     @property
     def max_ubatches(self) -> int:
@@ -376,7 +384,13 @@ class AutoPolicy:
                 return False
             return self._pruned(b, arm) is None
         prev = Arm(max(smaller), arm.split, arm.dispatch)
-        return b.incumbent == prev or b.verdicts.get(prev) == "tie"
+        if b.incumbent == prev or b.verdicts.get(prev) == "tie":
+            return True
+        # Off still leads: the climb steps over up to ``step_over`` smaller counts that all lost (the
+        # DBO curve in N can pass below off only after N = 2: a latency-bound link hides more of
+        # each message behind a third ubatch's compute than a second's).
+        lost = [Arm(n, arm.split, arm.dispatch) for n in smaller]
+        return b.incumbent == OFF and len(lost) <= cfg.step_over and all(a in b.verdicts for a in lost)
 
     def _pruned(self, b: _Bucket, arm: Arm) -> float | None:
         """The base's measured time over the incumbent's where it exceeds ``1 + prune`` so that
