@@ -71,7 +71,8 @@ __all__ = ["Arm", "AutoConfig", "AutoPolicy", "Comparison", "OFF", "choose_for_g
 
 @dataclass(frozen=True, order=True)
 class Arm:
-    """One configuration: ``num_ubatches`` (1: DBO off), the split policy, the dispatch mode."""
+    """One configuration: ``num_ubatches`` (1: DBO off), the split policy, the dispatch mode. Off
+    (any ``Arm(1, ...)``) runs ``RunnerConfig.dispatch``, as a fixed runner's unsplit step does."""
 
     num_ubatches: int
     split: SplitPolicy = "token"

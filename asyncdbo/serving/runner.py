@@ -244,9 +244,13 @@ class DBORunner:
         sync = self.sync
         enabled = cfg.enabled if enabled is None else enabled
         self._last_ns, last_ns = -1, self._last_ns  # a step that fails measures nothing
-        plan = self._plan(batch, enabled) if self.auto is None else self._plan_auto(batch, enabled, last_ns)
+        if self.auto is None:
+            plan, dispatch = self._plan(batch, enabled), cfg.dispatch
+        else:
+            plan, arm = self._plan_auto(batch, enabled, last_ns)
+            dispatch = _arm_dispatch(arm, cfg.dispatch)
         try:
-            result = await self._run(batch, plan, instrument, t0)
+            result = await self._run(batch, plan, dispatch, instrument, t0)
             self._last_ns = int(result.step_s * 1e9)
             return result
         except BaseException as exc:
@@ -272,10 +276,10 @@ class DBORunner:
             max_ubatches=getattr(self.model, "max_ubatches", None),
         )
 
-    def _plan_auto(self, batch: Batch, enabled: bool, last_ns: int) -> StepPlan:
-        """The ``"auto"`` step: ONE vote carries each rank's plan inputs and its last step time;
-        every rank feeds the same group measurement to its policy and picks the same configuration
-        from the same table (see :mod:`asyncdbo.serving.auto`)."""
+    def _plan_auto(self, batch: Batch, enabled: bool, last_ns: int) -> tuple[StepPlan, Arm]:
+        """The ``"auto"`` step and the configuration it runs: ONE vote carries each rank's plan
+        inputs and its last step time; every rank feeds the same group measurement to its policy and
+        picks the same configuration from the same table (see :mod:`asyncdbo.serving.auto`)."""
         cfg, auto = self.cfg, self.auto
         assert auto is not None
         qsl = batch.attn.query_start_loc_cpu.tolist()
@@ -320,9 +324,10 @@ class DBORunner:
             decision=decision,
             config=arm.label,
             evidence=evidence,
-        )
+        ), arm
 
-    async def _run(self, batch: Batch, plan: StepPlan, instrument: Instrument | None, t0: float) -> StepResult:
+    async def _run(self, batch: Batch, plan: StepPlan, dispatch: DispatchMode, instrument: Instrument | None,
+                   t0: float) -> StepResult:
         cfg = self.cfg
         pad = plan.num_tokens_padded - batch.num_tokens
         ids_P, pos_P = batch.input_ids_T, batch.positions_T
@@ -353,7 +358,6 @@ class DBORunner:
             instrument=insts,
             name=f"step{plan.record.step}",
         )
-        dispatch = cfg.dispatch if self.auto is None else _arm_dispatch(plan.record.config, cfg.dispatch)
         with _dispatch_block(plan, cfg.policy if self.auto is None else plan.record.policy, dispatch):
             outputs, stats = await run
         logits_TV = merge_outputs(outputs, plan.slices, batch.num_tokens)
@@ -376,14 +380,13 @@ class DBORunner:
         return dataclasses.replace(plan, record=record)
 
 
-def _arm_dispatch(config: str, unsplit: DispatchMode) -> DispatchMode:
-    """The dispatch mode an ``"auto"`` step's ``config`` label names (``'N=2 token split'``); an
-    ``'off'`` step, whose label names none, runs ``unsplit`` (``RunnerConfig.dispatch``), as a fixed
+def _arm_dispatch(arm: Arm, unsplit: DispatchMode) -> DispatchMode:
+    """The dispatch mode of an ``"auto"`` step that runs ``arm``: its own, or, for off (any
+    ``Arm(1, ...)``, a pinned one included), ``unsplit`` (``RunnerConfig.dispatch``), as a fixed
     runner's unsplit step does: off is compared with DBO and must be the off a fixed runner runs, so
     it fuses where the link model prices one message below two (a split off paid one more message
     latency per MoE layer and lost to DBO configurations that beat the fixed off)."""
-    mode = config.rsplit(" ", 1)[-1]
-    return mode if mode in DISPATCH_MODES else unsplit
+    return unsplit if arm.num_ubatches == 1 else arm.dispatch
 
 
 def _dispatch_block(plan: StepPlan, policy: str, dispatch: DispatchMode) -> contextlib.AbstractContextManager[Any]:
