@@ -6,7 +6,8 @@
  * if it switched, finish it if it returned (Endings._finish: its exit hook in its context); it
  * stops at anything the Python loop must decide (a park, an error, a pending timer or wake-up),
  * handing the ubatch and what happened back to it. release() is Endings._release_records, the
- * stores that free a finished run's records. Python stays the
+ * stores that free a finished run's records; counts() and same_counts() the reference counts that
+ * tell whether a run shell can be reused (asyncdbo/_core/refcounts.py). Python stays the
  * reference: the kernel runs its Python loop where an instrument or an event-loop wait is
  * involved, and under ASYNCDBO_PURE_PYTHON=1 / ASYNCDBO_NO_C_KERNEL=1. Measurements of what it
  * saves are in benchmarks/results/ (benchmarks/host_overhead.py, switch_cost.py).
@@ -50,6 +51,7 @@ typedef struct {
     PyObject *str_run, *str_start; /* interned "run", "_start" */
     PyObject *str_live, *str_at_exit, *str_woken; /* interned "_live", "_at_exit", "_woken" (the run's) */
     PyObject *one;
+    PyObject *getweakrefcount; /* _weakref.getweakrefcount, for counts() and same_counts() */
 } SpinState;
 
 /* ------------------------------------------------------------------ Resume */
@@ -596,6 +598,157 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ counts, same_counts */
+
+/* The reference counts asyncdbo.dbo.shell and the host backend compare to tell that nothing but a
+ * run shell refers to its objects (asyncdbo/_core/refcounts.py has the Python twins and the
+ * contract). Each count of `objs` is Py_REFCNT of the object as `objs` holds it, each of `weak`
+ * what _weakref.getweakrefcount returns for it; the strong counts are all read before any call
+ * out, as the twins read them (a tuple made before it is compared). */
+
+#define COUNTS_ON_STACK 256
+
+/* The counts of `objs` (a tuple) then `weak` (a tuple) into `out` (room for both); 0, or -1 with
+ * the error of a getweakrefcount call set. */
+static int
+read_counts(SpinState *st, PyObject *objs, PyObject *weak, Py_ssize_t *out)
+{
+    Py_ssize_t ns = PyTuple_GET_SIZE(objs), nw = PyTuple_GET_SIZE(weak);
+    for (Py_ssize_t i = 0; i < ns; i++)
+        out[i] = Py_REFCNT(PyTuple_GET_ITEM(objs, i));
+    for (Py_ssize_t j = 0; j < nw; j++) {
+        PyObject *obj = Py_NewRef(PyTuple_GET_ITEM(weak, j)); /* held across the call out */
+        PyObject *r = PyObject_CallOneArg(st->getweakrefcount, obj);
+        Py_DECREF(obj);
+        if (r == NULL)
+            return -1;
+        Py_ssize_t v = PyLong_Check(r) ? PyLong_AsSsize_t(r) : -1;
+        if (!PyLong_Check(r))
+            PyErr_Format(PyExc_TypeError, "getweakrefcount() returned %R, not an int", r);
+        Py_DECREF(r);
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        out[ns + j] = v;
+    }
+    return 0;
+}
+
+/* The state and the two tuples of a counts()/same_counts() call of `want` arguments; NULL with a
+ * TypeError when they are not tuples (both twins raise the same). */
+static SpinState *
+counts_args(PyObject *module, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *name)
+{
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(args[0]) || !PyTuple_CheckExact(args[1])) {
+        PyErr_Format(PyExc_TypeError, "%s(): objs and weak must be tuples (got %.100s and %.100s)", name,
+                     Py_TYPE(args[0])->tp_name, Py_TYPE(args[1])->tp_name);
+        return NULL;
+    }
+    SpinState *st = get_state(module);
+    if (st != NULL && st->getweakrefcount == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "asyncdbo._core._spin: the module is not initialized");
+        return NULL;
+    }
+    return st;
+}
+
+/* A buffer for `n` counts: `stack` when it fits, else allocated (NULL with MemoryError set). */
+static Py_ssize_t *
+counts_buffer(Py_ssize_t n, Py_ssize_t *stack)
+{
+    if (n <= COUNTS_ON_STACK)
+        return stack;
+    Py_ssize_t *buf = PyMem_New(Py_ssize_t, n);
+    if (buf == NULL)
+        PyErr_NoMemory();
+    return buf;
+}
+
+/* counts(objs, weak) -> tuple of ints: the strong counts of objs, then the weak counts of weak. */
+static PyObject *
+counts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    SpinState *st = counts_args(module, args, nargs, 2, "counts");
+    if (st == NULL)
+        return NULL;
+    PyObject *objs = args[0], *weak = args[1];
+    Py_ssize_t n = PyTuple_GET_SIZE(objs) + PyTuple_GET_SIZE(weak), stack[COUNTS_ON_STACK];
+    Py_ssize_t *buf = counts_buffer(n, stack);
+    if (buf == NULL)
+        return NULL;
+    PyObject *result = NULL;
+    if (read_counts(st, objs, weak, buf) == 0 && (result = PyTuple_New(n)) != NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *v = PyLong_FromSsize_t(buf[i]);
+            if (v == NULL) {
+                Py_CLEAR(result);
+                break;
+            }
+            PyTuple_SET_ITEM(result, i, v);
+        }
+    }
+    if (buf != stack)
+        PyMem_Free(buf);
+    return result;
+}
+
+/* Whether count `c` equals `item` (borrowed from a tuple the caller holds): 1, 0, or -1 with an
+ * error. An exact int is compared here; anything else as tuple equality compares it, with `==`
+ * (which may call out: the item is held across it). */
+static int
+count_equals(Py_ssize_t c, PyObject *item)
+{
+    if (PyLong_CheckExact(item)) {
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        return !overflow && v == (long long)c;
+    }
+    PyObject *count = PyLong_FromSsize_t(c);
+    if (count == NULL)
+        return -1;
+    Py_INCREF(item);
+    int eq = PyObject_RichCompareBool(count, item, Py_EQ);
+    Py_DECREF(item);
+    Py_DECREF(count);
+    return eq;
+}
+
+/* same_counts(objs, weak, expected) -> bool: counts(objs, weak) == expected, False at once when
+ * expected is not an exact tuple of as many entries; the entries are compared in order up to the
+ * first that differs, as tuple equality compares them. */
+static PyObject *
+same_counts(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    SpinState *st = counts_args(module, args, nargs, 3, "same_counts");
+    if (st == NULL)
+        return NULL;
+    PyObject *objs = args[0], *weak = args[1], *expected = args[2];
+    Py_ssize_t n = PyTuple_GET_SIZE(objs) + PyTuple_GET_SIZE(weak), stack[COUNTS_ON_STACK];
+    if (!PyTuple_CheckExact(expected) || PyTuple_GET_SIZE(expected) != n)
+        Py_RETURN_FALSE;
+    Py_ssize_t *buf = counts_buffer(n, stack);
+    if (buf == NULL)
+        return NULL;
+    int same = -1;
+    Py_INCREF(expected); /* held: a comparison may call out */
+    if (read_counts(st, objs, weak, buf) == 0) {
+        same = 1;
+        for (Py_ssize_t i = 0; i < n && same == 1; i++)
+            same = count_equals(buf[i], PyTuple_GET_ITEM(expected, i));
+    }
+    Py_DECREF(expected);
+    if (buf != stack)
+        PyMem_Free(buf);
+    if (same < 0)
+        return NULL;
+    return PyBool_FromLong(same);
+}
+
 /* configure(UBatch): the record whose slots spin() reads. All or nothing: a type that lacks a slot
  * raises TypeError and leaves the previous configuration in place. */
 static PyObject *
@@ -627,6 +780,11 @@ static PyMethodDef module_methods[] = {
      "release(ubatches): Endings._release_records, each record's run state set to None."},
     {"start", (PyCFunction)(void (*)(void))start, METH_FASTCALL,
      "start(ubatches, run, coros, var, ready): each UBatch._start(run, coro), as DBORun.restart runs them."},
+    {"counts", (PyCFunction)(void (*)(void))counts, METH_FASTCALL,
+     "counts(objs, weak) -> tuple: each object's reference count, then each of weak's weak reference count "
+     "(asyncdbo._core.refcounts)."},
+    {"same_counts", (PyCFunction)(void (*)(void))same_counts, METH_FASTCALL,
+     "same_counts(objs, weak, expected) -> bool: counts(objs, weak) == expected (asyncdbo._core.refcounts)."},
     {"configure", configure, METH_O, "configure(UBatch): the record whose slots spin() and start() use."},
     {NULL, NULL, 0, NULL},
 };
@@ -644,6 +802,13 @@ module_exec(PyObject *m)
         || (st->str_at_exit = PyUnicode_InternFromString("_at_exit")) == NULL
         || (st->str_woken = PyUnicode_InternFromString("_woken")) == NULL
         || (st->one = PyLong_FromLong(1)) == NULL)
+        return -1;
+    PyObject *weakref_mod = PyImport_ImportModule("_weakref");
+    if (weakref_mod == NULL)
+        return -1;
+    st->getweakrefcount = PyObject_GetAttrString(weakref_mod, "getweakrefcount");
+    Py_DECREF(weakref_mod);
+    if (st->getweakrefcount == NULL)
         return -1;
     if (PyModule_AddIntConstant(m, "SWITCHED", SWITCHED) || PyModule_AddIntConstant(m, "PARKED", PARKED)
         || PyModule_AddIntConstant(m, "FAILED", FAILED)
@@ -666,6 +831,7 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
         Py_VISIT(st->str_at_exit);
         Py_VISIT(st->str_woken);
         Py_VISIT(st->one);
+        Py_VISIT(st->getweakrefcount);
     }
     return 0;
 }
@@ -683,6 +849,7 @@ module_clear(PyObject *m)
         Py_CLEAR(st->str_at_exit);
         Py_CLEAR(st->str_woken);
         Py_CLEAR(st->one);
+        Py_CLEAR(st->getweakrefcount);
     }
     return 0;
 }

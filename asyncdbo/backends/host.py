@@ -20,7 +20,6 @@ until ``issue time + latency + bytes / bandwidth`` on a serialized link, taking 
 from __future__ import annotations
 
 import operator
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._core import Clock, MonotonicClock, Signal
+from .._core.refcounts import counts, same_counts
 from .base import CommRecord, RunStreams, StreamBackend, UBatchStreams
 from .links import LinkSpec, link_spec
 
@@ -132,21 +132,15 @@ def _kept_objects(lanes: list[Any]) -> tuple[Any, ...]:
     return (*streams, *(lane.events for lane in lanes), *comms, *(event for c in comms for _, event in c.lanes))  # events last
 
 
-def _counts(objs: tuple[Any, ...]) -> tuple[int, ...]:
-    """References to each of ``objs``. Called only from frames that hold none of them but through
-    the tuple, so that two calls on the same structure agree."""
-    return tuple(map(sys.getrefcount, objs))
-
-
 _PENDING = operator.attrgetter("pending")  # a HostStream's works not yet completed
 
 
 def _busy_counts(
-    counts: tuple[int, ...], objs: tuple[Any, ...], comms: tuple[HostStream, ...], pairs: tuple[Any, ...]
+    base: tuple[int, ...], objs: tuple[Any, ...], comms: tuple[HostStream, ...], pairs: tuple[Any, ...]
 ) -> tuple[int, ...]:
-    """``counts`` of :func:`_kept_objects`, with one more for each lane's comm event of a stream
-    with works pending: the lane's events dict holds that event too."""
-    expected = list(counts)
+    """``base``, the counts of :func:`_kept_objects`, with one more for each lane's comm event of a
+    stream with works pending: the lane's events dict holds that event too."""
+    expected = list(base)
     start = len(objs) - len(pairs)  # where the events start in objs, each comm stream's in turn
     for comm in comms:
         if comm.pending:
@@ -211,7 +205,9 @@ class HostBackend(StreamBackend):
             objs = _kept_objects(state.lanes)
             comms = tuple(obj for obj in objs if type(obj) is HostStream)
             pairs = tuple(pair for c in comms for pair in c.lanes)
-            state.kept = (self, state.policy, objs, _counts(objs), comms, pairs)
+            # references to each of objs (asyncdbo._core.refcounts), read here and in keep from
+            # frames that hold none of them but through the tuple, so that two reads agree
+            state.kept = (self, state.policy, objs, counts(objs, ()), comms, pairs)
 
     def keep(self, state: RunStreams) -> bool:
         """Keep the lanes' streams and events for the next run of ``state``'s lanes (a run shell's),
@@ -222,11 +218,11 @@ class HostBackend(StreamBackend):
         kept = state.kept
         if kept is None or kept[0] is not self:
             return False
-        _, _, objs, counts, comms, pairs = kept
+        _, _, objs, expected, comms, pairs = kept
         busy = any(map(_PENDING, comms))  # no loop variable holding a stream while the counts are read
         if busy:
-            counts = _busy_counts(counts, objs, comms, pairs)
-        if tuple(map(sys.getrefcount, objs)) != counts:  # _counts(objs), without its frame (every run ends here)
+            expected = _busy_counts(expected, objs, comms, pairs)
+        if not same_counts(objs, (), expected):
             state.kept = None
             return False
         if busy:

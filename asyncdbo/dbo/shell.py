@@ -29,13 +29,12 @@ threads' references are not all in the count at once).
 
 from __future__ import annotations
 
-import sys
-import weakref
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from .._core import DBORun, Instrument
 from .._core.extensions import gil_disabled
+from .._core.refcounts import counts, same_counts
 from ..backends import StreamBackend, StreamPolicy
 from .hooks import on_exit, run_pending_hook
 from .state import Lane, RunState
@@ -51,7 +50,6 @@ MAX_IDLE = 4
 MAX_UBATCHES = 64
 
 _IDLE: dict[int, list[Shell]] = {}
-_refcount, _weakcount = sys.getrefcount, weakref.getweakrefcount
 _REUSE = not gil_disabled()
 
 
@@ -59,9 +57,10 @@ class Shell:
     """A kernel run and its DBO state, wired together (``run.ext`` is ``state``, each lane's
     ``ub`` the record at its index), plus the reference counts of its objects when idle."""
 
-    __slots__ = ("run", "state", "objs", "weakable", "baseline", "armed")
+    __slots__ = ("n", "run", "state", "objs", "weakable", "baseline", "armed")
 
     def __init__(self, n: int, backend: StreamBackend, policy: StreamPolicy) -> None:
+        self.n = n  # its number of records and lanes (give_back checks the run and state hold as many)
         run = self.run = DBORun.released(n)
         state = self.state = RunState(backend=backend, policy=policy, lanes=[Lane(ub) for ub in run.ubatches])
         run.ext = state
@@ -74,18 +73,13 @@ class Shell:
         self.armed: tuple[object, object] = (None, None)
 
 
-def _counts(shell: Shell) -> tuple[int, ...]:
-    """References to each object of the shell, strong then weak. Called only from frames that
-    hold the shell alone (not its run, state, records or lanes), so that two calls on the same
-    idle structure agree."""
-    objs = shell.objs  # and how many records and lanes the run and state hold now (the same ones, if counts agree)
-    return (len(shell.run.ubatches), len(shell.state.lanes), *map(_refcount, objs), *map(_weakcount, shell.weakable))
-
-
 def _build(n: int, backend: StreamBackend, policy: StreamPolicy) -> Shell:
     shell = Shell(n, backend, policy)
     _idle(shell)
-    shell.baseline = _counts(shell)
+    # References to each object of the shell, strong then weak (asyncdbo._core.refcounts), read
+    # here and in give_back from frames that hold the shell alone (not its run, state, records or
+    # lanes), so that two reads of the same idle structure agree.
+    shell.baseline = counts(shell.objs, shell.weakable)
     return shell
 
 
@@ -190,8 +184,8 @@ def give_back(shell: Shell) -> None:
     n = len(shell.run.ubatches)
     if not _REUSE or n > MAX_UBATCHES:
         return
-    # _counts(shell), without its frame (every run that ends cleanly comes here)
-    if (n, len(shell.state.lanes), *map(_refcount, shell.objs), *map(_weakcount, shell.weakable)) != shell.baseline:
+    # the same records and lanes, if they are as many as it was built with and the counts agree
+    if n != shell.n or len(shell.state.lanes) != n or not same_counts(shell.objs, shell.weakable, shell.baseline):
         return
     _idle(shell)
     idle = _IDLE.get(n)
