@@ -38,6 +38,7 @@ from ._core import (
 )
 from .dbo import (
     DBOOptions,
+    PreparedRun,
     dbo_current_ubatch_id,
     dbo_enabled,
     dbo_get_previous_event,
@@ -54,6 +55,7 @@ from .dbo import (
     dbo_yield,
     dbo_yield_and_switch_from_comm_to_compute,
     dbo_yield_and_switch_from_compute_to_comm,
+    prepare_run,
     run,
     run_ubatches,
     run_ubatches_with_stats,
@@ -79,6 +81,7 @@ __all__ = [
     "DBOUsageError",
     "DeadlockError",
     "NoOverlapWarning",
+    "PreparedRun",
     "WatchdogTimeout",
     "YieldMismatchError",
     "dbo_current_ubatch_id",
@@ -98,6 +101,7 @@ __all__ = [
     "dbo_yield_and_switch_from_comm_to_compute",
     "dbo_yield_and_switch_from_compute_to_comm",
     "dump_stacks",
+    "prepare_run",
     "run",
     "run_ubatches",
     "run_ubatches_with_stats",

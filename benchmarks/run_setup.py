@@ -4,6 +4,8 @@ A run whose ubatches yield once each costs almost nothing but its set-up and tea
 time per call is the fixed cost a short decode step pays on top of its switches. Measured here:
 
 * ``run_ubatches`` end to end (host backend, uvloop), N = 2, 4, 8, each ubatch yielding once;
+* the same run through a prepared run (``prepare_run(backend="host")`` once, then its
+  ``run_ubatches``: options and backend settled once, run shells of its own);
 * the same run taken apart into the phases ``asyncdbo.dbo.run._run`` goes through (options and
   coroutines, backend, taking a run shell, attach, drive, detach, giving the shell back), each
   timed on its own;
@@ -41,13 +43,14 @@ RESULTS = HERE / "results"
 
 import uvloop  # noqa: E402
 
-from asyncdbo import dbo_yield, run_ubatches  # noqa: E402
+from asyncdbo import dbo_yield, prepare_run, run_ubatches  # noqa: E402
 from asyncdbo._core import kernel  # noqa: E402
 from asyncdbo.backends import get_backend  # noqa: E402
 from asyncdbo.dbo import shell  # noqa: E402
 
 run_mod = sys.modules["asyncdbo.dbo.run"]  # the module (asyncdbo.dbo.run is the function)
 
+PREPARED = "prepared"
 PHASES = ("options + coroutines", "backend", "take a run shell", "attach", "drive (incl. N switches)", "detach",
           "give the shell back")
 
@@ -57,9 +60,17 @@ async def forward(i: int) -> int:
     return i
 
 
-async def end_to_end(n: int, calls: int, pkg: ModuleType | None = None) -> float:
-    """CPU µs per ``run_ubatches`` call of ``pkg`` (None: the working tree's asyncdbo)."""
-    run, fwd = (run_ubatches, forward) if pkg is None else (pkg.run_ubatches, _forward_of(pkg))
+async def end_to_end(n: int, calls: int, pkg: ModuleType | str | None = None) -> float:
+    """CPU µs per ``run_ubatches`` call of ``pkg`` (None: the working tree's asyncdbo; ``PREPARED``:
+    its ``prepare_run(backend="host").run_ubatches``, the options and backend settled once)."""
+    if pkg == PREPARED:
+        prepared = prepare_run(backend="host")
+        args = [(i,) for i in range(n)]
+        t0 = time.process_time_ns()
+        for _ in range(calls):
+            await prepared.run_ubatches(forward, args)
+        return (time.process_time_ns() - t0) / calls / 1e3
+    run, fwd = (run_ubatches, forward) if pkg is None else (pkg.run_ubatches, _forward_of(pkg))  # type: ignore[union-attr]
     args = [(i,) for i in range(n)]
     t0 = time.process_time_ns()
     for _ in range(calls):
@@ -104,12 +115,12 @@ def export_base(rev: str, into: Path) -> tuple[ModuleType, str]:
     return pkg, f"its C kernel loop {f'on ({whose})' if spin is not None else 'off (its C extensions did not build)'}"
 
 
-async def _warm(n: int, pkgs: dict[str, ModuleType | None]) -> None:
+async def _warm(n: int, pkgs: dict[str, ModuleType | str | None]) -> None:
     for pkg in pkgs.values():
         await end_to_end(n, 200, pkg)
 
 
-def side_by_side(n: int, pkgs: dict[str, ModuleType | None], calls: int, rounds: int) -> dict[str, list[float]]:
+def side_by_side(n: int, pkgs: dict[str, ModuleType | str | None], calls: int, rounds: int) -> dict[str, list[float]]:
     """Each round measures every package once (in turn), so machine noise hits them alike."""
     uvloop.run(_warm(n, pkgs))
     samples: dict[str, list[float]] = {name: [] for name in pkgs}
@@ -131,7 +142,7 @@ async def by_phase(n: int, calls: int) -> dict[str, float]:
         t1 = now()
         backend = get_backend(opts.backend)
         t2 = now()
-        held = shell.take(coros, backend, opts, None, None)
+        held = shell.take(coros, backend, opts, None, None, opts.name)
         dbo, state = held.run, held.state
         t3 = now()
         backend.attach(dbo, state)
@@ -202,20 +213,22 @@ def side_by_side_table(args: argparse.Namespace, tmp: Path) -> list[str]:
     rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.strip()
     base, which = export_base(rev, tmp)
-    pkgs: dict[str, ModuleType | None] = {f"base {rev}": base, "now": None}
+    pkgs: dict[str, ModuleType | str | None] = {f"base {rev}": base, "now": None, "now, prepared": PREPARED}
     lines = [
         f"## Side by side: {rev} and the working tree\n",
-        f"CPU µs per run_ubatches call (host backend, uvloop, each ubatch yields once), medians of {args.rounds} "
+        f"CPU µs per run_ubatches call (host backend, uvloop, each ubatch yields once; \"now, prepared\": "
+        f"prepare_run(backend=\"host\") once, then its run_ubatches), medians of {args.rounds} "
         f"interleaved rounds of {args.calls} calls [min..max]; the base at {rev} with {which}; now with the C "
         f"kernel loop {'on' if kernel._spin is not None else 'off'}.\n",
-        "| N | " + " | ".join(pkgs) + " | now / base (medians) |",
-        "|---:|" + "---:|" * (len(pkgs) + 1),
+        "| N | " + " | ".join(pkgs) + " | now / base | now, prepared / base (medians) |",
+        "|---:|" + "---:|" * (len(pkgs) + 2),
     ]
     for n in (2, 4, 8):
         samples = side_by_side(n, pkgs, args.calls, args.rounds)
         med = {k: statistics.median(v) for k, v in samples.items()}
         cells = [f"{med[k]:.1f} [{min(v):.1f}..{max(v):.1f}]" for k, v in samples.items()]
-        lines.append(f"| {n} | " + " | ".join(cells) + f" | {med['now'] / med[f'base {rev}']:.2f} |")
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {med['now'] / med[f'base {rev}']:.2f} | "
+                     f"{med['now, prepared'] / med[f'base {rev}']:.2f} |")
         print(f"N={n} side by side done", file=sys.stderr)
     return [*lines, ""]
 
@@ -227,15 +240,16 @@ def phase_table(args: argparse.Namespace) -> list[str]:
         f"rounds of {args.calls} calls (after 200 warm-up calls); C kernel loop "
         f"{'on' if kernel._spin is not None else 'off'}.",
         "",
-        "| N | run_ubatches | sum of phases | " + " | ".join(PHASES) + " | bare trampoline set-up |",
-        "|---:|---:|---:|" + "---:|" * len(PHASES) + "---:|",
+        "| N | run_ubatches | prepared run | sum of phases | " + " | ".join(PHASES) + " | bare trampoline set-up |",
+        "|---:|---:|---:|---:|" + "---:|" * len(PHASES) + "---:|",
     ]
     for n in (2, 4, 8):
         uvloop.run(end_to_end(n, 200))
         total = best(lambda n=n: end_to_end(n, args.calls), args.rounds)
+        prepared = best(lambda n=n: end_to_end(n, args.calls, PREPARED), args.rounds)
         phases = best(lambda n=n: by_phase(n, args.calls), args.rounds)
         floor = best(lambda n=n: trampoline(n, args.calls), args.rounds)
-        lines.append(f"| {n} | {total:.1f} | {sum(phases.values()):.1f} | "
+        lines.append(f"| {n} | {total:.1f} | {prepared:.1f} | {sum(phases.values()):.1f} | "
                      + " | ".join(f"{phases[p]:.1f}" for p in PHASES) + f" | {floor:.1f} |")
         print(f"N={n} done", file=sys.stderr)
     return lines

@@ -60,7 +60,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine
 from asyncio import tasks as _tasks
-from types import BuiltinFunctionType, ModuleType
+from types import BuiltinFunctionType, EllipsisType, ModuleType
 from typing import Any
 
 from .cancel import throw_at_next_resume
@@ -193,10 +193,14 @@ class DBORun(Endings):
         self._refill(coros)
         self._arm(install, before_park, at_exit, instrument, watchdog_s, clock, loop_poll_s, name)
 
-    def rerun(self, coros: list[Coroutine[Any, Any, Any]]) -> None:
+    def rerun(self, coros: list[Coroutine[Any, Any, Any]], name: str | None | EllipsisType = ...) -> None:
         """:meth:`restart` with the options its last :meth:`restart` (or ``__init__``) gave it:
         only the records and the per-run counters are set again. A caller that runs one shape
-        with one set of options step after step (``asyncdbo.dbo``'s run shells) passes them once."""
+        with one set of options step after step (``asyncdbo.dbo``'s run shells) passes them once.
+        ``name``: the run's name from now on, where it changes per run (a serving loop's step
+        number; default: the name it had)."""
+        if name is not ...:
+            self._name = name
         ubs = self.ubatches
         if _spin is not None and self._released and len(coros) == len(ubs):  # _refill, without its frame
             _spin.start(ubs, self, coros, current_ubatch, READY)

@@ -29,6 +29,7 @@ from .primitives import (
     dbo_yield_and_switch_from_comm_to_compute,
     dbo_yield_and_switch_from_compute_to_comm,
 )
+from .prepared import PreparedRun, prepare_run
 from .run import DBOOptions, RunStats, run, run_ubatches, run_ubatches_with_stats
 from .state import Lane, RunState
 
@@ -37,6 +38,7 @@ __all__ = [
     "DuplicateEventError",
     "Lane",
     "MissingAwaitError",
+    "PreparedRun",
     "RecvHookHandle",
     "RecvHookOverwriteError",
     "RunState",
@@ -60,6 +62,7 @@ __all__ = [
     "dbo_yield",
     "dbo_yield_and_switch_from_comm_to_compute",
     "dbo_yield_and_switch_from_compute_to_comm",
+    "prepare_run",
     "run",
     "run_ubatches",
     "run_ubatches_with_stats",

@@ -78,17 +78,21 @@ class DBOOptions:
             raise ValueError(f"blocking_s must be > 0 seconds or None (got {self.blocking_s!r})")
         if not 0 < self.loop_poll_s < float("inf"):
             raise ValueError(f"loop_poll_s must be a positive number of seconds (got {self.loop_poll_s!r})")
-        insts = self.instrument
-        if type(insts) in (list, tuple) and all(isinstance(i, Instrument) for i in insts):  # type: ignore[union-attr]
-            return
-        if insts is not None and not isinstance(insts, Instrument):
-            if isinstance(insts, (str, bytes)) or not isinstance(insts, Sequence) or not all(
-                isinstance(i, Instrument) for i in insts
-            ):
-                raise TypeError(
-                    f"instrument must be an asyncdbo.lowlevel.Instrument, a list of them, or None (got {insts!r}); "
-                    "subclass Instrument and override the hooks you need"
-                )
+        check_instrument(self.instrument)
+
+
+def check_instrument(insts: object) -> None:
+    """Raise TypeError unless ``insts`` is an Instrument, a sequence of them, or None."""
+    if type(insts) in (list, tuple) and all(isinstance(i, Instrument) for i in insts):  # type: ignore[attr-defined]
+        return
+    if insts is not None and not isinstance(insts, Instrument):
+        if isinstance(insts, (str, bytes)) or not isinstance(insts, Sequence) or not all(
+            isinstance(i, Instrument) for i in insts
+        ):
+            raise TypeError(
+                f"instrument must be an asyncdbo.lowlevel.Instrument, a list of them, or None (got {insts!r}); "
+                "subclass Instrument and override the hooks you need"
+            )
 
 
 def _seconds_fix(name: str, value: object) -> str:
@@ -184,7 +188,7 @@ _TYPED_OPTIONS_CACHE: dict[tuple[tuple[tuple[str, Any], ...], tuple[type, ...]],
 _OPTION_NAMES: frozenset[str] = frozenset()
 
 
-def _options(options: dict[str, Any]) -> DBOOptions:
+def _options(options: dict[str, Any], where: str = "run_ubatches") -> DBOOptions:
     opts = options.pop("options", None)
     if opts is None:
         typed = False
@@ -192,17 +196,17 @@ def _options(options: dict[str, Any]) -> DBOOptions:
             if value is None or type(value) is str:
                 continue
             if type(value) not in _PLAIN:
-                return _new_options(options, None, None)
+                return _new_options(options, None, None, where)
             typed = True
         items = tuple(options.items())
         if not typed:
             if (cached := _OPTIONS_CACHE.get(items)) is not None:
                 return cached
-            return _new_options(options, _OPTIONS_CACHE, items)
+            return _new_options(options, _OPTIONS_CACHE, items, where)
         key = (items, tuple(map(type, options.values())))  # debug=1 is not debug=True
         if (made := _TYPED_OPTIONS_CACHE.get(key)) is not None:
             return made
-        return _new_options(options, _TYPED_OPTIONS_CACHE, key)
+        return _new_options(options, _TYPED_OPTIONS_CACHE, key, where)
     if options:
         raise TypeError(f"pass either options=DBOOptions(...) or keyword options, not both (got {sorted(options)})")
     if not isinstance(opts, DBOOptions):
@@ -210,7 +214,7 @@ def _options(options: dict[str, Any]) -> DBOOptions:
     return opts
 
 
-def _new_options(options: dict[str, Any], cache: dict[Any, DBOOptions] | None, key: object) -> DBOOptions:
+def _new_options(options: dict[str, Any], cache: dict[Any, DBOOptions] | None, key: object, where: str) -> DBOOptions:
     """The DBOOptions of keyword ``options`` (validated), kept in ``cache`` under ``key`` if given."""
     global _OPTION_NAMES
     if not _OPTION_NAMES:
@@ -218,7 +222,7 @@ def _new_options(options: dict[str, Any], cache: dict[Any, DBOOptions] | None, k
     unknown = sorted(set(options) - _OPTION_NAMES)
     if unknown:
         raise TypeError(
-            f"run_ubatches() got an unexpected keyword argument {unknown[0]!r}; valid options are the fields "
+            f"{where}() got an unexpected keyword argument {unknown[0]!r}; valid options are the fields "
             f"of DBOOptions ({', '.join(f.name for f in fields(DBOOptions))})"
         )
     made = DBOOptions(**options)
@@ -227,11 +231,12 @@ def _new_options(options: dict[str, Any], cache: dict[Any, DBOOptions] | None, k
     return made
 
 
-#: The error of a ubatch leaves through the kernel's loop and this module's entry points; their
-#: frames are cut from its traceback (asyncdbo._core.stacks.from_the_ubatch), so the traceback
-#: goes from the caller's ``await run_ubatches(...)`` and this one re-raise line to the ubatch's
-#: frames and ends where the ubatch raised.
-_ENTRY_FILES = frozenset({os.path.abspath(__file__)})
+#: The error of a ubatch leaves through the kernel's loop and the entry points (this module's and
+#: asyncdbo.dbo.prepared's); their frames are cut from its traceback
+#: (asyncdbo._core.stacks.from_the_ubatch), so the traceback goes from the caller's
+#: ``await run_ubatches(...)`` and the entry point's one re-raise line to the ubatch's frames and
+#: ends where the ubatch raised.
+_ENTRY_FILES = frozenset(os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in ("run.py", "prepared.py"))
 
 
 async def run_ubatches(
@@ -248,7 +253,8 @@ async def run_ubatches(
     every ubatch.
     """
     try:
-        results, _ = await _run(fn, ubatch_args, options, False)
+        opts = _options(options)
+        results, _ = await _run(fn, ubatch_args, opts, None, opts.instrument, opts.name, None, False)
     except BaseException as exc:
         tb = from_the_ubatch(exc.__traceback__, _ENTRY_FILES)
         try:
@@ -270,7 +276,8 @@ async def run_ubatches_with_stats(
 ) -> tuple[list[T], RunStats]:
     """:func:`run_ubatches`, also returning the run's :class:`RunStats`."""
     try:
-        results, stats = await _run(fn, ubatch_args, options, True)
+        opts = _options(options)
+        results, stats = await _run(fn, ubatch_args, opts, None, opts.instrument, opts.name, None, True)
     except BaseException as exc:
         tb = from_the_ubatch(exc.__traceback__, _ENTRY_FILES)
         try:
@@ -284,18 +291,27 @@ async def run_ubatches_with_stats(
 
 
 async def _run(
-    fn: Callable[..., Awaitable[T]], ubatch_args: Iterable[Sequence[Any]], options: dict[str, Any], with_stats: bool
+    fn: Callable[..., Awaitable[T]],
+    ubatch_args: Iterable[Sequence[Any]],
+    opts: DBOOptions,
+    backend: StreamBackend | None,
+    insts: Instrument | Sequence[Instrument] | None,
+    name: str | None,
+    pool: dict[int, list[shell.Shell]] | None,
+    with_stats: bool,
 ) -> tuple[list[T], RunStats | None]:
-    """One run: its results, and its :class:`RunStats` if asked for."""
-    opts = _options(options)
+    """One run with ``opts``, on ``backend`` (None: the one ``opts`` names), with the instruments
+    ``insts``, named ``name``, its run shell from ``pool`` (None: the process's): its results,
+    and its :class:`RunStats` if asked for."""
     # asyncdbo.dist: renews the per-ubatch groups if a run failed on any rank, then watches this one
     guard = RUN_GUARD[0]() if RUN_GUARD else None
     coros = _make_coros(fn, ubatch_args)
     try:
-        backend = get_backend(opts.backend)
+        if backend is None:
+            backend = get_backend(opts.backend)
         # the records of an earlier run with as many ubatches, or new ones (asyncdbo.dbo.shell)
         held = shell.take(coros, backend, opts, DebugMode(blocking_s=opts.blocking_s) if opts.debug else None,
-                          None if opts.instrument is None and not opts.debug else _instrument(opts))
+                          None if insts is None and not opts.debug else _instrument(insts, opts), name, pool)
         dbo, state = held.run, held.state
         backend.attach(dbo, state)
     except BaseException:  # never leave a coroutine that was not awaited behind
@@ -314,7 +330,7 @@ async def _run(
         _finish(state, None)
     stats = _stats(dbo, state) if with_stats else None
     del dbo, state  # the shell is kept only if nothing but it refers to its objects
-    shell.give_back(held)
+    shell.give_back(held, pool)
     return results, stats
 
 
@@ -336,14 +352,15 @@ def _finish(state: RunState, exc: BaseException | None) -> None:
         fn(exc)
 
 
-def _instrument(opts: DBOOptions) -> Instrument | None:
-    if opts.instrument is None and not opts.debug:
+def _instrument(given: Instrument | Sequence[Instrument] | None, opts: DBOOptions) -> Instrument | None:
+    """The run's one instrument: ``given`` and, in debug mode, the debug checks."""
+    if given is None and not opts.debug:
         return None
     insts: list[Instrument] = []
-    if isinstance(opts.instrument, Instrument):
-        insts.append(opts.instrument)
-    elif opts.instrument is not None:
-        insts.extend(opts.instrument)
+    if isinstance(given, Instrument):
+        insts.append(given)
+    elif given is not None:
+        insts.extend(given)
     if opts.debug:
         insts += debug_instruments(DebugMode(blocking_s=opts.blocking_s))
     if not insts:

@@ -89,12 +89,16 @@ def take(
     opts: DBOOptions,
     debug: object,
     instrument: Instrument | None,
+    name: str | None,
+    pool: dict[int, list[Shell]] | None = None,
 ) -> Shell:
     """A shell for a run of ``coros`` with ``opts``, ready to attach and drive (``debug``: each
-    record's debug state, None outside debug mode; ``instrument``: the run's, made from ``opts``)."""
+    record's debug state, None outside debug mode; ``instrument``: the run's, made from ``opts``;
+    ``name``: the run's, ``opts.name`` unless the caller names each run; ``pool``: where idle
+    shells wait, the process's by default, a prepared run's own)."""
     n = len(coros)
     policy = opts.stream_policy
-    idle = _IDLE.get(n)
+    idle = (_IDLE if pool is None else pool).get(n)
     shell = None
     if idle:
         try:
@@ -108,11 +112,11 @@ def take(
     if armed_opts is opts and armed_backend is backend and instrument is None:
         # The options of its last run (a frozen DBOOptions, one per set of plain keyword options:
         # asyncdbo.dbo.run._options) with the same backend and no instrument: its run has them all.
-        run.rerun(coros)
+        run.rerun(coros, name)
     else:
         run.restart(coros, install=backend.install_stream, before_park=run_pending_hook, at_exit=on_exit,
                     instrument=instrument, watchdog_s=opts.watchdog_s, clock=opts.clock,
-                    loop_poll_s=opts.loop_poll_s, name=opts.name)
+                    loop_poll_s=opts.loop_poll_s, name=name)
         shell.armed = (opts, backend) if instrument is None else (None, None)
     if state.backend is not backend:
         state.backend = backend
@@ -171,7 +175,7 @@ def _idle(shell: Shell) -> None:
                 lane.events = {}
 
 
-def give_back(shell: Shell) -> None:
+def give_back(shell: Shell, pool: dict[int, list[Shell]] | None = None) -> None:
     """The run of ``shell`` ended cleanly and its caller read what it needed: keep the shell for
     the next run if nothing outside it refers to its objects (see the module docstring). The
     caller must hold the shell alone, not its run, state, records or lanes.
@@ -180,7 +184,8 @@ def give_back(shell: Shell) -> None:
     their fields would change no count of the shell's objects (every reference a value holds
     stays while it lives), so they are the counts the idle shell would have; a shell not reused
     is left as its run ended, its comm records and streams included, for whoever still holds it
-    (an instrument that kept the run, a stored ``get_ubatch()``)."""
+    (an instrument that kept the run, a stored ``get_ubatch()``). ``pool``: the one it was taken
+    from (:func:`take`)."""
     n = len(shell.run.ubatches)
     if not _REUSE or n > MAX_UBATCHES:
         return
@@ -188,8 +193,9 @@ def give_back(shell: Shell) -> None:
     if n != shell.n or len(shell.state.lanes) != n or not same_counts(shell.objs, shell.weakable, shell.baseline):
         return
     _idle(shell)
-    idle = _IDLE.get(n)
+    pool = _IDLE if pool is None else pool
+    idle = pool.get(n)
     if idle is None:
-        idle = _IDLE.setdefault(n, [])
+        idle = pool.setdefault(n, [])
     if len(idle) < MAX_IDLE:
         idle.append(shell)

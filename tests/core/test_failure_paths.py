@@ -213,7 +213,8 @@ async def _raises_at_layer_1(bad: int) -> None:
             raise Boom(f"bad value at layer {layer}")
 
 
-@pytest.mark.parametrize("entry", ["run_ubatches", "run_ubatches_with_stats", "with an instrument"])
+@pytest.mark.parametrize("entry", ["run_ubatches", "run_ubatches_with_stats", "with an instrument",
+                                   "prepared run_ubatches", "prepared run_ubatches_with_stats"])
 async def test_a_ubatchs_traceback_ends_in_its_own_frame_without_the_kernels(entry: str) -> None:
     import os
     import traceback
@@ -223,7 +224,9 @@ async def test_a_ubatchs_traceback_ends_in_its_own_frame_without_the_kernels(ent
     core = os.path.join("asyncdbo", "_core") + os.sep
 
     async def caller() -> None:
-        if entry == "run_ubatches_with_stats":
+        if entry.startswith("prepared"):
+            await getattr(asyncdbo.prepare_run(), entry.split()[1])(_raises_at_layer_1, [(1,), (1,)])
+        elif entry == "run_ubatches_with_stats":
             await asyncdbo.run_ubatches_with_stats(_raises_at_layer_1, [(1,), (1,)])
         else:  # an instrument sends every switch through the Python loop
             await run_ubatches(_raises_at_layer_1, [(1,), (1,)],
@@ -234,7 +237,8 @@ async def test_a_ubatchs_traceback_ends_in_its_own_frame_without_the_kernels(ent
     frames = traceback.extract_tb(info.value.__traceback__)
     # from the caller's await, through the one re-raise line of the entry point, into the ubatch
     assert [f.name for f in frames] == ["test_a_ubatchs_traceback_ends_in_its_own_frame_without_the_kernels", "caller",
-                                        entry.replace("with an instrument", "run_ubatches"), "_raises_at_layer_1"]
+                                        entry.replace("with an instrument", "run_ubatches").split()[-1],
+                                        "_raises_at_layer_1"]
     assert frames[-1].line == 'raise Boom(f"bad value at layer {layer}")'
     assert not [f for f in frames if core in f.filename]  # no frame of the kernel's loop or its re-raise
     assert info.value.__notes__ == [
