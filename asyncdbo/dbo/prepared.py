@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from .._core import Instrument, from_the_ubatch
+from .._core import Instrument
 from ..backends import StreamBackend, get_backend
 from . import shell
-from .run import _ENTRY_FILES, DBOOptions, RunStats, _options, _run, check_instrument
+from .run import DBOOptions, RunStats, _options, _run, check_instrument, from_the_ubatch_here
 
 __all__ = ["PreparedRun", "prepare_run"]
 
@@ -63,21 +63,11 @@ class PreparedRun:
         this run's, in place of the options' (a serving loop names each step; default: the
         options')."""
         opts = self.options
-        name = opts.name if name is _KEEP else _checked_name(name)
-        if instrument is _KEEP:
-            instrument = opts.instrument
-        else:
-            check_instrument(instrument)
+        insts, name = _per_run(opts, instrument, name)
         try:
-            results, _ = await _run(fn, ubatch_args, opts, self.backend, instrument, name, self._pool, False)
+            results, _ = await _run(fn, ubatch_args, opts, self.backend, insts, name, self._pool, False)
         except BaseException as exc:
-            tb = from_the_ubatch(exc.__traceback__, _ENTRY_FILES)
-            try:
-                if tb is exc.__traceback__:
-                    raise
-                raise exc.with_traceback(tb)  # as asyncdbo.run_ubatches: the ubatch's own frames
-            finally:
-                del tb  # no cycle through this frame (see run_ubatches)
+            raise from_the_ubatch_here(exc)  # as asyncdbo.run_ubatches: the ubatch's own frames
         return results
 
     async def run_ubatches_with_stats(
@@ -90,29 +80,26 @@ class PreparedRun:
     ) -> tuple[list[T], RunStats]:
         """:meth:`run_ubatches`, also returning the run's :class:`~asyncdbo.RunStats`."""
         opts = self.options
-        name = opts.name if name is _KEEP else _checked_name(name)
-        if instrument is _KEEP:
-            instrument = opts.instrument
-        else:
-            check_instrument(instrument)
+        insts, name = _per_run(opts, instrument, name)
         try:
-            results, stats = await _run(fn, ubatch_args, opts, self.backend, instrument, name, self._pool, True)
+            results, stats = await _run(fn, ubatch_args, opts, self.backend, insts, name, self._pool, True)
         except BaseException as exc:
-            tb = from_the_ubatch(exc.__traceback__, _ENTRY_FILES)
-            try:
-                if tb is exc.__traceback__:
-                    raise
-                raise exc.with_traceback(tb)  # as asyncdbo.run_ubatches: the ubatch's own frames
-            finally:
-                del tb  # no cycle through this frame (see run_ubatches)
+            raise from_the_ubatch_here(exc)
         assert stats is not None
         return results, stats
 
 
-def _checked_name(name: object) -> str | None:
+def _per_run(opts: DBOOptions, instrument: object, name: object) -> tuple[Any, str | None]:
+    """A run's instruments and name: the options' where not given, else checked."""
+    if instrument is _KEEP:
+        instrument = opts.instrument
+    else:
+        check_instrument(instrument)
+    if name is _KEEP:
+        return instrument, opts.name
     if name is not None and type(name) is not str:
         raise TypeError(f"name must be a str or None (got {name!r} of type {type(name).__name__})")
-    return name
+    return instrument, name
 
 
 def prepare_run(*, options: DBOOptions | None = None, **kwargs: Any) -> PreparedRun:

@@ -239,6 +239,19 @@ def _new_options(options: dict[str, Any], cache: dict[Any, DBOOptions] | None, k
 _ENTRY_FILES = frozenset(os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in ("run.py", "prepared.py"))
 
 
+def from_the_ubatch_here(exc: BaseException) -> BaseException:
+    """``exc`` for an entry point to raise as ``raise from_the_ubatch_here(exc)`` in the except
+    clause around its run: its traceback the ubatch's own frames on (the machinery's cut), or,
+    for an error that never reached a ubatch, every frame; either way without the entry point's
+    own frame, which that ``raise`` puts back in front. No local here holds the traceback while
+    the entry point's frame is in it (a cycle that only the cycle collector frees, and the
+    run's inputs with it: tests/core/test_no_cycles.py)."""
+    tb = exc.__traceback__
+    assert tb is not None, "an exception caught in an entry point has a traceback"
+    cut = from_the_ubatch(tb, _ENTRY_FILES)
+    return exc.with_traceback(tb.tb_next if cut is tb else cut)
+
+
 async def run_ubatches(
     fn: Callable[..., Awaitable[T]],
     ubatch_args: Iterable[Sequence[Any]],
@@ -256,16 +269,7 @@ async def run_ubatches(
         opts = _options(options)
         results, _ = await _run(fn, ubatch_args, opts, None, opts.instrument, opts.name, None, False)
     except BaseException as exc:
-        tb = from_the_ubatch(exc.__traceback__, _ENTRY_FILES)
-        try:
-            if tb is exc.__traceback__:
-                raise
-            raise exc.with_traceback(tb)  # the ubatch's own frames, without the kernel's (see _ENTRY_FILES)
-        finally:
-            # The traceback holds this frame, so the local would make a cycle (frame -> tb -> ...
-            # -> frame) that only the cycle collector frees, and the run's inputs with it (on
-            # 3.12 and 3.13: tests/core/test_no_cycles.py).
-            del tb
+        raise from_the_ubatch_here(exc)  # the ubatch's own frames, without the kernel's (see _ENTRY_FILES)
     return results
 
 
@@ -279,13 +283,7 @@ async def run_ubatches_with_stats(
         opts = _options(options)
         results, stats = await _run(fn, ubatch_args, opts, None, opts.instrument, opts.name, None, True)
     except BaseException as exc:
-        tb = from_the_ubatch(exc.__traceback__, _ENTRY_FILES)
-        try:
-            if tb is exc.__traceback__:
-                raise
-            raise exc.with_traceback(tb)
-        finally:
-            del tb  # see run_ubatches
+        raise from_the_ubatch_here(exc)
     assert stats is not None
     return results, stats
 
