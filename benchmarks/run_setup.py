@@ -6,6 +6,7 @@ time per call is the fixed cost a short decode step pays on top of its switches.
 * ``run_ubatches`` end to end (host backend, uvloop), N = 2, 4, 8, each ubatch yielding once;
 * the same run through a prepared run (``prepare_run(backend="host")`` once, then its
   ``run_ubatches``: options and backend settled once, run shells of its own);
+* a serving loop's runs, DBORunner's call before and after it held a prepared run;
 * the same run taken apart into the phases ``asyncdbo.dbo.run._run`` goes through (options and
   coroutines, backend, taking a run shell, attach, drive, detach, giving the shell back), each
   timed on its own;
@@ -43,7 +44,7 @@ RESULTS = HERE / "results"
 
 import uvloop  # noqa: E402
 
-from asyncdbo import dbo_yield, prepare_run, run_ubatches  # noqa: E402
+from asyncdbo import dbo_yield, prepare_run, run_ubatches, run_ubatches_with_stats  # noqa: E402
 from asyncdbo._core import kernel  # noqa: E402
 from asyncdbo.backends import get_backend  # noqa: E402
 from asyncdbo.dbo import shell  # noqa: E402
@@ -130,6 +131,47 @@ def side_by_side(n: int, pkgs: dict[str, ModuleType | str | None], calls: int, r
     return samples
 
 
+async def serving_pattern(n: int, calls: int, prepared: bool) -> float:
+    """CPU µs per step of a serving loop's run as DBORunner made it before it held a prepared
+    run (``run_ubatches_with_stats`` with the runner's options, ``name=f"step{k}"`` and
+    ``instrument=[]``: new options every step) or makes it now (its prepared run's
+    ``run_ubatches_with_stats``, the step's name and no instrument)."""
+    backend = get_backend("host")
+    runs = prepare_run(backend=backend, stream_policy="role", watchdog_s=60.0)
+    args = [(i,) for i in range(n)]
+    t0 = time.process_time_ns()
+    if prepared:
+        for k in range(calls):
+            await runs.run_ubatches_with_stats(forward, args, name=f"step{k}", instrument=None)
+    else:
+        for k in range(calls):
+            await run_ubatches_with_stats(forward, args, backend=backend, stream_policy="role", watchdog_s=60.0,
+                                          instrument=[], name=f"step{k}")
+    return (time.process_time_ns() - t0) / calls / 1e3
+
+
+def serving_table(args: argparse.Namespace) -> list[str]:
+    lines = [
+        "## A serving loop's runs: per-step options, or a prepared run\n",
+        f"CPU µs per step's run (host backend, uvloop, each ubatch yields once), medians of {args.rounds} interleaved "
+        f"rounds of {args.calls} calls [min..max]: `run_ubatches_with_stats(..., backend, stream_policy, watchdog_s, "
+        "instrument=[], name=f\"step{k}\")` (DBORunner's call before it held a prepared run: new options every "
+        "step) against `prepared.run_ubatches_with_stats(..., name=f\"step{k}\", instrument=None)` (its call now).\n",
+        "| N | per-step options | prepared run | prepared / per-step |",
+        "|---:|---:|---:|---:|",
+    ]
+    for n in (2, 4, 8):
+        samples: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(args.rounds):
+            for prepared in (False, True):
+                samples[prepared].append(uvloop.run(serving_pattern(n, args.calls, prepared)))
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        cells = [f"{med[k]:.1f} [{min(v):.1f}..{max(v):.1f}]" for k, v in samples.items()]
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {med[True] / med[False]:.2f} |")
+        print(f"N={n} serving pattern done", file=sys.stderr)
+    return [*lines, ""]
+
+
 async def by_phase(n: int, calls: int) -> dict[str, float]:
     """``run_mod._run``'s steps one by one (keep in step with asyncdbo/dbo/run.py)."""
     args = [(i,) for i in range(n)]
@@ -202,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.base:
             lines += side_by_side_table(args, Path(tmp))
+        lines += serving_table(args)
         lines += phase_table(args)
     publish_results("\n".join(lines) + "\n", args.out, "run_setup", info)
     return 0
