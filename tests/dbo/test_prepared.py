@@ -15,7 +15,7 @@ import asyncdbo
 from asyncdbo import DBOOptions, PreparedRun, dbo_current_ubatch_id, dbo_yield, prepare_run, run_ubatches
 from asyncdbo._core import kernel
 from asyncdbo.backends import get_backend
-from asyncdbo.dbo import run_ubatches_with_stats, shell
+from asyncdbo.dbo import RunStats, run_ubatches_with_stats, shell
 from asyncdbo.lowlevel import DBORun, Instrument, get_ubatch
 
 pytestmark = pytest.mark.timeout(30)
@@ -56,6 +56,25 @@ async def test_a_prepared_run_interleaves_and_returns_as_run_ubatches_does() -> 
     _, plain = await run_ubatches_with_stats(await traced([], 2), [(1,), (2,)], backend="host")
     assert (stats.num_ubatches, stats.num_switches, stats.num_parks) == (plain.num_ubatches, plain.num_switches,
                                                                          plain.num_parks) == (2, 4, 0)
+
+
+@pytest.mark.asyncio
+async def test_the_stats_of_a_run_are_the_runstats_its_fields_build() -> None:
+    """asyncdbo.dbo.run._stats stores the fields of RunStats at once: the same object, frozen."""
+    from dataclasses import FrozenInstanceError, fields
+
+    async def fwd(i: int) -> int:
+        await dbo_yield()
+        await asyncio.sleep(0)  # a park
+        return i
+
+    for stats in ((await run_ubatches_with_stats(fwd, [(0,), (1,)], backend="host"))[1],
+                  (await prepare_run(backend="host", debug=True).run_ubatches_with_stats(fwd, [(0,), (1,), (2,)]))[1]):
+        built = RunStats(**{f.name: getattr(stats, f.name) for f in fields(RunStats)})
+        assert stats == built and repr(stats) == repr(built) and vars(stats) == vars(built)
+        assert stats.num_parks > 0
+        with pytest.raises(FrozenInstanceError):
+            stats.num_parks = 0  # type: ignore[misc]
 
 
 @pytest.mark.asyncio
