@@ -332,3 +332,59 @@ def test_auto_measured_history_names_each_step_and_why() -> None:
         "  - decode 16-31: N=2 token auto (warm-up), off (warm-up), off (pair), N=2 token auto (pair), | off x2 (chosen)",
         "  - decode 32-63: N=2 token auto (warm-up), | off (extra pair)",
     ]
+
+
+def test_auto_runner_cost_buckets_name_the_trace_shapes_in_order() -> None:
+    import auto_runner_cost
+
+    assert auto_runner_cost.buckets_of([((0, 512), (0, 512)), ((0, 128), (0, 128)), ((0, 512), (0, 0))]) == [
+        "mixed 512-1023", "mixed 128-255"]
+    assert auto_runner_cost.buckets_of([((48, 0), (48, 0)), ((32, 256), (32, 0))]) == ["decode 32-63", "mixed 256-511"]
+
+
+def test_auto_runner_cost_feeds_the_policy_until_the_arm_is_chosen_everywhere() -> None:
+    """The converged runner's account: every bucket of the trace ends on the arm, none explores."""
+    import random
+
+    import auto_measured
+    import auto_runner_cost
+
+    from asyncdbo.plan import ThresholdConfig
+    from asyncdbo.serving.auto import Arm, AutoConfig, AutoPolicy, threshold_prior
+
+    cfg = AutoConfig()
+    policy = AutoPolicy(cfg, threshold_prior(ThresholdConfig(), cfg))
+    trace = auto_measured.prefill_heavy(24, random.Random(0))
+    auto_runner_cost.converge(policy, cfg.arms(), trace, Arm(3))
+    assert sorted(policy.buckets) == ["mixed 128-255", "mixed 512-1023"]
+    assert [policy.choose(b) for b in sorted(policy.buckets)] == [
+        (Arm(3), f"{b}: {policy.evidence(b)}") for b in sorted(policy.buckets)]
+
+
+def test_auto_runner_cost_summed_ratio_pairs_the_steps() -> None:
+    import auto_runner_cost
+
+    ratio, lo, hi = auto_runner_cost.summed_ratio([1.0, 2.0, 3.0], [2.0, 4.0, 6.0])
+    assert (ratio, lo, hi) == (0.5, 0.5, 0.5)  # every resample of exactly paired halves is a half
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_auto_runner_cost_runs_on_the_shared_ranks(pool: RankPool) -> None:
+    """Two steps of each runner, interleaved, then one round of the switching comparison: every auto
+    runner ran what the fixed runner ran, and the tables name every runner."""
+    import argparse
+
+    import auto_runner_cost
+
+    args = argparse.Namespace(link="ib400", workload="prefill-heavy", arm=3, steps=2, rounds=1, switch_rounds=1,
+                              link_scale=1000.0, seed=0, timeout=150.0)
+    lines, trace = auto_runner_cost.measure(pool, args)
+    table = "".join(lines)
+    assert trace == [((0, 512), (0, 512)), ((0, 512), (0, 512))]
+    for label in ("fixed again", "auto converged", "auto pinned"):
+        assert f"| {label} | 2 | " in table and table.split(f"| {label} | 2 | ")[1].split("\n")[0].endswith(
+            "| 2 of 2 |")
+    assert "| auto switching | " in table
+    # the 512-token bucket is the trace's only one, so switching pins it to the arm: the step after one of N = 3
+    assert "| 512 | N=3 token auto | N=3 token auto | 1 | " in table
