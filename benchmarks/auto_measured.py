@@ -121,15 +121,15 @@ def run_rounds(rank: int, world: int, link: str | None, scale: float, trace: lis
     return asyncdbo.run(_run_rounds, rank, world, link, scale, trace, configs, rounds, warmup)
 
 
-async def _run_rounds(rank: int, world: int, link: str | None, scale: float, trace: list[Step],
-                      configs: list[Config], rounds: int, warmup: int) -> dict[str, Any]:
+def rank_model(link: str | None, scale: float) -> tuple[Any, Any, Any, Any, Any]:
+    """This rank's part of the set-up: the EP group (WORLD), the link scaled by ``scale`` (None:
+    loopback), the MiniModel's config, the model and a batch builder for its KV cache."""
     import torch
     import torch.distributed as dist
 
     from asyncdbo.backends import link_spec
     from asyncdbo.models import MiniConfig, MiniModel
-    from asyncdbo.plan import ThresholdConfig
-    from asyncdbo.serving import BatchBuilder, DBORunner, RunnerConfig
+    from asyncdbo.serving import BatchBuilder
 
     torch.set_num_threads(1)
     group = dist.group.WORLD
@@ -139,7 +139,28 @@ async def _run_rounds(rank: int, world: int, link: str | None, scale: float, tra
         spec = link_spec(base, latency_s=base.latency_s * scale, bandwidth_Bps=base.bandwidth_Bps / scale)
     mcfg = MiniConfig(num_kv_blocks=256, deterministic=False)
     model = MiniModel(mcfg, ep_group=group, max_ubatches=4)
-    builder = BatchBuilder(mcfg.kv_cache_config)
+    return group, spec, mcfg, model, BatchBuilder(mcfg.kv_cache_config)
+
+
+def step_batch(builder: Any, prompt: list[int], mine: tuple[int, int]) -> Any:
+    """This rank's batch of a step: ``mine`` = (fresh one-token decode requests, prefill tokens)."""
+    decodes, prefill = mine
+    builder.reset()
+    chunks = [(rid, [prompt[rid]]) for rid in range(decodes)]
+    if prefill:
+        chunks.append((10_000, prompt[:prefill]))
+    return builder.build(chunks)
+
+
+async def _run_rounds(rank: int, world: int, link: str | None, scale: float, trace: list[Step],
+                      configs: list[Config], rounds: int, warmup: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from asyncdbo.plan import ThresholdConfig
+    from asyncdbo.serving import DBORunner, RunnerConfig
+
+    group, spec, mcfg, model, builder = rank_model(link, scale)
     always = ThresholdConfig(decode_threshold=1, prefill_threshold=1)
     g = torch.Generator().manual_seed(rank)
     prompt = torch.randint(0, mcfg.vocab_size, (2048,), generator=g).tolist()
@@ -159,12 +180,7 @@ async def _run_rounds(rank: int, world: int, link: str | None, scale: float, tra
         return DBORunner(model, runner_config(c), dp_group=group)
 
     def batch(step: Step) -> Any:
-        decodes, prefill = step[rank]
-        builder.reset()
-        chunks = [(rid, [prompt[rid]]) for rid in range(decodes)]
-        if prefill:
-            chunks.append((10_000, prompt[:prefill]))
-        return builder.build(chunks)
+        return step_batch(builder, prompt, step[rank])
 
     async def run_trace(runner: Any, steps: list[Step]) -> tuple[list[float], list[Any]]:
         times, records = [], []

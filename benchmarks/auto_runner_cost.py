@@ -46,7 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import publish_results, results_preamble  # noqa: E402
-from auto_measured import LINKS, WORKLOADS, Step  # noqa: E402
+from auto_measured import LINKS, WORKLOADS, Step, rank_model, step_batch  # noqa: E402
 
 INTERLEAVED = ("fixed", "fixed again", "auto converged", "auto pinned")
 SWITCHING = ("fixed", "auto switching")
@@ -99,20 +99,10 @@ async def _run_cost(rank: int, world: int, link: str | None, scale: float, trace
     import torch
     import torch.distributed as dist
 
-    from asyncdbo.backends import link_spec
-    from asyncdbo.models import MiniConfig, MiniModel
     from asyncdbo.plan import ThresholdConfig
-    from asyncdbo.serving import Arm, AutoConfig, BatchBuilder, DBORunner, RunnerConfig
+    from asyncdbo.serving import Arm, AutoConfig, DBORunner, RunnerConfig
 
-    torch.set_num_threads(1)
-    group = dist.group.WORLD
-    spec = None
-    if link is not None:
-        base = link_spec(link)
-        spec = link_spec(base, latency_s=base.latency_s * scale, bandwidth_Bps=base.bandwidth_Bps / scale)
-    mcfg = MiniConfig(num_kv_blocks=256, deterministic=False)
-    model = MiniModel(mcfg, ep_group=group, max_ubatches=4)
-    builder = BatchBuilder(mcfg.kv_cache_config)
+    group, spec, mcfg, model, builder = rank_model(link, scale)
     prompt = torch.randint(0, mcfg.vocab_size, (2048,), generator=torch.Generator().manual_seed(rank)).tolist()
     arm, names = Arm(arm_n), buckets_of(trace)
     smallest = min(names, key=lambda b: int(b.split()[1].split("-")[0]))
@@ -133,12 +123,7 @@ async def _run_cost(rank: int, world: int, link: str | None, scale: float, trace
     plan_ns = {label: _time_plan(r) for label, r in runners.items()}
 
     def batch(step: Step) -> Any:
-        decodes, prefill = step[rank]
-        builder.reset()
-        chunks = [(rid, [prompt[rid]]) for rid in range(decodes)]
-        if prefill:
-            chunks.append((10_000, prompt[:prefill]))
-        return builder.build(chunks)
+        return step_batch(builder, prompt, step[rank])
 
     async def one(label: str, step: Step) -> tuple[Any, ...]:
         b = batch(step)
