@@ -38,7 +38,6 @@ from ._core import (
 )
 from .dbo import (
     DBOOptions,
-    PreparedRun,
     dbo_current_ubatch_id,
     dbo_enabled,
     dbo_get_previous_event,
@@ -81,7 +80,6 @@ __all__ = [
     "DBOUsageError",
     "DeadlockError",
     "NoOverlapWarning",
-    "PreparedRun",
     "WatchdogTimeout",
     "YieldMismatchError",
     "dbo_current_ubatch_id",

@@ -12,10 +12,10 @@ import pytest
 import uvloop
 
 import asyncdbo
-from asyncdbo import DBOOptions, PreparedRun, dbo_current_ubatch_id, dbo_yield, prepare_run, run_ubatches
+from asyncdbo import DBOOptions, dbo_current_ubatch_id, dbo_yield, prepare_run, run_ubatches
 from asyncdbo._core import kernel
 from asyncdbo.backends import get_backend
-from asyncdbo.dbo import RunStats, run_ubatches_with_stats, shell
+from asyncdbo.dbo import PreparedRun, RunStats, run_ubatches_with_stats, shell
 from asyncdbo.lowlevel import DBORun, Instrument, get_ubatch
 
 pytestmark = pytest.mark.timeout(30)
