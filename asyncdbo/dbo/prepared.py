@@ -13,8 +13,8 @@ A prepared run keeps every promise of ``run_ubatches``: the same checks of ``fn`
 ``ubatch_args``, the same errors, tracebacks and cancellation, the run guard of
 :mod:`asyncdbo.dist` before each run, and the same shell rules (a shell whose objects something
 still refers to after its run is never reused). It holds no event loop and no coroutine between
-runs, so one can be made outside a loop and used from several loops, one run at a time or
-several at once (each run in flight has a shell of its own).
+runs, so one can be made outside a loop and used from one loop after another, and by several
+runs in flight at once on one loop (each has a shell of its own).
 """
 
 from __future__ import annotations
