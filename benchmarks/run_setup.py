@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -61,17 +61,30 @@ async def forward(i: int) -> int:
     return i
 
 
+_PREPARED_RUNS: dict[tuple[tuple[str, Any], ...], Any] = {}
+
+
+def _prepared(**options: Any) -> Any:
+    """One prepared run per set of options, kept across rounds and event loops as a server keeps
+    its own: every round measures its steady state, as the process's shells are for run_ubatches."""
+    key = tuple(options.items())
+    if key not in _PREPARED_RUNS:
+        _PREPARED_RUNS[key] = prepare_run(**options)
+    return _PREPARED_RUNS[key]
+
+
 async def end_to_end(n: int, calls: int, pkg: ModuleType | str | None = None) -> float:
     """CPU µs per ``run_ubatches`` call of ``pkg`` (None: the working tree's asyncdbo; ``PREPARED``:
-    its ``prepare_run(backend="host").run_ubatches``, the options and backend settled once)."""
+    the ``run_ubatches`` of its one ``prepare_run(backend="host")``, options and backend settled once)."""
     if pkg == PREPARED:
-        prepared = prepare_run(backend="host")
+        prepared = _prepared(backend="host")
         args = [(i,) for i in range(n)]
         t0 = time.process_time_ns()
         for _ in range(calls):
             await prepared.run_ubatches(forward, args)
         return (time.process_time_ns() - t0) / calls / 1e3
-    run, fwd = (run_ubatches, forward) if pkg is None else (pkg.run_ubatches, _forward_of(pkg))  # type: ignore[union-attr]
+    assert not isinstance(pkg, str), pkg
+    run, fwd = (run_ubatches, forward) if pkg is None else (pkg.run_ubatches, _forward_of(pkg))
     args = [(i,) for i in range(n)]
     t0 = time.process_time_ns()
     for _ in range(calls):
@@ -116,19 +129,28 @@ def export_base(rev: str, into: Path) -> tuple[ModuleType, str]:
     return pkg, f"its C kernel loop {f'on ({whose})' if spin is not None else 'off (its C extensions did not build)'}"
 
 
-async def _warm(n: int, pkgs: dict[str, ModuleType | str | None]) -> None:
-    for pkg in pkgs.values():
-        await end_to_end(n, 200, pkg)
+async def _warm(n: int, variants: dict[str, Any], measure: Callable[[int, int, Any], Coroutine[Any, Any, float]]) -> None:
+    for variant in variants.values():
+        await measure(n, 200, variant)
 
 
-def side_by_side(n: int, pkgs: dict[str, ModuleType | str | None], calls: int, rounds: int) -> dict[str, list[float]]:
-    """Each round measures every package once (in turn), so machine noise hits them alike."""
-    uvloop.run(_warm(n, pkgs))
-    samples: dict[str, list[float]] = {name: [] for name in pkgs}
+def side_by_side(n: int, variants: dict[str, Any], calls: int, rounds: int,
+                 measure: Callable[[int, int, Any], Coroutine[Any, Any, float]] = end_to_end) -> dict[str, list[float]]:
+    """``measure(n, calls, variant)`` of each variant (by default a package, :func:`end_to_end`),
+    after 200 warm-up calls each: each round measures every variant once (in turn), so machine
+    noise hits them alike."""
+    uvloop.run(_warm(n, variants, measure))
+    samples: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
-        for name, pkg in pkgs.items():
-            samples[name].append(uvloop.run(end_to_end(n, calls, pkg)))
+        for name, variant in variants.items():
+            samples[name].append(uvloop.run(measure(n, calls, variant)))
     return samples
+
+
+def medians_and_cells(samples: dict[str, list[float]]) -> tuple[dict[str, float], list[str]]:
+    """Each variant's median, and its table cell: ``median [min..max]``."""
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return med, [f"{med[k]:.1f} [{min(v):.1f}..{max(v):.1f}]" for k, v in samples.items()]
 
 
 async def serving_pattern(n: int, calls: int, prepared: bool) -> float:
@@ -137,7 +159,7 @@ async def serving_pattern(n: int, calls: int, prepared: bool) -> float:
     ``instrument=[]``: new options every step) or makes it now (its prepared run's
     ``run_ubatches_with_stats``, the step's name and no instrument)."""
     backend = get_backend("host")
-    runs = prepare_run(backend=backend, stream_policy="role", watchdog_s=60.0)
+    runs = _prepared(backend=backend, stream_policy="role", watchdog_s=60.0)
     args = [(i,) for i in range(n)]
     t0 = time.process_time_ns()
     if prepared:
@@ -154,20 +176,16 @@ def serving_table(args: argparse.Namespace) -> list[str]:
     lines = [
         "## A serving loop's runs: per-step options, or a prepared run\n",
         f"CPU µs per step's run (host backend, uvloop, each ubatch yields once), medians of {args.rounds} interleaved "
-        f"rounds of {args.calls} calls [min..max]: `run_ubatches_with_stats(..., backend, stream_policy, watchdog_s, "
+        f"rounds of {args.calls} calls [min..max] (after 200 warm-up calls each): `run_ubatches_with_stats(..., backend, stream_policy, watchdog_s, "
         "instrument=[], name=f\"step{k}\")` (DBORunner's call before it held a prepared run: new options every "
         "step) against `prepared.run_ubatches_with_stats(..., name=f\"step{k}\", instrument=None)` (its call now).\n",
         "| N | per-step options | prepared run | prepared / per-step |",
         "|---:|---:|---:|---:|",
     ]
     for n in (2, 4, 8):
-        samples: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(args.rounds):
-            for prepared in (False, True):
-                samples[prepared].append(uvloop.run(serving_pattern(n, args.calls, prepared)))
-        med = {k: statistics.median(v) for k, v in samples.items()}
-        cells = [f"{med[k]:.1f} [{min(v):.1f}..{max(v):.1f}]" for k, v in samples.items()]
-        lines.append(f"| {n} | " + " | ".join(cells) + f" | {med[True] / med[False]:.2f} |")
+        samples = side_by_side(n, {"per-step": False, "prepared": True}, args.calls, args.rounds, serving_pattern)
+        med, cells = medians_and_cells(samples)
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {med['prepared'] / med['per-step']:.2f} |")
         print(f"N={n} serving pattern done", file=sys.stderr)
     return [*lines, ""]
 
@@ -268,8 +286,7 @@ def side_by_side_table(args: argparse.Namespace, tmp: Path) -> list[str]:
     ]
     for n in (2, 4, 8):
         samples = side_by_side(n, pkgs, args.calls, args.rounds)
-        med = {k: statistics.median(v) for k, v in samples.items()}
-        cells = [f"{med[k]:.1f} [{min(v):.1f}..{max(v):.1f}]" for k, v in samples.items()]
+        med, cells = medians_and_cells(samples)
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {med['now'] / med[f'base {rev}']:.2f} | "
                      f"{med['now, prepared'] / med[f'base {rev}']:.2f} |")
         print(f"N={n} side by side done", file=sys.stderr)
