@@ -51,7 +51,7 @@ import torch
 
 from .._core import Clock, Instrument, MonotonicClock
 from ..backends import CommRecord, LinkSpec, StreamBackend, StreamPolicy, get_backend
-from ..dbo import DBOOptions, RunStats, prepare_run
+from ..dbo import DBOOptions, PreparedRun, RunStats, prepare_run
 from ..dist.fused import DISPATCH_MODES, DispatchMode, dispatch_options
 from ..dist.recovery import StepSync, step_sync
 from ..plan import (
@@ -217,9 +217,7 @@ class DBORunner:
         self.device = device
         self.instrument = instrument
         self.backend = cfg.make_backend()
-        # its runs' options and backend, set up once (asyncdbo.dbo.prepared): a step names its run
-        # and passes its instruments, nothing more
-        self._runs = prepare_run(backend=self.backend, stream_policy=cfg.stream_policy, watchdog_s=cfg.watchdog_s)
+        self._runs: PreparedRun | None = None  # see _prepared
         self.stats = PlanStats()
         self.ledger = OverlapLedger()
         self.clock: Clock = MonotonicClock() if clock is None else clock
@@ -352,12 +350,8 @@ class DBORunner:
             mark_step = getattr(inst, "mark_step", None)  # a Tracer labels the run with the record
             if mark_step is not None:
                 mark_step(plan.record)
-        runs = self._runs
-        if runs.backend is not self.backend:  # replaced since (a test's, a tool's)
-            runs = self._runs = prepare_run(backend=self.backend, stream_policy=cfg.stream_policy,
-                                            watchdog_s=cfg.watchdog_s)
-        run = runs.run_ubatches_with_stats(ubatch_forward, args, name=f"step{plan.record.step}",
-                                           instrument=insts or None)
+        run = self._prepared().run_ubatches_with_stats(ubatch_forward, args, name=f"step{plan.record.step}",
+                                                       instrument=insts or None)
         with _dispatch_block(plan, cfg.policy if self.auto is None else plan.record.policy, dispatch):
             outputs, stats = await run
         logits_TV = merge_outputs(outputs, plan.slices, batch.num_tokens)
@@ -365,6 +359,17 @@ class DBORunner:
         step_s = self.clock.now() - t0
         plan = self._measured(batch, plan, host_timing(stats, step_s))
         return StepResult(logits_TV=logits_TV, plan=plan, step_s=step_s, stats=stats)
+
+    def _prepared(self) -> PreparedRun:
+        """The runs' options and backend, set up once (asyncdbo.dbo.prepared): a step names its run
+        and passes its instruments, nothing more. Made at the first step, and again if
+        ``self.backend`` was replaced since (a test's, a tool's)."""
+        runs = self._runs
+        if runs is None or runs.backend is not self.backend:
+            cfg = self.cfg
+            runs = self._runs = prepare_run(backend=self.backend, stream_policy=cfg.stream_policy,
+                                            watchdog_s=cfg.watchdog_s)
+        return runs
 
     def _measured(self, batch: Batch, plan: StepPlan, timing: Any) -> StepPlan:
         """The plan with its record carrying the configuration it ran and ``timing``; counted in
