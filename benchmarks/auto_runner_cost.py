@@ -46,7 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import publish_results, results_preamble  # noqa: E402
-from auto_measured import LINKS, WORKLOADS, Step, rank_model, step_batch  # noqa: E402
+from auto_measured import LINKS, WORKLOADS, Step, rank_model, spread, step_batch  # noqa: E402
 
 INTERLEAVED = ("fixed", "fixed again", "auto converged", "auto pinned")
 SWITCHING = ("fixed", "auto switching")
@@ -212,7 +212,7 @@ def switching_lines(res: list[dict[str, Any]], trace: list[Step]) -> list[str]:
     for label in SWITCHING:
         wall = [max(x[label][r][-1][1] for x in sw) - min(x[label][r][0][0] for x in sw) for r in range(rounds)]
         total = [sum(group_steps([x[label][r] for x in sw])) for r in range(rounds)]
-        lines.append(f"| {label} | {statistics.median(wall):.3f} [{min(wall):.3f}..{max(wall):.3f}] | "
+        lines.append(f"| {label} | {spread(wall)} | "
                      f"{statistics.median(total):.3f} | {statistics.median(t / w for t, w in zip(total, wall)):.4f} |\n")
     lines += ["\n| step tokens | auto switching ran | after a step of | steps | fixed ms (median) | "
               "auto switching ms | fixed / auto switching (median of steps) |\n", "|---:|---|---|---:|---:|---:|---:|\n"]
