@@ -70,7 +70,7 @@ from .extensions import load_extension
 from .instrument import Instrument
 from .live import LIVE_RUNS
 from .parking import is_future
-from .tasks import RunTaskFactory, UBatchTaskView, attach_task_factory, enter_view, leave_view
+from .tasks import RunTaskFactory, UBatchTaskView, attach_task_factory, enter_view, leave_view, set_current_task
 from .traps import SWITCH
 from .ubatch import UBatch, UBatchState, current_ubatch
 
@@ -95,12 +95,11 @@ _RESULT = operator.attrgetter("result")
 _now = time.perf_counter
 # What drive() asks the loop for once per run, without asyncio's Python wrappers: on 3.11
 # ``asyncio.current_task`` is a Python function (its dict lookup is done inline in drive), from
-# 3.12 the C one. ``_enter_task``/``_leave_task`` are asyncio's (C where _asyncio is built).
+# 3.12 the C one.
 _get_running_loop = asyncio.get_running_loop
 _current_task: Callable[[asyncio.AbstractEventLoop], Any] | None = (
     asyncio.current_task if isinstance(asyncio.current_task, BuiltinFunctionType) else None
 )
-_enter_task, _leave_task = _tasks._enter_task, _tasks._leave_task
 
 #: Default for how often the kernel lets the event loop run while a ubatch waits on it and others
 #: keep switching (seconds of real time).
@@ -321,8 +320,7 @@ class DBORun(Endings):
                 # without making its coroutine: a run whose ubatches only switch ends here.
                 if self._ready and not (self._timers or self._woken or self._poll_due):
                     if view is not None:  # _switch_in_view, inline: every run starts here
-                        _leave_task(loop, task)
-                        _enter_task(loop, view)  # type: ignore[arg-type]  # asyncio takes any object
+                        set_current_task(loop, view)
                     try:
                         if _spin is not None and self.instrument is None:
                             # _switch_in_c, inline (a run starts with nothing parked, no timer and
@@ -341,8 +339,7 @@ class DBORun(Endings):
                             self._switch_in_python()
                     finally:
                         if view is not None:
-                            _leave_task(loop, view)  # type: ignore[arg-type]
-                            _enter_task(loop, task)
+                            set_current_task(loop, task)
                 if self._live:  # they parked, or one waits on the loop
                     await self._loop_until_done()
             except BaseException as exc:

@@ -43,10 +43,17 @@ from .ubatch import UBatch, current_ubatch
 if TYPE_CHECKING:
     from .kernel import DBORun
 
-__all__ = ["RunTaskFactory", "UBatchTaskView", "attach_task_factory", "enter_view", "leave_view"]
+__all__ = ["RunTaskFactory", "UBatchTaskView", "attach_task_factory", "enter_view", "leave_view", "set_current_task"]
 
-_enter_task = _tasks._enter_task
-_leave_task = _tasks._leave_task
+#: ``set_current_task(loop, obj)``: make ``obj`` the loop's current task in one call, where the
+#: kernel knows which task is current now (it read it itself): asyncio's ``_swap_current_task``
+#: (3.12+, what eager tasks use), else (3.11) a store into the dict that asyncio's own
+#: ``_enter_task`` and ``_leave_task`` keep. Their pair per swap re-checks what the kernel knows and
+#: deletes and re-inserts the loop's entry; every run swaps twice (benchmarks/run_setup.py measured
+#: the difference: benchmarks/results/run_setup_cpu-2c_2026-12-03.md).
+set_current_task: Callable[[asyncio.AbstractEventLoop, Any], object] = getattr(
+    _tasks, "_swap_current_task", None
+) or _tasks._current_tasks.__setitem__  # type: ignore[attr-defined]
 
 
 class UBatchTaskView:
@@ -112,14 +119,12 @@ class UBatchTaskView:
 
 def enter_view(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], view: UBatchTaskView) -> None:
     """Make ``view`` the loop's current task in place of ``task`` (the kernel resumes ubatches)."""
-    _leave_task(loop, task)
-    _enter_task(loop, view)  # type: ignore[arg-type]  # asyncio accepts any object as the current task
+    set_current_task(loop, view)  # asyncio accepts any object as the current task
 
 
 def leave_view(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], view: UBatchTaskView) -> None:
     """Give the loop its current task back before the kernel awaits."""
-    _leave_task(loop, view)  # type: ignore[arg-type]
-    _enter_task(loop, task)
+    set_current_task(loop, task)
 
 
 TaskFactory = Callable[..., "asyncio.Future[Any]"]
