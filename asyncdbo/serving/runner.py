@@ -109,7 +109,8 @@ class RunnerConfig:
     ``"fused"`` always, ``"split"`` never (:mod:`asyncdbo.dist.fused`; a fused call raises
     ValueError where a row is too small to hold the counts). The buffer is sized from the step's
     DP vote, which every rank shares, so a step without one (no ``dp_group``) splits in every
-    mode. The EP group's ranks must all be in the DP group (not checked: ranks outside it would
+    mode, under ``tuning="auto"`` too (its one-rank vote is this rank's alone), whose search then
+    tries only the first of ``AutoConfig.dispatches`` (the others would run alike). The EP group's ranks must all be in the DP group (not checked: ranks outside it would
     size their buffers from another vote).
     """
 
@@ -222,9 +223,12 @@ class DBORunner:
         self.ledger = OverlapLedger()
         self.clock: Clock = MonotonicClock() if clock is None else clock
         self.sync: StepSync | None = step_sync(dp_group) if dp_group is not None else None
+        # Without a DP group every step splits (see step), so the dispatch modes run alike:
+        # the policy explores the first only.
+        space = cfg.auto if dp_group is not None else dataclasses.replace(cfg.auto, dispatches=cfg.auto.dispatches[:1])
         self.auto: AutoPolicy | None = (
-            AutoPolicy(cfg.auto, threshold_prior(cfg.thresholds, cfg.auto)) if cfg.tuning == "auto" else None)
-        self._arms = cfg.auto.arms()
+            AutoPolicy(space, threshold_prior(cfg.thresholds, space)) if cfg.tuning == "auto" else None)
+        self._arms = space.arms()
         # the last step's (bucket, arm, DP-max real tokens) and this rank's time for it (-1: none)
         self._last: tuple[str, Arm, int] | None = None
         self._last_ns = -1
@@ -250,6 +254,10 @@ class DBORunner:
         else:
             plan, arm = self._plan_auto(batch, enabled, last_ns)
             dispatch = _arm_dispatch(arm, cfg.dispatch)
+        if self.dp_group is None:
+            # No vote every rank shares to size a fused buffer from (an auto runner's one-rank vote
+            # is this rank's alone): split in every mode (RunnerConfig).
+            dispatch = "split"
         try:
             result = await self._run(batch, plan, dispatch, instrument, t0)
             self._last_ns = int(result.step_s * 1e9)

@@ -89,12 +89,14 @@ def fail_mid_step(rank: int, world_size: int) -> None:
 DISPATCH_LINK = LinkSpec(name="test-latency-bound", latency_s=1e-3, bandwidth_Bps=4e6)
 
 
-async def _dispatch_per_step(rank: int, case: Case) -> dict[str, Any]:
+async def _dispatch_per_step(rank: int, case: Case, dp: bool) -> dict[str, Any]:
     """Every step run serially and with DBO under ``case.runner`` (a modeled link): whether the
-    logits are equal bit for bit, and which messages each DBO step sent."""
+    logits are equal bit for bit, and which messages each DBO step sent. EP spans the ranks; the
+    runners vote over them too, or with ``dp=False`` have no DP group (each plans alone)."""
     group = torch.distributed.group.WORLD
-    serial = DBORunner(MiniModel(case.model, ep_group=group), replace(case.runner, dispatch="split"), dp_group=group)
-    dbo = DBORunner(MiniModel(case.model, ep_group=group), case.runner, dp_group=group)
+    dp_group = group if dp else None
+    serial = DBORunner(MiniModel(case.model, ep_group=group), replace(case.runner, dispatch="split"), dp_group=dp_group)
+    dbo = DBORunner(MiniModel(case.model, ep_group=group), case.runner, dp_group=dp_group)
     builder = BatchBuilder(case.model.kv_cache_config)
     out: dict[str, Any] = {"bitwise": True, "sent": [], "microbatched": []}
     for chunks in case.steps[rank]:
@@ -107,5 +109,5 @@ async def _dispatch_per_step(rank: int, case: Case) -> dict[str, Any]:
     return out
 
 
-def dispatch_per_step(rank: int, world_size: int, case: Case) -> dict[str, Any]:
-    return asyncdbo.run(_dispatch_per_step, rank, case)  # type: ignore[arg-type]
+def dispatch_per_step(rank: int, world_size: int, case: Case, dp: bool = True) -> dict[str, Any]:
+    return asyncdbo.run(_dispatch_per_step, rank, case, dp)  # type: ignore[arg-type]

@@ -9,10 +9,13 @@ import dataclasses
 import math
 import random
 import re
+from typing import Any
 
 import pytest
+import torch
 from _auto_ranks import CACHE, ClockedModel, agree, decode_batches
 
+from asyncdbo.dist import DispatchOptions, current_dispatch_options
 from asyncdbo.lowlevel import VirtualClock
 from asyncdbo.plan import PlanReason, ThresholdConfig
 from asyncdbo.serving import OFF, Arm, AutoConfig, AutoPolicy, BatchBuilder, DBORunner, RunnerConfig
@@ -440,6 +443,54 @@ async def test_runner_turns_dbo_off_where_it_loses_and_a_caller_can_still_force_
     assert all(r.reason is PlanReason.AUTO_OFF and "best off" in r.detail for r in records[16:])
     forced = (await runner.step(batches[20], enabled=False)).record
     assert forced.config == "off" and forced.reason is PlanReason.DISABLED
+
+
+class _DispatchSeen(ClockedModel):
+    """Records per ubatch forward the dispatch bound the runner declared (None: the MoE layers split)."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        super().__init__(clock, {n: 1.0e-3 for n in (1, 2, 3, 4)})
+        self.seen: list[DispatchOptions | None] = []
+
+    async def forward(self, ids_T: torch.Tensor, pos_T: torch.Tensor, attn: Any) -> torch.Tensor:
+        self.seen.append(current_dispatch_options())
+        return await super().forward(ids_T, pos_T, attn)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("dispatch", ["auto", "fused"])
+@pytest.mark.parametrize("tuning", ["fixed", "auto"])
+async def test_without_a_dp_group_the_runner_declares_no_dispatch_bound_in_any_mode(tuning: str, dispatch: str) -> None:
+    """A fused buffer is sized from the DP vote every rank shares; without a ``dp_group`` there is
+    none, so every step splits (RunnerConfig), ``tuning="auto"`` (its one-rank vote is no shared
+    one) as the fixed one, on DBO steps and unsplit ones alike."""
+    clock = VirtualClock()
+    model = _DispatchSeen(clock)
+    pin = AutoConfig(pin=(("decode 64-127", Arm(2, "token", dispatch)),))  # type: ignore[arg-type]
+    cfg = RunnerConfig(tuning=tuning, dispatch=dispatch, auto=pin, thresholds=ThresholdConfig(decode_threshold=32))  # type: ignore[arg-type]
+    runner = DBORunner(model, cfg, clock=clock)
+    batches = decode_batches(BatchBuilder(CACHE), [64, 70, 100, 64])
+    records = [(await runner.step(b)).record for b in batches[:3]]
+    records.append((await runner.step(batches[3], enabled=False)).record)
+    assert [len(r.ubatch_num_tokens) for r in records] == [2, 2, 2, 1]
+    assert model.seen == [None] * 7
+
+
+@pytest.mark.asyncio
+async def test_without_a_dp_group_auto_explores_no_dispatch_variant() -> None:
+    """Without a DP group every step splits, so configurations that differ only in the dispatch
+    mode run alike: the runner explores ``AutoConfig.dispatches[0]`` only (the default space's
+    N=2 token split would cost a comparison that measures nothing)."""
+    clock = VirtualClock()
+    model = ClockedModel(clock, {1: 1.0e-3, 2: 0.9e-3, 3: 0.95e-3, 4: 1.0e-3})  # N = 2 leads: the climb tries the variants
+    runner = DBORunner(model, RunnerConfig(tuning="auto", thresholds=ThresholdConfig(decode_threshold=32)), clock=clock)
+    records = [(await runner.step(b)).record for b in decode_batches(BatchBuilder(CACHE), [64] * 30)]
+    trace = [N2] + _trial(N2, OFF) + _trial(N2, N3) + _trial(N2, Arm(2, "balanced")) + [N2] * 8
+    assert [r.config for r in records] == [a.label for a in trace]
+    assert records[-1].evidence == (
+        "decode 64-127: best N=2 token auto 900.00±0.00 us/token (8); off 1000.00±0.00 (3, slower vs N=2 token auto "
+        "900.00±0.00 (3), ratio 1.111); N=3 token auto 950.00±0.00 (3, slower vs N=2 token auto 900.00±0.00 (3), "
+        "ratio 1.056); N=2 balanced auto 900.00±0.00 (3, tie vs N=2 token auto 900.00±0.00 (3), ratio 1.000)")
 
 
 def test_auto_refuses_a_model_built_for_fewer_ubatches() -> None:
