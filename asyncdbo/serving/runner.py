@@ -110,8 +110,9 @@ class RunnerConfig:
     ValueError where a row is too small to hold the counts). The buffer is sized from the step's
     DP vote, which every rank shares, so a step without one (no ``dp_group``) splits in every
     mode, under ``tuning="auto"`` too (its one-rank vote is this rank's alone), whose search then
-    tries only the first of ``AutoConfig.dispatches`` (the others would run alike). The EP group's ranks must all be in the DP group (not checked: ranks outside it would
-    size their buffers from another vote).
+    tries only the first of ``AutoConfig.dispatches`` (the others would run alike). The EP group's
+    ranks must all be in the DP group (not checked: ranks outside it would size their buffers from
+    another vote).
     """
 
     num_ubatches: int = 2
