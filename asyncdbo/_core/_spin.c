@@ -261,9 +261,21 @@ ub_get(SpinState *st, PyObject *ub, int field)
 static PyObject *
 report(Py_ssize_t n, PyObject *ub, int status, PyObject *value)
 {
-    PyObject *r = Py_BuildValue("(nOiO)", n, ub, status, value);
-    Py_DECREF(ub);
-    Py_DECREF(value);
+    PyObject *k = PyLong_FromSsize_t(n);
+    PyObject *code = k == NULL ? NULL : PyLong_FromLong(status);
+    PyObject *r = code == NULL ? NULL : PyTuple_New(4);
+    if (r == NULL) {
+        Py_XDECREF(k);
+        Py_XDECREF(code);
+        Py_DECREF(ub);
+        Py_DECREF(value);
+        return NULL;
+    }
+    /* built in place, as Py_BuildValue's format parser would (every run ends with one report) */
+    PyTuple_SET_ITEM(r, 0, k);
+    PyTuple_SET_ITEM(r, 1, ub);
+    PyTuple_SET_ITEM(r, 2, code);
+    PyTuple_SET_ITEM(r, 3, value);
     return r;
 }
 
@@ -467,12 +479,13 @@ spin(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
 }
 
-/* release(ubatches): Endings._release_records: each record's coroutine, context, resume, state of
- * the layer above, what it waited on, result and run set to None, in that method's order, at its
- * slots while it is an exact UBatch and else through setattr (whose error propagates, the rest
- * left as they are, as from the Python loop). Each replaced value is released at once (a
- * finalizer it runs may reassign __class__: the type is checked again before every store); the
- * list is read at each step, as a for loop reads it. */
+/* release(ubatches): Endings._release_records: each record's result read (the list of them is
+ * returned, in the records' order), then its coroutine, context, resume, state of the layer above,
+ * what it waited on, result and run set to None, in that method's order, at its slots while it is
+ * an exact UBatch and else through getattr/setattr (whose error propagates, the rest left as they
+ * are, as from the Python loop). Each replaced value is released at once (a finalizer it runs may
+ * reassign __class__: the type is checked again before every store); the list is read at each
+ * step, as a for loop reads it. */
 static PyObject *
 release(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -486,20 +499,26 @@ release(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "release(): ubatches must be a list");
         return NULL;
     }
+    PyObject *results = PyList_New(0);
+    if (results == NULL)
+        return NULL;
     Py_INCREF(ubs); /* held: a finalizer run by a store may drop the caller's reference */
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ubs); i++) {
         PyObject *ub = Py_NewRef(PyList_GET_ITEM(ubs, i));
-        for (size_t k = 0; k < sizeof order / sizeof order[0]; k++) {
-            if (ub_set(st, ub, order[k], Py_None) < 0) {
-                Py_DECREF(ub);
-                Py_DECREF(ubs);
-                return NULL;
-            }
-        }
+        PyObject *result = ub_get(st, ub, UB_RESULT);
+        int rc = result == NULL ? -1 : PyList_Append(results, result);
+        Py_XDECREF(result);
+        for (size_t k = 0; rc == 0 && k < sizeof order / sizeof order[0]; k++)
+            rc = ub_set(st, ub, order[k], Py_None);
         Py_DECREF(ub);
+        if (rc < 0) {
+            Py_DECREF(ubs);
+            Py_DECREF(results);
+            return NULL;
+        }
     }
     Py_DECREF(ubs);
-    Py_RETURN_NONE;
+    return results;
 }
 
 /* Fill one UBatch for a run of `coro` as UBatch._start does: the fallible steps first (the
@@ -777,7 +796,7 @@ static PyMethodDef module_methods[] = {
      "spin(pop, push, woken, timers, switch, install, run, done) -> (switches, ubatch, status, value): the kernel's "
      "fast loop."},
     {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL,
-     "release(ubatches): Endings._release_records, each record's run state set to None."},
+     "release(ubatches): Endings._release_records: each record's run state set to None; the list of their results."},
     {"start", (PyCFunction)(void (*)(void))start, METH_FASTCALL,
      "start(ubatches, run, coros, var, ready): each UBatch._start(run, coro), as DBORun.restart runs them."},
     {"counts", (PyCFunction)(void (*)(void))counts, METH_FASTCALL,

@@ -99,22 +99,32 @@ class Endings(Parking):
         if self.instrument is not None:
             self.instrument.stepped(ub, None)
 
-    def _release(self) -> None:
+    def _release(self) -> list[Any]:
         """Drop everything a ubatch held (coroutine, context, state, the back-reference to this
-        run), so a finished run is freed by reference counting alone (invariant 8)."""
-        self._release_records()
+        run), so a finished run is freed by reference counting alone (invariant 8); return the
+        results the records held, in ubatch order (the run's, where it ended cleanly)."""
+        results = self._release_records()
         self._ready.clear()
         self._woken.clear()
         self._timers.clear()
         self._view = self._task = self._wakeup = None
         self._installed = None
         self._released = True
+        return results
 
-    def _release_records(self) -> None:
-        """Each record's coroutine, context, layer-above state, what it waited on, result and run
-        set to None (the reference of ``asyncdbo._core._spin.release``, which the kernel calls
-        where the extension is loaded)."""
-        for ub in self.ubatches:
-            ub.coro = ub.ctx = ub.ctx_run = ub.send = ub.resume = None  # type: ignore[assignment]
-            ub.ext = ub.waker = ub.parked_on = ub.result = ub.resume_with = ub.debug = ub.unawaited = None
-            ub.run = None  # type: ignore[assignment]
+    def _release_records(self) -> list[Any]:
+        """Each record's result read, then its coroutine, context, layer-above state, what it
+        waited on, result and run set to None; the results read, in ubatch order (the reference
+        of ``asyncdbo._core._spin.release``, which the kernel calls where the extension is
+        loaded)."""
+        results: list[Any] = []
+        try:
+            for ub in self.ubatches:
+                results.append(ub.result)
+                ub.coro = ub.ctx = ub.ctx_run = ub.send = ub.resume = None  # type: ignore[assignment]
+                ub.ext = ub.waker = ub.parked_on = ub.result = ub.resume_with = ub.debug = ub.unawaited = None
+                ub.run = None  # type: ignore[assignment]
+        except BaseException:
+            results.clear()  # freed now, as the C loop frees them, not with the error's traceback
+            raise
+        return results

@@ -91,7 +91,6 @@ def _load_spin() -> ModuleType | None:
 _spin = _load_spin()
 _SWITCHED, _PARKED, _FAILED, _EMPTY, _EXITED, _EXIT_FAILED = range(6)  # what _spin.spin reports (its enum)
 _MONOTONIC = MonotonicClock()
-_RESULT = operator.attrgetter("result")
 _now = time.perf_counter
 # What drive() asks the loop for once per run, without asyncio's Python wrappers: on 3.11
 # ``asyncio.current_task`` is a Python function (its dict lookup is done inline in drive), from
@@ -349,11 +348,12 @@ class DBORun(Endings):
                 self.instrument.run_finished(self, None)
             if not self.num_switches and not self.num_parks:
                 self._warn_if_nothing_overlapped()
-            results = list(map(_RESULT, self.ubatches))  # no comprehension frame (3.11)
-        finally:
+        except BaseException:
             live.discard(self._wref)
-            self._release()
-        return results
+            self._release()  # its results are dropped with the records: the error's frames hold none
+            raise
+        live.discard(self._wref)
+        return self._release()  # the records' results, read as they are released
 
     async def _loop_until_done(self) -> None:
         """Switch ubatches until every one finished; sleep while all are parked, and let the event
@@ -495,11 +495,11 @@ class DBORun(Endings):
         finally:
             self.num_switches += n
 
-    def _release_records(self) -> None:
+    def _release_records(self) -> list[Any]:
         if _spin is None:
-            Endings._release_records(self)
-        else:
-            _spin.release(self.ubatches)  # the same stores in C (Endings._release_records is their reference)
+            return Endings._release_records(self)
+        results: list[Any] = _spin.release(self.ubatches)  # the same in C (Endings._release_records is its reference)
+        return results
 
     async def _let_the_loop_run(self) -> None:
         """A ubatch waits on the event loop: let the loop run one turn (invariant 7).

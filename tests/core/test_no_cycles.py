@@ -102,6 +102,18 @@ async def times_out_inside(p: Payload) -> str:
     return "never"
 
 
+RESULTS: list[weakref.ref[Payload]] = []
+
+
+async def returns_but_one_raises(p: Payload) -> Payload:
+    await _work(p)
+    if p.i == 1:
+        raise Boom(f"ubatch {p.i} failed")
+    result = Payload(100 + p.i)  # made here: only the run's records hold it once returned
+    RESULTS.append(weakref.ref(result))
+    return result
+
+
 #: The entry point the endings run through: run_ubatches, or a prepared run's (whose shells are
 #: its own, and whose re-raise is its own line).
 ENTRIES: dict[str, Callable[..., Awaitable[Any]]] = {
@@ -236,3 +248,27 @@ def test_no_ending_leaves_a_cycle_with_every_c_path_off(kernel_loop: str) -> Non
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == "False []\n"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("entry", list(ENTRIES))
+async def test_an_error_the_caller_keeps_holds_no_result_of_its_run(entry: str) -> None:
+    """A failed run drops what its finished ubatches returned with their records: the error's
+    traceback holds the kernel's frames while the caller keeps the error, and none of them may
+    hold a result (on a GPU, the output tensors of the ubatches that finished)."""
+    ENTRY[0] = entry
+    RESULTS.clear()
+    gc.collect()
+    gc.disable()
+    try:
+        try:
+            await _entry(returns_but_one_raises, [(Payload(i),) for i in range(3)])
+        except Boom as exc:
+            kept = exc
+        await asyncio.sleep(0)
+        assert str(kept) == "ubatch 1 failed"
+        assert len(RESULTS) == 1  # ubatch 0 returned before 1 raised (2 was cancelled)
+        assert RESULTS[0]() is None
+        del kept
+    finally:
+        gc.enable()

@@ -1,6 +1,7 @@
 """A finished run frees its records in C (``asyncdbo._core._spin.release``) exactly as the Python
-loop of ``Endings._release_records`` does: the same stores in the same order, each replaced value
-released at its store (a finalizer sees the fields stored before it), a record whose ``__class__``
+loop of ``Endings._release_records`` does: the same reads and stores in the same order, each
+replaced value released at its store (a finalizer sees the fields stored before it) but the
+result, which both return (the kernel's run hands it to its caller), a record whose ``__class__``
 a finalizer reassigns is written through its attributes from then on, a subclass record through
 its own ``__setattr__`` (whose error propagates, the rest left as they are), and the entry points
 refuse wrong arguments with errors.
@@ -52,7 +53,7 @@ class Finalized:
             self.ub.__class__ = Logged
 
 
-def released_with(release: Callable[[DBORun], None], swap_at: str | None, refuse: bool) -> list[str]:
+def released_with(release: Callable[[DBORun], object], swap_at: str | None, refuse: bool) -> list[str]:
     run = DBORun.released(3)
     log: list[str] = []
     Logged.log, Logged.refuse = log, refuse
@@ -60,9 +61,12 @@ def released_with(release: Callable[[DBORun], None], swap_at: str | None, refuse
         for name in FIELDS:
             object.__setattr__(ub, name, Finalized(ub, f"ub{ub.id}.{name}", log, swap=name == swap_at and ub.id == 1))
     try:
-        release(run)
+        results = release(run)
     except AttributeError as exc:
         log.append(f"raised {exc}")
+    else:
+        log.append(f"returned {[r.name for r in results]}")  # type: ignore[attr-defined]
+        del results  # the results' finalizers run here, after every store
     Logged.refuse = False
     for ub in run.ubatches:
         log.append(f"ub{ub.id} {type(ub).__name__}: " + " ".join(f for f in FIELDS if getattr(ub, f) is not None))
@@ -83,10 +87,16 @@ def test_the_c_release_stores_as_the_python_loop(swap_at: str | None, refuse: bo
     # the spec itself: each value is freed at its own store, and a swapped record is written
     # through Logged's __setattr__ from the next store on
     assert python[:2] == ["ub0.coro freed after ['coro']", "ub0.ctx freed after ['coro', 'ctx']"]
-    if swap_at is not None:
-        after = FIELDS[FIELDS.index(swap_at) + 1] if swap_at != "run" else None
+    if swap_at is not None:  # (the result's finalizer runs only once the returned list is dropped)
+        after = FIELDS[FIELDS.index(swap_at) + 1] if swap_at not in ("run", "result") else None
         assert (f"set {after}" in python) == (after is not None)
     assert ("raised waker refused" in python) == (refuse and swap_at == "coro")
+    if "raised waker refused" not in python:
+        assert "returned ['ub0.result', 'ub1.result', 'ub2.result']" in python
+        # no result is freed before the release returns; each is freed after every store
+        returned = python.index("returned ['ub0.result', 'ub1.result', 'ub2.result']")
+        assert sorted(line.split()[0] for line in python[returned + 1:returned + 4]) == ["ub0.result", "ub1.result",
+                                                                                          "ub2.result"]
 
 
 @needs_c
