@@ -143,19 +143,19 @@ def _make_coros(fn: Callable[..., Awaitable[T]], ubatch_args: Iterable[Sequence[
     if len(args_list) < 1:
         raise ValueError("run_ubatches needs at least 1 ubatch (got 0 argument tuples); pass e.g. [(x0,), (x1,)]")
     coros: list[Coroutine[Any, Any, T]] = []
-    for i, args in enumerate(args_list):
+    for args in args_list:  # the entry's index, for an error, is len(coros)
         if type(args) is not tuple and not isinstance(args, (tuple, list)):
             for c in coros:
                 c.close()
             raise TypeError(
-                f"ubatch_args[{i}] is {args!r}; each entry must be a tuple of arguments for fn "
+                f"ubatch_args[{len(coros)}] is {args!r}; each entry must be a tuple of arguments for fn "
                 f"(write ({args!r},) for a single argument)"
             )
         coro = fn(*args)
         if type(coro) is not CoroutineType and not inspect.iscoroutine(coro):
             for c in coros:
                 c.close()
-            raise _not_async_def_error("fn", fn, f"*ubatch_args[{i}]", coro)
+            raise _not_async_def_error("fn", fn, f"*ubatch_args[{len(coros)}]", coro)
         coros.append(coro)
     return coros
 

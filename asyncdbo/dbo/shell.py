@@ -57,13 +57,16 @@ class Shell:
     """A kernel run and its DBO state, wired together (``run.ext`` is ``state``, each lane's
     ``ub`` the record at its index), plus the reference counts of its objects when idle."""
 
-    __slots__ = ("n", "run", "state", "objs", "weakable", "baseline", "armed")
+    __slots__ = ("n", "run", "state", "pairs", "objs", "weakable", "baseline", "armed")
 
     def __init__(self, n: int, backend: StreamBackend, policy: StreamPolicy) -> None:
         self.n = n  # its number of records and lanes (give_back checks the run and state hold as many)
         run = self.run = DBORun.released(n)
         state = self.state = RunState(backend=backend, policy=policy, lanes=[Lane(ub) for ub in run.ubatches])
         run.ext = state
+        # each record with its lane: a released record's ``ext`` is None (no cycle through an
+        # idle shell), so take() sets it from these every run, without a zip of its own
+        self.pairs = tuple(zip(run.ubatches, state.lanes))
         # its objects, whose counts give_back compares (this tuple's own reference is in the baseline)
         self.objs = (run, state, *run.ubatches, *state.lanes)
         # those a weak reference can point to (a Lane has no __weakref__ slot: its count stays 0)
@@ -123,7 +126,7 @@ def take(
         for lane in state.lanes:
             lane.record, lane.wait = backend.record, backend.wait
     state.policy = policy
-    for ub, lane in zip(run.ubatches, state.lanes):
+    for ub, lane in shell.pairs:
         ub.ext = lane
     # a released record's debug and an idle lane's install are None already
     if debug is not None:
