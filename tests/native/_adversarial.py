@@ -4,7 +4,8 @@
 has (the C loop, if loaded, and the Python loop) and prints one JSON object: case -> the outcome
 on each loop (the run's result, or its exception's type, message and notes, and the warnings it
 gave). Under ``ASYNCDBO_PURE_PYTHON=1`` that is the reference every C outcome must equal; a crash
-of the process is a failed test of its group only.
+of the process is a failed test of its group only. ``python _adversarial.py --each LIMIT_S
+GROUP...`` runs each group so in its own child forked from one driver (_fork_each.py).
 """
 
 from __future__ import annotations
@@ -266,4 +267,12 @@ def main(groups: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1] == "--each":  # one forked child per group (_fork_each.py); the driver exits here
+        from _fork_each import fork_each
+
+        group = fork_each(sys.argv[3:], int(sys.argv[2]))
+        if group is None:
+            sys.exit(0)
+        main([group])
+    else:
+        main(sys.argv[1:])

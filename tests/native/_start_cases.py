@@ -1,7 +1,8 @@
 """Adversarial cases of DBORun.restart's refill (``asyncdbo._core._spin.start``, whose reference
 is the Python loop over ``UBatch._start``), one per process: ``python _start_cases.py CASE``
-prints the case's outcome as JSON. tests/native/test_start.py runs each on the C extension and
-under ``ASYNCDBO_PURE_PYTHON=1`` and compares."""
+prints the case's outcome as JSON; ``python _start_cases.py --each LIMIT_S CASE...`` runs each
+case so in its own forked child (_fork_each.py). tests/native/test_start.py runs each on the C
+extension and under ``ASYNCDBO_PURE_PYTHON=1`` and compares."""
 
 from __future__ import annotations
 
@@ -204,6 +205,14 @@ CASES: dict[str, Callable[[], dict[str, Any]]] = {
 }
 
 if __name__ == "__main__":
-    result = CASES[sys.argv[1]]()
+    if sys.argv[1] == "--each":  # one forked child per case (_fork_each.py); the driver exits here
+        from _fork_each import fork_each
+
+        chosen = fork_each(sys.argv[3:], int(sys.argv[2]))
+        if chosen is None:
+            sys.exit(0)
+    else:
+        chosen = sys.argv[1]
+    result = CASES[chosen]()
     result["c extension"] = kernel._spin is not None
     print(json.dumps(result, default=repr))

@@ -1,7 +1,8 @@
 """The C extensions under attack behave as the pure-Python code does, and never crash.
 
-Each group of cases (tests/native/_adversarial.py) runs in its own subprocess on the C extensions,
-on both kernel loops, so a crash fails that group only; its outcomes (results, exceptions with
+Each group of cases (tests/native/_adversarial.py) runs in its own process on the C extensions (a
+child forked from one driver: tests/native/_fork_each.py), on both kernel loops, so a crash or a
+hang fails that group only; its outcomes (results, exceptions with
 their messages and notes, warnings) must equal those of the pure-Python reference
 (``ASYNCDBO_PURE_PYTHON=1``), which one subprocess computes for every group. The cases: every slot
 of the UBatch and Lane records deleted before a primitive's call or between the call and its
@@ -26,7 +27,8 @@ import pytest
 from asyncdbo._core import kernel
 from asyncdbo.dbo import primitives
 
-from _adversarial import KERNEL_FIELDS, LANE_FIELDS, UB_FIELDS  # noqa: I001  (tests/native is on sys.path)
+import _fork_each  # noqa: I001  (tests/native is on sys.path)
+from _adversarial import KERNEL_FIELDS, LANE_FIELDS, UB_FIELDS
 
 SCRIPT = Path(__file__).resolve().parent / "_adversarial.py"
 GROUPS = (
@@ -35,14 +37,16 @@ GROUPS = (
     + [f"kernel.{f}" for f in KERNEL_FIELDS]
     + ["reentry", "by_hand", "configure"]
 )
+#: one group's limit on the C extensions (its child's alarm); TIMEOUT_S bounds each driver process
+GROUP_LIMIT_S = 60
 TIMEOUT_S = 240
 
 pytestmark = pytest.mark.timeout(2 * TIMEOUT_S)
 
 
-def run(groups: list[str], **env: str) -> dict[str, Any]:
+def run(args: list[str], **env: str) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *groups],
+        [sys.executable, str(SCRIPT), *args],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
@@ -59,10 +63,18 @@ def reference() -> dict[str, Any]:
     return run(GROUPS, ASYNCDBO_PURE_PYTHON="1")
 
 
+@pytest.fixture(scope="module")
+def on_c() -> dict[str, Any]:
+    """How each group's child on the C extensions ended (checked by the group's own test)."""
+    children = run(["--each", str(GROUP_LIMIT_S), *GROUPS])
+    assert sorted(children) == sorted(GROUPS)
+    return children
+
+
 @pytest.mark.skipif(primitives.FAST is None or kernel._spin is None, reason="the C extensions are not loaded here")
 @pytest.mark.parametrize("group", GROUPS)
-def test_the_c_extensions_behave_as_python(group: str, reference: dict[str, Any]) -> None:
-    c = run([group])
+def test_the_c_extensions_behave_as_python(group: str, reference: dict[str, Any], on_c: dict[str, Any]) -> None:
+    c = _fork_each.outcome(group, on_c[group], GROUP_LIMIT_S)
     assert c, f"no case ran for {group}"
     for case, by_loop in c.items():
         assert set(by_loop) == {"c", "python"}, case

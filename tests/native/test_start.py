@@ -5,7 +5,8 @@ The differential spec compares the records each fills, field by field, for N = 1
 of record (an exact UBatch, a subclass with its own ``_start``); the adversarial cases
 (tests/native/_start_cases.py: a deleted slot, ``__class__`` reassigned by a call out or a
 finalizer, a coroutine without ``send``, the list of records shrunk by a finalizer, the entry point
-called wrongly) each run in their own process, on the C extension and under
+called wrongly) each run in their own process (a child forked from one driver per side, so a
+crash or hang fails that case only: tests/native/_fork_each.py), on the C extension and under
 ``ASYNCDBO_PURE_PYTHON=1``, and must report the same outcome.
 """
 
@@ -24,20 +25,30 @@ import pytest
 from asyncdbo._core import kernel
 from asyncdbo._core.kernel import DBORun
 
-from _start_cases import CASES, OwnStart, body, summary  # noqa: I001  (tests/native is on sys.path)
+import _fork_each  # noqa: I001  (tests/native is on sys.path)
+from _start_cases import CASES, OwnStart, body, summary
 
 SCRIPT = Path(__file__).resolve().parent / "_start_cases.py"
-TIMEOUT_S = 120
+#: one case's limit (its child's alarm), and the driver's, which runs every case of one side in turn
+CASE_LIMIT_S = 60
+TIMEOUT_S = 200
 needs_c = pytest.mark.skipif(kernel._spin is None, reason="the C kernel extension is not loaded here")
 
 pytestmark = pytest.mark.timeout(2 * TIMEOUT_S)
 
 
-def outcome(case: str, **env: str) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, str(SCRIPT), case], env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, f"{case}: exit status {proc.returncode}\n{proc.stderr[-3000:]}"
-    report: dict[str, Any] = json.loads(proc.stdout)
+def each(cases: list[str], **env: str) -> dict[str, dict[str, Any]]:
+    """How each case's forked child ended (_fork_each.py): the driver itself runs no case."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--each", str(CASE_LIMIT_S), *cases], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, f"the driver's exit status {proc.returncode}\n{proc.stderr[-3000:]}"
+    children: dict[str, dict[str, Any]] = json.loads(proc.stdout)
+    assert sorted(children) == sorted(cases)
+    return children
+
+
+def outcome(case: str, children: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    report: dict[str, Any] = _fork_each.outcome(case, children[case], CASE_LIMIT_S)
     return report
 
 
@@ -79,15 +90,26 @@ def test_the_c_refill_fills_every_record_as_python_does(n: int, monkeypatch: pyt
                     "unawaited_at": "None", "cancels": "0"}
 
 
+ADVERSARIAL = [c for c in CASES if c != "bad arguments"]
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict[str, dict[str, Any]]:
-    return {case: outcome(case, ASYNCDBO_PURE_PYTHON="1") for case in CASES if case != "bad arguments"}
+    children = each(ADVERSARIAL, ASYNCDBO_PURE_PYTHON="1")
+    return {case: outcome(case, children) for case in ADVERSARIAL}
+
+
+@pytest.fixture(scope="module")
+def on_c() -> dict[str, dict[str, Any]]:
+    """How each case's child on the C extension ended (checked by the case's own test)."""
+    return each(list(CASES))
 
 
 @needs_c
-@pytest.mark.parametrize("case", [c for c in CASES if c != "bad arguments"])
-def test_an_adversarial_refill_behaves_as_python(case: str, reference: dict[str, dict[str, Any]]) -> None:
-    got = outcome(case)
+@pytest.mark.parametrize("case", ADVERSARIAL)
+def test_an_adversarial_refill_behaves_as_python(case: str, reference: dict[str, dict[str, Any]],
+                                                 on_c: dict[str, dict[str, Any]]) -> None:
+    got = outcome(case, on_c)
     assert got.pop("c extension") is True
     expected = dict(reference[case])
     assert expected.pop("c extension") is False
@@ -106,8 +128,8 @@ def test_the_adversarial_reference_is_what_python_says(reference: dict[str, dict
 
 
 @needs_c
-def test_the_entry_point_refuses_bad_arguments_with_errors() -> None:
-    assert outcome("bad arguments")["errors"] == [
+def test_the_entry_point_refuses_bad_arguments_with_errors(on_c: dict[str, dict[str, Any]]) -> None:
+    assert outcome("bad arguments", on_c)["errors"] == [
         "TypeError: start() takes 5 arguments (0 given)",
         "TypeError: start() takes 5 arguments (4 given)",
         "TypeError: start(): ubatches and coros must be lists",
