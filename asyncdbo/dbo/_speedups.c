@@ -140,8 +140,18 @@ caller_site(void)
     PyFrameObject *f = PyEval_GetFrame(); /* borrowed */
     if (f == NULL)
         return Py_NewRef(Py_None);
-    PyCodeObject *code = PyFrame_GetCode(f);
-    return Py_BuildValue("(Ni)", (PyObject *)code, PyFrame_GetLasti(f));
+    PyCodeObject *code = PyFrame_GetCode(f); /* new reference */
+    PyObject *lasti = PyLong_FromLong(PyFrame_GetLasti(f));
+    PyObject *site = lasti == NULL ? NULL : PyTuple_New(2);
+    if (site == NULL) {
+        Py_DECREF(code);
+        Py_XDECREF(lasti);
+        return NULL;
+    }
+    /* built in place, not by Py_BuildValue's format parser: a primitive makes one per call */
+    PyTuple_SET_ITEM(site, 0, (PyObject *)code);
+    PyTuple_SET_ITEM(site, 1, lasti);
+    return site;
 }
 
 /* Python's: lane.role = role; lane.stream = ub.resume_with = stream = lane.streams[role];
