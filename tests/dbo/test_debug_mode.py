@@ -9,7 +9,9 @@ import pytest
 from asyncdbo import YieldMismatchError, dbo_current_ubatch_id, dbo_yield, run_ubatches
 from asyncdbo.dbo.debug import YieldChecker
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
+#: the async specs run on both event loops (tests/conftest.py); the first-run test below is sync:
+#: its subject is a fresh process, the same on either loop
+pytestmark = [pytest.mark.timeout(30)]
 
 
 def layer(tags_by_ub: dict[int, list[str]], log: list[str]):
@@ -23,6 +25,7 @@ def layer(tags_by_ub: dict[int, list[str]], log: list[str]):
     return forward
 
 
+@pytest.mark.asyncio
 async def test_matching_yields_pass_in_debug_mode() -> None:
     log: list[str] = []
     tags = {0: ["attn", "dispatch", "combine"], 1: ["attn", "dispatch", "combine"]}
@@ -30,6 +33,7 @@ async def test_matching_yields_pass_in_debug_mode() -> None:
     assert log == ["ub0:attn", "ub1:attn", "ub0:dispatch", "ub1:dispatch", "ub0:combine", "ub1:combine"]
 
 
+@pytest.mark.asyncio
 async def test_a_mismatched_pair_is_reported_at_the_first_divergence() -> None:
     log: list[str] = []
     tags = {0: ["attn", "dispatch", "combine"], 1: ["attn", "combine", "dispatch"]}
@@ -45,6 +49,7 @@ async def test_a_mismatched_pair_is_reported_at_the_first_divergence() -> None:
     assert log == ["ub0:attn", "ub1:attn", "ub0:dispatch", "ub1:combine"]
 
 
+@pytest.mark.asyncio
 async def test_a_ubatch_that_stops_yielding_early_is_a_length_mismatch() -> None:
     tags = {0: ["attn", "dispatch", "combine"], 1: ["attn", "dispatch"]}
     msg = (
@@ -58,11 +63,13 @@ async def test_a_ubatch_that_stops_yielding_early_is_a_length_mismatch() -> None
         await run_ubatches(layer(tags, []), [(), ()], debug=True, name="short")
 
 
+@pytest.mark.asyncio
 async def test_an_empty_ubatch_that_never_yields_is_allowed() -> None:
     tags = {0: ["attn", "combine"], 1: [], 2: ["attn", "combine"]}
     assert await run_ubatches(layer(tags, []), [(), (), ()], debug=True) == [0, 1, 2]
 
 
+@pytest.mark.asyncio
 async def test_parking_on_a_completion_is_not_a_yield() -> None:
     # ubatch 0 parks on an asyncio timer between its yields; ubatch 1 does not. Same yield tags.
     async def forward() -> int:
@@ -76,6 +83,7 @@ async def test_parking_on_a_completion_is_not_a_yield() -> None:
     assert await run_ubatches(forward, [(), ()], debug=True) == [0, 1]
 
 
+@pytest.mark.asyncio
 async def test_the_checker_works_as_an_explicit_instrument_and_is_reusable() -> None:
     checker = YieldChecker()
     tags = {0: ["x", "y"], 1: ["x", "y"]}
@@ -86,6 +94,7 @@ async def test_the_checker_works_as_an_explicit_instrument_and_is_reusable() -> 
 
 
 # ---------------------------------------------------------------- blocking code between yields
+@pytest.mark.asyncio
 async def test_debug_mode_reports_a_step_that_blocks_with_its_yield_points_and_lines(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The detector's clocks are this test's: ubatch 1's step between 'attn' and 'moe' takes 50 ms
@@ -117,6 +126,7 @@ async def test_debug_mode_reports_a_step_that_blocks_with_its_yield_points_and_l
     assert step.describe().startswith("asyncdbo: ubatch 1 blocked the CPU for 38.0 ms between yield points 'attn'")
 
 
+@pytest.mark.asyncio
 async def test_the_thread_times_are_this_threads_cpu_and_run_queue_wait() -> None:
     from asyncdbo.dbo.debug import _ThreadTimes
 
@@ -130,6 +140,7 @@ async def test_the_thread_times_are_this_threads_cpu_and_run_queue_wait() -> Non
     assert cpu1 > cpu0 and runq1 >= runq0
 
 
+@pytest.mark.asyncio
 async def test_outside_debug_mode_nothing_is_measured() -> None:
     import time
 
@@ -144,6 +155,7 @@ async def test_outside_debug_mode_nothing_is_measured() -> None:
     assert stats.blocking == ()
 
 
+@pytest.mark.asyncio
 async def test_a_checker_that_fails_the_run_at_its_end_leaves_no_dispatch_mode_behind() -> None:
     pytest.importorskip("torch", reason="the checker is a torch dispatch mode (CI runs tests/dbo on 3.12/3.13 without torch)")
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -155,6 +167,7 @@ async def test_a_checker_that_fails_the_run_at_its_end_leaves_no_dispatch_mode_b
 
 
 # ---------------------------------------------------------------- what a user reads
+@pytest.mark.asyncio
 async def test_a_mismatch_names_both_yield_lines_of_the_users_file() -> None:
     async def uneven(skip_first: bool) -> None:
         if not skip_first:
@@ -203,7 +216,7 @@ print(json.dumps({"at_import": at_import, "at_start": "torch._dynamo" in seen.be
 
 
 @pytest.mark.timeout(150)
-async def test_the_first_debug_run_pays_its_one_time_set_up_before_its_steps() -> None:
+def test_the_first_debug_run_pays_its_one_time_set_up_before_its_steps() -> None:
     # torch's first op under a dispatch mode (debug mode's group guard is one) imports
     # torch._dynamo, seconds of CPU: it must happen before the run starts, where no step and no
     # Tracer counts it as compute, and not at `import asyncdbo` either. A fresh process shows it.
@@ -221,6 +234,7 @@ async def test_the_first_debug_run_pays_its_one_time_set_up_before_its_steps() -
     assert not [m for m in seen["imported_in_run"] if m.startswith("torch._dynamo")]
 
 
+@pytest.mark.asyncio
 async def test_the_one_time_set_up_is_paid_once() -> None:
     from asyncdbo.dbo.debug import prepare_dispatch_mode
 
