@@ -49,8 +49,7 @@ __all__ = ["RunTaskFactory", "UBatchTaskView", "attach_task_factory", "enter_vie
 #: kernel knows which task is current now (it read it itself): asyncio's ``_swap_current_task``
 #: (3.12+, what eager tasks use), else (3.11) a store into the dict that asyncio's own
 #: ``_enter_task`` and ``_leave_task`` keep. Their pair per swap re-checks what the kernel knows and
-#: deletes and re-inserts the loop's entry; every run swaps twice (benchmarks/run_setup.py measured
-#: the difference: benchmarks/results/run_setup_cpu-2c_2026-12-03.md).
+#: deletes and re-inserts the loop's entry, and every run swaps twice.
 set_current_task: Callable[[asyncio.AbstractEventLoop, Any], object] = getattr(
     _tasks, "_swap_current_task", None
 ) or _tasks._current_tasks.__setitem__  # type: ignore[attr-defined]
