@@ -212,12 +212,11 @@ def test_rank_exception_names_the_rank_and_carries_its_traceback() -> None:
 def test_dead_rank_fails_fast_even_while_its_peer_is_busy() -> None:
     pool = RankPool(2, timeout_s=30.0, start_timeout_s=180.0)
     pids = pool.pids
-    start = time.monotonic()
+    # the dead rank's path, not the 30 s timeout's: that one would report rank 0 "timed out"
     with pytest.raises(
         RankError, match=r"rank\(s\) \[1\] failed during .*; rank\(s\) \[0\] had not answered"
     ) as info:
         pool.run(_exit_on_rank1_others_wait)
-    assert time.monotonic() - start < 15.0  # not the 30 s collective timeout
     assert info.value.details == {1: "process died (exit code 3) during _exit_on_rank1_others_wait"}
     assert not any(_alive(pid) for pid in pids)  # the busy rank 0 was ended too
 
@@ -226,10 +225,9 @@ def test_dead_rank_fails_fast_even_while_its_peer_is_busy() -> None:
 def test_call_past_its_timeout_names_the_silent_rank() -> None:
     pool = RankPool(2, timeout_s=30.0, start_timeout_s=180.0)
     pool.run(_pid)  # warm up: the first call imports this module in the workers (slow under load)
-    start = time.monotonic()
+    # the call's own 3 s, not the pool's 30 s nor the 60 s sleep: the details name the bound that ended it
     with pytest.raises(RankError, match=r"rank\(s\) \[0\] timed out during _sleep_on_rank0") as info:
         pool.run(_sleep_on_rank0, 60.0, timeout_s=3.0)
-    assert time.monotonic() - start < 15.0
     assert info.value.details == {0: "no answer within 3 s during _sleep_on_rank0"}
 
 
