@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                          for name, root in roots.items()} for label, kind, n, calls in CELLS}
     names = list(roots)
     lines.append(f"Packages: {'; '.join(notes + ['working tree: this checkout, its built C extensions'])}.\n")
-    lines.append("Instructions per call, (Ir(3 x calls) - Ir(calls)) / (2 x calls), calls = 1000 (ht step: 20); "
+    calls = ", ".join(f"{label} {n}" for label, _, _, n in CELLS)
+    lines.append(f"Instructions per call, (Ir(3 x calls) - Ir(calls)) / (2 x calls), calls: {calls}; "
                  "host backend, uvloop, each ubatch awaiting one dbo_yield (ht step: the 61-layer ht sequence). "
                  "Ratios: the working tree over each base.\n\n")
     ratio_heads = [f"now / {name}" for name in names[:-1]]

@@ -53,7 +53,6 @@ import asyncio
 import heapq
 import itertools
 import logging
-import operator
 import sys
 import time
 import weakref
