@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))
 RESULTS = HERE / "results"
 
 from asyncdbo import dbo_yield, run_ubatches  # noqa: E402
-from asyncdbo._core import kernel  # noqa: E402
+from asyncdbo._core import kernel, parking  # noqa: E402
 import _progress  # noqa: E402
 
 DESIGNS = ("blocking sleep 0.1 ms", "loop timer 0.1 ms", "loop timer 1 ms", "none")
@@ -41,9 +41,9 @@ DESIGNS = ("blocking sleep 0.1 ms", "loop timer 0.1 ms", "loop timer 1 ms", "non
 @contextmanager
 def design(name: str) -> Iterator[None]:
     """Patch the kernel's poll to ``name`` for the duration."""
-    saved_s, saved_poll = kernel.GIL_HANDOFF_S, kernel.DBORun._let_the_loop_run
+    saved_s, saved_poll = parking.GIL_HANDOFF_S, parking.Parking._let_the_loop_run
     if name == "none":
-        kernel.GIL_HANDOFF_S = 0.0
+        parking.GIL_HANDOFF_S = 0.0
     elif name.startswith("loop timer"):
         wait_s = 0.001 if name.endswith("1 ms") else 0.0001
 
@@ -55,13 +55,13 @@ def design(name: str) -> Iterator[None]:
             self._poll_at = kernel._now() + self.loop_poll_s
             await asyncio.sleep(wait)
 
-        kernel.DBORun._let_the_loop_run = timer_poll  # type: ignore[method-assign]
+        parking.Parking._let_the_loop_run = timer_poll  # type: ignore[method-assign]
     else:
-        kernel.GIL_HANDOFF_S = 0.0001
+        parking.GIL_HANDOFF_S = 0.0001
     try:
         yield
     finally:
-        kernel.GIL_HANDOFF_S, kernel.DBORun._let_the_loop_run = saved_s, saved_poll  # type: ignore[method-assign]
+        parking.GIL_HANDOFF_S, parking.Parking._let_the_loop_run = saved_s, saved_poll  # type: ignore[method-assign]
 
 
 async def one_run(cap_s: float) -> tuple[float, float]:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     lines, info = results_preamble("GIL hand-over while ubatches switch: blocking sleep, loop timer, none",
                                    f"python benchmarks/gil_handoff.py --reps {args.reps} --cap-s {args.cap_s:g}")
     lines += [
-        f"Kernel default GIL_HANDOFF_S = {kernel.GIL_HANDOFF_S:g} s, switch interval {sys.getswitchinterval():g} s, loop_poll_s "
+        f"Kernel default GIL_HANDOFF_S = {parking.GIL_HANDOFF_S:g} s, switch interval {sys.getswitchinterval():g} s, loop_poll_s "
         f"{kernel.LOOP_POLL_S:g} s, C kernel loop {'on' if kernel._spin is not None else 'off'}; {args.reps} rounds after a "
         f"warm-up round, every row once per round; the switching ubatch stops after {args.cap_s:g} s. Latency includes the job's own 1 ms sleep.",
         "",

@@ -5,6 +5,7 @@ test suite fails when the file is stale."""
 from __future__ import annotations
 
 import re
+from typing import Any
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,9 +89,7 @@ def generate_reference() -> str:
                 out += [para, ""]
             if inspect.isclass(obj):
                 members = []
-                for mn, mv in vars(obj).items():
-                    if mn.startswith("_") or not (callable(mv) or isinstance(mv, (property, classmethod, staticmethod))):
-                        continue
+                for mn, mv in _own_members(obj):
                     f = mv.fget if isinstance(mv, property) else getattr(mv, "__func__", mv)
                     d = _first_para(f)
                     label = mn if isinstance(mv, property) else _sig(mn, f)
@@ -98,6 +97,24 @@ def generate_reference() -> str:
                 if members:
                     out += [*members, ""]
     return "\n".join(out) + "\n"
+
+
+def _own_members(cls: type) -> list[tuple[str, Any]]:
+    """The public methods and properties of ``cls``, with those it inherits from the kernel's
+    private base classes (``DBORun`` is built from ``Parking`` and ``Endings``, which the reference
+    does not list), in MRO order, each name once."""
+    import asyncdbo._core as core
+
+    seen: dict[str, Any] = {}
+    for base in cls.__mro__:
+        if base is not cls and (not base.__module__.startswith("asyncdbo._core.") or base.__name__ in core.__all__):
+            continue
+        for mn, mv in vars(base).items():
+            if mn.startswith("_") or mn in seen:
+                continue
+            if callable(mv) or isinstance(mv, (property, classmethod, staticmethod)):
+                seen[mn] = mv
+    return list(seen.items())
 
 
 if __name__ == "__main__":

@@ -42,18 +42,16 @@ a deque pop and push, and a counter. Where the optional C extension was built
 involved, and hands everything else back to the Python loop below, which stays the reference
 (``ASYNCDBO_PURE_PYTHON=1`` runs it alone). See benchmarks/switch_cost.py.
 
-Parking, waking and the run's sleep (invariants 3 and 4) live in :mod:`asyncdbo._core.parking`;
-the endings of a ubatch and a run (invariants 5 and 8) in :mod:`asyncdbo._core.endings`, the
-base classes of :class:`DBORun`; cancellation (invariant 5) in :mod:`asyncdbo._core.cancel`.
+Parking, waking, cancelling one ubatch, the loop poll and the run's sleep (invariants 3, 4 and
+7) live in :mod:`asyncdbo._core.parking`; the endings of a ubatch and a run (invariants 5 and 8)
+in :mod:`asyncdbo._core.endings`, the base classes of :class:`DBORun`; cancellation at a
+suspension point (invariant 5) in :mod:`asyncdbo._core.cancel`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
-import logging
-import sys
 import time
 import weakref
 from collections import deque
@@ -62,18 +60,16 @@ from asyncio import tasks as _tasks
 from types import BuiltinFunctionType, EllipsisType, ModuleType
 from typing import Any
 
-from .cancel import throw_at_next_resume
 from .clock import Clock, MonotonicClock
 from .endings import Endings
 from .extensions import load_extension
 from .instrument import Instrument
 from .live import LIVE_RUNS
-from .parking import is_future
 from .tasks import RunTaskFactory, UBatchTaskView, attach_task_factory, enter_view, leave_view, set_current_task
 from .traps import SWITCH
 from .ubatch import UBatch, UBatchState, current_ubatch
 
-__all__ = ["GIL_HANDOFF_S", "LIVE_RUNS", "LOOP_POLL_S", "DBORun"]
+__all__ = ["LIVE_RUNS", "LOOP_POLL_S", "DBORun"]
 
 READY, PARKED, DONE = UBatchState.READY, UBatchState.PARKED, UBatchState.DONE
 
@@ -102,14 +98,6 @@ _current_task: Callable[[asyncio.AbstractEventLoop], Any] | None = (
 #: Default for how often the kernel lets the event loop run while a ubatch waits on it and others
 #: keep switching (seconds of real time).
 LOOP_POLL_S = 0.001
-
-#: How long a loop poll hands the GIL to other threads, once a ubatch has waited on the loop for
-#: longer than the interpreter's switch interval (seconds; 0 turns the hand-over off). See
-#: ``DBORun._let_the_loop_run``.
-GIL_HANDOFF_S = 0.0001
-
-log = logging.getLogger("asyncdbo")
-
 
 
 async def _nothing() -> None:
@@ -225,19 +213,11 @@ class DBORun(Endings):
         self._ready.extend(ubs)
         self._released = False
 
-    def _arm(
-        self,
-        install: Callable[[object], None] | None,
-        before_park: Callable[[UBatch], None] | None,
-        at_exit: Callable[[UBatch], None] | None,
-        instrument: Instrument | None,
-        watchdog_s: float | None,
-        clock: Clock | None,
-        loop_poll_s: float,
-        name: str | None,
-    ) -> None:
-        """The run's options, then every per-run field at its start value (the ubatches are in
-        the ready ring)."""
+    def _arm(self, install: Callable[[object], None] | None, before_park: Callable[[UBatch], None] | None,
+             at_exit: Callable[[UBatch], None] | None, instrument: Instrument | None, watchdog_s: float | None,
+             clock: Clock | None, loop_poll_s: float, name: str | None) -> None:
+        """The options of :meth:`restart` (and ``__init__``), in their order, then every per-run
+        field at its start value (the ubatches are in the ready ring)."""
         self._name = name
         self.instrument = instrument
         self.watchdog_s = watchdog_s
@@ -273,30 +253,6 @@ class DBORun(Endings):
             self._installed = obj
             if self._install is not None:
                 self._install(obj)
-
-    def call_at(self, deadline: float, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` on the kernel's thread once ``self.clock.now() >= deadline``.
-
-        Checked between ubatch steps and while sleeping, so it fires even while other ubatches
-        keep the CPU busy (a loop timer would wait until they all park)."""
-        heapq.heappush(self._timers, (deadline, next(self._timer_seq), fn))
-
-    def cancel_ubatch(self, ub: UBatch, msg: Any = None) -> bool:
-        """Cancel one ubatch the way ``Task.cancel`` cancels a task: ``CancelledError`` is raised at
-        its suspension point when it next runs (at once if it waits on an asyncio future). The run
-        goes on; what happens next is the ubatch's business (``asyncio.timeout`` turns it into
-        ``TimeoutError``). False if it already finished."""
-        if ub.state is DONE:
-            return False
-        ub.cancels += 1
-        parked = ub.parked_on
-        if ub.state is PARKED and is_future(parked) and not parked.done():
-            parked.cancel(msg)  # its done callback wakes the ubatch; its await raises CancelledError
-            return True
-        throw_at_next_resume(ub, asyncio.CancelledError() if msg is None else asyncio.CancelledError(msg))
-        if ub.state is PARKED:
-            self.wake(ub, parked)
-        return True
 
     # ------------------------------------------------------------------ the run
     async def drive(self) -> list[Any]:
@@ -472,15 +428,12 @@ class DBORun(Endings):
                     return
                 elif status == _EXITED or status == _EMPTY:
                     return  # its exit woke or armed something (drained out there first), or none is left to run
-                elif status == _EXIT_FAILED:  # _finish's annotation of an exit that raised
-                    self._annotate(ub, value, where="at its exit")
-                    try:
-                        raise value
-                    finally:
-                        del value  # see below
                 else:
-                    assert status == _FAILED, status
-                    self._failed(ub, value)
+                    if status == _EXIT_FAILED:  # _finish's annotation of an exit that raised
+                        self._annotate(ub, value, where="at its exit")
+                    else:
+                        assert status == _FAILED, status
+                        self._failed(ub, value)
                     try:
                         raise value
                     finally:
@@ -499,22 +452,3 @@ class DBORun(Endings):
             return Endings._release_records(self)
         results: list[Any] = _spin.release(self.ubatches)  # the same in C (Endings._release_records is its reference)
         return results
-
-    async def _let_the_loop_run(self) -> None:
-        """A ubatch waits on the event loop: let the loop run one turn (invariant 7).
-
-        A thread that needs the GIL (an executor job a ubatch awaits) is granted it by force only
-        once its holder kept it a whole switch interval. Every poll releases and retakes the GIL
-        (the loop's ``select``), which restarts that wait, so behind ubatches that keep switching
-        such a job can starve while a core is free for each thread. Once the wait is longer than
-        the switch interval, each poll therefore also sleeps ``GIL_HANDOFF_S`` with the GIL
-        released. The sleep blocks the loop on purpose: between polls the loop is the kernel's
-        anyway (the switching ubatches hold it for ``loop_poll_s``), and the loop's own wait cannot
-        hand over less than a millisecond on uvloop, whose timers round a 0.1 ms delay to a plain
-        poll. benchmarks/gil_handoff.py compares the designs (benchmarks/results/gil_handoff_*.md)."""
-        self._poll_due = False
-        if GIL_HANDOFF_S and self._loop_waits and _now() - self._loop_wait_since > sys.getswitchinterval():
-            time.sleep(GIL_HANDOFF_S)
-        self._poll_at = _now() + self.loop_poll_s  # loop_poll_s of switching between polls
-        self._go_home()
-        await asyncio.sleep(0)

@@ -2,9 +2,10 @@
 
 :class:`Parking` is the half of :class:`~asyncdbo._core.kernel.DBORun` that is not the switch
 loop: parking a ubatch on a :class:`Signal`, an asyncio future or one turn of the event loop,
-moving woken ubatches back into the ring, firing the run's timers, and sleeping on one asyncio
-future while every live ubatch is parked (with the watchdog and the deadlock check that bound
-that sleep). The kernel's invariants 3 and 4 live here.
+moving woken ubatches back into the ring, firing the run's timers, cancelling one ubatch (a parked
+one is woken to take it), letting the event loop run one turn while a ubatch waits on it, and
+sleeping on one asyncio future while every live ubatch is parked (with the watchdog and the
+deadlock check that bound that sleep). The kernel's invariants 3, 4 and 7 live here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import heapq
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 from .cancel import cancel_now, throw_at_next_resume
@@ -32,6 +33,11 @@ __all__ = ["Parking", "is_future"]
 
 READY, PARKED, DONE = UBatchState.READY, UBatchState.PARKED, UBatchState.DONE
 _now = time.perf_counter
+
+#: How long a loop poll hands the GIL to other threads, once a ubatch has waited on the loop for
+#: longer than the interpreter's switch interval (seconds; 0 turns the hand-over off). See
+#: :meth:`Parking._let_the_loop_run`.
+GIL_HANDOFF_S = 0.0001
 
 
 _UNKNOWN = object()  # what is installed after an event-loop wait: whatever another task left
@@ -107,10 +113,12 @@ class Parking:
     _loop_waits: int  # ubatches parked on the event loop (futures, sleeps, bare yields)
     _loop_wait_since: float
     _poll_at: float
+    _poll_due: bool
     _before_park: Callable[[UBatch], None] | None
     _ready: deque[UBatch]
     _woken: deque[tuple[UBatch, object]]
     _timers: list[tuple[float, int, Callable[[], None]]]
+    _timer_seq: Iterator[int]
     _sleeping: bool
     _wakeup: asyncio.Future[None] | None
     _loop: asyncio.AbstractEventLoop | None
@@ -236,11 +244,54 @@ class Parking:
                     self._loop_waits -= 1
                 self._ready.append(ub)
 
+    def call_at(self, deadline: float, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the kernel's thread once ``self.clock.now() >= deadline``.
+
+        Checked between ubatch steps and while sleeping, so it fires even while other ubatches
+        keep the CPU busy (a loop timer would wait until they all park)."""
+        heapq.heappush(self._timers, (deadline, next(self._timer_seq), fn))
+
     def _fire_timers(self) -> None:
         now = self.clock.now()
         timers = self._timers
         while timers and timers[0][0] <= now:
             heapq.heappop(timers)[2]()
+
+    def cancel_ubatch(self, ub: UBatch, msg: Any = None) -> bool:
+        """Cancel one ubatch the way ``Task.cancel`` cancels a task: ``CancelledError`` is raised at
+        its suspension point when it next runs (at once if it waits on an asyncio future). The run
+        goes on; what happens next is the ubatch's business (``asyncio.timeout`` turns it into
+        ``TimeoutError``). False if it already finished."""
+        if ub.state is DONE:
+            return False
+        ub.cancels += 1
+        parked = ub.parked_on
+        if ub.state is PARKED and is_future(parked) and not parked.done():
+            parked.cancel(msg)  # its done callback wakes the ubatch; its await raises CancelledError
+            return True
+        throw_at_next_resume(ub, asyncio.CancelledError() if msg is None else asyncio.CancelledError(msg))
+        if ub.state is PARKED:
+            self.wake(ub, parked)
+        return True
+
+    async def _let_the_loop_run(self) -> None:
+        """A ubatch waits on the event loop: let the loop run one turn (invariant 7).
+
+        A thread that needs the GIL (an executor job a ubatch awaits) is granted it by force only
+        once its holder kept it a whole switch interval. Every poll releases and retakes the GIL
+        (the loop's ``select``), which restarts that wait, so behind ubatches that keep switching
+        such a job can starve while a core is free for each thread. Once the wait is longer than
+        the switch interval, each poll therefore also sleeps ``GIL_HANDOFF_S`` with the GIL
+        released. The sleep blocks the loop on purpose: between polls the loop is the kernel's
+        anyway (the switching ubatches hold it for ``loop_poll_s``), and the loop's own wait cannot
+        hand over less than a millisecond on uvloop, whose timers round a 0.1 ms delay to a plain
+        poll. benchmarks/gil_handoff.py compares the designs (benchmarks/results/gil_handoff_*.md)."""
+        self._poll_due = False
+        if GIL_HANDOFF_S and self._loop_waits and _now() - self._loop_wait_since > sys.getswitchinterval():
+            time.sleep(GIL_HANDOFF_S)
+        self._poll_at = _now() + self.loop_poll_s  # loop_poll_s of switching between polls
+        self._go_home()
+        await asyncio.sleep(0)
 
     # ------------------------------------------------------------------ every ubatch parked
     def _poke(self) -> None:
