@@ -133,22 +133,42 @@ lane_item(State *st, PyObject *lane, int f, PyObject *key)
 }
 
 /* Where the calling Python code is: (code, lasti) of the frame that called the primitive, what
- * the missing-await report turns into file:line (asyncdbo.dbo.awaits). None without a frame. */
+ * the missing-await report turns into file:line (asyncdbo.dbo.awaits). None without a frame.
+ * ``reuse``: the pair the slot holds now, or NULL. Where nothing but the slot refers to it (only
+ * a caller that kept ``ub.unawaited_at`` could; the count is exact under the GIL, which the
+ * module requires), it is refilled in place and returned, as zip() and enumerate() reuse their
+ * result tuple: a primitive records a site per call, and a new tuple per call was the larger part
+ * of that cost (benchmarks/instructions.py). Its old items go to ``dropped`` (new references, or
+ * NULL) for the caller to release once the ubatch's fields are all stored: their release may run
+ * code (a weakref callback on a code object), which then sees what Python's primitives leave. */
 static PyObject *
-caller_site(void)
+caller_site(PyObject *reuse, PyObject *dropped[2])
 {
     PyFrameObject *f = PyEval_GetFrame(); /* borrowed */
     if (f == NULL)
         return Py_NewRef(Py_None);
     PyCodeObject *code = PyFrame_GetCode(f); /* new reference */
     PyObject *lasti = PyLong_FromLong(PyFrame_GetLasti(f));
-    PyObject *site = lasti == NULL ? NULL : PyTuple_New(2);
-    if (site == NULL) {
+    if (lasti == NULL) {
         Py_DECREF(code);
-        Py_XDECREF(lasti);
         return NULL;
     }
-    /* built in place, not by Py_BuildValue's format parser: a primitive makes one per call */
+    if (reuse != NULL && PyTuple_CheckExact(reuse) && PyTuple_GET_SIZE(reuse) == 2 && Py_REFCNT(reuse) == 1) {
+        dropped[0] = PyTuple_GET_ITEM(reuse, 0);
+        dropped[1] = PyTuple_GET_ITEM(reuse, 1);
+        PyTuple_SET_ITEM(reuse, 0, (PyObject *)code);
+        PyTuple_SET_ITEM(reuse, 1, lasti);
+        if (!PyObject_GC_IsTracked(reuse)) /* the collector may have untracked it: zip() does the same */
+            PyObject_GC_Track(reuse);
+        return Py_NewRef(reuse);
+    }
+    PyObject *site = PyTuple_New(2);
+    if (site == NULL) {
+        Py_DECREF(code);
+        Py_DECREF(lasti);
+        return NULL;
+    }
+    /* built in place, not by Py_BuildValue's format parser */
     PyTuple_SET_ITEM(site, 0, (PyObject *)code);
     PyTuple_SET_ITEM(site, 1, lasti);
     return site;
@@ -707,17 +727,21 @@ fast_lane(State *st, PyObject *ub, int nodebug)
     return lane;
 }
 
-/* ub.unawaited = mark; ub.unawaited_at = (code, lasti) of the caller. 0 or -1. */
+/* ub.unawaited = mark; ub.unawaited_at = (code, lasti) of the caller, in that order, then the
+ * release of what they held (Python's order). 0 or -1. */
 static int
 mark(State *st, PyObject *ub, PyObject *mark_)
 {
-    PyObject *site = caller_site();
+    PyObject *dropped[2] = {NULL, NULL};
+    PyObject *site = caller_site(ADB_SLOT(ub, st->ub[UB_UNAWAITED_AT]), dropped);
     if (site == NULL)
         return -1;
-    adb_slot_set(ub, st->ub[UB_UNAWAITED], mark_);
+    adb_slot_set(ub, st->ub[UB_UNAWAITED], mark_); /* the fast paths run with None there: no code runs */
     PyObject *old = ADB_SLOT(ub, st->ub[UB_UNAWAITED_AT]);
     ADB_SLOT(ub, st->ub[UB_UNAWAITED_AT]) = site;
-    Py_XDECREF(old);
+    Py_XDECREF(old); /* a reused pair: only the reference caller_site added */
+    Py_XDECREF(dropped[0]);
+    Py_XDECREF(dropped[1]);
     return 0;
 }
 

@@ -169,6 +169,48 @@ def by_hand(kind: str) -> Callable[[int], Awaitable[Any]]:
     return program
 
 
+def site(kind: str) -> Callable[[int], Awaitable[Any]]:
+    """Where a primitive records its caller (``ub.unawaited_at``), which the C primitives refill in
+    place while nothing else holds it: a pair the program kept, a code object that the refill
+    frees (its weakref callback reads the ubatch), and a pair the collector untracked."""
+    import gc
+    import weakref
+
+    from asyncdbo.dbo.awaits import site_of
+
+    async def program(i: int) -> Any:
+        ub = get_ubatch()
+        if kind == "kept":
+            aw = asyncdbo.dbo_yield("a")
+            kept = ub.unawaited_at
+            before = tuple(kept)
+            await aw
+            await asyncdbo.dbo_yield("b")
+            return [kept == before, kept is ub.unawaited_at, site_of(kept), site_of(ub.unawaited_at)]
+        if kind == "freed_code":
+            seen: list[Any] = []
+            scope: dict[str, Any] = {}
+            exec(compile("def make(prim):\n    return prim('made')\n", f"<made {i}>", "exec"), {}, scope)
+            make = scope.pop("make")  # its globals are another dict: no cycle keeps it
+            aw = make(asyncdbo.dbo_yield)
+            ref = weakref.ref(make.__code__, lambda _: seen.append((site_of(ub.unawaited_at), ub.unawaited)))
+            del make
+            await aw
+            await asyncdbo.dbo_yield("next")  # the pair of make's site is refilled: make's code goes
+            return [seen, ref() is None]
+        if kind == "untracked":
+            await asyncdbo.dbo_yield("a")
+            gc.collect()  # a pair of untracked items is untracked by the collection
+            before = gc.is_tracked(ub.unawaited_at)
+            aw = asyncdbo.dbo_yield("b")
+            after = gc.is_tracked(ub.unawaited_at)
+            await aw
+            return [before, after, site_of(ub.unawaited_at)]
+        raise AssertionError(kind)
+
+    return program
+
+
 def cases(group: str) -> dict[str, tuple[Callable[[int], Awaitable[Any]], dict[str, Any]]]:
     """The cases of a group: name -> (program, run_ubatches options)."""
     out: dict[str, tuple[Callable[[int], Awaitable[Any]], dict[str, Any]]] = {}
@@ -191,6 +233,9 @@ def cases(group: str) -> dict[str, tuple[Callable[[int], Awaitable[Any]], dict[s
     elif group == "by_hand":
         for kind in ("send_value", "class_attribute", "replace_coro", "throw_into_fresh", "close_then_send"):
             out[kind] = (by_hand(kind), {"backend": "host"})
+    elif group == "site":
+        for kind in ("kept", "freed_code", "untracked"):
+            out[kind] = (site(kind), {"backend": "host"})
     elif group == "configure":
         out["after a failed configure"] = (configure_misuse(), {"backend": RecordingBackend([])})
     else:

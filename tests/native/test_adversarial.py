@@ -8,7 +8,9 @@ their messages and notes, warnings) must equal those of the pure-Python referenc
 of the UBatch and Lane records deleted before a primitive's call or between the call and its
 await; an awaitable re-entered from a backend's install and from the signal it waits on; values
 sent and exceptions thrown into it by hand; a primitive stored as a class attribute; a replaced
-``ub.coro``; and configure() of each extension given types without those slots or with another
+``ub.coro``; the recorded call site (``ub.unawaited_at``, refilled in place on C) kept by the
+program, freeing a code object whose weakref callback reads the ubatch, or untracked by the
+collector; and configure() of each extension given types without those slots or with another
 class's member descriptors.
 """
 
@@ -35,7 +37,7 @@ GROUPS = (
     [f"ub.{f}" for f in UB_FIELDS]
     + [f"lane.{f}" for f in LANE_FIELDS]
     + [f"kernel.{f}" for f in KERNEL_FIELDS]
-    + ["reentry", "by_hand", "configure"]
+    + ["reentry", "by_hand", "site", "configure"]
 )
 #: one group's limit on the C extensions (its child's alarm); TIMEOUT_S bounds each driver process
 GROUP_LIMIT_S = 60
