@@ -215,6 +215,7 @@ typedef struct {
     PyObject *ub, *lane, *tag, *src, *dst;
     PyObject *event; /* K_ROLE: the src done-event (after the yield); K_WAIT: the signal or None */
     PyObject *sub;   /* S_WAITING: the signal's __await__ iterator */
+    State *st;       /* its module's state, which outlives it (it holds its type, which holds the module) */
 } StepObject;
 
 static PyObject *
@@ -234,6 +235,7 @@ step_new(State *st, int kind, PyObject *ub, PyObject *lane, PyObject *tag, PyObj
     s->dst = Py_XNewRef(dst);
     s->event = Py_XNewRef(event);
     s->sub = NULL;
+    s->st = st;
     PyObject_GC_Track(s);
     return (PyObject *)s;
 }
@@ -442,7 +444,7 @@ step_run(StepObject *s, PyObject *value)
         return NULL;
     Py_INCREF(s); /* whatever the resume runs may drop the last other reference */
     int live = s->state != S_DONE;
-    PyObject *r = step_advance(state_of_type(Py_TYPE(s)), s, value);
+    PyObject *r = step_advance(s->st, s, value);
     if (r == NULL && live)
         pep479();
     s->running = 0;
@@ -706,6 +708,7 @@ typedef struct {
     PyObject *src, *dst;
     PyObject *marks; /* P_ROLE: the shared marks by tag (a dict); P_SYNC: the mark itself */
     Py_ssize_t fallbacks; /* calls that the Python version handled */
+    State *st; /* its module's state, read once: it outlives the object (as StepObject's) */
 } PrimitiveObject;
 
 /* The checks made before anything changes: an exact UBatch with nothing pending and (where
@@ -790,7 +793,7 @@ static PyObject *
 primitive_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     PrimitiveObject *self = (PrimitiveObject *)self_;
-    State *st = state_of_type(Py_TYPE(self_));
+    State *st = self->st;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *ub = NULL, *result = NULL, *lane;
     int tagged = self->kind == P_YIELD || self->kind == P_ROLE;
@@ -906,6 +909,7 @@ primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (p == NULL)
         return NULL;
     p->vectorcall = primitive_call;
+    p->st = st;
     p->kind = k;
     p->pyfunc = Py_NewRef(pyfunc);
     p->deftag = Py_NewRef(tag);
