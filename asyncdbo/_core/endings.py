@@ -19,7 +19,7 @@ from .cancel import cancel_all
 from .errors import NoOverlapWarning
 from .parking import Parking
 from .stacks import format_run
-from .tasks import UBatchTaskView, enter_view, leave_view
+from .tasks import UBatchTaskView, set_current_task
 from .ubatch import UBatch, UBatchState
 
 if TYPE_CHECKING:
@@ -72,12 +72,14 @@ class Endings(Parking):
             )
 
     def _enter_view(self) -> None:
+        """Make the run's task view the loop's current task (the kernel resumes ubatches)."""
         if self._view is not None:
-            enter_view(self._loop, self._task, self._view)  # type: ignore[arg-type]
+            set_current_task(self._loop, self._view)  # type: ignore[arg-type]  # a view has a loop
 
     def _leave_view(self) -> None:
+        """Give the loop the task that drives the run back (before the kernel awaits)."""
         if self._view is not None:
-            leave_view(self._loop, self._task, self._view)  # type: ignore[arg-type]
+            set_current_task(self._loop, self._task)  # type: ignore[arg-type]
 
     def _failed(self, ub: UBatch, exc: BaseException) -> None:
         """``ub`` raised: it is done, and its error gets a note (the caller re-raises it)."""

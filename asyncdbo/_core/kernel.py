@@ -65,7 +65,7 @@ from .endings import Endings
 from .extensions import load_extension
 from .instrument import Instrument
 from .live import LIVE_RUNS
-from .tasks import RunTaskFactory, UBatchTaskView, attach_task_factory, enter_view, leave_view, set_current_task
+from .tasks import RunTaskFactory, UBatchTaskView, attach_task_factory, set_current_task
 from .traps import SWITCH
 from .ubatch import UBatch, UBatchState, current_ubatch
 
@@ -331,11 +331,11 @@ class DBORun(Endings):
         if view is None:
             self._switch()
             return
-        enter_view(self._loop, self._task, view)  # type: ignore[arg-type]  # a view has both
+        set_current_task(self._loop, view)  # type: ignore[arg-type]  # a view has a loop and a task
         try:
             self._switch()
         finally:
-            leave_view(self._loop, self._task, view)  # type: ignore[arg-type]
+            set_current_task(self._loop, self._task)  # type: ignore[arg-type]
 
     def _switch(self) -> None:
         if _spin is not None and self.instrument is None and not self._loop_waits:

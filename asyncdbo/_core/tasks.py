@@ -43,7 +43,7 @@ from .ubatch import UBatch, current_ubatch
 if TYPE_CHECKING:
     from .kernel import DBORun
 
-__all__ = ["RunTaskFactory", "UBatchTaskView", "attach_task_factory", "enter_view", "leave_view", "set_current_task"]
+__all__ = ["RunTaskFactory", "UBatchTaskView", "attach_task_factory", "set_current_task"]
 
 #: ``set_current_task(loop, obj)``: make ``obj`` the loop's current task in one call, where the
 #: kernel knows which task is current now (it read it itself): asyncio's ``_swap_current_task``
@@ -114,16 +114,6 @@ class UBatchTaskView:
         ub = self._ubatch()
         where = "" if ub is None else f" ubatch {ub.id}"
         return f"<UBatchTaskView run={self._run.name!r}{where} of {self._task!r}>"
-
-
-def enter_view(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], view: UBatchTaskView) -> None:
-    """Make ``view`` the loop's current task in place of ``task`` (the kernel resumes ubatches)."""
-    set_current_task(loop, view)  # asyncio accepts any object as the current task
-
-
-def leave_view(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], view: UBatchTaskView) -> None:
-    """Give the loop its current task back before the kernel awaits."""
-    set_current_task(loop, task)
 
 
 TaskFactory = Callable[..., "asyncio.Future[Any]"]
