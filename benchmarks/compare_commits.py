@@ -34,6 +34,17 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def build_rev(rev: str, into: Path) -> bool:
+    """The whole tree at ``rev`` in ``into`` (``git archive``), its C extensions built in place
+    from its own sources (``setup.py build_ext --inplace``); whether they built (False without a
+    compiler: that copy then runs pure Python)."""
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    made = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=into,
+                          capture_output=True, check=False)
+    return made.returncode == 0
+
+
 def export_base(rev: str, into: Path, name: str = "asyncdbo_base", built: tuple[Path, ...] = (),
                 built_in: Path = ROOT / "asyncdbo") -> ModuleType:
     """The package at ``rev`` as an importable ``name``. Its Python files only: a C extension of

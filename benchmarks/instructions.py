@@ -93,11 +93,9 @@ def per_call(pkg_root: Path, kind: str, n: int, calls: int) -> float:
 
 def export(rev: str, into: Path) -> tuple[Path, str]:
     """The package at ``rev`` in ``into``, its C extensions built from its own sources."""
-    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    made = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=into,
-                          capture_output=True, check=False)
-    return into, "C extensions built from its sources" if made.returncode == 0 else "pure Python (its C did not build)"
+    from compare_commits import build_rev
+
+    return into, "C extensions built from its sources" if build_rev(rev, into) else "pure Python (its C did not build)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -110,7 +110,7 @@ def export_base(rev: str, into: Path) -> tuple[ModuleType, str]:
     built ones copied in when their sources are the same at ``rev``, else built from ``rev``'s own
     sources (``setup.py build_ext`` in a copy of that revision); without a compiler it runs pure
     Python. Returns the package and a line saying which."""
-    from compare_commits import ROOT
+    from compare_commits import ROOT, build_rev
     from compare_commits import export_base as export
 
     same = subprocess.run(["git", "diff", "--quiet", rev, "--", *C_SOURCES], cwd=ROOT, check=False).returncode == 0
@@ -118,11 +118,7 @@ def export_base(rev: str, into: Path) -> tuple[ModuleType, str]:
     if not same:
         src = into / "src"
         src.mkdir()
-        archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
-        made = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=src,
-                              capture_output=True, check=False)
-        built_in, built = src / "asyncdbo", tuple(src.joinpath("asyncdbo").rglob("_*.so")) if made.returncode == 0 else ()
+        built_in, built = src / "asyncdbo", tuple(src.joinpath("asyncdbo").rglob("_*.so")) if build_rev(rev, src) else ()
     pkg = export(rev, into, built=built, built_in=built_in)
     spin = sys.modules["asyncdbo_base._core.kernel"]._spin
     whose = "this checkout's build" if same else f"built from {rev}'s sources"
