@@ -40,12 +40,9 @@ measured, and chooses the next step's configuration from them:
    share) and by more than ``separation`` standard errors (as Student's t for the pairs' degrees
    of freedom, and higher at the early looks of the sequential test). The comparison ends early
    once even the gain plus that many standard errors stays within the margin; one still not
-   separated at ``max_samples`` pairs is a tie. A tie with off goes to off, so DBO runs only where
-   it is clearly faster than off. A tie of two DBO configurations goes to the trial where its pairs'
-   median is faster by more than the margin (``tie_break``): both are DBO, the comparison is over,
-   and the better median is the likelier faster one; else to the incumbent, so a difference within
-   the margin never flips a choice. After the schedule the choice stays; the incumbent keeps its
-   last ``window`` samples.
+   separated at ``max_samples`` pairs is a tie, and ties go to the default. So DBO runs only where
+   it is clearly faster than off, and a near-tie never flips a choice. After the schedule the
+   choice stays; the incumbent keeps its last ``window`` samples.
 
 Every input is shared by the DP group (the runner exchanges each rank's last step time in the one
 vote of the step and feeds the group's slowest), so every rank holds the same account and makes the
