@@ -116,10 +116,6 @@ class AutoConfig:
     (the product of the pairs' median ratios along the comparisons from the base to the incumbent):
     a variant that changes only how the base's ubatches are cut or dispatched would have to beat
     the base by that much just to tie. None tries every variant the climb allows.
-    ``tie_break``: how a comparison of two DBO configurations ends when it is still not separated
-    at ``max_samples`` pairs: ``"median"`` gives it to the trial where its pairs' median is faster
-    than the incumbent's by more than ``margin``, ``"default"`` keeps the incumbent. A tie with
-    off goes to off either way (DBO runs only where it is clearly faster than off).
     """
 
     ubatch_counts: tuple[int, ...] = (2, 3, 4)
@@ -138,7 +134,6 @@ class AutoConfig:
     behind: float = 0.15
     prune: float | None = 0.15
     step_over: int = 1
-    tie_break: Literal["median", "default"] = "median"
 
     def __post_init__(self) -> None:
         if not self.ubatch_counts or any(n < 2 for n in self.ubatch_counts):
@@ -163,8 +158,6 @@ class AutoConfig:
             raise ValueError(f"prune ({self.prune}) must be >= 0 (a share of the incumbent's time) or None (no pruning)")
         if self.max_arms < 0:
             raise ValueError(f"max_arms ({self.max_arms}) must be >= 0")
-        if self.tie_break not in ("median", "default"):
-            raise ValueError(f"tie_break ({self.tie_break!r}) must be 'median' or 'default'")
         if self.step_over < 0:
             raise ValueError(f"step_over ({self.step_over}) must be >= 0 (ubatch counts lost to off that the climb steps over)")
 
@@ -485,10 +478,7 @@ class AutoPolicy:
                                noise=paired_sigma(pairs), final_n=cfg.max_samples)
             outcome = c.outcome
             if outcome is None and (len(xa) >= cfg.max_samples or (cfg.stop_behind and c.gain <= 0)):
-                # still not separated, or the other not even ahead: the tie goes to the default, bar
-                # a DBO trial whose median is ahead by more than the margin at the last pair
-                last = len(xa) >= cfg.max_samples and c.gain > cfg.margin
-                outcome = "other" if last and cfg.tie_break == "median" and OFF not in (arm, inc) else "default"
+                outcome = "default"  # still not separated, or the other not even ahead: the tie goes to the default
             if outcome is None:
                 continue
             winner, loser = (other, default) if outcome == "other" else (default, other)
