@@ -742,7 +742,7 @@ mark(State *st, PyObject *ub, PyObject *mark_)
     adb_slot_set(ub, st->ub[UB_UNAWAITED], mark_); /* the fast paths run with None there: no code runs */
     PyObject *old = ADB_SLOT(ub, st->ub[UB_UNAWAITED_AT]);
     ADB_SLOT(ub, st->ub[UB_UNAWAITED_AT]) = site;
-    Py_XDECREF(old); /* a reused pair: only the reference caller_site added */
+    Py_XDECREF(old); /* the old pair; where it was refilled, the reference caller_site added */
     Py_XDECREF(dropped[0]);
     Py_XDECREF(dropped[1]);
     return 0;
