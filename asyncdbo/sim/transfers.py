@@ -90,7 +90,10 @@ class SimHandle:
                     # before the wait lets another ubatch's work overlap the transfer
                     from ..dbo import dbo_yield
 
-                    yield from dbo_yield("sim: counterfactual yield").__await__()
+                    aw: Any = dbo_yield("sim: counterfactual yield")
+                    # the C primitive returns an object with __await__, the Python one a
+                    # generator-based coroutine (types.coroutine), which has none: iterate either
+                    yield from (aw.__await__() if hasattr(aw, "__await__") else aw)
                 elif self.owner_waited:  # already used in this segment: the await cannot move
                     be.undeferred.add(("comm-not-overlapped", w.site.place))
                 else:
