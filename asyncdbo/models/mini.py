@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from ..dist.ep import EPComm, ep_comm
 from ..moe import MoEConfig, MoELayer
 from ..moe.batch_invariant import ROW_TILE, is_deterministic, linear
 from ..moe.config import Schedule, Scoring
@@ -180,6 +181,9 @@ class MiniModel:
                 "moe": MoELayer(moe_cfg, ep_group=ep_group, seed=cfg.seed * 1000 + layer + 1, dtype=dtype,
                                 max_ubatches=max_ubatches).to(device),
             })
+        #: The EP group its MoE layers all-to-all on (one for all of them; a tuning="auto"
+        #: DBORunner checks that its DP vote holds every rank of it).
+        self.ep_comm: EPComm = ep_comm(ep_group, max_ubatches=max_ubatches)  # the layers' own, cached
         self.final_norm_D = torch.ones(d, dtype=dtype, device=device)
         self.lm_head_DV = init(d, cfg.vocab_size, fan_in=d)
         self.kv_cache = PagedKVCache(cfg.kv_cache_config, dtype=dtype, device=device)

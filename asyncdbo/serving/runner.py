@@ -52,6 +52,7 @@ import torch
 from .._core import Clock, Instrument, MonotonicClock
 from ..backends import CommRecord, LinkSpec, StreamBackend, StreamPolicy, get_backend
 from ..dbo import DBOOptions, PreparedRun, RunStats, prepare_run
+from ..dist.ep import EPComm
 from ..dist.fused import DISPATCH_MODES, DispatchMode, dispatch_options
 from ..dist.recovery import StepSync, step_sync
 from ..plan import (
@@ -111,8 +112,10 @@ class RunnerConfig:
     DP vote, which every rank shares, so a step without one (no ``dp_group``) splits in every
     mode, under ``tuning="auto"`` too (its one-rank vote is this rank's alone), whose search then
     tries only the first of ``AutoConfig.dispatches`` (the others would run alike). The EP group's
-    ranks must all be in the DP group (not checked: ranks outside it would size their buffers from
-    another vote).
+    ranks must all be in the DP group: ranks outside it would size their buffers from another vote,
+    and under ``tuning="auto"`` choose another configuration (an auto runner refuses such a
+    ``dp_group``, or none, where the model names its EP group as ``model.ep_comm``, as
+    :class:`~asyncdbo.models.MiniModel` and the HF models do).
     """
 
     num_ubatches: int = 2
@@ -211,6 +214,7 @@ class DBORunner:
                     f"{cfg.auto.ubatch_counts}) but the model's MoE layers were built for max_ubatches={max_ub}; "
                     f"build them with max_ubatches >= {cfg.auto.max_ubatches} or pass "
                     f"AutoConfig(ubatch_counts=...) within it")
+            _check_auto_group(model, dp_group)
         else:
             check_max_ubatches(cfg.num_ubatches, getattr(model, "max_ubatches", None))
         self.model = model
@@ -415,3 +419,30 @@ def _dispatch_block(plan: StepPlan, policy: str, dispatch: DispatchMode) -> cont
         bound = max(s.num_tokens_padded for s in plan.slices)
     return dispatch_options(max(bound, 1), dispatch)
 
+
+def _check_auto_group(model: Any, dp_group: Any) -> None:
+    """Refuse an ``"auto"`` runner whose model's EP all-to-all spans ranks that do not vote with
+    it. Each rank's policy chooses from the step times it is fed; only the DP vote feeds every rank
+    the same ones (:mod:`asyncdbo.serving.auto`). A rank that plans alone (no ``dp_group``), or
+    with a vote that misses some of its EP peers, chooses from its own times, and two EP peers that
+    choose different ubatch counts or splits issue different all-to-alls on the per-ubatch groups.
+    The model says its EP group as ``model.ep_comm`` (an :class:`~asyncdbo.dist.ep.EPComm`, as
+    :class:`~asyncdbo.models.MiniModel` and the HF models do); a model without one is not checked."""
+    comm = getattr(model, "ep_comm", None)
+    if not isinstance(comm, EPComm) or comm.size == 1:
+        return
+    ep_ranks = torch.distributed.get_process_group_ranks(comm.group if comm.group is not None
+                                                         else torch.distributed.group.WORLD)
+    if dp_group is None:
+        raise ValueError(
+            f"tuning='auto' with an EP group of {comm.size} ranks {ep_ranks} needs dp_group: without it each "
+            "rank chooses its configuration from its own step times, and EP peers that choose different ubatch "
+            "counts issue different all-to-alls; pass dp_group= a group holding every EP rank (e.g. the EP "
+            "group itself), or use tuning='fixed'")
+    dp_ranks = torch.distributed.get_process_group_ranks(dp_group)
+    outside = sorted(set(ep_ranks) - set(dp_ranks))
+    if outside:
+        raise ValueError(
+            f"tuning='auto': EP ranks {outside} (EP group {ep_ranks}) are not in dp_group (ranks "
+            f"{sorted(dp_ranks)}), so they would choose their configuration from other votes and issue "
+            "different all-to-alls; pass a dp_group that holds every EP rank")

@@ -60,3 +60,23 @@ async def _agree(rank: int, steps: int) -> dict[str, Any]:
 
 def agree(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     return asyncdbo.run(_agree, rank, steps)  # type: ignore[arg-type]
+
+
+def auto_groups(rank: int, world_size: int) -> dict[str, Any]:
+    """What an "auto" runner over a model whose EP spans every rank says of each DP group: none, a
+    one-rank group (each rank votes alone), the whole world."""
+    from _model_ranks import SMALL
+
+    from asyncdbo.models import MiniModel
+
+    model = MiniModel(SMALL)  # EP over the default group: both ranks (a collective, as built on both)
+    alone = [torch.distributed.new_group([r]) for r in range(world_size)][rank]  # new_group: a collective
+    out: dict[str, Any] = {}
+    for name, group in (("none", None), ("alone", alone), ("world", torch.distributed.group.WORLD)):
+        try:
+            DBORunner(model, RunnerConfig(tuning="auto"), dp_group=group)
+            out[name] = "ok"
+        except ValueError as exc:
+            out[name] = str(exc)
+    DBORunner(model, RunnerConfig(), dp_group=None)  # a fixed runner plans from its thresholds: not refused
+    return out

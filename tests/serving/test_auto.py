@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _auto_ranks import CACHE, ClockedModel, agree, decode_batches
+from _auto_ranks import CACHE, ClockedModel, agree, auto_groups, decode_batches
 
 from asyncdbo.dist import DispatchOptions, current_dispatch_options
 from asyncdbo.lowlevel import VirtualClock
@@ -512,3 +512,21 @@ def test_every_dp_rank_runs_the_same_configuration_every_step(pool: RankPool) ->
     assert [r.evidence for r in r0["records"]] == [r.evidence for r in r1["records"]]
     # the group's slowest rank (rank 1: N = 3 costs it 5% more) still favours N = 3
     assert r0["records"][-1].config == "N=3 token auto"
+
+
+@pytest.mark.timeout(120)
+def test_auto_refuses_ep_peers_that_would_choose_alone(pool: RankPool) -> None:
+    """EP peers that choose different ubatch counts issue different all-to-alls: an "auto" runner
+    needs a DP vote that every EP rank is in (asyncdbo.serving.runner._check_auto_group)."""
+    r0, r1 = pool.run(auto_groups, timeout_s=90.0)
+    for rank, out in enumerate((r0, r1)):
+        assert out["none"] == (
+            "tuning='auto' with an EP group of 2 ranks [0, 1] needs dp_group: without it each rank "
+            "chooses its configuration from its own step times, and EP peers that choose different ubatch counts "
+            "issue different all-to-alls; pass dp_group= a group holding every EP rank (e.g. the EP group itself), "
+            "or use tuning='fixed'")
+        assert out["alone"] == (
+            f"tuning='auto': EP ranks [{1 - rank}] (EP group [0, 1]) are not in dp_group "
+            f"(ranks [{rank}]), so they would choose their configuration from other votes and issue different "
+            "all-to-alls; pass a dp_group that holds every EP rank")
+        assert out["world"] == "ok"

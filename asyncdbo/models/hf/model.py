@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ...dist.ep import EPComm, ep_comm
 from ...moe import MoEConfig, MoELayer
 from ...moe.batch_invariant import ROW_TILE
 from ...moe.config import Schedule
@@ -209,6 +210,9 @@ class HFMoEModel:
                 ffn_norm_D=new(f"{p}.post_attention_layernorm.weight", D, dtype=dtype, device=device),
                 moe=moe, mlp=mlp,
             ))
+        #: The EP group its MoE layers all-to-all on (a tuning="auto" DBORunner checks that its
+        #: DP vote holds every rank of it); the layers' own, cached.
+        self.ep_comm: EPComm = ep_comm(ep_group, max_ubatches=max_ubatches)
         self.final_norm_D = new("model.norm.weight", D, dtype=dtype, device=device)
         tied = bool(getattr(hf, "tie_word_embeddings", False))
         self.lm_head_VD = self.embed_VD if tied else new("lm_head.weight", V, D, dtype=dtype, device=device)
