@@ -353,7 +353,8 @@ def _format(cfg: DemoConfig, s: dict[str, Any]) -> str:
         sizes = " ".join(str(t) for t in dbo["ubatch_tokens"])
         why = f"DBO steps: microbatched, every step on every rank (real tokens per ubatch by rank: {sizes})"
     else:
-        why = "DBO steps: NOT microbatched in some steps: " + "; ".join(
+        which = "any step" if not s["microbatched_steps"] else "some steps"
+        why = f"DBO steps: NOT microbatched in {which}: " + "; ".join(
             f"{r}" + (f" ({d})" if d else "") for r, d in fell_back)
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)

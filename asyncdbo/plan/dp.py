@@ -8,7 +8,9 @@ token split gives the same per-ubatch sizes everywhere.  The decision takes ONE 
 Rules (differences from vLLM marked *):
 
 * A busy rank votes *no* when it is below its threshold, disabled, or its policy refuses: then
-  nobody splits (``RANK_DECLINED``, the detail names the ranks and their reasons).
+  nobody splits (``RANK_DECLINED``, the detail names the ranks and their reasons). Where every
+  busy rank voted no for the same reason, that reason is the step's (``BELOW_THRESHOLD`` when all
+  are below their thresholds): no rank kept another from overlapping.
 * * An idle rank (no real tokens, or a dummy batch the caller marks ``is_idle``) votes *idle*,
   not no: it follows the busy ranks and runs padding-only ubatches.  vLLM's dummy batch votes no
   and so kills DBO for the whole group whenever one rank has no work.
@@ -49,9 +51,13 @@ __all__ = [
     "should_microbatch",
 ]
 
-# Rows of the vote tensor.
-_VOTE, _UNPADDED, _PADDED, _IDLE, _REASON, _NUM_UBATCHES, _RECOVER = range(7)
-_ROWS = 7
+# Rows of the vote tensor: the plan, then how many of the MAX_EXTRA rows after it the caller uses
+# (every rank sends all of them: an all_reduce of tensors of different sizes aborts the process in
+# gloo, so a rank that votes with other extras than its peers must be told so, not crash them).
+_VOTE, _UNPADDED, _PADDED, _IDLE, _REASON, _NUM_UBATCHES, _RECOVER, _NUM_EXTRA = range(8)
+_ROWS = 8
+#: The most ``extra`` entries a vote carries (``agree_across_dp``).
+MAX_EXTRA = 4
 _REASON_CODES: tuple[PlanReason, ...] = tuple(PlanReason)
 
 
@@ -181,6 +187,11 @@ def decide_from_votes(
         if len(votes) == 1:
             return DPDecision(False, declined[0].reason, "", **common)
         who = "; ".join(f"rank {v.rank}: {v.reason.value}" for v in declined)
+        reasons = {v.reason for v in declined}
+        if len(declined) == len(busy) and len(reasons) == 1:
+            # every busy rank said no for the same reason: that is the step's reason (no rank kept
+            # another from overlapping, which is what rank_declined reports)
+            return DPDecision(False, reasons.pop(), who, **common)
         return DPDecision(False, PlanReason.RANK_DECLINED, who, **common)
     if not busy:
         return DPDecision(False, PlanReason.ALL_IDLE, "no rank has real tokens", **common)
@@ -236,6 +247,8 @@ def agree_across_dp(
         raise ValueError(f"num_ubatches ({num_ubatches}) must be at least 1")
     if max_imbalance is not None and max_imbalance < 1:
         raise ValueError(f"max_imbalance ({max_imbalance}) must be >= 1 (a max/min token ratio) or None")
+    if len(extra) > MAX_EXTRA:
+        raise ValueError(f"a vote carries at most {MAX_EXTRA} extra entries (got {len(extra)}: {list(extra)!r})")
     if not dist.is_available() or not dist.is_initialized():
         rank, world = 0, 1
     else:
@@ -251,8 +264,10 @@ def agree_across_dp(
         _REASON_CODES.index(reason),
         num_ubatches,
         int(recover),
+        len(extra),
     ]
     col.extend(int(v) for v in extra)
+    col.extend([0] * (MAX_EXTRA - len(extra)))
     votes_RW = torch.zeros(len(col), world, dtype=torch.int64)
     votes_RW[:, rank] = torch.tensor(col, dtype=torch.int64)
     if world > 1:
@@ -262,11 +277,19 @@ def agree_across_dp(
     recovering = tuple(r for r in range(world) if table[_RECOVER][r])
     if recovering:
         raise RecoveryVote(recovering)
+    if len(set(table[_NUM_EXTRA])) != 1:
+        by_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(table[_NUM_EXTRA]))
+        raise ValueError(
+            f"ranks vote with different extra entries ({by_rank}); every rank of the DP group must plan "
+            "the same way: a DBORunner on every rank with the same RunnerConfig.tuning ('auto' votes 4 "
+            "extra entries, 'fixed' none)"
+        )
     if len(set(table[_NUM_UBATCHES])) != 1:
         by_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(table[_NUM_UBATCHES]))
         raise ValueError(
             f"ranks disagree on num_ubatches ({by_rank}); every rank of the DP group must plan the "
-            f"same number of ubatches: pass one num_ubatches (RunnerConfig.num_ubatches) to all of them"
+            f"same number of ubatches: pass one num_ubatches to all of them (a DBORunner: the same "
+            f"RunnerConfig.num_ubatches, or under tuning='auto' the same AutoConfig.ubatch_counts)"
         )
     votes = [
         RankVote(
@@ -280,5 +303,5 @@ def agree_across_dp(
     ]
     decision = decide_from_votes(votes, rank=rank, max_imbalance=max_imbalance)
     if extra:
-        decision = replace(decision, extra=tuple(tuple(row) for row in table[_ROWS:]))
+        decision = replace(decision, extra=tuple(tuple(row) for row in table[_ROWS:_ROWS + len(extra)]))
     return decision

@@ -44,6 +44,8 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
+import warnings
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -214,9 +216,9 @@ class DBORunner:
                     f"{cfg.auto.ubatch_counts}) but the model's MoE layers were built for max_ubatches={max_ub}; "
                     f"build them with max_ubatches >= {cfg.auto.max_ubatches} or pass "
                     f"AutoConfig(ubatch_counts=...) within it")
-            _check_auto_group(model, dp_group)
         else:
             check_max_ubatches(cfg.num_ubatches, getattr(model, "max_ubatches", None))
+        _check_ep_group(model, dp_group, cfg)
         self.model = model
         self.cfg = cfg
         self.dp_group = dp_group
@@ -234,6 +236,9 @@ class DBORunner:
         self.auto: AutoPolicy | None = (
             AutoPolicy(space, threshold_prior(cfg.thresholds, space)) if cfg.tuning == "auto" else None)
         self._arms = space.arms()
+        # What every rank's policy must share to choose alike (its search space and prior), as a
+        # number the vote carries: ranks with other settings are refused, not left to diverge.
+        self._auto_print = zlib.crc32(repr((space, cfg.thresholds, cfg.min_share)).encode())
         # the last step's (bucket, arm, DP-max real tokens) and this rank's time for it (-1: none)
         self._last: tuple[str, Arm, int] | None = None
         self._last_ns = -1
@@ -303,13 +308,18 @@ class DBORunner:
         local = LocalStepInfo(num_tokens_unpadded=num_tokens, wants_ubatch=enabled, is_idle=batch.num_tokens == 0,
                               reason=PlanReason.MICROBATCHED if enabled else PlanReason.DISABLED,
                               detail="" if enabled else "disabled by the caller")
-        extra = (int(uniform), mask, last_ns)
+        extra = (int(uniform), mask, last_ns, self._auto_print)
         sync = self.sync
         if self.dp_group is not None:
             group = self.dp_group if sync is None else sync.group
             decision = agree_across_dp(local, cfg.auto.max_ubatches, group, device=self.device,
                                        max_imbalance=cfg.max_imbalance, extra=extra)
-            uniform_R, mask_R, last_R = decision.extra
+            uniform_R, mask_R, last_R, print_R = decision.extra
+            if len(set(print_R)) != 1:
+                by_rank = ", ".join(f"rank {r}: {p:08x}" for r, p in enumerate(print_R))
+                raise ValueError(
+                    f"the DP ranks' tuning='auto' runners have different settings (fingerprints {by_rank}); "
+                    "every rank must choose from the same RunnerConfig.auto, thresholds and min_share")
         else:
             vote = RankVote(0, local.vote, local.reason, local.num_tokens_unpadded, local.padded)
             decision = decide_from_votes([vote], max_imbalance=cfg.max_imbalance)
@@ -420,29 +430,40 @@ def _dispatch_block(plan: StepPlan, policy: str, dispatch: DispatchMode) -> cont
     return dispatch_options(max(bound, 1), dispatch)
 
 
-def _check_auto_group(model: Any, dp_group: Any) -> None:
-    """Refuse an ``"auto"`` runner whose model's EP all-to-all spans ranks that do not vote with
-    it. Each rank's policy chooses from the step times it is fed; only the DP vote feeds every rank
-    the same ones (:mod:`asyncdbo.serving.auto`). A rank that plans alone (no ``dp_group``), or
-    with a vote that misses some of its EP peers, chooses from its own times, and two EP peers that
-    choose different ubatch counts or splits issue different all-to-alls on the per-ubatch groups.
+def _check_ep_group(model: Any, dp_group: Any, cfg: RunnerConfig) -> None:
+    """Refuse (``tuning="auto"``) or warn about (``"fixed"``) a runner whose model's EP all-to-all
+    spans ranks that do not vote with it. Every EP peer must run the step's configuration: the
+    same ubatch count, so the same all-to-alls on the per-ubatch groups. Only the DP vote gives
+    every rank the same one. A rank that plans alone (no ``dp_group``), or whose vote misses some
+    of its EP peers, decides from its own batch (a fixed runner's thresholds and split policy) or
+    its own step times (``"auto"``), and EP peers that decide differently issue different
+    all-to-alls: a watchdog error after the peers' collectives mismatch, or an abort inside gloo.
+    A fixed runner whose every rank always splits alike (thresholds 0, equal batches) is safe, so
+    it gets a DeprecationWarning for now; an auto runner chooses from times no two ranks share.
     The model says its EP group as ``model.ep_comm`` (an :class:`~asyncdbo.dist.ep.EPComm`, as
     :class:`~asyncdbo.models.MiniModel` and the HF models do); a model without one is not checked."""
     comm = getattr(model, "ep_comm", None)
-    if not isinstance(comm, EPComm) or comm.size == 1:
+    if not isinstance(comm, EPComm) or comm.size == 1 or (cfg.tuning == "fixed" and not cfg.enabled):
         return
-    ep_ranks = torch.distributed.get_process_group_ranks(comm.group if comm.group is not None
-                                                         else torch.distributed.group.WORLD)
+    ep_group = comm.group if comm.group is not None else torch.distributed.group.WORLD
+    if torch.distributed.get_backend(ep_group) == "fake":
+        return  # one process plays every rank (asyncdbo.sim): there is no peer to disagree with
+    ep_ranks = torch.distributed.get_process_group_ranks(ep_group)
     if dp_group is None:
-        raise ValueError(
-            f"tuning='auto' with an EP group of {comm.size} ranks {ep_ranks} needs dp_group: without it each "
-            "rank chooses its configuration from its own step times, and EP peers that choose different ubatch "
-            "counts issue different all-to-alls; pass dp_group= a group holding every EP rank (e.g. the EP "
-            "group itself), or use tuning='fixed'")
-    dp_ranks = torch.distributed.get_process_group_ranks(dp_group)
-    outside = sorted(set(ep_ranks) - set(dp_ranks))
-    if outside:
-        raise ValueError(
-            f"tuning='auto': EP ranks {outside} (EP group {ep_ranks}) are not in dp_group (ranks "
-            f"{sorted(dp_ranks)}), so they would choose their configuration from other votes and issue "
-            "different all-to-alls; pass a dp_group that holds every EP rank")
+        problem = (f"with an EP group of {comm.size} ranks {ep_ranks} needs dp_group: without it each rank "
+                   f"{'chooses its configuration from its own step times' if cfg.tuning == 'auto' else 'plans from its own batch'}, "
+                   "and EP peers that choose different ubatch counts issue different all-to-alls; pass "
+                   "dp_group= a group holding every EP rank (e.g. the EP group itself)")
+    else:
+        dp_ranks = torch.distributed.get_process_group_ranks(dp_group)
+        outside = sorted(set(ep_ranks) - set(dp_ranks))
+        if not outside:
+            return
+        problem = (f": EP ranks {outside} (EP group {ep_ranks}) are not in dp_group (ranks {sorted(dp_ranks)}), "
+                   "so they would choose their configuration from other votes and issue different "
+                   "all-to-alls; pass a dp_group that holds every EP rank")
+    if cfg.tuning == "auto":
+        raise ValueError(f"tuning='auto' {problem}, or use tuning='fixed'" if dp_group is None
+                         else f"tuning='auto'{problem}")
+    warnings.warn(f"DBORunner{' ' if dp_group is None else ''}{problem}; this will raise ValueError in the "
+                  "next release", DeprecationWarning, stacklevel=3)

@@ -12,7 +12,7 @@ import asyncdbo
 from asyncdbo import dbo_num_ubatches, dbo_yield
 from asyncdbo.lowlevel import VirtualClock
 from asyncdbo.plan import ThresholdConfig
-from asyncdbo.serving import BatchBuilder, DBORunner, RunnerConfig
+from asyncdbo.serving import AutoConfig, BatchBuilder, DBORunner, RunnerConfig
 from asyncdbo.serving.kv_cache import KVCacheConfig
 
 # Shape legend: T = tokens, V = vocab.
@@ -80,3 +80,26 @@ def auto_groups(rank: int, world_size: int) -> dict[str, Any]:
             out[name] = str(exc)
     DBORunner(model, RunnerConfig(), dp_group=None)  # a fixed runner plans from its thresholds: not refused
     return out
+
+
+async def _mismatched(rank: int, case: str) -> str:
+    """One step of runners whose ranks were configured apart (``case``), voting over both ranks:
+    the error every rank raises."""
+    clock = VirtualClock()
+    model = ClockedModel(clock, {1: 1.0e-3, 2: 0.9e-3, 3: 0.8e-3, 4: 0.85e-3})
+    auto = RunnerConfig(tuning="auto", thresholds=ThresholdConfig(decode_threshold=32))
+    cfg = {"tuning": [auto, RunnerConfig(thresholds=ThresholdConfig(decode_threshold=32))],
+           "margin": [auto, RunnerConfig(tuning="auto", thresholds=ThresholdConfig(decode_threshold=32),
+                                         auto=AutoConfig(margin=0.05))],
+           "counts": [auto, RunnerConfig(tuning="auto", thresholds=ThresholdConfig(decode_threshold=32),
+                                         auto=AutoConfig(ubatch_counts=(2, 3)))]}[case][rank]
+    runner = DBORunner(model, cfg, dp_group=torch.distributed.group.WORLD, clock=clock)
+    try:
+        await runner.step(decode_batches(BatchBuilder(CACHE), [64])[0])
+    except ValueError as exc:
+        return str(exc)
+    return "ok"
+
+
+def mismatched(rank: int, world_size: int, case: str) -> str:
+    return asyncdbo.run(_mismatched, rank, case)  # type: ignore[arg-type]

@@ -8,6 +8,8 @@ read K/V that DBO steps wrote; ``bitwise`` says whether every step's logits were
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -95,10 +97,14 @@ async def _dispatch_per_step(rank: int, case: Case, dp: bool) -> dict[str, Any]:
     runners vote over them too, or with ``dp=False`` have no DP group (each plans alone)."""
     group = torch.distributed.group.WORLD
     dp_group = group if dp else None
-    serial = DBORunner(MiniModel(case.model, ep_group=group), replace(case.runner, dispatch="split"), dp_group=dp_group)
-    dbo = DBORunner(MiniModel(case.model, ep_group=group), case.runner, dp_group=dp_group)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        serial = DBORunner(MiniModel(case.model, ep_group=group), replace(case.runner, dispatch="split"),
+                           dp_group=dp_group)
+        dbo = DBORunner(MiniModel(case.model, ep_group=group), case.runner, dp_group=dp_group)
     builder = BatchBuilder(case.model.kv_cache_config)
-    out: dict[str, Any] = {"bitwise": True, "sent": [], "microbatched": []}
+    out: dict[str, Any] = {"bitwise": True, "sent": [], "microbatched": [],
+                           "warned": [(w.category.__name__, str(w.message)) for w in warned]}
     for chunks in case.steps[rank]:
         batch = builder.build([(rid, list(toks)) for rid, toks in chunks])
         s = await serial.step(batch, enabled=False)

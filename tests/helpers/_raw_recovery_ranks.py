@@ -88,6 +88,8 @@ async def forward(x_TD: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
         hook = _HOOK.get("layer")
         if hook is not None:
             hook(i)
+        if "park" in _HOOK:  # a cancel of the step task is pending: wait on the loop (see _failing_step)
+            await asyncio.sleep(0)
         x_TD = await _layer(x_TD, w_DD)
     return x_TD
 
@@ -132,7 +134,14 @@ async def _failing_step(rank: int, fault: Fault | None, ws: list[torch.Tensor], 
     options: dict[str, Any] = {"watchdog_s": watchdog_s}
     kind = fault.kind if fault is not None else None
     if kind == "cancel":
-        options["instrument"] = _After(fault.after, task.cancel)  # type: ignore[union-attr]
+        # The request reaches the run where it next waits on the loop; a run whose comm has always
+        # arrived already (a peer ahead of it) never does, and would complete with the request still
+        # pending for the caller's next await: the layers wait on the loop from then on, as a model
+        # that awaits the loop would.
+        def cancel() -> None:
+            task.cancel()  # type: ignore[union-attr]
+            _HOOK["park"] = lambda i: None
+        options["instrument"] = _After(fault.after, cancel)  # type: ignore[union-attr]
     if kind == "raise":
         def hook(i: int) -> None:
             if i == fault.after and dbo_current_ubatch_id() == 1:  # type: ignore[union-attr]

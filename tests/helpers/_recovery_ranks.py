@@ -50,6 +50,14 @@ class _CancelAfter(Instrument):
         self.seen += 1
         if self.seen == self.n:
             self.task.cancel()
+            # The request reaches the run where it next waits on the loop; a run whose comm has
+            # always arrived already (a peer ahead of it) never does, and would complete with the
+            # request still pending for the caller's next await. The stand-in layer waits on the
+            # loop from now on, as a model that awaits the loop would.
+            _PARK.append(True)
+
+
+_PARK: list[bool] = []  # non-empty: _RaisingMoE waits on the loop (a cancel of the step task is pending)
 
 
 class _RaisingMoE:
@@ -59,6 +67,8 @@ class _RaisingMoE:
         self.inner, self.armed = inner, False
 
     async def forward(self, h_TD: torch.Tensor) -> torch.Tensor:
+        if _PARK:
+            await asyncio.sleep(0)
         if self.armed and dbo_current_ubatch_id() == 1:
             raise RuntimeError("expert weights lost in ubatch 1")
         return await self.inner.forward(h_TD)
@@ -98,6 +108,7 @@ async def _fail_then_step(rank: int, failure: Failure) -> dict[str, Any]:
     except Exception as exc:
         outcome = f"{type(exc).__name__}: {exc}"
     raising.armed = False
+    _PARK.clear()
     if failure.late_on == rank:
         assert dbo.sync is not None
         dbo.sync.post_failure(RuntimeError("merge failed after the last collective"))

@@ -216,7 +216,8 @@ def test_mismatched_num_ubatches_fails_on_every_rank(pool: RankPool) -> None:
     for counts in ([2, 3], [1, 2], [2, 1]):
         by_rank = f"rank 0: {counts[0]}, rank 1: {counts[1]}"
         msg = (f"ranks disagree on num_ubatches ({by_rank}); every rank of the DP group must plan the same number "
-               "of ubatches: pass one num_ubatches (RunnerConfig.num_ubatches) to all of them")
+               "of ubatches: pass one num_ubatches to all of them (a DBORunner: the same RunnerConfig.num_ubatches, "
+               "or under tuning='auto' the same AutoConfig.ubatch_counts)")
         assert pool.run(_mismatched_num_ubatches, counts) == [msg, msg], counts
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _auto_ranks import CACHE, ClockedModel, agree, auto_groups, decode_batches
+from _auto_ranks import CACHE, ClockedModel, agree, auto_groups, decode_batches, mismatched
 
 from asyncdbo.dist import DispatchOptions, current_dispatch_options
 from asyncdbo.lowlevel import VirtualClock
@@ -530,3 +530,23 @@ def test_auto_refuses_ep_peers_that_would_choose_alone(pool: RankPool) -> None:
             f"(ranks [{rank}]), so they would choose their configuration from other votes and issue different "
             "all-to-alls; pass a dp_group that holds every EP rank")
         assert out["world"] == "ok"
+
+
+@pytest.mark.timeout(120)
+def test_dp_ranks_configured_apart_are_refused_on_every_rank_not_left_to_abort(pool: RankPool) -> None:
+    """An auto runner's vote carries more than a fixed one's: gloo aborts an all_reduce of unequal
+    sizes, so every vote has the same size and says how much of it its rank uses; and it carries
+    a fingerprint of what the policy chooses from (asyncdbo.plan.dp, DBORunner._plan_auto)."""
+    assert pool.run(mismatched, "tuning", timeout_s=60.0) == [
+        "ranks vote with different extra entries (rank 0: 4, rank 1: 0); every rank of the DP group must plan "
+        "the same way: a DBORunner on every rank with the same RunnerConfig.tuning ('auto' votes 4 extra "
+        "entries, 'fixed' none)"] * 2
+    margin = pool.run(mismatched, "margin", timeout_s=60.0)
+    assert margin[0] == margin[1]
+    assert re.fullmatch(r"the DP ranks' tuning='auto' runners have different settings \(fingerprints rank 0: "
+                        r"[0-9a-f]{8}, rank 1: [0-9a-f]{8}\); every rank must choose from the same "
+                        r"RunnerConfig.auto, thresholds and min_share", margin[0]), margin[0]
+    assert pool.run(mismatched, "counts", timeout_s=60.0) == [
+        "ranks disagree on num_ubatches (rank 0: 4, rank 1: 3); every rank of the DP group must plan the same "
+        "number of ubatches: pass one num_ubatches to all of them (a DBORunner: the same "
+        "RunnerConfig.num_ubatches, or under tuning='auto' the same AutoConfig.ubatch_counts)"] * 2

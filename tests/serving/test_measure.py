@@ -103,4 +103,4 @@ def test_runner_records_what_each_step_exposed_and_hid_on_a_modeled_link(pool: R
             assert rec.timing.hidden_by_others_s == 0.0  # one ubatch: nobody else to hide it
         assert r["report"].startswith("4 steps: ")
         assert "N=2 token split 2 steps" in r["report"] and "off 2 steps" in r["report"]
-        assert r["report"].endswith("fell out: rank_declined=2")  # disabled on every rank: the vote says so
+        assert r["report"].endswith("fell out: disabled=2")  # disabled on every rank: the vote says so

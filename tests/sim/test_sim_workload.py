@@ -98,7 +98,7 @@ def test_multi_token_decode_is_replayed_as_decode_and_held_to_the_decode_thresho
     assert [(s.microbatched, s.reason) for s in with_k.steps] == [(True, PlanReason.MICROBATCHED)]
     # without the draft-token count the planner does not see uniform decode: the prefill threshold (512) holds
     assert [(s.microbatched, s.reason, s.detail) for s in without.steps] == [
-        (False, PlanReason.RANK_DECLINED, "rank 0: below_threshold; rank 1: below_threshold")]
+        (False, PlanReason.BELOW_THRESHOLD, "rank 0: below_threshold; rank 1: below_threshold")]
     assert synthetic_workload(spec_tokens=1) == [[[(q + 1, c) if q == 1 else (q, c) for q, c in r] for r in s]
                                                  for s in synthetic_workload()]
 
@@ -165,7 +165,7 @@ def test_check_prints_every_policy_under_both_stream_policies(tmp_path: Path,
                     for s in ("role", "ubatch") for p in ("off", "fixed")]
     assert out[10:14] == [
         "fixed (role streams): steps that fell out",
-        "  fell out: rank_declined in 2 step(s)",
+        "  fell out: below_threshold in 2 step(s)",  # every rank below: no rank declined for another
         "    a rank voted no: below_threshold (4 rank-step(s))",
         "  e.g. tokens by rank [4, 2]: rank 0: below_threshold; rank 1: below_threshold",
     ]
