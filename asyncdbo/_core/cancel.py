@@ -4,7 +4,10 @@ at once, each in its own context with what it resumes with installed.
 A run fails when a ubatch raises or the awaiting task is cancelled. Every other live ubatch is then
 cancelled at its suspension point, like ``Task.cancel``: ``CancelledError`` is thrown into it inside
 its own context, with its stream installed, so its ``finally``/``except CancelledError`` cleanup
-sees what it would see at any other resume. Rules:
+sees what it would see at any other resume. Unlike a task's, that cleanup runs to its end at once,
+inside the failing run, which schedules nothing any more: an ``await`` in it that suspends (a
+yield, a comm wait, ``asyncio.sleep``) gets ``CancelledError`` again, and the error says so in a
+note. Cleanup that must wait belongs after ``run_ubatches`` returns or raises. Rules:
 
 * the failing run's own exception is the one that propagates; what goes wrong during cleanup rides
   on it as a note (:func:`cancel_all` returns the notes), never replacing it;
@@ -80,13 +83,19 @@ def cancel_now(run: DBORun, ub: UBatch, why: str) -> str | None:
         ub.ctx_run(coro.close)
         return None
     run.install(ub.resume_with)
+    awaited = False  # its cleanup suspended on an await (the next throw lands there)
     for _ in range(MAX_THROWS):
         try:
             ub.ctx_run(coro.throw, asyncio.CancelledError(why))
         except (asyncio.CancelledError, StopIteration):
-            return None
+            if not awaited:
+                return None
+            return (f"asyncdbo: while cancelling ubatch {ub.id}, its cleanup awaited (last yield point {ub.tag!r}); "
+                    "a failing run schedules nothing, so that await got CancelledError too and the cleanup did not "
+                    "finish: do cleanup that waits after run_ubatches returns or raises")
         except BaseException as exc:  # noqa: BLE001 - a cleanup error rides on the run's own error
             return f"asyncdbo: while cancelling ubatch {ub.id}, its cleanup raised {type(exc).__name__}: {exc}"
+        awaited = True
     try:
         ub.ctx_run(coro.close)
     except RuntimeError as exc:

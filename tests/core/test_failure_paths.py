@@ -107,6 +107,36 @@ async def test_a_ubatch_that_refuses_cancellation_is_named_not_spun_on() -> None
     )
 
 
+async def test_a_cleanup_that_awaits_while_the_run_fails_is_cut_short_and_named() -> None:
+    """Not Task.cancel: the failing run schedules nothing, so an await in a cleanup that suspends
+    gets CancelledError again, and a note says so (asyncdbo._core.cancel)."""
+    log: list[str] = []
+
+    async def forward(i: int) -> None:
+        try:
+            await dbo_yield("a")
+            if i == 1:
+                raise Boom("sibling failed")
+            await dbo_yield("b")
+        finally:
+            if i == 0:
+                try:
+                    await dbo_yield("cleanup")
+                    log.append("cleanup finished")
+                except asyncio.CancelledError:
+                    log.append("cleanup await cancelled")
+                    raise
+
+    with pytest.raises(Boom) as info:
+        await run_ubatches(forward, [(0,), (1,)])
+    assert log == ["cleanup await cancelled"]
+    assert info.value.__notes__ == [
+        "asyncdbo: raised in ubatch 1 of 2 while running (last yield point 'a'); the other ubatches were cancelled",
+        "asyncdbo: while cancelling ubatch 0, its cleanup awaited (last yield point 'cleanup'); a failing run "
+        "schedules nothing, so that await got CancelledError too and the cleanup did not finish: do cleanup that "
+        "waits after run_ubatches returns or raises"]
+
+
 async def test_a_recv_hook_that_fails_as_its_holder_parks_closes_the_holder_at_once() -> None:
     log: list[str] = []
 
