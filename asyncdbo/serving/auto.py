@@ -62,7 +62,7 @@ from typing import Literal
 from ..dist.fused import DISPATCH_MODES, DispatchMode
 from ..plan import DPDecision, SplitPolicy, ThresholdConfig, plan_slices
 from ..plan.slices import SPLIT_POLICIES
-from .measure import shape_bucket
+from .measure import close_shape_bucket, is_shape_bucket, shape_bucket
 
 __all__ = ["Arm", "AutoConfig", "AutoPolicy", "Comparison", "OFF", "choose_for_group", "compare", "compare_paired",
            "paired_sigma", "pooled_sigma",
@@ -77,6 +77,17 @@ class Arm:
     num_ubatches: int
     split: SplitPolicy = "token"
     dispatch: DispatchMode = "auto"
+
+    def __post_init__(self) -> None:
+        n = self.num_ubatches
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"Arm num_ubatches must be an int >= 1 (1: off), got {type(n).__name__} {n!r}")
+        if n < 1:
+            raise ValueError(f"Arm num_ubatches ({n}) must be >= 1 (1: off, 2 or more: DBO)")
+        if self.split not in SPLIT_POLICIES:
+            raise ValueError(f"Arm split {self.split!r}: use one of {SPLIT_POLICIES}")
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"Arm dispatch {self.dispatch!r}: use one of {DISPATCH_MODES}")
 
     @property
     def label(self) -> str:
@@ -99,7 +110,9 @@ class AutoConfig:
     errors of the difference of the medians. ``max_arms``: configurations tried per bucket beyond
     the prior. ``window``: the incumbent's recent samples kept (>= ``max_samples``). ``pin``:
     ``(bucket, Arm)`` pairs that override the choice for those buckets (e.g.
-    ``(("decode 64-127", OFF),)``). ``climb``: explore a larger ubatch count only where the next
+    ``(("decode 64-127", OFF),)``; each bucket a busy one :func:`~asyncdbo.serving.measure.shape_bucket`
+    names, once; any ``Arm(1, ...)`` pins off; a step some rank's batch cannot split the pinned way
+    runs off). ``climb``: explore a larger ubatch count only where the next
     smaller one of the same split and dispatch leads or tied, and the other splits and dispatch
     modes only where DBO leads off or tied with it (a bucket where the first DBO configuration is
     clearly slower than off then explores three configurations, not the whole schedule); False
@@ -160,14 +173,82 @@ class AutoConfig:
             raise ValueError(f"max_arms ({self.max_arms}) must be >= 0")
         if self.step_over < 0:
             raise ValueError(f"step_over ({self.step_over}) must be >= 0 (ubatch counts lost to off that the climb steps over)")
+        # Any Arm(1, ...) is off (it runs RunnerConfig.dispatch unsplit): pin it as OFF, the arm the
+        # runner and the records compare with.
+        object.__setattr__(self, "pin", tuple((name, OFF if arm.num_ubatches == 1 else arm)
+                                              for name, arm in _checked_pin(self.pin)))
 
     @property
     def max_ubatches(self) -> int:
-        return max(self.ubatch_counts)
+        """The most ubatches a step may run: the largest of ``ubatch_counts`` and the pinned counts."""
+        return max([*self.ubatch_counts, *(arm.num_ubatches for _, arm in self.pin)])
 
     def arms(self) -> list[Arm]:
-        """Every configuration it may choose, in a fixed order (the feasibility mask's bits)."""
-        return [OFF] + [Arm(n, s, d) for n in self.ubatch_counts for s in self.splits for d in self.dispatches]
+        """Every configuration it may choose, in a fixed order (the feasibility mask's bits): off,
+        the search space's, then the pinned ones outside it."""
+        out = [OFF] + [Arm(n, s, d) for n in self.ubatch_counts for s in self.splits for d in self.dispatches]
+        out += [arm for arm in dict.fromkeys(arm for _, arm in self.pin) if arm not in out]
+        return out
+
+    def check_max_ubatches(self, max_ubatches: int | None) -> None:
+        """Raise ValueError unless every ubatch count it may run (``ubatch_counts`` and the pinned
+        configurations) fits a model whose MoE layers were built for ``max_ubatches`` (None: any)."""
+        if max_ubatches is None:
+            return
+        if max(self.ubatch_counts) > max_ubatches:
+            raise ValueError(
+                f"tuning='auto' may run {max(self.ubatch_counts)} ubatches (AutoConfig.ubatch_counts "
+                f"{self.ubatch_counts}) but the model's MoE layers were built for max_ubatches={max_ubatches}; "
+                f"build them with max_ubatches >= {max(self.ubatch_counts)} or pass "
+                f"AutoConfig(ubatch_counts=...) within it")
+        for name, arm in self.pin:
+            if arm.num_ubatches > max_ubatches:
+                raise ValueError(
+                    f"AutoConfig.pin pins {name!r} to {arm.label} ({arm.num_ubatches} ubatches) but the model's "
+                    f"MoE layers were built for max_ubatches={max_ubatches}; build them with max_ubatches >= "
+                    f"{arm.num_ubatches} or pin at most {max_ubatches} ubatches")
+
+
+def _arm_source(arm: Arm) -> str:
+    """How to write ``arm``: ``'OFF'``, or e.g. ``"Arm(2, 'token', 'auto')"``."""
+    return "OFF" if arm == OFF else f"Arm({arm.num_ubatches}, {arm.split!r}, {arm.dispatch!r})"
+
+
+def _checked_pin(pin: object) -> tuple[tuple[str, Arm], ...]:
+    """``AutoConfig.pin`` as it must be: a tuple of ``(bucket name, Arm)`` pairs, each name a
+    :func:`~asyncdbo.serving.measure.shape_bucket` of a busy step, named once; else the error
+    naming the bad entry and the fix."""
+    example = "pin=(('decode 64-127', OFF),)"
+    if isinstance(pin, tuple) and len(pin) == 2 and isinstance(pin[0], str) and isinstance(pin[1], Arm):
+        raise TypeError(f"AutoConfig.pin {pin!r} is one (bucket name, Arm) pair, not a tuple of them; "
+                        f"write pin=(({pin[0]!r}, {_arm_source(pin[1])}),)")
+    if not isinstance(pin, tuple):
+        fix = "pin=tuple(d.items())" if isinstance(pin, dict) else "pin=tuple(...)"
+        raise TypeError(f"AutoConfig.pin must be a tuple of (bucket name, Arm) pairs, got {type(pin).__name__} "
+                        f"{pin!r}; write {fix}, e.g. {example}")
+    seen: set[str] = set()
+    for entry in pin:
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            raise TypeError(f"AutoConfig.pin entry {entry!r} is not a (bucket name, Arm) pair; write e.g. {example}")
+        name, arm = entry
+        if not isinstance(arm, Arm):
+            fix = "OFF (asyncdbo.serving.OFF)" if isinstance(arm, str) and arm == "off" else "an Arm, e.g. OFF or Arm(2, 'token')"
+            raise TypeError(f"AutoConfig.pin entry {entry!r}: the configuration is a {type(arm).__name__}, "
+                            f"not an Arm; write {fix}")
+        if name == "idle":
+            raise ValueError("AutoConfig.pin entry ('idle', ...): a step where every rank is idle always runs "
+                             "off; pin a busy bucket such as 'decode 64-127'")
+        if not is_shape_bucket(name):
+            close = close_shape_bucket(name) if isinstance(name, str) else None
+            hint = f"; did you mean {close!r}?" if close is not None else ""
+            raise ValueError(
+                f"AutoConfig.pin bucket {name!r} is not a step-shape bucket: a bucket is 'decode LO-HI' or "
+                f"'mixed LO-HI' with LO a power of two and HI = 2 * LO - 1, as "
+                f"asyncdbo.serving.measure.shape_bucket names them (e.g. 'decode 64-127'){hint}")
+        if name in seen:
+            raise ValueError(f"AutoConfig.pin names bucket {name!r} twice; pin each bucket once")
+        seen.add(name)
+    return pin  # checked above: a tuple of (str, Arm) pairs
 
 
 #: A configuration's standing after its comparison: ``"slower"`` (separated: clearly slower than the
@@ -306,6 +387,10 @@ class AutoPolicy:
         self.buckets: dict[str, _Bucket] = {}
         self._pins = dict(cfg.pin)
 
+    def pinned(self, name: str) -> Arm | None:
+        """The configuration ``AutoConfig.pin`` fixes for bucket ``name``, or None."""
+        return self._pins.get(name)
+
     def _schedule(self, prior: Arm) -> list[Arm]:
         cfg = self.cfg
         base = self._base(prior)
@@ -340,7 +425,11 @@ class AutoPolicy:
         whether every rank can run it this step (a split policy may refuse a batch)."""
         pinned = self._pins.get(name)
         if pinned is not None:
-            return pinned, f"{name}: pinned by AutoConfig.pin"
+            if feasible(pinned):
+                return pinned, f"{name}: pinned by AutoConfig.pin"
+            # as a fixed runner with that split policy falls back (PlanReason.POLICY_REFUSED)
+            return OFF, (f"{name}: pinned {pinned.label} (AutoConfig.pin) cannot split this batch (a "
+                         f"{pinned.split} split leaves a ubatch without real tokens), off")
         b = self.bucket(name)
         cfg = self.cfg
         inc = b.incumbent

@@ -11,6 +11,7 @@ fell out (``DBORunner.report()``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ from ..backends import CommRecord
 from ..dbo import RunStats
 from ..plan import PlanReason, StepRecord, StepTiming
 
-__all__ = ["OverlapLedger", "host_timing", "shape_bucket", "union_s"]
+__all__ = ["OverlapLedger", "close_shape_bucket", "host_timing", "is_shape_bucket", "shape_bucket", "union_s"]
 
 
 def union_s(intervals: Iterable[tuple[float, float]]) -> float:
@@ -101,6 +102,30 @@ def shape_bucket(num_tokens: int, uniform_decode: bool) -> str:
     return f"{'decode' if uniform_decode else 'mixed'} {lo}-{2 * lo - 1}"
 
 
+def is_shape_bucket(name: object) -> bool:
+    """Whether ``name`` is a bucket :func:`shape_bucket` gives for some step: ``'idle'``, or
+    ``'decode LO-HI'`` / ``'mixed LO-HI'`` with ``LO`` a power of two and ``HI = 2 * LO - 1``
+    (checked by asking :func:`shape_bucket` for ``LO`` tokens, so the two cannot drift apart)."""
+    if name == "idle":
+        return True
+    if not isinstance(name, str):
+        return False
+    kind, _, rng = name.partition(" ")
+    lo = rng.partition("-")[0]
+    return (kind in ("decode", "mixed") and lo.isascii() and lo.isdigit() and int(lo) >= 1
+            and shape_bucket(int(lo), kind == "decode") == name)
+
+
+def close_shape_bucket(name: str) -> str | None:
+    """The :func:`shape_bucket` a mistyped bucket name most likely meant (its first number's bucket,
+    decode where the name says so, else mixed), e.g. ``'mixed 64-127'`` for ``'mixed 64-128'``;
+    None where the name holds no number >= 1."""
+    digits = re.search(r"[0-9]+", name)
+    if digits is None or int(digits.group()) < 1:
+        return None
+    return shape_bucket(int(digits.group()), "decode" in name)
+
+
 @dataclass
 class OverlapLedger:
     """The account of the steps so far: per step-shape bucket and configuration the steps, their
@@ -110,6 +135,7 @@ class OverlapLedger:
     accounts: dict[tuple[str, str], _Account] = field(default_factory=dict)
     fell_out: dict[str, int] = field(default_factory=dict)
     num_steps: int = 0
+    failed: int = 0  # steps that raised (DBORunner.step counts them): in no account
 
     def add(self, record: StepRecord, num_tokens: int, bucket: str) -> None:
         """Count one step's ``record`` (``num_tokens``: its real tokens on this rank; ``bucket``:
@@ -156,9 +182,11 @@ class OverlapLedger:
         by other ubatches; DBO's speed-up over ``off`` in each bucket where both ran; why steps
         fell out. E.g. ``'12 steps: N=2 token 8 steps 41.2 us/token, comm 0.52 ms/step 30% exposed
         61% hidden by other ubatches; off 4 steps 48.0 us/token, comm 0.50 ms/step 92% exposed 0%
-        hidden by other ubatches; vs off: decode 64-127 N=2 token 1.12x; fell out: auto_off=4'``."""
+        hidden by other ubatches; vs off: decode 64-127 N=2 token 1.12x; fell out: auto_off=4'``, ending
+        ``'; 2 failed step(s) not counted'`` where ``failed`` steps raised."""
+        failed = f"; {self.failed} failed step(s) not counted" if self.failed else ""
         if not self.num_steps:
-            return "0 steps"
+            return "0 steps" + failed
         parts = []
         for key, acc in sorted(self.per_config().items(), key=lambda kv: (-kv[1].steps, kv[0])):
             text = f"{key} {acc.steps} steps"
@@ -174,4 +202,4 @@ class OverlapLedger:
             line += "; vs off: " + ", ".join(f"{b} {k} {x:.2f}x" for b, k, x in wins)
         if self.fell_out:
             line += "; fell out: " + ", ".join(f"{k}={n}" for k, n in sorted(self.fell_out.items()))
-        return line
+        return line + failed

@@ -43,9 +43,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import logging
 import warnings
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -54,6 +56,7 @@ import torch
 from .._core import Clock, Instrument, MonotonicClock
 from ..backends import CommRecord, LinkSpec, StreamBackend, StreamPolicy, get_backend
 from ..dbo import DBOOptions, PreparedRun, RunStats, prepare_run
+from ..dbo.run import check_instrument
 from ..dist.ep import EPComm
 from ..dist.fused import DISPATCH_MODES, DispatchMode, dispatch_options
 from ..dist.recovery import StepSync, step_sync
@@ -143,6 +146,11 @@ class RunnerConfig:
             raise ValueError(f"unknown split policy {self.policy!r}; use 'token', 'request' or 'balanced'")
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"unknown dispatch {self.dispatch!r}; use 'auto', 'fused' or 'split'")
+        if not isinstance(self.auto, AutoConfig):
+            fix = (f"AutoConfig({', '.join(f'{k}={v!r}' for k, v in self.auto.items())})"
+                   if isinstance(self.auto, dict) else "AutoConfig(...)")
+            raise TypeError(f"RunnerConfig.auto must be an asyncdbo.serving.AutoConfig, got {type(self.auto).__name__} "
+                            f"{self.auto!r}; write auto={fix}")
         # The remaining fields are checked where they are used, with the same messages:
         DBOOptions(stream_policy=self.stream_policy, watchdog_s=self.watchdog_s)
 
@@ -202,20 +210,18 @@ class DBORunner:
     Every step is measured (:mod:`asyncdbo.serving.measure`): its record carries the configuration
     it ran and a :class:`~asyncdbo.plan.StepTiming` (step time on ``clock``, a
     :class:`~asyncdbo.Clock`, real monotonic time unless a test injects one; comm exposed and hidden
-    from the host backend), and :meth:`report` sums them up.
+    from the host backend), and :meth:`report` sums them up. ``stats`` (a
+    :class:`~asyncdbo.plan.PlanStats`) counts the steps by their plan's reason. Both count the
+    steps that completed: a step that raised or was cancelled is in neither (it may have planned
+    to microbatch and run nothing), and :meth:`report` ends by saying how many failed.
     """
 
     def __init__(self, model: Any, cfg: RunnerConfig = RunnerConfig(), *, dp_group: Any = None,
                  device: torch.device | str | None = None, instrument: Instrument | None = None,
                  clock: Clock | None = None) -> None:
+        _check_model(model)
         if cfg.tuning == "auto":
-            max_ub = getattr(model, "max_ubatches", None)
-            if max_ub is not None and cfg.auto.max_ubatches > max_ub:
-                raise ValueError(
-                    f"tuning='auto' may run {cfg.auto.max_ubatches} ubatches (AutoConfig.ubatch_counts "
-                    f"{cfg.auto.ubatch_counts}) but the model's MoE layers were built for max_ubatches={max_ub}; "
-                    f"build them with max_ubatches >= {cfg.auto.max_ubatches} or pass "
-                    f"AutoConfig(ubatch_counts=...) within it")
+            cfg.auto.check_max_ubatches(getattr(model, "max_ubatches", None))
         else:
             check_max_ubatches(cfg.num_ubatches, getattr(model, "max_ubatches", None))
         _check_ep_group(model, dp_group, cfg)
@@ -246,36 +252,64 @@ class DBORunner:
     def report(self) -> str:
         """One line over the steps so far: per configuration the steps, time per real token, the
         comm exposed on the critical path and hidden by other ubatches; DBO's speed-up over the
-        serial steps of the same shape where both ran; why steps fell out
+        serial steps of the same shape where both ran; why steps fell out; how many steps failed
         (:meth:`OverlapLedger.summary`)."""
         return self.ledger.summary()
 
     async def step(self, batch: Batch, *, enabled: bool | None = None,
-                   instrument: Instrument | None = None) -> StepResult:
+                   instrument: Instrument | Sequence[Instrument] | None = None) -> StepResult:
         """Plan, run and merge one step.  ``enabled`` overrides the config for this step;
-        ``instrument`` adds scheduler hooks for this step (e.g. a tracer)."""
+        ``instrument`` (an :class:`~asyncdbo.lowlevel.Instrument`, a list of them, or None) adds
+        scheduler hooks for this step (e.g. a tracer).
+
+        :attr:`stats` and :meth:`report` count the steps that completed; a step that raised (or was
+        cancelled) after its arguments were checked is counted by :meth:`report` as failed, and by
+        neither as run."""
+        if not isinstance(batch, Batch):
+            raise TypeError(
+                f"step() takes an asyncdbo.serving.Batch, got {type(batch).__name__}; build one with "
+                "asyncdbo.serving.BatchBuilder(kv_cache_config).build([(request_id, new_token_ids), ...])")
+        check_instrument(instrument)
+        insts: list[Instrument] = [self.instrument] if self.instrument is not None else []
+        if isinstance(instrument, Instrument):
+            insts.append(instrument)
+        elif instrument is not None:
+            insts.extend(instrument)
+        ran = False
+        try:
+            plan, dispatch, t0 = self._plan_any(batch, enabled)
+            ran = True
+            result = await self._run(batch, plan, dispatch, insts, t0)
+        except BaseException as exc:
+            self.ledger.failed += 1
+            if ran and self.sync is not None:  # a run's failure is posted already; this also posts the merge's
+                self.sync.post_failure(exc)
+            raise
+        self._last_ns = int(result.step_s * 1e9)
+        self.stats.record(result.record)  # at the end: a step that failed counts in neither (see above)
+        return result
+
+    #: steps planned so far (failed ones included): the next step's StepRecord.step and run name
+    _num_planned = 0
+
+    def _plan_any(self, batch: Batch, enabled: bool | None) -> tuple[StepPlan, DispatchMode, float]:
+        """The step's plan (fixed or ``"auto"``), its dispatch mode and its start time."""
         cfg = self.cfg
         t0 = self.clock.now()
-        sync = self.sync
         enabled = cfg.enabled if enabled is None else enabled
         self._last_ns, last_ns = -1, self._last_ns  # a step that fails measures nothing
+        dispatch: DispatchMode
         if self.auto is None:
             plan, dispatch = self._plan(batch, enabled), cfg.dispatch
         else:
             plan, arm = self._plan_auto(batch, enabled, last_ns)
             dispatch = _arm_dispatch(arm, cfg.dispatch)
+        self._num_planned += 1
         if self.dp_group is None:
             # No vote every rank shares to size a fused buffer from (an auto runner's one-rank vote
             # is this rank's alone): split in every mode (RunnerConfig).
             dispatch = "split"
-        try:
-            result = await self._run(batch, plan, dispatch, instrument, t0)
-            self._last_ns = int(result.step_s * 1e9)
-            return result
-        except BaseException as exc:
-            if sync is not None:  # a run's failure is posted already; this also posts the merge's
-                sync.post_failure(exc)
-            raise
+        return plan, dispatch, t0
 
     def _plan(self, batch: Batch, enabled: bool) -> StepPlan:
         cfg, sync = self.cfg, self.sync
@@ -291,7 +325,7 @@ class DBORunner:
             device=self.device,
             max_imbalance=cfg.max_imbalance,
             min_share=cfg.min_share,
-            stats=self.stats,
+            step=self._num_planned,
             max_ubatches=getattr(self.model, "max_ubatches", None),
         )
 
@@ -331,7 +365,10 @@ class DBORunner:
         self._last = None
         bucket, arm, evidence = choose_for_group(auto, self._arms, decision, uniform_R, mask_R)
         if decision.should_ubatch and arm == OFF:
-            decision = dataclasses.replace(decision, should_ubatch=False, reason=PlanReason.AUTO_OFF, detail=evidence)
+            # off by the policy's choice, or a pinned split this batch cannot take (as a fixed runner's)
+            pinned = auto.pinned(bucket)
+            reason = PlanReason.AUTO_OFF if pinned is None or pinned == OFF else PlanReason.POLICY_REFUSED
+            decision = dataclasses.replace(decision, should_ubatch=False, reason=reason, detail=evidence)
         if tokens > 0:
             self._last = (bucket, arm, tokens)
         return plan_step(
@@ -343,14 +380,14 @@ class DBORunner:
             attn_metadata=batch.attn,
             device=self.device,
             min_share=cfg.min_share,
-            stats=self.stats,
+            step=self._num_planned,
             max_ubatches=getattr(self.model, "max_ubatches", None),
             decision=decision,
             config=arm.label,
             evidence=evidence,
         ), arm
 
-    async def _run(self, batch: Batch, plan: StepPlan, dispatch: DispatchMode, instrument: Instrument | None,
+    async def _run(self, batch: Batch, plan: StepPlan, dispatch: DispatchMode, insts: list[Instrument],
                    t0: float) -> StepResult:
         cfg = self.cfg
         pad = plan.num_tokens_padded - batch.num_tokens
@@ -366,9 +403,14 @@ class DBORunner:
         async def ubatch_forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                                  ub_slice: UBatchSlice) -> torch.Tensor:
             _SLICE.set(ub_slice)  # this ubatch's context only
-            return await self.model.forward(ids, pos, meta)
+            out = self.model.forward(ids, pos, meta)
+            if not inspect.isawaitable(out):
+                raise TypeError(
+                    f"{type(self.model).__name__}.forward returned {type(out).__name__}, not an awaitable: DBORunner "
+                    "awaits it once per ubatch under the DBO loop; write `async def forward(self, input_ids_T, "
+                    "positions_T, attn)` (its yield points hand the CPU to the other ubatches)")
+            return await out
 
-        insts = [i for i in (self.instrument, instrument) if i is not None]
         for inst in insts:
             mark_step = getattr(inst, "mark_step", None)  # a Tracer labels the run with the record
             if mark_step is not None:
@@ -406,6 +448,14 @@ class DBORunner:
         uniform = is_uniform_decode(qsl, cfg.thresholds.num_spec_tokens)
         self.ledger.add(record, batch.num_tokens, shape_bucket(tokens, uniform))
         return dataclasses.replace(plan, record=record)
+
+
+def _check_model(model: Any) -> None:
+    """Refuse a model the runner cannot call: it needs ``model.forward``, an ``async def``."""
+    if not callable(getattr(model, "forward", None)):
+        raise TypeError(
+            f"DBORunner needs a model with an async forward(input_ids_T, positions_T, attn) method; "
+            f"{type(model).__name__} has no callable forward")
 
 
 def _arm_dispatch(arm: Arm, unsplit: DispatchMode) -> DispatchMode:

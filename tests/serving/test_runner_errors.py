@@ -1,0 +1,256 @@
+"""A user's mistakes with the runner and its "auto" tuning are refused where they are made, naming
+the value and the fix (a new-user trial's findings A5, A6, A10, A11, A12): ``AutoConfig.pin``,
+``Arm`` and ``RunnerConfig.auto`` at construction, a pin the model cannot run at ``DBORunner()``,
+a pin a batch cannot split falls back as a fixed runner does, a model without an ``async``
+forward, a step argument that is not a Batch, a bad instrument before the step is counted; and
+failed steps are counted by neither ``stats`` nor ``report()`` as run. Step times come from an
+injected clock."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from _auto_ranks import CACHE, ClockedModel, decode_batches
+
+from asyncdbo.lowlevel import Instrument, VirtualClock
+from asyncdbo.plan import PlanReason, ThresholdConfig
+from asyncdbo.serving import OFF, Arm, AutoConfig, AutoPolicy, BatchBuilder, DBORunner, RunnerConfig
+from asyncdbo.serving.measure import close_shape_bucket, is_shape_bucket, shape_bucket
+
+_BUCKET_FORM = ("is not a step-shape bucket: a bucket is 'decode LO-HI' or 'mixed LO-HI' with LO a power of "
+                "two and HI = 2 * LO - 1, as asyncdbo.serving.measure.shape_bucket names them (e.g. 'decode 64-127')")
+
+
+def _exactly(message: str) -> str:
+    return "^" + re.escape(message) + "$"
+
+
+# ------------------------------------------------------------------- A5: pins, arms, RunnerConfig.auto
+
+
+def test_is_shape_bucket_says_yes_to_exactly_the_names_shape_bucket_gives() -> None:
+    given = {shape_bucket(n, u) for n in range(0, 5000) for u in (False, True)}
+    assert all(is_shape_bucket(name) for name in given)
+    for name in ("mixed 64-128", "decode 64-127 ", "prefill 64-127", "mixed 064-127", "mixed 3-5", "mixed 0--1",
+                 "decode", "", "Idle", "mixed ٦٤-127", 64, None):
+        assert not is_shape_bucket(name), name
+    assert [close_shape_bucket(n) for n in ("mixed 64-128", "prefill 64-127", "decode 100-199", "x", "mixed 0-0")] == [
+        "mixed 64-127", "mixed 64-127", "decode 64-127", None, None]
+
+
+@pytest.mark.parametrize("pin, error, message", [
+    ((("mixed 64-128", OFF),), ValueError,
+     f"AutoConfig.pin bucket 'mixed 64-128' {_BUCKET_FORM}; did you mean 'mixed 64-127'?"),
+    ((("prefill 64-127", OFF),), ValueError,
+     f"AutoConfig.pin bucket 'prefill 64-127' {_BUCKET_FORM}; did you mean 'mixed 64-127'?"),
+    ((("fast", OFF),), ValueError, f"AutoConfig.pin bucket 'fast' {_BUCKET_FORM}"),
+    ((("idle", OFF),), ValueError,
+     "AutoConfig.pin entry ('idle', ...): a step where every rank is idle always runs off; pin a busy bucket "
+     "such as 'decode 64-127'"),
+    ((("mixed 64-127", OFF), ("mixed 64-127", Arm(2))), ValueError,
+     "AutoConfig.pin names bucket 'mixed 64-127' twice; pin each bucket once"),
+    (("mixed 64-127", OFF), TypeError,
+     "AutoConfig.pin ('mixed 64-127', Arm(num_ubatches=1, split='token', dispatch='auto')) is one (bucket name, "
+     "Arm) pair, not a tuple of them; write pin=(('mixed 64-127', OFF),)"),
+    (("mixed 64-127", Arm(2, "request")), TypeError,
+     "AutoConfig.pin ('mixed 64-127', Arm(num_ubatches=2, split='request', dispatch='auto')) is one (bucket name, "
+     "Arm) pair, not a tuple of them; write pin=(('mixed 64-127', Arm(2, 'request', 'auto')),)"),
+    ({"decode 64-127": OFF}, TypeError,
+     "AutoConfig.pin must be a tuple of (bucket name, Arm) pairs, got dict {'decode 64-127': Arm(num_ubatches=1, "
+     "split='token', dispatch='auto')}; write pin=tuple(d.items()), e.g. pin=(('decode 64-127', OFF),)"),
+    ([("decode 64-127", OFF)], TypeError,
+     "AutoConfig.pin must be a tuple of (bucket name, Arm) pairs, got list [('decode 64-127', Arm(num_ubatches=1, "
+     "split='token', dispatch='auto'))]; write pin=tuple(...), e.g. pin=(('decode 64-127', OFF),)"),
+    (("decode 64-127",), TypeError,
+     "AutoConfig.pin entry 'decode 64-127' is not a (bucket name, Arm) pair; write e.g. pin=(('decode 64-127', OFF),)"),
+    ((("mixed 64-127", "off"),), TypeError,
+     "AutoConfig.pin entry ('mixed 64-127', 'off'): the configuration is a str, not an Arm; write OFF "
+     "(asyncdbo.serving.OFF)"),
+    ((("mixed 64-127", 2),), TypeError,
+     "AutoConfig.pin entry ('mixed 64-127', 2): the configuration is a int, not an Arm; write an Arm, e.g. OFF or "
+     "Arm(2, 'token')"),
+])
+def test_a_bad_pin_is_refused_at_construction_naming_it_and_the_fix(pin: Any, error: type, message: str) -> None:
+    with pytest.raises(error, match=_exactly(message)):
+        AutoConfig(pin=pin)
+
+
+def test_a_pin_of_any_off_arm_pins_off_and_pinned_arms_are_in_the_space() -> None:
+    cfg = AutoConfig(ubatch_counts=(2,), splits=("token",), dispatches=("auto",),
+                     pin=(("decode 64-127", Arm(1, "balanced")), ("mixed 64-127", Arm(3, "request", "split"))))
+    assert cfg.pin == (("decode 64-127", OFF), ("mixed 64-127", Arm(3, "request", "split")))
+    assert cfg.arms() == [OFF, Arm(2), Arm(3, "request", "split")]  # the feasibility mask's bits
+    assert cfg.max_ubatches == 3
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ((0,), ValueError, "Arm num_ubatches (0) must be >= 1 (1: off, 2 or more: DBO)"),
+    ((2.0,), TypeError, "Arm num_ubatches must be an int >= 1 (1: off), got float 2.0"),
+    ((True,), TypeError, "Arm num_ubatches must be an int >= 1 (1: off), got bool True"),
+    ((2, "tok"), ValueError, "Arm split 'tok': use one of ('token', 'request', 'balanced')"),
+    ((2, "token", "fast"), ValueError, "Arm dispatch 'fast': use one of ('auto', 'fused', 'split')"),
+])
+def test_a_bad_arm_is_refused_at_construction(args: tuple[Any, ...], error: type, message: str) -> None:
+    with pytest.raises(error, match=_exactly(message)):
+        Arm(*args)
+
+
+def test_runner_config_auto_must_be_an_auto_config() -> None:
+    with pytest.raises(TypeError, match=_exactly(
+            "RunnerConfig.auto must be an asyncdbo.serving.AutoConfig, got dict {'margin': 0.05, 'samples': 4}; "
+            "write auto=AutoConfig(margin=0.05, samples=4)")):
+        RunnerConfig(tuning="auto", auto={"margin": 0.05, "samples": 4})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=_exactly(
+            "RunnerConfig.auto must be an asyncdbo.serving.AutoConfig, got NoneType None; write auto=AutoConfig(...)")):
+        RunnerConfig(auto=None)  # type: ignore[arg-type]
+
+
+class _Four(ClockedModel):
+    max_ubatches = 4
+
+
+def test_a_pin_the_model_cannot_run_is_refused_at_runner_construction_naming_the_pin() -> None:
+    cfg = RunnerConfig(tuning="auto", auto=AutoConfig(pin=(("mixed 64-127", Arm(5)),)))
+    with pytest.raises(ValueError, match=_exactly(
+            "AutoConfig.pin pins 'mixed 64-127' to N=5 token auto (5 ubatches) but the model's MoE layers were "
+            "built for max_ubatches=4; build them with max_ubatches >= 5 or pin at most 4 ubatches")):
+        DBORunner(_Four(VirtualClock(), {}), cfg)
+    DBORunner(_Four(VirtualClock(), {}), RunnerConfig(tuning="auto", auto=AutoConfig(pin=(("mixed 64-127", Arm(4)),))))
+
+
+# ------------------------------------------------------------------- A6: an infeasible pin falls back
+
+
+def test_a_pin_this_step_cannot_split_chooses_off_and_says_so() -> None:
+    pin = Arm(2, "request")
+    policy = AutoPolicy(AutoConfig(pin=(("mixed 64-127", pin),)), prior=lambda bucket: OFF)
+    assert policy.choose("mixed 64-127", lambda arm: arm != pin) == (
+        OFF, "mixed 64-127: pinned N=2 request auto (AutoConfig.pin) cannot split this batch (a request split "
+             "leaves a ubatch without real tokens), off")
+    assert policy.choose("mixed 64-127") == (pin, "mixed 64-127: pinned by AutoConfig.pin")
+
+
+@pytest.mark.asyncio
+async def test_a_pinned_request_split_that_would_leave_a_ubatch_empty_runs_off_as_a_fixed_runner_does() -> None:
+    clock = VirtualClock()
+    model = ClockedModel(clock, {n: 1.0e-3 for n in (1, 2, 3, 4)})
+    cfg = RunnerConfig(tuning="auto", auto=AutoConfig(pin=(("mixed 64-127", Arm(2, "request")),)))
+    runner = DBORunner(model, cfg, clock=clock)
+    builder = BatchBuilder(CACHE)
+    one = (await runner.step(builder.build([(0, [1] * 80)]))).record  # one request: a request split leaves one ubatch empty
+    builder.reset()
+    two = (await runner.step(builder.build([(0, [1] * 40), (1, [1] * 40)]))).record
+    assert (one.config, one.microbatched, one.reason, one.ubatch_num_tokens) == (
+        "off", False, PlanReason.POLICY_REFUSED, (80,))
+    assert one.detail == one.evidence == (
+        "mixed 64-127: pinned N=2 request auto (AutoConfig.pin) cannot split this batch (a request split leaves a "
+        "ubatch without real tokens), off")
+    assert (two.config, two.microbatched, two.reason, two.ubatch_num_tokens) == (
+        "N=2 request auto", True, PlanReason.MICROBATCHED, (40, 40))
+    assert runner.stats.summary() == "2 steps, 50% microbatched; policy_refused=1"
+    fixed = DBORunner(model, RunnerConfig(policy="request", thresholds=ThresholdConfig(prefill_threshold=16)),
+                      clock=clock)
+    builder.reset()
+    rec = (await fixed.step(builder.build([(0, [1] * 80)]))).record
+    assert (rec.config, rec.microbatched, rec.reason, rec.ubatch_num_tokens) == (
+        "off", False, PlanReason.POLICY_REFUSED, (80,))
+
+
+# ------------------------------------------------------------------- A10, A11: the model, the step's arguments
+
+
+class _SyncForward:
+    def forward(self, ids_T: torch.Tensor, pos_T: torch.Tensor, attn: Any) -> torch.Tensor:
+        return torch.zeros(ids_T.numel(), 8)
+
+
+def test_a_model_without_a_callable_forward_is_refused_at_construction() -> None:
+    for model, name in ((object(), "object"), (type("NotCallable", (), {"forward": 3})(), "NotCallable")):
+        with pytest.raises(TypeError, match=_exactly(
+                "DBORunner needs a model with an async forward(input_ids_T, positions_T, attn) method; "
+                f"{name} has no callable forward")):
+            DBORunner(model, RunnerConfig(tuning="auto"))
+
+
+@pytest.mark.asyncio
+async def test_a_forward_that_returns_no_awaitable_is_refused_naming_the_model() -> None:
+    runner = DBORunner(_SyncForward(), RunnerConfig(backend="host"))
+    with pytest.raises(TypeError, match=_exactly(
+            "_SyncForward.forward returned Tensor, not an awaitable: DBORunner awaits it once per ubatch under "
+            "the DBO loop; write `async def forward(self, input_ids_T, positions_T, attn)` (its yield points "
+            "hand the CPU to the other ubatches)\nasyncdbo: raised in ubatch 0 of 2 while running (last yield point "
+            "None); the other ubatches were cancelled")):  # the kernel's note (pytest matches the notes too)
+        await runner.step(decode_batches(BatchBuilder(CACHE), [40])[0])
+    assert runner.stats.summary() == "0 steps, 0% microbatched"
+    assert runner.report() == "0 steps; 1 failed step(s) not counted"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tuning", ["fixed", "auto"])
+async def test_step_arguments_are_checked_before_the_step_is_voted_or_counted(tuning: str) -> None:
+    clock = VirtualClock()
+    runner = DBORunner(ClockedModel(clock, {n: 1.0e-3 for n in (1, 2, 3, 4)}),
+                       RunnerConfig(tuning=tuning, thresholds=ThresholdConfig(decode_threshold=32)),  # type: ignore[arg-type]
+                       clock=clock)
+    with pytest.raises(TypeError, match=_exactly(
+            "step() takes an asyncdbo.serving.Batch, got Tensor; build one with asyncdbo.serving.BatchBuilder("
+            "kv_cache_config).build([(request_id, new_token_ids), ...])")):
+        await runner.step(torch.arange(8))  # type: ignore[arg-type]
+    batch = decode_batches(BatchBuilder(CACHE), [40])[0]
+    for bad in ("tracer", ["tracer"], 3):
+        with pytest.raises(TypeError, match=_exactly(
+                f"instrument must be an asyncdbo.lowlevel.Instrument, a list of them, or None (got {bad!r}); "
+                "subclass Instrument and override the hooks you need")):
+            await runner.step(batch, instrument=bad)  # type: ignore[arg-type]
+    assert (runner.stats.num_steps, runner.ledger.num_steps, runner.ledger.failed) == (0, 0, 0)
+
+    class Runs(Instrument):
+        def __init__(self) -> None:
+            self.runs = 0
+
+        def run_started(self, run: Any) -> None:
+            self.runs += 1
+
+    a, b = Runs(), Runs()
+    rec = (await runner.step(batch, instrument=[a, b])).record
+    rec2 = (await runner.step(batch, instrument=a)).record
+    assert (rec.step, rec.microbatched, rec2.step, a.runs, b.runs) == (0, True, 1, 2, 1)
+    assert runner.stats.num_steps == runner.ledger.num_steps == 2
+
+
+# ------------------------------------------------------------------- A12: failed steps
+
+
+class _FailsOn(ClockedModel):
+    """Raises in the forward calls numbered in ``fail`` (1-based, every ubatch's call counted)."""
+
+    def __init__(self, clock: VirtualClock, fail: set[int]) -> None:
+        super().__init__(clock, {n: 1.0e-3 for n in (1, 2, 3, 4)})
+        self.calls, self.fail = 0, fail
+
+    async def forward(self, ids_T: torch.Tensor, pos_T: torch.Tensor, attn: Any) -> torch.Tensor:
+        self.calls += 1
+        if self.calls in self.fail:
+            raise RuntimeError("expert kernel failed")
+        return await super().forward(ids_T, pos_T, attn)
+
+
+@pytest.mark.asyncio
+async def test_failed_steps_count_in_neither_stats_nor_report_and_report_says_how_many_failed() -> None:
+    clock = VirtualClock()
+    runner = DBORunner(_FailsOn(clock, fail={3, 5}), RunnerConfig(backend="host", thresholds=ThresholdConfig(
+        decode_threshold=32)), clock=clock)
+    records, failures = [], 0
+    for batch in decode_batches(BatchBuilder(CACHE), [40] * 4):
+        try:
+            records.append((await runner.step(batch)).record)
+        except RuntimeError as exc:
+            assert str(exc) == "expert kernel failed"
+            failures += 1
+    assert failures == 2 and [r.step for r in records] == [0, 3]  # a step's number counts the failed ones too
+    assert runner.stats.summary() == "2 steps, 100% microbatched"
+    assert runner.stats.last == records[-1]  # with its timing, as the step returned it
+    assert runner.report() == "2 steps: N=2 token auto 2 steps 1000.0 us/token; 2 failed step(s) not counted"
