@@ -50,10 +50,20 @@ Step = list[list[Request]]  # per DP rank, its requests
 
 
 def load_workload(path: str | Path) -> list[Step]:
-    """Read a JSON-lines workload (module docstring); a ValueError names the line and the fix."""
+    """Read a JSON-lines workload (module docstring); a ValueError names the file, the line and
+    the fix: a file that cannot be read, a malformed line, a file without steps or whose steps
+    have no tokens at all (nothing to replay)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the workload ({exc.strerror}); give a JSON-lines file, one step "
+                         'per line like {"ranks": [[[1, 2048]], [[512, 0]], []]}') from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); give a JSON-lines file, "
+                         'one step per line like {"ranks": [[[1, 2048]], [[512, 0]], []]}') from None
     steps: list[Step] = []
     width = None
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         where = f"{path}:{n}"
@@ -83,6 +93,10 @@ def load_workload(path: str | Path) -> list[Step]:
         steps.append(step)
     if not steps:
         raise ValueError(f"{path}: no steps (one JSON object per line)")
+    if not any(reqs for step in steps for reqs in step):
+        raise ValueError(f"{path}: no step has tokens (every rank is idle in all {len(steps)} step(s)), so there is "
+                         "nothing to replay; give a busy rank its requests, like [[1, 2048]] for a decode "
+                         "request over 2048 cached tokens")
     return steps
 
 

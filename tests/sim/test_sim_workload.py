@@ -54,6 +54,45 @@ def test_a_bad_line_names_the_line_and_the_fix(tmp_path: Path, line: str, messag
     assert str(info.value).startswith(f"{path}:2: {message}")
 
 
+EXAMPLE = '{"ranks": [[[1, 2048]], [[512, 0]], []]}'
+
+
+def test_a_file_that_cannot_be_read_names_the_file_and_why(tmp_path: Path) -> None:
+    binary = tmp_path / "trace.bin"
+    binary.write_bytes(b'{"ranks": [[[1, 5]]]}\n\xff\n')
+    for path, why in ((tmp_path / "missing.jsonl", "cannot read the workload (No such file or directory)"),
+                      (tmp_path, "cannot read the workload (Is a directory)"),
+                      (binary, "not UTF-8 text (invalid start byte at byte 22)")):
+        with pytest.raises(ValueError) as info:
+            load_workload(path)
+        assert str(info.value) == f"{path}: {why}; give a JSON-lines file, one step per line like {EXAMPLE}"
+
+
+def test_a_file_whose_every_rank_is_idle_has_nothing_to_replay(tmp_path: Path) -> None:
+    path = write(tmp_path, [[[], []], [[], []]])
+    with pytest.raises(ValueError) as info:
+        load_workload(path)
+    assert str(info.value) == (f"{path}: no step has tokens (every rank is idle in all 2 step(s)), so there is nothing "
+                               "to replay; give a busy rank its requests, like [[1, 2048]] for a decode request over "
+                               "2048 cached tokens")
+    path.write_text('{"ranks": [[], []]}\n{"ranks": [[[1, 5]], []]}\n')  # one busy rank in one step is enough
+    assert load_workload(path) == [[[], []], [[(1, 5)], []]]
+
+
+def test_check_refuses_an_unreadable_or_all_idle_workload_with_an_error_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    idle = write(tmp_path, [[[], []]])
+    missing = tmp_path / "nonexist.jsonl"
+    for path, message in (
+        (idle, f"{idle}: no step has tokens (every rank is idle in all 1 step(s)), so there is nothing to replay; give "
+               "a busy rank its requests, like [[1, 2048]] for a decode request over 2048 cached tokens"),
+        (missing, f"{missing}: cannot read the workload (No such file or directory); give a JSON-lines file, one step "
+                  f"per line like {EXAMPLE}"),
+    ):
+        assert cli_main(["check", "--workload", str(path), "-q"]) == 2
+        assert capsys.readouterr() == ("", f"asyncdbo check: error: {message}\n")
+
+
 def test_the_synthetic_workload_mixes_what_serving_sees() -> None:
     steps = synthetic_workload(ranks=4, steps=16, seed=0)
     assert steps == synthetic_workload(ranks=4, steps=16, seed=0) and len(steps) == 16
