@@ -11,8 +11,8 @@ awaited" warning from Python, so the DBO layer checks itself, at no cost to an a
   - a dropped ``dbo_yield`` only loses overlap (the numbers stay right): a ``RuntimeWarning``
     (an error under ``-W error``);
   - a dropped switch or event wait is a data hazard (the stream switch or its wait did not happen,
-    so the ubatch may read comm output that has not arrived): :class:`~asyncdbo.dbo.MissingAwaitError`
-    (a ``RuntimeError``), always;
+    so the ubatch may read comm output that has not arrived, or what the recording ubatch had not
+    written yet): :class:`~asyncdbo.dbo.MissingAwaitError` (a ``RuntimeError``), always;
   - in debug mode (``debug=True``) every kind is an error.
 
 Every report names the file:line that created the awaitable: each primitive records its caller's
@@ -22,6 +22,7 @@ and the report turns them into a line. In debug mode the site is the first frame
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import warnings
@@ -38,19 +39,23 @@ class Unawaited:
     """A primitive's awaitable that was handed out and not awaited (yet)."""
 
     primitive: str
-    tag: str | None
+    tag: str | None  # a yield's or switch's tag (shown by its repr); an event wait's: the key's repr
     hazard: bool  # skipping it can give wrong numbers, not only lost overlap
     site: str | None = None  # "file:line in function" (debug mode)
+    event_wait: bool = False  # dbo_wait_event: the tag is already the key's repr
 
     def describe(self, ub_id: int) -> str:
         where = f" (created at {self.site})" if self.site else ""
-        call = f"{self.primitive}({self.tag!r})" if self.tag is not None else f"{self.primitive}()"
-        why = (
-            "the stream switch and its wait did not happen, so what the ubatch read since may be comm output "
-            "that had not arrived yet"
-            if self.hazard
-            else "it did not hand over, so nothing overlapped there"
-        )
+        arg = "" if self.tag is None else self.tag if self.event_wait else repr(self.tag)
+        call = f"{self.primitive}({arg})"
+        if self.event_wait:
+            why = ("the wait on that event did not happen, so what the ubatch read since may be what the recording "
+                   "ubatch had not written yet")
+        elif self.hazard:
+            why = ("the stream switch and its wait did not happen, so what the ubatch read since may be comm output "
+                   "that had not arrived yet")
+        else:
+            why = "it did not hand over, so nothing overlapped there"
         return (
             f"asyncdbo: {call} in ubatch {ub_id} was never awaited (missing await?){where}: {why}. "
             f"Write `await {call}`."
@@ -100,7 +105,7 @@ def check_unawaited(ub: UBatch) -> None:
     if record.site is None:
         site = site_of(ub.unawaited_at)
         if site is not None:
-            record = Unawaited(record.primitive, record.tag, record.hazard, site)
+            record = dataclasses.replace(record, site=site)
     message = record.describe(ub.id)
     if record.hazard or ub.debug is not None:
         raise MissingAwaitError(message)
@@ -118,14 +123,14 @@ class Marks:
     ``table`` directly (``table.get(tag) or marks.make(tag)``): a plain dict's ``get`` is about
     half the cost of a subscript on a dict subclass with ``__missing__`` (timeit, 33 against 59 ns)."""
 
-    __slots__ = ("primitive", "hazard", "table")
+    __slots__ = ("primitive", "hazard", "event_wait", "table")
 
-    def __init__(self, primitive: str, hazard: bool) -> None:
-        self.primitive, self.hazard = primitive, hazard
+    def __init__(self, primitive: str, hazard: bool, event_wait: bool = False) -> None:
+        self.primitive, self.hazard, self.event_wait = primitive, hazard, event_wait
         self.table: dict[str | None, Unawaited] = {}
 
     def make(self, tag: str | None) -> Unawaited:
-        record = Unawaited(self.primitive, tag, self.hazard)
+        record = Unawaited(self.primitive, tag, self.hazard, event_wait=self.event_wait)
         if len(self.table) < _MAX_MARKS:
             self.table[tag] = record
         return record
@@ -134,25 +139,26 @@ class Marks:
         return self.table.get(tag) or self.make(tag)
 
 
-_MARKS: dict[tuple[str, bool], Marks] = {}
+_MARKS: dict[tuple[str, bool, bool], Marks] = {}
 
 
-def marks(primitive: str, *, hazard: bool = True) -> Marks:
-    """The shared marks of ``primitive`` (one :class:`Marks` per primitive and hazard)."""
-    found = _MARKS.get((primitive, hazard))
+def marks(primitive: str, *, hazard: bool = True, event_wait: bool = False) -> Marks:
+    """The shared marks of ``primitive`` (one :class:`Marks` per primitive, hazard and kind)."""
+    found = _MARKS.get((primitive, hazard, event_wait))
     if found is None:
-        found = _MARKS[(primitive, hazard)] = Marks(primitive, hazard)
+        found = _MARKS[(primitive, hazard, event_wait)] = Marks(primitive, hazard, event_wait)
     return found
 
 
-def mark_unawaited(ub: UBatch, primitive: str, tag: str | None, *, hazard: bool, depth: int = 1) -> None:
+def mark_unawaited(ub: UBatch, primitive: str, tag: str | None, *, hazard: bool, depth: int = 1,
+                   event_wait: bool = False) -> None:
     """Called by an awaitable primitive, ``depth`` frames below the code that called it: report a
     previous one left unawaited, then mark this one with where it was made (and the first frame
-    outside asyncdbo in debug mode)."""
+    outside asyncdbo in debug mode). ``event_wait``: ``tag`` is an event key's repr, shown as is."""
     if ub.unawaited is not None:
         check_unawaited(ub)
     if ub.debug is None:
-        ub.unawaited = marks(primitive, hazard=hazard).of(tag)
+        ub.unawaited = marks(primitive, hazard=hazard, event_wait=event_wait).of(tag)
     else:
-        ub.unawaited = Unawaited(primitive, tag, hazard, _site(3))
+        ub.unawaited = Unawaited(primitive, tag, hazard, _site(3), event_wait)
     ub.unawaited_at = made_at(depth + 1)

@@ -74,5 +74,5 @@ def dbo_wait_event(key: Hashable) -> Awaitable[None]:
     ub = current_ubatch.get(None)
     if ub is None:
         return COMPLETED
-    mark_unawaited(ub, "dbo_wait_event", repr(key), hazard=True)
+    mark_unawaited(ub, "dbo_wait_event", repr(key), hazard=True, event_wait=True)
     return _wait_event(ub, key)

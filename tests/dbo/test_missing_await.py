@@ -113,19 +113,25 @@ async def test_a_dropped_sync_switch_is_an_error_even_when_warnings_only_print()
     )
 
 
-async def test_a_dropped_event_wait_is_an_error() -> None:
+@pytest.mark.parametrize("debug", [False, True])
+async def test_a_dropped_event_wait_is_an_error_naming_the_key_as_written(debug: bool) -> None:
     async def forward(i: int) -> None:
         if i == 1:
-            dbo_wait_event("ready")  # FORGOT WAIT
+            dbo_wait_event(("kv", 3))  # FORGOT WAIT
             return
         from asyncdbo import dbo_record_event
 
-        dbo_record_event("ready")
+        dbo_record_event(("kv", 3))
 
     with pytest.raises(MissingAwaitError) as info:
-        await run_ubatches(forward, [(0,), (1,)])
-    site = created_at("FORGOT WAIT", "test_a_dropped_event_wait_is_an_error.<locals>.forward")
-    assert "dbo_wait_event(\"'ready'\") in ubatch 1 was never awaited (missing await?) " + site in str(info.value)
+        await run_ubatches(forward, [(0,), (1,)], debug=debug)
+    site = created_at("FORGOT WAIT", "test_a_dropped_event_wait_is_an_error_naming_the_key_as_written.<locals>.forward")
+    # The key's own repr, once: the suggested line waits on the same key (not on the string of its repr).
+    assert str(info.value) == (
+        f"asyncdbo: dbo_wait_event(('kv', 3)) in ubatch 1 was never awaited (missing await?) {site}: the wait on that "
+        "event did not happen, so what the ubatch read since may be what the recording ubatch had not written yet. "
+        "Write `await dbo_wait_event(('kv', 3))`."
+    )
 
 
 async def test_in_debug_mode_every_dropped_awaitable_is_an_error_naming_its_line() -> None:
