@@ -19,6 +19,7 @@ runs in flight at once on one loop (each has a shell of its own).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -63,7 +64,7 @@ class PreparedRun:
         this run's, in place of the options' (a serving loop names each step; default: the
         options')."""
         opts = self.options
-        insts, name = _per_run(opts, instrument, name)
+        insts, name = _per_run(opts, instrument, name, fn)
         try:
             results, _ = await _run(fn, ubatch_args, opts, self.backend, insts, name, self._pool, False)
         except BaseException as exc:
@@ -80,7 +81,7 @@ class PreparedRun:
     ) -> tuple[list[T], RunStats]:
         """:meth:`run_ubatches`, also returning the run's :class:`~asyncdbo.RunStats`."""
         opts = self.options
-        insts, name = _per_run(opts, instrument, name)
+        insts, name = _per_run(opts, instrument, name, fn)
         try:
             results, stats = await _run(fn, ubatch_args, opts, self.backend, insts, name, self._pool, True)
         except BaseException as exc:
@@ -89,17 +90,24 @@ class PreparedRun:
         return results, stats
 
 
-def _per_run(opts: DBOOptions, instrument: object, name: object) -> tuple[Any, str | None]:
-    """A run's instruments and name: the options' where not given, else checked."""
-    if instrument is _KEEP:
-        instrument = opts.instrument
-    else:
-        check_instrument(instrument)
-    if name is _KEEP:
-        return instrument, opts.name
-    if name is not None and type(name) is not str:
-        raise TypeError(f"name must be a str or None (got {name!r} of type {type(name).__name__})")
-    return instrument, name
+def _per_run(opts: DBOOptions, instrument: object, name: object, fn: object) -> tuple[Any, str | None]:
+    """A run's instruments and name: the options' where not given, else checked. A bad one is
+    raised before ``fn`` is checked: a coroutine passed as ``fn`` is closed first (as ``_run``
+    closes it when it refuses one), or it would warn "never awaited" on top of this error."""
+    try:
+        if instrument is _KEEP:
+            instrument = opts.instrument
+        else:
+            check_instrument(instrument)
+        if name is _KEEP:
+            return instrument, opts.name
+        if name is not None and type(name) is not str:
+            raise TypeError(f"name must be a str or None (got {name!r} of type {type(name).__name__})")
+        return instrument, name
+    except BaseException:
+        if inspect.iscoroutine(fn):
+            fn.close()
+        raise
 
 
 def prepare_run(*, options: DBOOptions | None = None, **kwargs: Any) -> PreparedRun:

@@ -143,20 +143,33 @@ def _make_coros(fn: Callable[..., Awaitable[T]], ubatch_args: Iterable[Sequence[
     if len(args_list) < 1:
         raise ValueError("run_ubatches needs at least 1 ubatch (got 0 argument tuples); pass e.g. [(x0,), (x1,)]")
     coros: list[Coroutine[Any, Any, T]] = []
-    for args in args_list:  # the entry's index, for an error, is len(coros)
-        if type(args) is not tuple and not isinstance(args, (tuple, list)):
-            for c in coros:
-                c.close()
-            raise TypeError(
-                f"ubatch_args[{len(coros)}] is {args!r}; each entry must be a tuple of arguments for fn "
-                f"(write ({args!r},) for a single argument)"
-            )
-        coro = fn(*args)
-        if type(coro) is not CoroutineType and not inspect.iscoroutine(coro):
-            for c in coros:
-                c.close()
-            raise _not_async_def_error("fn", fn, f"*ubatch_args[{len(coros)}]", coro)
-        coros.append(coro)
+    bad: TypeError | None = None
+    # One try around the loop (free on 3.11+ until something raises), not one per call: what fn
+    # raises keeps its type, gains a note naming the entry, and the coroutines made so far are
+    # closed (a coroutine dropped unstarted warns "never awaited").
+    try:
+        for args in args_list:  # the entry's index, for an error, is len(coros)
+            if type(args) is not tuple and not isinstance(args, (tuple, list)):
+                bad = TypeError(
+                    f"ubatch_args[{len(coros)}] is {args!r}; each entry must be a tuple of arguments for fn "
+                    f"(write ({args!r},) for a single argument)"
+                )
+                break
+            coro = fn(*args)
+            if type(coro) is not CoroutineType and not inspect.iscoroutine(coro):
+                bad = _not_async_def_error("fn", fn, f"*ubatch_args[{len(coros)}]", coro)
+                break
+            coros.append(coro)
+    except BaseException as exc:
+        for c in coros:
+            c.close()
+        exc.add_note(f"asyncdbo: raised by {getattr(fn, '__qualname__', fn)!r}(*ubatch_args[{len(coros)}]), "
+                     f"making ubatch {len(coros)}'s coroutine; no ubatch ran")
+        raise
+    if bad is not None:
+        for c in coros:
+            c.close()
+        raise bad
     return coros
 
 

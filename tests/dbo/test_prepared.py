@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -173,6 +174,26 @@ async def test_bad_arguments_of_a_run_fail_before_it_starts() -> None:
     with pytest.raises(TypeError, match="run_ubatches expects an async function, but got the coroutine object"):
         await prepared.run_ubatches(fwd(0), [(0,)])  # type: ignore[arg-type]
     assert await prepared.run_ubatches(fwd, [(0,), (1,)]) == [0, 1]  # and nothing of them is left behind
+
+
+@pytest.mark.asyncio
+async def test_a_coroutine_passed_as_fn_is_closed_when_a_bad_name_or_instrument_fails_first() -> None:
+    async def fwd(i: int) -> int:
+        await dbo_yield()
+        return i
+
+    prepared = prepare_run(backend="host")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        coros = [fwd(0), fwd(1)]
+        with pytest.raises(TypeError, match=r"^name must be a str or None \(got 7 of type int\)$"):
+            await prepared.run_ubatches(coros[0], [(0,)], name=7)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^instrument must be an asyncdbo.lowlevel.Instrument"):
+            await prepared.run_ubatches_with_stats(coros[1], [(0,)], instrument="trace")  # type: ignore[arg-type]
+        assert [c.cr_frame for c in coros] == [None, None]  # closed, never started
+        del coros
+        gc.collect()
+    assert [str(w.message) for w in record] == []  # without the close: "coroutine 'fwd' was never awaited"
 
 
 @pytest.mark.asyncio
