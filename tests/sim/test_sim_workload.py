@@ -242,3 +242,47 @@ def test_check_workload_takes_the_draft_tokens_and_prints_them(tmp_path: Path,
     assert out[4] == THRESHOLDS.replace("uniform decode or", "uniform decode (1 + 1 tokens per request, --spec-tokens) or")
     assert re.fullmatch(r"  fixed role   \d+\.\d\d M  speedup \d+\.\d\dx  \(1 of 1 steps microbatched; on those "
                         r"alone \d+\.\d\dx\)", out[6]), out
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "sim.md"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # 20 to 23 s of CPU; on the shared 2-core machine its wall time follows the load
+def test_docs_show_the_synthetic_runs_output_and_say_what_it_shows(capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncdbo.sim.tuning as tuning
+    import asyncdbo.sim.workload as workload
+
+    got: dict[str, Any] = {}
+    for mod, name in ((workload, "replay"), (tuning, "replay_auto")):
+        def keep(*args: Any, _name: str = name, _fn: Any = getattr(mod, name), **kwargs: Any) -> Any:
+            got[_name] = _fn(*args, **kwargs)
+            return got[_name]
+        monkeypatch.setattr(mod, name, keep)
+    assert cli_main(["check", "--workload", "synthetic"]) == 0
+    out = capsys.readouterr().out
+    docs = DOCS.read_text()
+    block = docs.split("`benchmarks/results/check_workload_time_cpu-2c_2026-12-03.md`):\n\n```\n", 1)[1].split("```", 1)[0]
+    assert out == block  # the example is this run's output, whole
+
+    fixed, auto = got["replay"].steps, got["replay_auto"]
+    assert auto.exploring() == len(auto.steps) == len(fixed) == 16  # every step explored
+    split = {i for i, s in enumerate(auto.steps) if s.microbatched}
+    by_fixed = {i for i, s in enumerate(fixed) if s.microbatched}
+    assert {arm.label for i, (_, arm, _) in enumerate(auto.choices) if i in split} == {"N=2 token split"}
+    assert all(" of off)" in evidence for i, (_, _, evidence) in enumerate(auto.choices) if i not in split)
+    cfg = tuning.SIM_AUTO
+    vetoed = {i for i, s in enumerate(fixed) if s.reason is PlanReason.RANK_DECLINED}
+    assert vetoed == set(range(16)) - by_fixed
+    prose = " ".join(docs.split("Over this 16-step trace `auto`", 1)[1].split("\n\n", 1)[0].split())
+    assert prose == (
+        f"is still exploring every bucket (a configuration takes {cfg.warmup + cfg.samples} steps of its bucket: "
+        f"{cfg.warmup} warm-up and {cfg.samples} samples), so "
+        f"every one of its 16 steps ran a configuration it was measuring: it microbatched {len(split)} (N=2 token split, "
+        f"the thresholds' choice it starts from) and ran the other {16 - len(split)} off, to measure off against that "
+        f"split. The thresholds split {len(by_fixed)} steps: in the other {len(vetoed)}, one rank below its threshold "
+        "vetoed the fixed split, while `auto` chooses per bucket of the largest rank; "
+        f"{len(split & vetoed)} of auto's {len(split)} microbatched steps are among those {len(vetoed)}, and "
+        f"{len(by_fixed - split)} of the fixed run's {len(by_fixed)} fell on auto's turns to measure off."
+    )
