@@ -75,3 +75,19 @@ def test_the_errors_about_an_entry_itself_carry_no_note_and_close_what_was_made(
         del info
         gc.collect()
     assert [str(w.message) for w in record] == []
+
+
+def test_a_coroutine_passed_as_fn_is_closed_when_a_bad_option_fails_first() -> None:
+    async def main() -> None:
+        coros = [fwd(0), fwd(1)]
+        with pytest.raises(TypeError, match=r"^name must be a str or None \(got 7 of type int\)$"):
+            await asyncdbo.run_ubatches(coros[0], [(0,)], name=7)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^run_ubatches\(\) got an unexpected keyword argument 'bakend'"):
+            await asyncdbo.run_ubatches_with_stats(coros[1], [(0,)], bakend="host")  # type: ignore[arg-type]
+        assert [c.cr_frame for c in coros] == [None, None]  # closed, never started
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        asyncdbo.run(main)
+        gc.collect()
+    assert [str(w.message) for w in record] == []  # without the close: "coroutine 'fwd' was never awaited"
