@@ -282,7 +282,7 @@ async def run_ubatches(
         opts = _options(options)
         results, _ = await _run(fn, ubatch_args, opts, None, opts.instrument, opts.name, None, False)
     except BaseException as exc:
-        if type(fn) is CoroutineType:  # refused options before fn was checked: no "never awaited" warning
+        if inspect.iscoroutine(fn):  # refused options before fn was checked: no "never awaited" warning
             fn.close()
         raise from_the_ubatch_here(exc)  # the ubatch's own frames, without the kernel's (see _ENTRY_FILES)
     return results
@@ -298,7 +298,7 @@ async def run_ubatches_with_stats(
         opts = _options(options)
         results, stats = await _run(fn, ubatch_args, opts, None, opts.instrument, opts.name, None, True)
     except BaseException as exc:
-        if type(fn) is CoroutineType:  # as run_ubatches
+        if inspect.iscoroutine(fn):  # as run_ubatches
             fn.close()
         raise from_the_ubatch_here(exc)
     assert stats is not None
