@@ -19,14 +19,13 @@ runs in flight at once on one loop (each has a shell of its own).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from .._core import Instrument
 from ..backends import StreamBackend, get_backend
 from . import shell
-from .run import DBOOptions, RunStats, _options, _run, check_instrument, from_the_ubatch_here
+from .run import DBOOptions, RunStats, _options, _run, check_instrument, entry_error
 
 __all__ = ["PreparedRun", "prepare_run"]
 
@@ -64,11 +63,11 @@ class PreparedRun:
         this run's, in place of the options' (a serving loop names each step; default: the
         options')."""
         opts = self.options
-        insts, name = _per_run(opts, instrument, name, fn)
         try:
+            insts, name = _per_run(opts, instrument, name)
             results, _ = await _run(fn, ubatch_args, opts, self.backend, insts, name, self._pool, False)
         except BaseException as exc:
-            raise from_the_ubatch_here(exc)  # as asyncdbo.run_ubatches: the ubatch's own frames
+            raise entry_error(exc, fn)  # as asyncdbo.run_ubatches: the ubatch's own frames
         return results
 
     async def run_ubatches_with_stats(
@@ -81,33 +80,26 @@ class PreparedRun:
     ) -> tuple[list[T], RunStats]:
         """:meth:`run_ubatches`, also returning the run's :class:`~asyncdbo.RunStats`."""
         opts = self.options
-        insts, name = _per_run(opts, instrument, name, fn)
         try:
+            insts, name = _per_run(opts, instrument, name)
             results, stats = await _run(fn, ubatch_args, opts, self.backend, insts, name, self._pool, True)
         except BaseException as exc:
-            raise from_the_ubatch_here(exc)
+            raise entry_error(exc, fn)
         assert stats is not None
         return results, stats
 
 
-def _per_run(opts: DBOOptions, instrument: object, name: object, fn: object) -> tuple[Any, str | None]:
-    """A run's instruments and name: the options' where not given, else checked. A bad one is
-    raised before ``fn`` is checked: a coroutine passed as ``fn`` is closed first (as ``_run``
-    closes it when it refuses one), or it would warn "never awaited" on top of this error."""
-    try:
-        if instrument is _KEEP:
-            instrument = opts.instrument
-        else:
-            check_instrument(instrument)
-        if name is _KEEP:
-            return instrument, opts.name
-        if name is not None and type(name) is not str:
-            raise TypeError(f"name must be a str or None (got {name!r} of type {type(name).__name__})")
-        return instrument, name
-    except BaseException:
-        if inspect.iscoroutine(fn):
-            fn.close()
-        raise
+def _per_run(opts: DBOOptions, instrument: object, name: object) -> tuple[Any, str | None]:
+    """A run's instruments and name: the options' where not given, else checked."""
+    if instrument is _KEEP:
+        instrument = opts.instrument
+    else:
+        check_instrument(instrument)
+    if name is _KEEP:
+        return instrument, opts.name
+    if name is not None and type(name) is not str:
+        raise TypeError(f"name must be a str or None (got {name!r} of type {type(name).__name__})")
+    return instrument, name
 
 
 def prepare_run(*, options: DBOOptions | None = None, **kwargs: Any) -> PreparedRun:

@@ -143,33 +143,29 @@ def _make_coros(fn: Callable[..., Awaitable[T]], ubatch_args: Iterable[Sequence[
     if len(args_list) < 1:
         raise ValueError("run_ubatches needs at least 1 ubatch (got 0 argument tuples); pass e.g. [(x0,), (x1,)]")
     coros: list[Coroutine[Any, Any, T]] = []
-    bad: TypeError | None = None
-    # One try around the loop (free on 3.11+ until something raises), not one per call: what fn
-    # raises keeps its type, gains a note naming the entry, and the coroutines made so far are
-    # closed (a coroutine dropped unstarted warns "never awaited").
+    # Any error closes the coroutines made so far (a coroutine dropped unstarted warns "never
+    # awaited"); what fn raises keeps its type and gains a note naming the entry. (The try blocks
+    # cost nothing until something raises: zero-cost exceptions, 3.11+.)
     try:
         for args in args_list:  # the entry's index, for an error, is len(coros)
             if type(args) is not tuple and not isinstance(args, (tuple, list)):
-                bad = TypeError(
+                raise TypeError(
                     f"ubatch_args[{len(coros)}] is {args!r}; each entry must be a tuple of arguments for fn "
                     f"(write ({args!r},) for a single argument)"
                 )
-                break
-            coro = fn(*args)
+            try:
+                coro = fn(*args)
+            except BaseException as exc:
+                exc.add_note(f"asyncdbo: raised by {getattr(fn, '__qualname__', fn)!r}(*ubatch_args[{len(coros)}]), "
+                             f"making ubatch {len(coros)}'s coroutine; no ubatch ran")
+                raise
             if type(coro) is not CoroutineType and not inspect.iscoroutine(coro):
-                bad = _not_async_def_error("fn", fn, f"*ubatch_args[{len(coros)}]", coro)
-                break
+                raise _not_async_def_error("fn", fn, f"*ubatch_args[{len(coros)}]", coro)
             coros.append(coro)
-    except BaseException as exc:
+    except BaseException:
         for c in coros:
             c.close()
-        exc.add_note(f"asyncdbo: raised by {getattr(fn, '__qualname__', fn)!r}(*ubatch_args[{len(coros)}]), "
-                     f"making ubatch {len(coros)}'s coroutine; no ubatch ran")
         raise
-    if bad is not None:
-        for c in coros:
-            c.close()
-        raise bad
     return coros
 
 
@@ -265,6 +261,16 @@ def from_the_ubatch_here(exc: BaseException) -> BaseException:
     return exc.with_traceback(tb.tb_next if cut is tb else cut)
 
 
+def entry_error(exc: BaseException, fn: object) -> BaseException:
+    """What an entry point raises for ``exc`` in the except clause around its run (``raise
+    entry_error(exc, fn)``): :func:`from_the_ubatch_here`, once a coroutine object passed as ``fn``
+    is closed. Something refused before ``fn`` was checked (an option, a name) leaves it unstarted,
+    and a coroutine dropped unstarted warns "never awaited" on top of the error."""
+    if inspect.iscoroutine(fn):
+        fn.close()
+    return from_the_ubatch_here(exc)
+
+
 async def run_ubatches(
     fn: Callable[..., Awaitable[T]],
     ubatch_args: Iterable[Sequence[Any]],
@@ -282,9 +288,7 @@ async def run_ubatches(
         opts = _options(options)
         results, _ = await _run(fn, ubatch_args, opts, None, opts.instrument, opts.name, None, False)
     except BaseException as exc:
-        if inspect.iscoroutine(fn):  # refused options before fn was checked: no "never awaited" warning
-            fn.close()
-        raise from_the_ubatch_here(exc)  # the ubatch's own frames, without the kernel's (see _ENTRY_FILES)
+        raise entry_error(exc, fn)  # the ubatch's own frames, without the kernel's (see _ENTRY_FILES)
     return results
 
 
@@ -298,9 +302,7 @@ async def run_ubatches_with_stats(
         opts = _options(options)
         results, stats = await _run(fn, ubatch_args, opts, None, opts.instrument, opts.name, None, True)
     except BaseException as exc:
-        if inspect.iscoroutine(fn):  # as run_ubatches
-            fn.close()
-        raise from_the_ubatch_here(exc)
+        raise entry_error(exc, fn)
     assert stats is not None
     return results, stats
 
