@@ -248,6 +248,8 @@ class DBORunner:
         # the last step's (bucket, arm, DP-max real tokens) and this rank's time for it (-1: none)
         self._last: tuple[str, Arm, int] | None = None
         self._last_ns = -1
+        # steps planned so far (failed ones included): the next step's StepRecord.step and run name
+        self._num_planned = 0
 
     def report(self) -> str:
         """One line over the steps so far: per configuration the steps, time per real token, the
@@ -288,9 +290,6 @@ class DBORunner:
         self._last_ns = int(result.step_s * 1e9)
         self.stats.record(result.record)  # at the end: a step that failed counts in neither (see above)
         return result
-
-    #: steps planned so far (failed ones included): the next step's StepRecord.step and run name
-    _num_planned = 0
 
     def _plan_any(self, batch: Batch, enabled: bool | None) -> tuple[StepPlan, DispatchMode, float]:
         """The step's plan (fixed or ``"auto"``), its dispatch mode and its start time."""
@@ -500,20 +499,21 @@ def _check_ep_group(model: Any, dp_group: Any, cfg: RunnerConfig) -> None:
         return  # one process plays every rank (asyncdbo.sim): there is no peer to disagree with
     ep_ranks = torch.distributed.get_process_group_ranks(ep_group)
     if dp_group is None:
-        problem = (f"with an EP group of {comm.size} ranks {ep_ranks} needs dp_group: without it each rank "
-                   f"{'chooses its configuration from its own step times' if cfg.tuning == 'auto' else 'plans from its own batch'}, "
-                   "and EP peers that choose different ubatch counts issue different all-to-alls; pass "
-                   "dp_group= a group holding every EP rank (e.g. the EP group itself)")
+        sep, problem = " ", (
+            f"with an EP group of {comm.size} ranks {ep_ranks} needs dp_group: without it each rank "
+            f"{'chooses its configuration from its own step times' if cfg.tuning == 'auto' else 'plans from its own batch'}, "
+            "and EP peers that choose different ubatch counts issue different all-to-alls; pass "
+            "dp_group= a group holding every EP rank (e.g. the EP group itself)")
     else:
         dp_ranks = torch.distributed.get_process_group_ranks(dp_group)
         outside = sorted(set(ep_ranks) - set(dp_ranks))
         if not outside:
             return
-        problem = (f": EP ranks {outside} (EP group {ep_ranks}) are not in dp_group (ranks {sorted(dp_ranks)}), "
-                   "so they would choose their configuration from other votes and issue different "
-                   "all-to-alls; pass a dp_group that holds every EP rank")
+        sep, problem = ": ", (
+            f"EP ranks {outside} (EP group {ep_ranks}) are not in dp_group (ranks {sorted(dp_ranks)}), so they "
+            "would choose their configuration from other votes and issue different all-to-alls; pass a dp_group "
+            "that holds every EP rank")
     if cfg.tuning == "auto":
-        raise ValueError(f"tuning='auto' {problem}, or use tuning='fixed'" if dp_group is None
-                         else f"tuning='auto'{problem}")
-    warnings.warn(f"DBORunner{' ' if dp_group is None else ''}{problem}; this will raise ValueError in the "
-                  "next release", DeprecationWarning, stacklevel=3)
+        raise ValueError(f"tuning='auto'{sep}{problem}" + (", or use tuning='fixed'" if dp_group is None else ""))
+    warnings.warn(f"DBORunner{sep}{problem}; this will raise ValueError in the next release", DeprecationWarning,
+                  stacklevel=3)
