@@ -14,7 +14,11 @@ Scenarios (each one shape bucket; the costs are the classes the measured run sho
 - ``N=3 wins``: N = 3 token auto 30% faster than off, N = 2 15%, the rest 10%;
 - ``balanced wins``: N = 2 token as fast as off, N = 2 balanced auto 35% faster (ib400 prefill-heavy);
 - ``N=2 loses, N=3 wins``: N = 2 30% slower than off, N = 3 token auto 15% faster, N = 4 10% faster,
-  the rest 30% slower (eth100 decode-small, run 6).
+  the rest 30% slower (eth100 decode-small, run 6);
+- ``off far behind``: the mixed 256-511 bucket of ib400 mixed-arrivals (``auto_measured.py`` run 11,
+  us/token off 1711, N = 2 608, N = 3 426, N = 4 369): off 4.6 times N = 4 token auto, N = 2 1.65,
+  N = 3 1.15, the other N = 2 modes 1.65, the other N = 3 and 4 modes 1.2; with the prior the
+  fixed thresholds give such a step, off (a 256-511-token step is below their 512).
 
 Per scenario and noise level, over ``--seeds`` seeds, each of ``--steps`` steps: the exploring
 steps (median [min..max]); of them the warm-ups, the steps in a trial's first ``samples`` pairs,
@@ -64,14 +68,24 @@ def scenarios() -> dict[str, dict[Any, float]]:
         "N=3 wins": table(1.0, 0.9, **{"N=2 token auto": 0.85, "N=3 token auto": 0.7}),
         "balanced wins": table(1.0, 1.0, **{"N=2 balanced auto": 0.65}),
         "N=2 loses, N=3 wins": table(1.0, 1.3, **{"N=3 token auto": 0.85, "N=4 token auto": 0.9}),
+        "off far behind": {OFF: 4.6, **{a: 1.65 if a.num_ubatches == 2 else 1.2 for a in dbo},
+                           **{a: c for a in dbo for lbl, c in (("N=3 token auto", 1.15), ("N=4 token auto", 1.0))
+                              if a.label == lbl}},
     }
 
 
-def run_one(cfg: Any, cost: dict[Any, float], steps: int, jitter: float, seed: int) -> dict[str, float]:
-    """One bucket driven ``steps`` steps; its exploration counted by phase (from the reasons)."""
-    from asyncdbo.serving import Arm, AutoPolicy
+def prior_of(scenario: str) -> Any:
+    """The scenario's prior: off where the fixed thresholds would not microbatch its steps, else N = 2."""
+    from asyncdbo.serving import OFF, Arm
 
-    policy = AutoPolicy(cfg, prior=lambda bucket: Arm(2))
+    return OFF if scenario == "off far behind" else Arm(2)
+
+
+def run_one(cfg: Any, cost: dict[Any, float], steps: int, jitter: float, seed: int, prior: Any) -> dict[str, float]:
+    """One bucket driven ``steps`` steps from ``prior``; its exploration counted by phase (from the reasons)."""
+    from asyncdbo.serving import AutoPolicy
+
+    policy = AutoPolicy(cfg, prior=lambda bucket: prior)
     rng = random.Random(seed)
     counts = {"exploring": 0, "warm-up": 0, "first pairs": 0, "extra pairs": 0, "trial steps": 0, "excess": 0.0}
     best = min(cost.values())
@@ -101,7 +115,7 @@ def measure(cfg: Any, args: argparse.Namespace) -> list[str]:
     rows = []
     for name, cost in scenarios().items():
         for jitter in args.jitters:
-            runs = [run_one(cfg, cost, args.steps, jitter, seed) for seed in range(args.seeds)]
+            runs = [run_one(cfg, cost, args.steps, jitter, seed, prior_of(name)) for seed in range(args.seeds)]
             col = lambda k: [r[k] for r in runs]  # noqa: E731
             rows.append(
                 f"| {name} | ±{jitter:.0%} | {spread(col('exploring'))} | {spread(col('warm-up'))} | "

@@ -9,6 +9,7 @@ import dataclasses
 import math
 import random
 import re
+import statistics
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from asyncdbo.dist import DispatchOptions, current_dispatch_options
 from asyncdbo.lowlevel import VirtualClock
 from asyncdbo.plan import PlanReason, ThresholdConfig
 from asyncdbo.serving import OFF, Arm, AutoConfig, AutoPolicy, BatchBuilder, DBORunner, RunnerConfig
-from asyncdbo.serving.auto import Comparison, compare, compare_paired
+from asyncdbo.serving.auto import Comparison, compare, compare_paired, decisive
 from asyncdbo.testing import RankPool
 
 N2, N3, N4 = Arm(2), Arm(3), Arm(4)
@@ -265,8 +266,9 @@ def test_climbing_skips_what_cannot_win_and_climb_false_tries_everything() -> No
     bal = Arm(2, "balanced")
     assert _drive(AutoPolicy(both, prior=lambda b: N2), {OFF: 1.0, N2: 1.1, bal: 0.5}, 12, jitter=0.0, seed=0) == (
         [N2] + _trial(N2, OFF) + [OFF] * 4)
-    assert _drive(AutoPolicy(both, prior=lambda b: N2), {OFF: 1.0, N2: 0.9, bal: 0.5}, 20, jitter=0.0, seed=0) == (
-        [N2] + _trial(N2, OFF) + _trial(N2, bal) + [bal] * 5)
+    # (balanced's every pair 0.556 of N = 2's, beyond 1 / (1 + decisive): decided at its second pair)
+    assert _drive(AutoPolicy(both, prior=lambda b: N2), {OFF: 1.0, N2: 0.9, bal: 0.5}, 18, jitter=0.0, seed=0) == (
+        [N2] + _trial(N2, OFF) + _trial(N2, bal, pairs=2) + [bal] * 5)
 
 
 def test_prune_skips_the_base_variants_where_the_base_measured_far_behind_the_incumbent() -> None:
@@ -297,15 +299,60 @@ def test_prune_skips_the_base_variants_where_the_base_measured_far_behind_the_in
         [N2] + _trial(N2, OFF) + _trial(N2, N3) + _trial(N3, N4) + _trial(N3, bal) + _trial(N3, spl) + [N3] * 8)
 
 
-def _patterned(cfg: AutoConfig, cost: dict[Arm, float], steps: int) -> tuple[list[Arm], AutoPolicy]:
-    """``steps`` steps of one bucket, step i costing ``cost[arm]`` times 1 + 0.1 * ((7 i mod 5) - 2) / 2
-    (a fixed +-10% pattern, no draw); the choices and the policy."""
-    policy, out = AutoPolicy(cfg, prior=lambda b: N2), []
+def _patterned(cfg: AutoConfig, cost: dict[Arm, float], steps: int, prior: Arm = N2) -> tuple[list[Arm], AutoPolicy]:
+    """``steps`` steps of one bucket from ``prior``, step i costing ``cost[arm]`` times
+    1 + 0.1 * ((7 i mod 5) - 2) / 2 (a fixed +-10% pattern, no draw); the choices and the policy."""
+    policy, out = AutoPolicy(cfg, prior=lambda b: prior), []
     for i in range(steps):
         arm, _ = policy.choose("b")
         out.append(arm)
         policy.observe("b", arm, cost[arm] * (1 + 0.1 * ((i * 7) % 5 - 2) / 2) * 1e-6)
     return out, policy
+
+
+def test_pairs_that_all_put_one_side_far_behind_decide_at_the_second_pair() -> None:
+    # mixed-arrivals' 256-511-token steps (benchmarks/results/auto_measured_cpu-2c_2026-12-03_run11.md):
+    # the fixed thresholds' prior is off, which runs 2.8 times as long as N = 2 per token. Every pair
+    # of N = 2's first two is below 1 / (1 + decisive): N = 2 wins there, and off runs 2 paired steps
+    # after its warm-up, not 3. N = 3 (0.70 of N = 2) and N = 4 (0.87 of N = 3) are within the gap
+    # in some pair and go the statistical way (5 and 6 pairs under this +-10% pattern).
+    space = AutoConfig(splits=("token",), dispatches=("auto",))
+    far = {OFF: 4.6, N2: 1.65, N3: 1.15, N4: 1.0}
+    chosen, policy = _patterned(space, far, 30, prior=OFF)
+    assert chosen == [OFF] + _trial(OFF, N2, pairs=2) + _trial(N2, N3, pairs=5) + _trial(N3, N4, pairs=6)
+    b = policy.buckets["b"]
+    assert b.incumbent == N4 and b.verdicts == {OFF: "slower", N2: "slower", N3: "slower"}
+    # off's pairs: steps 3 and 5 (factors 0.95, 0.9) after N = 2's steps 2 and 4 (1.1, 1.05)
+    winner, off_xs, n2_xs, ratio = b.compared[OFF]
+    assert winner == N2 and off_xs == pytest.approx((4.6e-6 * 0.95, 4.6e-6 * 0.9), rel=1e-12)
+    assert n2_xs == pytest.approx((1.65e-6 * 1.1, 1.65e-6 * 1.05), rel=1e-12)
+    assert ratio == pytest.approx(1 / statistics.median([1.65 * 1.1 / (4.6 * 0.95), 1.65 * 1.05 / (4.6 * 0.9)]), rel=1e-12)
+    # without it (decisive=None), off's comparison runs its first 3 pairs, as every other one does
+    chosen, _ = _patterned(dataclasses.replace(space, decisive=None), far, 30, prior=OFF)
+    assert chosen[:8] == [OFF] + _trial(OFF, N2, pairs=3)
+    # a gap within decisive in the pairs: N = 2 1.3 times off, pairs 1.12 and 1.11 under this pattern,
+    # runs the usual first 3 pairs
+    chosen, policy = _patterned(space, {OFF: 1.0, N2: 1.3, N3: 1.3, N4: 1.3}, 8)
+    assert chosen == [N2] + _trial(N2, OFF, pairs=3)
+    # losing by more than decisive in every pair: off over N = 2 (here the prior) at its second pair, slower
+    chosen, policy = _patterned(dataclasses.replace(space, ubatch_counts=(2,)), {OFF: 2.0, N2: 1.0}, 10)
+    assert chosen == [N2] + _trial(N2, OFF, pairs=2) + [N2] * 4
+    assert policy.buckets["b"].verdicts == {OFF: "slower"}
+
+
+@pytest.mark.parametrize(("pairs", "decided"), [
+    (([1.0], [1.6]), None),                    # one pair: never decisive
+    (([1.0, 1.0], [1.6, 1.4]), None),          # one of two within the gap
+    (([1.0, 1.0], [1.6, 1.7]), ("default", "other")),  # every pair: the other 1.5 times slower or more
+    (([1.0, 1.0], [0.6, 0.66]), ("other", "default")),  # every pair: the default 1.5 times slower or more
+    (([1.0, 1.0, 1.0], [0.6, 0.66, 0.7]), None),  # the third pair within the gap
+    (([0.0, 1.0], [1.6, 1.7]), None),          # a zero time decides nothing
+])
+def test_decisive_needs_two_pairs_all_beyond_the_gap(pairs: tuple[list[float], list[float]],
+                                                    decided: tuple[str, str] | None) -> None:
+    c = decisive(*pairs, 0.5)
+    assert (c.outcome, c.slower) == decided if c is not None else decided is None
+    assert decisive(*pairs, None) is None
 
 
 def test_a_trial_not_even_ahead_after_its_first_pairs_stops_there() -> None:
