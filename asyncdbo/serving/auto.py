@@ -59,12 +59,13 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 from ..dist.fused import DISPATCH_MODES, DispatchMode
 from ..plan import DPDecision, SplitPolicy, ThresholdConfig, plan_slices
 from ..plan.slices import SPLIT_POLICIES
+from ._checks import check_bool, check_int, check_number
 from .measure import close_shape_bucket, is_shape_bucket, shape_bucket
 
 __all__ = ["Arm", "AutoConfig", "AutoPolicy", "Comparison", "OFF", "choose_for_group", "compare", "compare_paired",
@@ -105,7 +106,9 @@ OFF = Arm(1)
 class AutoConfig:
     """The ``"auto"`` tuning's search space and guards (see the module docstring).
 
-    ``ubatch_counts``, ``splits``, ``dispatches``: the configurations it may try. ``samples``: the
+    ``ubatch_counts``, ``splits``, ``dispatches``: the configurations it may try, each a tuple
+    naming each value once, the counts in increasing order (the climb's; the first split and
+    dispatch are the prior's). ``samples``: the
     pairs (a trial's step, then the incumbent's) before a trial is first compared; ``max_samples``:
     at most this many pairs while the comparison does not separate; ``warmup``: a configuration's first steps in a
     bucket, not counted (caches, allocator). ``margin``: how much faster (a share of the default's
@@ -157,14 +160,16 @@ class AutoConfig:
     decisive: float | None = 0.5
 
     def __post_init__(self) -> None:
-        if not self.ubatch_counts or any(n < 2 for n in self.ubatch_counts):
-            raise ValueError(f"ubatch_counts {self.ubatch_counts!r} must be ubatch counts >= 2 (off is always a candidate)")
-        bad = [s for s in self.splits if s not in SPLIT_POLICIES]
-        if not self.splits or bad:
-            raise ValueError(f"splits {self.splits!r}: use some of {SPLIT_POLICIES}")
-        bad_d = [d for d in self.dispatches if d not in DISPATCH_MODES]
-        if not self.dispatches or bad_d:
-            raise ValueError(f"dispatches {self.dispatches!r}: use some of {DISPATCH_MODES}")
+        _check_counts(self.ubatch_counts)
+        _check_names("splits", self.splits, SPLIT_POLICIES)
+        _check_names("dispatches", self.dispatches, DISPATCH_MODES)
+        for name in ("samples", "max_samples", "warmup", "window", "max_arms", "step_over"):
+            check_int("AutoConfig.", name, getattr(self, name), _DEFAULTS[name])
+        for name in ("margin", "separation", "behind"):
+            check_number("AutoConfig.", name, getattr(self, name), _DEFAULTS[name])
+        check_number("AutoConfig.", "prune", self.prune, _DEFAULTS["prune"], none="no pruning")
+        check_bool("AutoConfig.", "climb", self.climb)
+        check_bool("AutoConfig.", "stop_behind", self.stop_behind)
         if self.samples < 1 or self.warmup < 0 or not self.samples <= self.max_samples <= self.window:
             raise ValueError(
                 f"samples ({self.samples}) must be >= 1, warmup ({self.warmup}) >= 0 and samples <= max_samples "
@@ -218,6 +223,58 @@ class AutoConfig:
                     f"AutoConfig.pin pins {name!r} to {arm.label} ({arm.num_ubatches} ubatches) but the model's "
                     f"MoE layers were built for max_ubatches={max_ubatches}; build them with max_ubatches >= "
                     f"{arm.num_ubatches} or pin at most {max_ubatches} ubatches")
+
+
+#: Each field's default, the example a message about a field gives.
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(AutoConfig)}
+
+
+def _not_a_tuple(name: str, value: object, example: object) -> TypeError:
+    """A list (or a lone value) where ``AutoConfig.<name>`` wants a tuple: the config is frozen,
+    and a list could still change after it was checked (and would leave the config unhashable)."""
+    if isinstance(value, list):
+        example = tuple(value)
+    elif isinstance(value, (str, int)) and not isinstance(value, bool):
+        example = (value,)
+    return TypeError(f"AutoConfig.{name} must be a tuple, got {type(value).__name__} {value!r}; pass a tuple, "
+                     f"e.g. {name}={example!r}")
+
+
+def _check_counts(counts: object) -> None:
+    """``AutoConfig.ubatch_counts``: a tuple of ints >= 2 in increasing order, each once. The order
+    is the climb's (:meth:`AutoPolicy._worth` tries N = k only after the next smaller count, the
+    schedule lists the counts in the order given, the first is the base of an off prior's
+    exploration and the prior's count where 2 is not among them)."""
+    if not isinstance(counts, tuple):
+        raise _not_a_tuple("ubatch_counts", counts, _DEFAULTS["ubatch_counts"])
+    usable = tuple(sorted({int(n) for n in counts if isinstance(n, (int, float)) and not isinstance(n, bool)
+                           and float(n).is_integer() and n >= 2}))
+    fix = usable or _DEFAULTS["ubatch_counts"]
+    for n in counts:
+        if isinstance(n, bool):
+            raise TypeError(f"AutoConfig.ubatch_counts {counts!r} holds {n!r}: a bool is not a ubatch count; use ints "
+                            f">= 2, e.g. ubatch_counts={fix!r}")
+        if not isinstance(n, int):
+            raise TypeError(f"AutoConfig.ubatch_counts {counts!r} holds {type(n).__name__} {n!r}, not an int; use ints "
+                            f">= 2, e.g. ubatch_counts={fix!r}")
+    if not counts or any(n < 2 for n in counts):
+        raise ValueError(f"ubatch_counts {counts!r} must be ubatch counts >= 2 (off is always a candidate)")
+    if list(counts) != sorted(set(counts)):
+        raise ValueError(f"AutoConfig.ubatch_counts {counts!r} must be in increasing order, each count once (the "
+                         f"climb tries a count only after the next smaller one); write ubatch_counts={fix!r}")
+
+
+def _check_names(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    """``AutoConfig.splits`` or ``.dispatches``: a non-empty tuple of ``allowed`` names, each once
+    (their order is the schedule's: the first is the prior's and the base's)."""
+    if not isinstance(value, tuple):
+        raise _not_a_tuple(name, value, _DEFAULTS[name])
+    if not value or any(v not in allowed for v in value):
+        raise ValueError(f"{name} {value!r}: use some of {allowed}")
+    twice = [v for i, v in enumerate(value) if v in value[:i]]
+    if twice:
+        raise ValueError(f"AutoConfig.{name} {value!r} names {twice[0]!r} twice; name each once, e.g. "
+                         f"{name}={tuple(dict.fromkeys(value))!r}")
 
 
 def _arm_source(arm: Arm) -> str:

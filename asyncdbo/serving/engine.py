@@ -40,6 +40,7 @@ from typing import Any, Literal
 import torch
 
 from ..plan import StepRecord
+from ._checks import check_bool
 from .batch import BatchBuilder
 from .runner import DBORunner
 from .sampling import SamplingParams, sample_tokens
@@ -154,6 +155,7 @@ class Engine:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1 (got {value!r})")
+        check_bool("Engine ", "enabled", enabled, none="None: RunnerConfig.enabled")
         if builder.blocks or builder.num_computed:
             raise ValueError(f"the builder already holds requests {sorted(builder.num_computed)}; "
                              "give the engine a fresh BatchBuilder (or reset() it)")

@@ -80,6 +80,7 @@ from ..plan import (
     plan_step,
 )
 from .auto import OFF, Arm, AutoConfig, AutoPolicy, choose_for_group, splittable_mask, threshold_prior
+from ._checks import check_bool, check_int, check_number
 from .batch import Batch
 from .measure import OverlapLedger, host_timing, shape_bucket
 
@@ -140,6 +141,10 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.tuning not in ("fixed", "auto"):
             raise ValueError(f"unknown tuning {self.tuning!r}; use 'fixed' or 'auto'")
+        check_bool("RunnerConfig.", "enabled", self.enabled)
+        check_int("RunnerConfig.", "num_ubatches", self.num_ubatches, 2)
+        check_number("RunnerConfig.", "min_share", self.min_share, 0.48)
+        check_number("RunnerConfig.", "max_imbalance", self.max_imbalance, 4.0, none="no limit")
         if self.num_ubatches < 1:
             raise ValueError(f"num_ubatches ({self.num_ubatches}) must be at least 1 (2 for DBO)")
         if self.policy not in ("token", "request", "balanced"):
@@ -271,6 +276,7 @@ class DBORunner:
             raise TypeError(
                 f"step() takes an asyncdbo.serving.Batch, got {type(batch).__name__}; build one with "
                 "asyncdbo.serving.BatchBuilder(kv_cache_config).build([(request_id, new_token_ids), ...])")
+        check_bool("DBORunner.step() ", "enabled", enabled, none="None: RunnerConfig.enabled")
         check_instrument(instrument)
         insts: list[Instrument] = [self.instrument] if self.instrument is not None else []
         if isinstance(instrument, Instrument):

@@ -1,6 +1,8 @@
 """A user's mistakes with the runner and its "auto" tuning are refused where they are made, naming
-the value and the fix (a new-user trial's findings A5, A6, A10, A11, A12): ``AutoConfig.pin``,
-``Arm`` and ``RunnerConfig.auto`` at construction, a pin the model cannot run at ``DBORunner()``,
+the value and the fix (a new-user trial's findings A5, A6, A10, A11, A12, and a later trial's):
+``AutoConfig.pin``, ``Arm`` and ``RunnerConfig.auto`` at construction, a field of the wrong type
+(a list for a tuple, a bool or a str for a number, anything but True or False for a flag) or
+ubatch counts out of order, a pin the model cannot run at ``DBORunner()``,
 a pin a batch cannot split falls back as a fixed runner does, a model without an ``async``
 forward, a step argument that is not a Batch, a bad instrument before the step is counted; and
 failed steps are counted by neither ``stats`` nor ``report()`` as run. Step times come from an
@@ -17,7 +19,7 @@ from _auto_ranks import CACHE, ClockedModel, decode_batches
 
 from asyncdbo.lowlevel import Instrument, VirtualClock
 from asyncdbo.plan import PlanReason, ThresholdConfig
-from asyncdbo.serving import OFF, Arm, AutoConfig, AutoPolicy, BatchBuilder, DBORunner, RunnerConfig
+from asyncdbo.serving import OFF, Arm, AutoConfig, AutoPolicy, BatchBuilder, DBORunner, Engine, RunnerConfig
 from asyncdbo.serving.measure import close_shape_bucket, is_shape_bucket, shape_bucket
 
 _BUCKET_FORM = ("is not a step-shape bucket: a bucket is 'decode LO-HI' or 'mixed LO-HI' with LO a power of "
@@ -106,6 +108,78 @@ def test_runner_config_auto_must_be_an_auto_config() -> None:
     with pytest.raises(TypeError, match=_exactly(
             "RunnerConfig.auto must be an asyncdbo.serving.AutoConfig, got NoneType None; write auto=AutoConfig(...)")):
         RunnerConfig(auto=None)  # type: ignore[arg-type]
+
+
+_FROZEN = "pass a tuple, e.g."
+
+
+@pytest.mark.parametrize("fields, error, message", [
+    ({"ubatch_counts": [2, 3]}, TypeError,
+     f"AutoConfig.ubatch_counts must be a tuple, got list [2, 3]; {_FROZEN} ubatch_counts=(2, 3)"),
+    ({"ubatch_counts": 3}, TypeError, f"AutoConfig.ubatch_counts must be a tuple, got int 3; {_FROZEN} ubatch_counts=(3,)"),
+    ({"ubatch_counts": (2, 2)}, ValueError,
+     "AutoConfig.ubatch_counts (2, 2) must be in increasing order, each count once (the climb tries a count only "
+     "after the next smaller one); write ubatch_counts=(2,)"),
+    ({"ubatch_counts": (4, 2, 3, 2)}, ValueError,
+     "AutoConfig.ubatch_counts (4, 2, 3, 2) must be in increasing order, each count once (the climb tries a count "
+     "only after the next smaller one); write ubatch_counts=(2, 3, 4)"),
+    ({"ubatch_counts": (2.0, 3)}, TypeError,
+     "AutoConfig.ubatch_counts (2.0, 3) holds float 2.0, not an int; use ints >= 2, e.g. ubatch_counts=(2, 3)"),
+    ({"ubatch_counts": (True, 3)}, TypeError,
+     "AutoConfig.ubatch_counts (True, 3) holds True: a bool is not a ubatch count; use ints >= 2, e.g. "
+     "ubatch_counts=(3,)"),
+    ({"ubatch_counts": ("2",)}, TypeError,
+     "AutoConfig.ubatch_counts ('2',) holds str '2', not an int; use ints >= 2, e.g. ubatch_counts=(2, 3, 4)"),
+    ({"ubatch_counts": (1, 2)}, ValueError, "ubatch_counts (1, 2) must be ubatch counts >= 2 (off is always a candidate)"),
+    ({"splits": ["token"]}, TypeError, f"AutoConfig.splits must be a tuple, got list ['token']; {_FROZEN} splits=('token',)"),
+    ({"splits": "token"}, TypeError, f"AutoConfig.splits must be a tuple, got str 'token'; {_FROZEN} splits=('token',)"),
+    ({"splits": ("balanced", "token", "balanced")}, ValueError,
+     "AutoConfig.splits ('balanced', 'token', 'balanced') names 'balanced' twice; name each once, e.g. "
+     "splits=('balanced', 'token')"),
+    ({"dispatches": ["auto", "split"]}, TypeError,
+     f"AutoConfig.dispatches must be a tuple, got list ['auto', 'split']; {_FROZEN} dispatches=('auto', 'split')"),
+    ({"dispatches": ("auto", "auto")}, ValueError,
+     "AutoConfig.dispatches ('auto', 'auto') names 'auto' twice; name each once, e.g. dispatches=('auto',)"),
+    ({"samples": True}, TypeError,
+     "AutoConfig.samples must be an int, got bool True (True and False are not counts); write e.g. samples=3"),
+    ({"window": 8.0}, TypeError, "AutoConfig.window must be an int, got float 8.0; write window=8"),
+    ({"warmup": "1"}, TypeError, "AutoConfig.warmup must be an int, got str '1'; write warmup=1"),
+    ({"step_over": None}, TypeError, "AutoConfig.step_over must be an int, got NoneType None; write e.g. step_over=1"),
+    ({"margin": "0.03"}, TypeError, "AutoConfig.margin must be a number, got str '0.03'; write margin=0.03"),
+    ({"separation": True}, TypeError, "AutoConfig.separation must be a number, got bool True; write e.g. separation=2.0"),
+    ({"prune": False}, TypeError,
+     "AutoConfig.prune must be a number or None (no pruning), got bool False; write e.g. prune=0.15"),
+    ({"climb": "yes"}, TypeError, "AutoConfig.climb must be True or False, got str 'yes'; use True or False"),
+    ({"stop_behind": 1}, TypeError, "AutoConfig.stop_behind must be True or False, got int 1; use True or False"),
+])
+def test_auto_config_fields_of_the_wrong_type_or_order_are_refused_naming_the_fix(
+        fields: dict[str, Any], error: type, message: str) -> None:
+    with pytest.raises(error, match=_exactly(message)):
+        AutoConfig(**fields)
+
+
+def test_auto_config_takes_valid_fields_as_before() -> None:
+    cfg = AutoConfig(ubatch_counts=(2, 4), splits=("balanced", "token"), dispatches=("split",), samples=2, margin=0,
+                     separation=1, prune=None, climb=False)
+    assert hash(cfg) == hash(AutoConfig(ubatch_counts=(2, 4), splits=("balanced", "token"), dispatches=("split",),
+                                        samples=2, margin=0, separation=1, prune=None, climb=False))
+    assert [a.label for a in cfg.arms()] == ["off", "N=2 balanced split", "N=2 token split", "N=4 balanced split",
+                                             "N=4 token split"]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"enabled": "yes"}, "RunnerConfig.enabled must be True or False, got str 'yes'; use True or False"),
+    ({"enabled": 0}, "RunnerConfig.enabled must be True or False, got int 0; use True or False"),
+    ({"num_ubatches": True},
+     "RunnerConfig.num_ubatches must be an int, got bool True (True and False are not counts); write e.g. num_ubatches=2"),
+    ({"num_ubatches": 2.0}, "RunnerConfig.num_ubatches must be an int, got float 2.0; write num_ubatches=2"),
+    ({"min_share": "0.4"}, "RunnerConfig.min_share must be a number, got str '0.4'; write min_share=0.4"),
+    ({"max_imbalance": True},
+     "RunnerConfig.max_imbalance must be a number or None (no limit), got bool True; write e.g. max_imbalance=4.0"),
+])
+def test_runner_config_fields_of_the_wrong_type_are_refused_naming_the_fix(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(TypeError, match=_exactly(message)):
+        RunnerConfig(**fields)
 
 
 class _Four(ClockedModel):
@@ -205,6 +279,14 @@ async def test_step_arguments_are_checked_before_the_step_is_voted_or_counted(tu
                 f"instrument must be an asyncdbo.lowlevel.Instrument, a list of them, or None (got {bad!r}); "
                 "subclass Instrument and override the hooks you need")):
             await runner.step(batch, instrument=bad)  # type: ignore[arg-type]
+    for bad in ("no", 1):
+        with pytest.raises(TypeError, match=_exactly(
+                f"DBORunner.step() enabled must be True, False or None (None: RunnerConfig.enabled), got "
+                f"{type(bad).__name__} {bad!r}; use True or False")):
+            await runner.step(batch, enabled=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=_exactly(
+            "Engine enabled must be True, False or None (None: RunnerConfig.enabled), got str 'yes'; use True or False")):
+        Engine(runner, BatchBuilder(CACHE), enabled="yes")  # type: ignore[arg-type]
     assert (runner.stats.num_steps, runner.ledger.num_steps, runner.ledger.failed) == (0, 0, 0)
 
     class Runs(Instrument):

@@ -1,0 +1,59 @@
+"""Type checks of the serving configs' fields (:class:`~asyncdbo.serving.AutoConfig`,
+:class:`~asyncdbo.serving.RunnerConfig`), each a TypeError naming the field, the value and the fix.
+
+The range checks stay with each config; these come first, so that a value of the wrong type gets
+a message about its type, not a comparison error (``"0.03" <= 1.0``) or, worse, no error at all:
+``True`` is an int to Python (``samples=True`` ran as one sample), and any truthy value would pass
+for ``enabled``."""
+
+from __future__ import annotations
+
+from numbers import Real
+
+__all__ = ["check_bool", "check_int", "check_number"]
+
+
+def _parsed(value: object, kind: type) -> object | None:
+    """``value`` as ``kind`` where it spells one (a str read from a file or the environment, an
+    integral float for an int), else None: the fix the message suggests."""
+    try:
+        if isinstance(value, str):
+            out = kind(value.strip())
+        elif kind is int and isinstance(value, float) and value.is_integer():
+            out = int(value)
+        else:
+            return None
+    except (ValueError, OverflowError):
+        return None
+    return out
+
+
+def _write(name: str, fix: object | None, example: object) -> str:
+    return f"write {name}={fix!r}" if fix is not None else f"write e.g. {name}={example!r}"
+
+
+def check_bool(owner: str, name: str, value: object, *, none: str = "") -> None:
+    """Raise TypeError unless ``value`` is True or False (or None, where ``none`` says what None means)."""
+    if isinstance(value, bool) or (none and value is None):
+        return
+    allowed = f"True, False or None ({none})" if none else "True or False"
+    raise TypeError(f"{owner}{name} must be {allowed}, got {type(value).__name__} {value!r}; use True or False")
+
+
+def check_int(owner: str, name: str, value: object, example: int) -> None:
+    """Raise TypeError unless ``value`` is an int (a bool is not one here)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return
+    fix = _parsed(value, int)
+    why = " (True and False are not counts)" if isinstance(value, bool) else ""
+    raise TypeError(f"{owner}{name} must be an int, got {type(value).__name__} {value!r}{why}; {_write(name, fix, example)}")
+
+
+def check_number(owner: str, name: str, value: object, example: float, *, none: str = "") -> None:
+    """Raise TypeError unless ``value`` is a real number, not a bool (or None, where ``none`` says
+    what None means)."""
+    if (isinstance(value, Real) and not isinstance(value, bool)) or (none and value is None):
+        return
+    fix = _parsed(value, float)
+    allowed = f"a number or None ({none})" if none else "a number"
+    raise TypeError(f"{owner}{name} must be {allowed}, got {type(value).__name__} {value!r}; {_write(name, fix, example)}")
