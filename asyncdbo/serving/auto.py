@@ -69,6 +69,7 @@ from ._checks import check_bool, check_int, check_number
 from .measure import close_shape_bucket, is_shape_bucket, shape_bucket
 
 __all__ = ["Arm", "AutoConfig", "AutoPolicy", "Comparison", "OFF", "choose_for_group", "compare", "compare_paired",
+           "group_choice",
            "paired_sigma", "pooled_sigma",
            "relative_sigma", "splittable_mask", "threshold_prior"]
 
@@ -517,13 +518,22 @@ class AutoPolicy:
     def choose(self, name: str, feasible: Callable[[Arm], bool] = lambda arm: True) -> tuple[Arm, str]:
         """The configuration for the next step of bucket ``name`` and why. ``feasible(arm)``:
         whether every rank can run it this step (a split policy may refuse a batch)."""
+        arm, why, _ = self.choose_refused(name, feasible)
+        return arm, why
+
+    def choose_refused(self, name: str, feasible: Callable[[Arm], bool] = lambda arm: True
+                       ) -> tuple[Arm, str, Arm | None]:
+        """:meth:`choose`, and the configuration it would run but this step cannot split, so that
+        it runs off instead (the pinned one, or the bucket's choice where no trial can run either),
+        else None. A step off for that reason is the split policy's refusal, as a fixed runner
+        records it (``PlanReason.POLICY_REFUSED``), not a choice of off."""
         pinned = self._pins.get(name)
         if pinned is not None:
             if feasible(pinned):
-                return pinned, f"{name}: pinned by AutoConfig.pin"
+                return pinned, f"{name}: pinned by AutoConfig.pin", None
             # as a fixed runner with that split policy falls back (PlanReason.POLICY_REFUSED)
             return OFF, (f"{name}: pinned {pinned.label} (AutoConfig.pin) cannot split this batch (a "
-                         f"{pinned.split} split leaves a ubatch without real tokens), off")
+                         f"{pinned.split} split leaves a ubatch without real tokens), off"), pinned
         b = self.bucket(name)
         cfg = self.cfg
         inc = b.incumbent
@@ -531,14 +541,15 @@ class AutoPolicy:
         trials = self._trials(b)
         if trials and b.seen.get(inc, 0) < cfg.warmup and feasible(inc):  # the prior's own warm-up
             return inc, (f"{name}: exploring {b.schedule.index(inc) + 1}/{k} (warm-up {b.seen.get(inc, 0) + 1}/"
-                         f"{cfg.warmup} of {inc.label}); {self.evidence(name)}")
+                         f"{cfg.warmup} of {inc.label}); {self.evidence(name)}"), None
         for arm in trials:
             want, why = self._turn(b, arm)
             if feasible(want):
-                return want, f"{name}: exploring {b.schedule.index(arm) + 1}/{k} {why}; {self.evidence(name)}"
-        if not feasible(inc):
-            return OFF, f"{name}: {inc.label} cannot split this batch, off; {self.evidence(name)}"
-        return inc, f"{name}: {self.evidence(name)}"
+                return want, f"{name}: exploring {b.schedule.index(arm) + 1}/{k} {why}; {self.evidence(name)}", None
+        if not feasible(inc):  # off and the token split always can: inc is a request-aligned split
+            return OFF, (f"{name}: {inc.label} cannot split this batch (a {inc.split} split leaves a ubatch without "
+                         f"real tokens), off; {self.evidence(name)}"), inc
+        return inc, f"{name}: {self.evidence(name)}", None
 
     def _turn(self, b: _Bucket, arm: Arm) -> tuple[Arm, str]:
         """Whose step it is in trial ``arm``'s comparison, and why: the trial's warm-up, then the
@@ -720,12 +731,21 @@ def choose_for_group(policy: AutoPolicy, arms: Sequence[Arm], decision: DPDecisi
     :func:`splittable_mask`, as the DP vote gathered them. A decision that does not microbatch
     (every rank idle, a rank disabled, imbalance) runs off with no evidence. Pure: every rank
     (and the simulator) derives the same choice from the same vote."""
+    bucket, arm, evidence, _ = group_choice(policy, arms, decision, uniform_R, mask_R)
+    return bucket, arm, evidence
+
+
+def group_choice(policy: AutoPolicy, arms: Sequence[Arm], decision: DPDecision, uniform_R: Sequence[int],
+                 mask_R: Sequence[int]) -> tuple[str, Arm, str, Arm | None]:
+    """:func:`choose_for_group`, and the configuration the policy would run but some rank's batch
+    cannot split (:meth:`AutoPolicy.choose_refused`; the step runs off), else None: what the runner
+    and the simulator record a step by."""
     busy = [r for r, v in enumerate(decision.ranks) if v.vote != "idle"]
     bucket = shape_bucket(max(decision.num_tokens_across_dp, default=0), bool(busy) and all(uniform_R[r] for r in busy))
     if not decision.should_ubatch:
-        return bucket, OFF, ""
+        return bucket, OFF, "", None
     group_mask = -1
     for r in busy:
         group_mask &= mask_R[r]
-    arm, evidence = policy.choose(bucket, lambda a: bool(group_mask >> arms.index(a) & 1))
-    return bucket, arm, evidence
+    arm, evidence, refused = policy.choose_refused(bucket, lambda a: bool(group_mask >> arms.index(a) & 1))
+    return bucket, arm, evidence, refused

@@ -79,7 +79,7 @@ from ..plan import (
     merge_outputs,
     plan_step,
 )
-from .auto import OFF, Arm, AutoConfig, AutoPolicy, choose_for_group, splittable_mask, threshold_prior
+from .auto import OFF, Arm, AutoConfig, AutoPolicy, group_choice, splittable_mask, threshold_prior
 from ._checks import check_bool, check_int, check_number
 from .batch import Batch
 from .measure import OverlapLedger, host_timing, shape_bucket
@@ -368,11 +368,11 @@ class DBORunner:
             auto.observe(bucket, arm, max(last_R) * 1e-9 / max(tokens, 1))
         tokens = max(decision.num_tokens_across_dp)
         self._last = None
-        bucket, arm, evidence = choose_for_group(auto, self._arms, decision, uniform_R, mask_R)
+        bucket, arm, evidence, refused = group_choice(auto, self._arms, decision, uniform_R, mask_R)
         if decision.should_ubatch and arm == OFF:
-            # off by the policy's choice, or a pinned split this batch cannot take (as a fixed runner's)
-            pinned = auto.pinned(bucket)
-            reason = PlanReason.AUTO_OFF if pinned is None or pinned == OFF else PlanReason.POLICY_REFUSED
+            # off by the policy's choice, or because the configuration it would run (pinned, or the
+            # bucket's choice) cannot split this batch: the split policy's refusal, as a fixed runner's
+            reason = PlanReason.AUTO_OFF if refused is None else PlanReason.POLICY_REFUSED
             decision = dataclasses.replace(decision, should_ubatch=False, reason=reason, detail=evidence)
         if tokens > 0:
             self._last = (bucket, arm, tokens)

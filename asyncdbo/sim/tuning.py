@@ -5,7 +5,7 @@ The choice is the runner's own code (:mod:`asyncdbo.serving.auto`): the same
 :class:`~asyncdbo.serving.AutoPolicy`, the same prior from the thresholds
 (:func:`~asyncdbo.serving.auto.threshold_prior`), the same split feasibility per rank
 (:func:`~asyncdbo.serving.auto.splittable_mask`) and the same group choice from the DP vote
-(:func:`~asyncdbo.serving.auto.choose_for_group`). What differs is where the measurement comes
+(:func:`~asyncdbo.serving.auto.group_choice`). What differs is where the measurement comes
 from: the runner feeds each step's slowest-rank wall time per real token of the largest rank; the
 replay feeds the slowest rank's simulated MoE-layer time per real token of the largest rank
 (:class:`~asyncdbo.sim.workload.StepSims`), so the policy sees the sim's step costs where it would
@@ -26,7 +26,7 @@ from ..serving.auto import (
     Arm,
     AutoConfig,
     AutoPolicy,
-    choose_for_group,
+    group_choice,
     splittable_mask,
     threshold_prior,
 )
@@ -96,7 +96,7 @@ def replay_auto(steps: Sequence[Step], *, sims: StepSims, thresholds: ThresholdC
         decision = decide_from_votes(votes)
         uniform_R = [int(is_uniform_decode(q, thresholds.num_spec_tokens)) for q in qsls]
         mask_R = [splittable_mask(q, arms, min_share) for q in qsls]
-        bucket, arm, evidence = choose_for_group(policy, arms, decision, uniform_R, mask_R)
+        bucket, arm, evidence, refused = group_choice(policy, arms, decision, uniform_R, mask_R)
         shape = step_shape(step)
         serial = [sims.serial(reqs, shape) for reqs in step]
         if arm == OFF:
@@ -112,8 +112,8 @@ def replay_auto(steps: Sequence[Step], *, sims: StepSims, thresholds: ThresholdC
         if max(tokens, default=0) > 0:
             policy.observe(bucket, arm, step_s / max(tokens))
         microbatched = arm != OFF
-        reason = PlanReason.MICROBATCHED if microbatched else (
-            PlanReason.AUTO_OFF if decision.should_ubatch else decision.reason)
+        reason = (PlanReason.MICROBATCHED if microbatched else decision.reason if not decision.should_ubatch
+                  else PlanReason.AUTO_OFF if refused is None else PlanReason.POLICY_REFUSED)  # as the runner records it
         result.steps.append(StepOutcome(microbatched, reason, evidence or decision.detail, tokens,
                                         max(serial, default=0.0), step_s, ()))
         result.choices.append((bucket, arm, evidence))

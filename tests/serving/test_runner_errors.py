@@ -233,6 +233,48 @@ async def test_a_pinned_request_split_that_would_leave_a_ubatch_empty_runs_off_a
         "off", False, PlanReason.POLICY_REFUSED, (80,))
 
 
+def test_a_choice_this_step_cannot_split_runs_off_and_names_the_refused_configuration() -> None:
+    space = AutoConfig(ubatch_counts=(2,), splits=("request",), dispatches=("auto",), max_arms=0)
+    n2 = Arm(2, "request")
+    policy = AutoPolicy(space, prior=lambda bucket: n2)
+    policy.observe("mixed 64-127", n2, 1.0e-6)  # its warm-up step
+    assert policy.choose_refused("mixed 64-127") == (n2, "mixed 64-127: best N=2 request auto (prior, unmeasured)", None)
+    assert policy.choose_refused("mixed 64-127", lambda arm: arm != n2) == (
+        OFF, "mixed 64-127: N=2 request auto cannot split this batch (a request split leaves a ubatch without real "
+             "tokens), off; best N=2 request auto (prior, unmeasured)", n2)
+    assert policy.choose("mixed 64-127", lambda arm: arm != n2) == policy.choose_refused(
+        "mixed 64-127", lambda arm: arm != n2)[:2]
+    pinned = AutoPolicy(AutoConfig(pin=(("mixed 64-127", n2),)), prior=lambda bucket: OFF)
+    assert pinned.choose_refused("mixed 64-127", lambda arm: arm != n2)[::2] == (OFF, n2)
+
+
+@pytest.mark.asyncio
+async def test_an_auto_choice_that_cannot_split_the_batch_is_recorded_as_policy_refused_not_auto_off() -> None:
+    # The bucket's choice is N = 2 with the request split (its prior; nothing else to try): a step
+    # of one request cannot be split that way and runs off, recorded as the split policy's refusal,
+    # as a fixed runner with that policy records it, not as if the measurements had chosen off.
+    clock = VirtualClock()
+    model = ClockedModel(clock, {n: 1.0e-3 for n in (1, 2, 3, 4)})
+    space = AutoConfig(ubatch_counts=(2,), splits=("request",), dispatches=("auto",), max_arms=0)
+    runner = DBORunner(model, RunnerConfig(tuning="auto", thresholds=ThresholdConfig(prefill_threshold=16), auto=space),
+                       clock=clock)
+    builder = BatchBuilder(CACHE)
+    two = (await runner.step(builder.build([(0, [1] * 40), (1, [1] * 40)]))).record
+    builder.reset()
+    one = (await runner.step(builder.build([(0, [1] * 80)]))).record
+    assert (two.config, two.reason) == ("N=2 request auto", PlanReason.MICROBATCHED)
+    assert (one.config, one.microbatched, one.reason, one.ubatch_num_tokens) == (
+        "off", False, PlanReason.POLICY_REFUSED, (80,))
+    assert one.detail == one.evidence == (
+        "mixed 64-127: N=2 request auto cannot split this batch (a request split leaves a ubatch without real "
+        "tokens), off; best N=2 request auto (prior, unmeasured)")  # its one step was its warm-up
+    assert runner.stats.summary() == "2 steps, 50% microbatched; policy_refused=1"
+    fixed = DBORunner(model, RunnerConfig(policy="request", thresholds=ThresholdConfig(prefill_threshold=16)),
+                      clock=clock)
+    builder.reset()
+    assert (await fixed.step(builder.build([(0, [1] * 80)]))).record.reason is PlanReason.POLICY_REFUSED
+
+
 # ------------------------------------------------------------------- A10, A11: the model, the step's arguments
 
 

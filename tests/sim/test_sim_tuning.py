@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from asyncdbo.plan import PlanReason
+from asyncdbo.plan import PlanReason, ThresholdConfig
 from asyncdbo.serving import OFF, Arm, AutoConfig, AutoPolicy
 from asyncdbo.sim.predict import Deployment, ModelShape
 from asyncdbo.sim.tuning import below_break_even, replay_auto, step_bucket
@@ -72,3 +72,17 @@ def test_the_fixed_thresholds_are_flagged_where_they_microbatch_below_break_even
     assert low.speedup == pytest.approx(sum(s.serial_s for s in small) / sum(s.dbo_s for s in small)) and low.speedup < 1
     # over the whole trace auto beats fixed once it stopped exploring
     assert auto.steps[4].dbo_s < fixed.steps[4].dbo_s and auto.steps[5].dbo_s == fixed.steps[5].dbo_s
+
+
+def test_a_step_the_chosen_split_cannot_cut_is_recorded_as_the_runner_records_it() -> None:
+    # The bucket's choice is N = 2 with the request split; a step of one request cannot be cut that
+    # way and runs off: policy_refused, as DBORunner records it, not auto_off (a choice of off).
+    tiny = ModelShape(name="tiny", hidden=64, intermediate=32, experts=8, top_k=2, shared_experts=1, heads=2,
+                      kv_heads=1, head_dim=16, v_head_dim=16, layers=3)
+    sims = StepSims(model=tiny, deployment=Deployment(ep=8), check_races=False)
+    cfg = AutoConfig(ubatch_counts=(2,), splits=("request",), dispatches=("split",), max_arms=0)
+    auto = replay_auto([[[(40, 0), (40, 0)]], [[(80, 0)]]], sims=sims, cfg=cfg,
+                       thresholds=ThresholdConfig(prefill_threshold=16))
+    assert [s.reason for s in auto.steps] == [PlanReason.MICROBATCHED, PlanReason.POLICY_REFUSED]
+    assert auto.steps[1].detail == ("mixed 64-127: N=2 request split cannot split this batch (a request split leaves "
+                                    "a ubatch without real tokens), off; best N=2 request split (prior, unmeasured)")
