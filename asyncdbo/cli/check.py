@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from ..sim.devices import DEVICES
@@ -28,7 +29,7 @@ from . import inputs
 from .inputs import PROCESS_BASE_BYTES, check_output_dir, human_bytes, largest_fitting
 from .progress import Progress, wants_progress
 
-__all__ = ["add_arguments", "check_bytes", "main"]
+__all__ = ["add_arguments", "check_bytes", "main", "rank_tokens_check"]
 
 #: Bytes per token per routed expert that a ``check`` row holds at its peak: the router's float32
 #: scores and what routing derives from them (weights and activations are meta tensors). Measured
@@ -160,6 +161,25 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
         check_output_dir("--trace", args.trace)
     _check_memory(model, max(args.tokens))
     return model, dep
+
+
+def rank_tokens_check(model: Any) -> Callable[[int], str | None]:
+    """What ``--workload`` asks of each rank's step as it reads the file
+    (:func:`~asyncdbo.sim.workload.load_workload`'s ``check_rank``): a rank of more tokens than the
+    machine's available memory can simulate is refused up front, with the most that fit (a rank
+    of 10**12 tokens used to end in an allocation failure inside the sim)."""
+    avail = inputs.available_bytes()
+
+    def check(tokens: int) -> str | None:
+        if avail is None or check_bytes(model, tokens) <= avail:
+            return None
+        best = largest_fitting(lambda t: check_bytes(model, t), 1, tokens, avail)
+        fix = (f"give a rank at most {best} new tokens a step (cut a long prefill into chunks), or simulate fewer "
+               "experts (--experts)" if best else "simulate fewer experts (--experts)")
+        return (f"simulating them needs about {human_bytes(check_bytes(model, tokens))} (the sim routes every token "
+                f"on this CPU; estimated before running it), but {human_bytes(avail)} is available; {fix}")
+
+    return check
 
 
 def _check_memory(model: Any, tokens: int) -> None:

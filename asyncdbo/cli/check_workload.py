@@ -53,13 +53,14 @@ def run(args: argparse.Namespace, model: Any, dep: Any, header: Any, fail_on: li
     deployment lines)."""
     from ..sim.tuning import SIM_AUTO, below_break_even, replay_auto
     from ..sim.workload import StepSims, load_workload, replay, synthetic_workload
+    from .check import rank_tokens_check
 
     policies = parse_policies(args.policy)
     if args.repeat < 1:
         raise ValueError(f"--repeat must be >= 1 (got {args.repeat}): how many times to replay the trace in a row")
     thresholds = _thresholds(args)
     trace = (synthetic_workload(spec_tokens=thresholds.num_spec_tokens) if args.workload == "synthetic"
-             else load_workload(args.workload))
+             else load_workload(args.workload, check_rank=rank_tokens_check(model)))
     steps = list(trace) * args.repeat
     streams = ["role", "ubatch"] if args.stream_policy == "both" else [args.stream_policy]
     header(args, model, dep, None)

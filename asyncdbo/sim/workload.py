@@ -49,10 +49,14 @@ __all__ = ["ReplayResult", "StepOutcome", "StepSims", "load_workload", "replay",
 Step = list[list[Request]]  # per DP rank, its requests
 
 
-def load_workload(path: str | Path) -> list[Step]:
+def load_workload(path: str | Path, *, check_rank: Callable[[int], str | None] | None = None) -> list[Step]:
     """Read a JSON-lines workload (module docstring); a ValueError names the file, the line and
-    the fix: a file that cannot be read, a malformed line, a file without steps or whose steps
-    have no tokens at all (nothing to replay)."""
+    the fix: a file that cannot be read, a malformed line (a token count that is not a whole
+    number >= its bound, JSON's ``true`` and ``false`` included: Python reads them as ints), a
+    file without steps or whose steps have no tokens at all (nothing to replay).
+    ``check_rank(tokens)``: what is wrong with simulating one rank's ``tokens`` new tokens in a
+    step (e.g. more than the memory holds), or None; a rank it objects to is refused as it is
+    read, naming the line, the rank and its largest request, before anything is simulated."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
@@ -84,11 +88,16 @@ def load_workload(path: str | Path) -> list[Step]:
             if not isinstance(reqs, list):
                 raise ValueError(f"{where}: rank {r} must be a list of [new_tokens, cached_tokens] pairs (got {reqs!r})")
             for req in reqs:
-                ok = (isinstance(req, list) and len(req) == 2 and all(isinstance(v, int) for v in req)
-                      and req[0] >= 1 and req[1] >= 0)
-                if not ok:
-                    raise ValueError(f"{where}: rank {r} has request {req!r}; a request is [new_tokens >= 1, "
-                                     "cached_tokens >= 0]")
+                why = _bad_request(req)
+                if why is not None:
+                    raise ValueError(f"{where}: rank {r} has request {json.dumps(req)}; a request is [new_tokens >= 1, "
+                                     f"cached_tokens >= 0]{why}")
+            tokens = sum(q for q, _ in reqs)
+            problem = check_rank(tokens) if check_rank is not None and tokens else None
+            if problem is not None:
+                largest = max(reqs, key=lambda req: req[0])
+                raise ValueError(f"{where}: rank {r} has {tokens} new tokens (its largest request "
+                                 f"{json.dumps(largest)}); {problem}")
             step.append([(q, c) for q, c in reqs])
         steps.append(step)
     if not steps:
@@ -98,6 +107,19 @@ def load_workload(path: str | Path) -> list[Step]:
                          "nothing to replay; give a busy rank its requests, like [[1, 2048]] for a decode "
                          "request over 2048 cached tokens")
     return steps
+
+
+def _bad_request(req: object) -> str | None:
+    """None for a well-formed ``[new_tokens, cached_tokens]`` pair, else what the error adds ("" when
+    the form says it all)."""
+    if not (isinstance(req, list) and len(req) == 2):
+        return ""
+    for v in req:
+        if isinstance(v, bool):  # an int to Python: true would be one token
+            return f": {json.dumps(v)} is a JSON bool, not a number of tokens"
+        if not isinstance(v, int):
+            return f": {json.dumps(v)} is not a whole number of tokens"
+    return None if req[0] >= 1 and req[1] >= 0 else ""
 
 
 def synthetic_workload(*, ranks: int = 4, steps: int = 16, seed: int = 0, spec_tokens: int = 0) -> list[Step]:

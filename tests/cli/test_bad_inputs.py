@@ -90,6 +90,27 @@ def test_check_refuses_before_the_first_row(capsys: pytest.CaptureFixture[str], 
     assert (captured.out, captured.err) == ("", f"asyncdbo check: error: {message}\n")
 
 
+def test_check_workload_refuses_a_rank_the_memory_cannot_simulate_and_a_bool_token_count(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # A rank of 10**12 tokens ended in an allocation failure inside the sim (the router's scores of
+    # every token); JSON's true passed for one token (Python reads it as an int).
+    path = tmp_path / "trace.jsonl"
+    for line, message in (
+        ('{"ranks": [[[1, 5]], [[1, 5]]]}\n{"ranks": [[[1, 2000], [1000000000000, 0]], []]}',
+         f"{path}:2: rank 0 has 1000000000001 new tokens (its largest request [1000000000000, 0]); simulating them "
+         "needs about 4.5 PiB (the sim routes every token on this CPU; estimated before running it), but 8.0 GiB is "
+         "available; give a rank at most 1612185 new tokens a step (cut a long prefill into chunks), or simulate "
+         "fewer experts (--experts)"),
+        ('{"ranks": [[[1, 5]], [[true, 5]]]}',
+         f"{path}:1: rank 1 has request [true, 5]; a request is [new_tokens >= 1, cached_tokens >= 0]: true is a JSON "
+         "bool, not a number of tokens"),
+    ):
+        path.write_text(line + "\n")
+        assert cli_main(["check", "--workload", str(path), "-q"]) == 2
+        captured = capsys.readouterr()
+        assert (captured.out, captured.err) == ("", f"asyncdbo check: error: {message}\n")
+
+
 def test_check_trace_must_be_a_writable_directory(capsys: pytest.CaptureFixture[str], a_file: Path) -> None:
     assert cli_main(["check", "--trace", str(a_file / "sub")]) == 2
     captured = capsys.readouterr()

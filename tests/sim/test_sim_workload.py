@@ -45,6 +45,13 @@ def test_a_file_round_trips(tmp_path: Path) -> None:
     ('{"rank": []}', 'a step needs "ranks": a non-empty list with one request list per DP rank'),
     ('{"ranks": [[[1, 5]], [[0, 3]]]}', "rank 1 has request [0, 3]; a request is [new_tokens >= 1, cached_tokens >= 0]"),
     ('{"ranks": [[[1, 5]]]}', "1 ranks, but the first step has 2; every step lists every DP rank"),
+    ('{"ranks": [[[true, 5]], []]}', "rank 0 has request [true, 5]; a request is [new_tokens >= 1, cached_tokens >= 0]: "
+                                     "true is a JSON bool, not a number of tokens"),
+    ('{"ranks": [[], [[1, false]]]}', "rank 1 has request [1, false]; a request is [new_tokens >= 1, cached_tokens >= 0]: "
+                                      "false is a JSON bool, not a number of tokens"),
+    ('{"ranks": [[[2.5, 5]], []]}', "rank 0 has request [2.5, 5]; a request is [new_tokens >= 1, cached_tokens >= 0]: "
+                                    "2.5 is not a whole number of tokens"),
+    ('{"ranks": [[[1, 5, 7]], []]}', "rank 0 has request [1, 5, 7]; a request is [new_tokens >= 1, cached_tokens >= 0]"),
 ])
 def test_a_bad_line_names_the_line_and_the_fix(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "bad.jsonl"
@@ -55,6 +62,22 @@ def test_a_bad_line_names_the_line_and_the_fix(tmp_path: Path, line: str, messag
 
 
 EXAMPLE = '{"ranks": [[[1, 2048]], [[512, 0]], []]}'
+
+
+def test_check_rank_refuses_a_rank_as_it_is_read_naming_the_line_and_its_largest_request(tmp_path: Path) -> None:
+    path = tmp_path / "big.jsonl"
+    path.write_text('{"ranks": [[[1, 5]], []]}\n{"ranks": [[[1, 5], [300, 0], [2, 9]], []]}\n')
+    seen: list[int] = []
+
+    def at_most_100(tokens: int) -> str | None:
+        seen.append(tokens)
+        return None if tokens <= 100 else "more than 100"
+
+    with pytest.raises(ValueError) as info:
+        load_workload(path, check_rank=at_most_100)
+    assert str(info.value) == f"{path}:2: rank 0 has 303 new tokens (its largest request [300, 0]); more than 100"
+    assert seen == [1, 303]  # busy ranks only, in file order
+    assert load_workload(path, check_rank=lambda tokens: None) == load_workload(path)
 
 
 def test_a_file_that_cannot_be_read_names_the_file_and_why(tmp_path: Path) -> None:
