@@ -169,6 +169,7 @@ class AutoConfig:
         for name in ("margin", "separation", "behind"):
             check_number("AutoConfig.", name, getattr(self, name), _DEFAULTS[name])
         check_number("AutoConfig.", "prune", self.prune, _DEFAULTS["prune"], none="no pruning")
+        check_number("AutoConfig.", "decisive", self.decisive, _DEFAULTS["decisive"], none="no early end")
         check_bool("AutoConfig.", "climb", self.climb)
         check_bool("AutoConfig.", "stop_behind", self.stop_behind)
         if self.samples < 1 or self.warmup < 0 or not self.samples <= self.max_samples <= self.window:

@@ -149,6 +149,8 @@ _FROZEN = "pass a tuple, e.g."
     ({"separation": True}, TypeError, "AutoConfig.separation must be a number, got bool True; write e.g. separation=2.0"),
     ({"prune": False}, TypeError,
      "AutoConfig.prune must be a number or None (no pruning), got bool False; write e.g. prune=0.15"),
+    ({"decisive": "0.5"}, TypeError,
+     "AutoConfig.decisive must be a number or None (no early end), got str '0.5'; write decisive=0.5"),
     ({"climb": "yes"}, TypeError, "AutoConfig.climb must be True or False, got str 'yes'; use True or False"),
     ({"stop_behind": 1}, TypeError, "AutoConfig.stop_behind must be True or False, got int 1; use True or False"),
 ])
