@@ -35,6 +35,9 @@ Invariants (each has a test in tests/core/):
    before the run waits on the event loop it installs its ``home`` (the caller's stream, set by
    the layer above), and after the wait it installs the next ubatch's ``resume_with`` again
    whatever it installed before, since another task (another run) may have changed it meanwhile.
+10. A cancel of the task that drives the run ends that run, never a later one: asyncio delivers it
+    where the run waits on the loop (invariant 5); one requested while the run never waits (by a
+    ubatch, by ``asyncio.run``'s Ctrl-C handler) is raised from the run once its ubatches finished.
 
 The fast path of a yield (``SWITCH``) never touches the event loop: it is one ``ctx.run(send)``,
 a deque pop and push, and a counter. Where the optional C extension was built
@@ -88,8 +91,7 @@ _SWITCHED, _PARKED, _FAILED, _EMPTY, _EXITED, _EXIT_FAILED = range(6)  # what _s
 _MONOTONIC = MonotonicClock()
 _now = time.perf_counter
 # What drive() asks the loop for once per run, without asyncio's Python wrappers: on 3.11
-# ``asyncio.current_task`` is a Python function (its dict lookup is done inline in drive), from
-# 3.12 the C one.
+# ``asyncio.current_task`` is a Python function (drive does its dict lookup inline), from 3.12 C.
 _get_running_loop = asyncio.get_running_loop
 _current_task: Callable[[asyncio.AbstractEventLoop], Any] | None = (
     asyncio.current_task if isinstance(asyncio.current_task, BuiltinFunctionType) else None
@@ -130,8 +132,7 @@ class DBORun(Endings):
         self._ready = deque(self.ubatches)
         self._woken = deque()
         self._timers = []
-        # spin()'s arguments without an install (a host's runs), with and without wake-ups to
-        # watch: built once per run object, as its ring and queues are (no cycle: none names the run)
+        # spin()'s arguments without an install, with and without wake-ups to watch (none names the run)
         ready = self._ready
         self._spin_args = ((ready.popleft, ready.append, None, self._timers, SWITCH, None),
                            (ready.popleft, ready.append, self._woken, self._timers, SWITCH, None))
@@ -169,21 +170,17 @@ class DBORun(Endings):
         loop_poll_s: float = LOOP_POLL_S,
         name: str | None = None,
     ) -> None:
-        """Make this finished run a new one: ``coros`` (as many as it had ubatches) in its ubatch
-        records, each refilled in place with a fresh context (a copy of the caller's, as a new
-        run's), every counter and option as ``__init__`` sets them; ``ext`` stays. Only a run
-        that was driven to its end (which released every ubatch) can restart: building its
-        records again is most of what a short run costs (benchmarks/run_setup.py), and a
-        caller that runs one shape again and again (``asyncdbo.dbo``'s run shells) need not."""
+        """Make this run, driven to its end, a new one: ``coros`` (as many as it had ubatches) in its
+        records, each with a fresh copy of the caller's context, every counter and option as
+        ``__init__`` sets them; ``ext`` stays. Building the records is most of what a short run
+        costs (benchmarks/run_setup.py); ``asyncdbo.dbo``'s run shells run one shape again and again."""
         self._refill(coros)
         self._arm(install, before_park, at_exit, instrument, watchdog_s, clock, loop_poll_s, name)
 
     def rerun(self, coros: list[Coroutine[Any, Any, Any]], name: str | None | EllipsisType = ...) -> None:
-        """:meth:`restart` with the options its last :meth:`restart` (or ``__init__``) gave it:
-        only the records and the per-run counters are set again. A caller that runs one shape
-        with one set of options step after step (``asyncdbo.dbo``'s run shells) passes them once.
-        ``name``: the run's name from now on, where it changes per run (a serving loop's step
-        number; default: the name it had)."""
+        """:meth:`restart` with the options its last :meth:`restart` (or ``__init__``) gave it: only the
+        records and per-run counters are set again. ``name``: the run's name from now on, where it
+        changes per run (a serving loop's step number; default: the name it had)."""
         if name is not ...:
             self._name = name
         ubs = self.ubatches
@@ -261,6 +258,7 @@ class DBORun(Endings):
         task = self._task = _current_task(loop) if _current_task is not None else _tasks._current_tasks.get(loop)  # type: ignore[attr-defined]
         view = None if task is None else UBatchTaskView(self, task)
         self._view = view
+        cancels = 0 if task is None else task.cancelling()  # invariant 10
         if self.instrument is not None:
             self.instrument.run_started(self)
         live = LIVE_RUNS.refs
@@ -270,15 +268,13 @@ class DBORun(Endings):
             attach_task_factory(loop)
         try:
             try:
-                # The first pass of _loop_until_done (nothing woken, no timer or loop poll yet),
-                # without making its coroutine: a run whose ubatches only switch ends here.
+                # _loop_until_done's first pass (nothing woken, no timer or poll yet), without its coroutine
                 if self._ready and not (self._timers or self._woken or self._poll_due):
                     if view is not None:  # _switch_in_view, inline: every run starts here
                         set_current_task(loop, view)
                     try:
                         if _spin is not None and self.instrument is None:
-                            # _switch_in_c, inline (a run starts with nothing parked, no timer and
-                            # no loop wait): a run whose ubatches only switch is this one call
+                            # _switch_in_c inline (nothing parked yet): a run that only switches is this call
                             args = self._spin_args[0] if not self.installs else (*self._spin_args[0][:5], self.install)
                             k, ub, status, value = _spin.spin(*args, self, DONE)
                             if status == _EMPTY:  # each ran to its end
@@ -308,7 +304,10 @@ class DBORun(Endings):
             self._release()  # its results are dropped with the records: the error's frames hold none
             raise
         live.discard(self._wref)
-        return self._release()  # the records' results, read as they are released
+        results = self._release()  # the records' results, read as they are released
+        if task is not None and task.cancelling() > cancels:
+            await self._cancelled_meanwhile()  # invariant 10
+        return results
 
     async def _loop_until_done(self) -> None:
         """Switch ubatches until every one finished; sleep while all are parked, and let the event

@@ -13,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import gc
+import os
+import subprocess
+import sys
 import weakref
 from typing import Any
 
@@ -179,6 +182,84 @@ async def test_cancelling_the_awaiting_task_runs_every_ubatchs_cleanup_in_its_co
     with pytest.raises(asyncio.CancelledError):
         await task
     assert sorted(cleaned) == ["ub0", "ub1"]
+
+
+async def test_a_cancel_requested_while_the_run_never_waits_ends_that_run_not_a_later_one() -> None:
+    # asyncio delivers a cancel at the task's next suspension; these ubatches only switch, so the
+    # run has none: the kernel takes it once they finished, and the run raises (invariant 10)
+    task = asyncio.current_task()
+    assert task is not None
+    trace: list[str] = []
+
+    async def forward(i: int, cancel_at: int | None) -> int:
+        for k in range(2):
+            if k == cancel_at:
+                task.cancel()
+                trace.append(f"ub{i} cancels the task")
+            await dbo_yield()
+            trace.append(f"ub{i} yield {k}")
+        return i
+
+    with pytest.raises(asyncio.CancelledError) as info:
+        await run_ubatches(forward, [(0, 1), (1, None)], name="step1")
+    assert trace == ["ub0 yield 0", "ub0 cancels the task", "ub1 yield 0", "ub0 yield 1", "ub1 yield 1"]
+    assert info.value.__notes__ == ["asyncdbo: run 'step1' was cancelled while it ran without waiting on the event loop; "
+                                    "its ubatches had finished, and their results were dropped"]
+    assert task.uncancel() == 0  # the one request, taken by that run
+    trace.clear()
+    assert await run_ubatches(forward, [(0, None), (1, None)], name="step2") == [0, 1]  # the next run is untouched
+    assert trace == ["ub0 yield 0", "ub1 yield 0", "ub0 yield 1", "ub1 yield 1"]
+
+
+async def test_a_run_that_starts_while_its_task_is_being_cancelled_is_not_cancelled_again() -> None:
+    # a cleanup step in an except CancelledError block: the request it handles is not this run's
+    task = asyncio.current_task()
+    assert task is not None
+
+    async def forward(i: int) -> int:
+        await dbo_yield()
+        return i
+
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.sleep(0)
+    assert task.cancelling() == 1
+    assert await run_ubatches(forward, [(0,), (1,)]) == [0, 1]
+    assert task.uncancel() == 0
+
+
+_CTRL_C_IN_A_STEP = r"""
+import asyncio, signal
+from asyncdbo import dbo_yield, run_ubatches
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores it)
+pressed = []
+
+async def forward(i):
+    for k in range(3):
+        if i == 0 and k == 1 and not pressed:
+            pressed.append(1)
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C: asyncio.run's handler cancels its main task
+        await dbo_yield()
+    return i
+
+async def serve():
+    for step in range(3):
+        print(f"step {step}:", await run_ubatches(forward, [(0,), (1,)], name=f"step{step}"), flush=True)
+
+try:
+    asyncio.run(serve())
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+async def test_ctrl_c_in_a_step_that_never_waits_interrupts_that_step(kernel_loop: str) -> None:
+    env = dict(os.environ, ASYNCDBO_PURE_PYTHON="1" if kernel_loop == "python" else "0")
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", _CTRL_C_IN_A_STEP], capture_output=True,
+                                  text=True, timeout=100, env=env, check=False)
+    assert (out.stdout, out.returncode) == ("KeyboardInterrupt\n", 0), out.stderr  # before: steps 0, 1 and 2 ran
 
 
 class KeepRun(Instrument):
