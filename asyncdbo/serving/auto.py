@@ -55,270 +55,23 @@ spreads, sample counts, the verdicts and the pairs each was decided on) go into 
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Literal
 
-from ..dist.fused import DISPATCH_MODES, DispatchMode
-from ..plan import DPDecision, SplitPolicy, ThresholdConfig, plan_slices
-from ..plan.slices import SPLIT_POLICIES
-from ._checks import check_bool, check_int, check_number
-from .measure import close_shape_bucket, is_shape_bucket, shape_bucket
+from ..plan import DPDecision, ThresholdConfig, plan_slices
+from .auto_config import OFF, Arm, AutoConfig
+from .compare import (DECISIVE_PAIRS, Comparison, compare, compare_paired, decisive, interquartile_range, paired_sigma,
+                      pooled_sigma, relative_sigma)
+from .measure import shape_bucket
 
+# Arm, AutoConfig and the comparisons live in asyncdbo.serving.auto_config and .compare; they are
+# named here too, where the policy's users have imported them from.
 __all__ = ["Arm", "AutoConfig", "AutoPolicy", "Comparison", "OFF", "choose_for_group", "compare", "compare_paired",
-           "group_choice",
-           "paired_sigma", "pooled_sigma",
-           "relative_sigma", "splittable_mask", "threshold_prior"]
-
-
-@dataclass(frozen=True, order=True)
-class Arm:
-    """One configuration: ``num_ubatches`` (1: DBO off), the split policy, the dispatch mode. Off
-    (any ``Arm(1, ...)``) runs ``RunnerConfig.dispatch``, as a fixed runner's unsplit step does."""
-
-    num_ubatches: int
-    split: SplitPolicy = "token"
-    dispatch: DispatchMode = "auto"
-
-    def __post_init__(self) -> None:
-        n = self.num_ubatches
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"Arm num_ubatches must be an int >= 1 (1: off), got {type(n).__name__} {n!r}")
-        if n < 1:
-            raise ValueError(f"Arm num_ubatches ({n}) must be >= 1 (1: off, 2 or more: DBO)")
-        if self.split not in SPLIT_POLICIES:
-            raise ValueError(f"Arm split {self.split!r}: use one of {SPLIT_POLICIES}")
-        if self.dispatch not in DISPATCH_MODES:
-            raise ValueError(f"Arm dispatch {self.dispatch!r}: use one of {DISPATCH_MODES}")
-
-    @property
-    def label(self) -> str:
-        """``'off'`` or e.g. ``'N=2 token auto'`` (what :attr:`StepRecord.config` says)."""
-        return "off" if self.num_ubatches == 1 else f"N={self.num_ubatches} {self.split} {self.dispatch}"
-
-
-OFF = Arm(1)
-
-
-@dataclass(frozen=True, kw_only=True)
-class AutoConfig:
-    """The ``"auto"`` tuning's search space and guards (see the module docstring).
-
-    ``ubatch_counts``, ``splits``, ``dispatches``: the configurations it may try, each a tuple
-    naming each value once, the counts in increasing order (the climb's; the first split and
-    dispatch are the prior's). ``samples``: the
-    pairs (a trial's step, then the incumbent's) before a trial is first compared; ``max_samples``:
-    at most this many pairs while the comparison does not separate; ``warmup``: a configuration's first steps in a
-    bucket, not counted (caches, allocator). ``margin``: how much faster (a share of the default's
-    median) a configuration must be to replace the default; ``separation``: by how many standard
-    errors of the difference of the medians. ``max_arms``: configurations tried per bucket beyond
-    the prior. ``window``: the incumbent's recent samples kept (>= ``max_samples``). ``pin``:
-    ``(bucket, Arm)`` pairs that override the choice for those buckets (e.g.
-    ``(("decode 64-127", OFF),)``; each bucket a busy one :func:`~asyncdbo.serving.measure.shape_bucket`
-    names, once; any ``Arm(1, ...)`` pins off; a step some rank's batch cannot split the pinned way
-    runs off). ``climb``: explore a larger ubatch count only where the next
-    smaller one of the same split and dispatch leads or tied, and the other splits and dispatch
-    modes only where DBO leads off or tied with it (a bucket where the first DBO configuration is
-    clearly slower than off then explores three configurations, not the whole schedule); False
-    tries every configuration of the schedule. ``step_over``: while off leads, the climb still
-    tries N = k where every smaller count lost, if there are no more than this many of them (1:
-    N = 3 after N = 2 lost to off, as on a latency-bound link where N = 2 loses and N = 3 wins;
-    0: the climb ends at the first loss). ``stop_behind``: end a comparison after its first
-    ``samples`` pairs where the side that would have to win is not even ahead (its pairs' median
-    ratio >= 1), a tie to the default; False runs such a comparison on to ``max_samples`` pairs.
-    ``behind``: a loser ruled out (not separated) with its pairs' median ratio above ``1 + behind``
-    gets the verdict ``"behind"``, which ends the climb from it as ``"slower"`` does (bar ``step_over``).
-    ``prune``: while climbing, skip another split or dispatch mode of the schedule's first DBO
-    configuration (its *base*) where the base measured more than ``1 + prune`` times the incumbent
-    (the product of the pairs' median ratios along the comparisons from the base to the incumbent):
-    a variant that changes only how the base's ubatches are cut or dispatched would have to beat
-    the base by that much just to tie. None tries every variant the climb allows.
-    ``decisive``: end a comparison as soon as its pairs (two at least) all say the same by more
-    than this share, every ratio of the slower side's time to the faster's above ``1 + decisive``,
-    before its first ``samples`` pairs; the slower side is separated as slower
-    (:func:`decisive`). None runs every comparison to its first ``samples`` pairs.
-    """
-
-    ubatch_counts: tuple[int, ...] = (2, 3, 4)
-    splits: tuple[SplitPolicy, ...] = ("token", "balanced")
-    dispatches: tuple[DispatchMode, ...] = ("auto", "split")
-    samples: int = 3
-    max_samples: int = 6
-    warmup: int = 1
-    margin: float = 0.03
-    separation: float = 2.0
-    max_arms: int = 6
-    window: int = 8
-    pin: tuple[tuple[str, Arm], ...] = ()
-    climb: bool = True
-    stop_behind: bool = True
-    behind: float = 0.15
-    prune: float | None = 0.15
-    step_over: int = 1
-    decisive: float | None = 0.5
-
-    def __post_init__(self) -> None:
-        _check_counts(self.ubatch_counts)
-        _check_names("splits", self.splits, SPLIT_POLICIES)
-        _check_names("dispatches", self.dispatches, DISPATCH_MODES)
-        for name in ("samples", "max_samples", "warmup", "window", "max_arms", "step_over"):
-            check_int("AutoConfig.", name, getattr(self, name), _DEFAULTS[name])
-        for name in ("margin", "separation", "behind"):
-            check_number("AutoConfig.", name, getattr(self, name), _DEFAULTS[name])
-        check_number("AutoConfig.", "prune", self.prune, _DEFAULTS["prune"], none="no pruning")
-        check_number("AutoConfig.", "decisive", self.decisive, _DEFAULTS["decisive"], none="no early end")
-        check_bool("AutoConfig.", "climb", self.climb)
-        check_bool("AutoConfig.", "stop_behind", self.stop_behind)
-        if self.samples < 1 or self.warmup < 0 or not self.samples <= self.max_samples <= self.window:
-            raise ValueError(
-                f"samples ({self.samples}) must be >= 1, warmup ({self.warmup}) >= 0 and samples <= max_samples "
-                f"({self.max_samples}) <= window ({self.window})")
-        if not self.behind >= 0.0:
-            raise ValueError(f"behind ({self.behind}) must be >= 0 (a share of the winner's time)")
-        if not 0.0 <= self.margin < 1.0:
-            raise ValueError(f"margin ({self.margin}) must lie in [0, 1)")
-        if not self.separation >= 0.0:
-            raise ValueError(f"separation ({self.separation}) must be >= 0 (standard errors; 0 compares medians only)")
-        if self.prune is not None and not self.prune >= 0.0:
-            raise ValueError(f"prune ({self.prune}) must be >= 0 (a share of the incumbent's time) or None (no pruning)")
-        if self.decisive is not None and not self.decisive > 0.0:
-            raise ValueError(f"decisive ({self.decisive}) must be > 0 (a share of the faster side's time) or None (every "
-                             "comparison runs its first samples pairs)")
-        if self.max_arms < 0:
-            raise ValueError(f"max_arms ({self.max_arms}) must be >= 0")
-        if self.step_over < 0:
-            raise ValueError(f"step_over ({self.step_over}) must be >= 0 (ubatch counts lost to off that the climb steps over)")
-        # Any Arm(1, ...) is off (it runs RunnerConfig.dispatch unsplit): pin it as OFF, the arm the
-        # runner and the records compare with.
-        object.__setattr__(self, "pin", tuple((name, OFF if arm.num_ubatches == 1 else arm)
-                                              for name, arm in _checked_pin(self.pin)))
-
-    @property
-    def max_ubatches(self) -> int:
-        """The most ubatches a step may run: the largest of ``ubatch_counts`` and the pinned counts."""
-        return max([*self.ubatch_counts, *(arm.num_ubatches for _, arm in self.pin)])
-
-    def arms(self) -> list[Arm]:
-        """Every configuration it may choose, in a fixed order (the feasibility mask's bits): off,
-        the search space's, then the pinned ones outside it."""
-        out = [OFF] + [Arm(n, s, d) for n in self.ubatch_counts for s in self.splits for d in self.dispatches]
-        out += [arm for arm in dict.fromkeys(arm for _, arm in self.pin) if arm not in out]
-        return out
-
-    def check_max_ubatches(self, max_ubatches: int | None) -> None:
-        """Raise ValueError unless every ubatch count it may run (``ubatch_counts`` and the pinned
-        configurations) fits a model whose MoE layers were built for ``max_ubatches`` (None: any)."""
-        if max_ubatches is None:
-            return
-        if max(self.ubatch_counts) > max_ubatches:
-            raise ValueError(
-                f"tuning='auto' may run {max(self.ubatch_counts)} ubatches (AutoConfig.ubatch_counts "
-                f"{self.ubatch_counts}) but the model's MoE layers were built for max_ubatches={max_ubatches}; "
-                f"build them with max_ubatches >= {max(self.ubatch_counts)} or pass "
-                f"AutoConfig(ubatch_counts=...) within it")
-        for name, arm in self.pin:
-            if arm.num_ubatches > max_ubatches:
-                raise ValueError(
-                    f"AutoConfig.pin pins {name!r} to {arm.label} ({arm.num_ubatches} ubatches) but the model's "
-                    f"MoE layers were built for max_ubatches={max_ubatches}; build them with max_ubatches >= "
-                    f"{arm.num_ubatches} or pin at most {max_ubatches} ubatches")
-
-
-#: Each field's default, the example a message about a field gives.
-_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(AutoConfig)}
-
-
-def _not_a_tuple(name: str, value: object, example: object) -> TypeError:
-    """A list (or a lone value) where ``AutoConfig.<name>`` wants a tuple: the config is frozen,
-    and a list could still change after it was checked (and would leave the config unhashable)."""
-    if isinstance(value, list):
-        example = tuple(value)
-    elif isinstance(value, (str, int)) and not isinstance(value, bool):
-        example = (value,)
-    return TypeError(f"AutoConfig.{name} must be a tuple, got {type(value).__name__} {value!r}; pass a tuple, "
-                     f"e.g. {name}={example!r}")
-
-
-def _check_counts(counts: object) -> None:
-    """``AutoConfig.ubatch_counts``: a tuple of ints >= 2 in increasing order, each once. The order
-    is the climb's (:meth:`AutoPolicy._worth` tries N = k only after the next smaller count, the
-    schedule lists the counts in the order given, the first is the base of an off prior's
-    exploration and the prior's count where 2 is not among them)."""
-    if not isinstance(counts, tuple):
-        raise _not_a_tuple("ubatch_counts", counts, _DEFAULTS["ubatch_counts"])
-    usable = tuple(sorted({int(n) for n in counts if isinstance(n, (int, float)) and not isinstance(n, bool)
-                           and float(n).is_integer() and n >= 2}))
-    fix = usable or _DEFAULTS["ubatch_counts"]
-    for n in counts:
-        if isinstance(n, bool):
-            raise TypeError(f"AutoConfig.ubatch_counts {counts!r} holds {n!r}: a bool is not a ubatch count; use ints "
-                            f">= 2, e.g. ubatch_counts={fix!r}")
-        if not isinstance(n, int):
-            raise TypeError(f"AutoConfig.ubatch_counts {counts!r} holds {type(n).__name__} {n!r}, not an int; use ints "
-                            f">= 2, e.g. ubatch_counts={fix!r}")
-    if not counts or any(n < 2 for n in counts):
-        raise ValueError(f"ubatch_counts {counts!r} must be ubatch counts >= 2 (off is always a candidate)")
-    if list(counts) != sorted(set(counts)):
-        raise ValueError(f"AutoConfig.ubatch_counts {counts!r} must be in increasing order, each count once (the "
-                         f"climb tries a count only after the next smaller one); write ubatch_counts={fix!r}")
-
-
-def _check_names(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    """``AutoConfig.splits`` or ``.dispatches``: a non-empty tuple of ``allowed`` names, each once
-    (their order is the schedule's: the first is the prior's and the base's)."""
-    if not isinstance(value, tuple):
-        raise _not_a_tuple(name, value, _DEFAULTS[name])
-    if not value or any(v not in allowed for v in value):
-        raise ValueError(f"{name} {value!r}: use some of {allowed}")
-    twice = [v for i, v in enumerate(value) if v in value[:i]]
-    if twice:
-        raise ValueError(f"AutoConfig.{name} {value!r} names {twice[0]!r} twice; name each once, e.g. "
-                         f"{name}={tuple(dict.fromkeys(value))!r}")
-
-
-def _arm_source(arm: Arm) -> str:
-    """How to write ``arm``: ``'OFF'``, or e.g. ``"Arm(2, 'token', 'auto')"``."""
-    return "OFF" if arm == OFF else f"Arm({arm.num_ubatches}, {arm.split!r}, {arm.dispatch!r})"
-
-
-def _checked_pin(pin: object) -> tuple[tuple[str, Arm], ...]:
-    """``AutoConfig.pin`` as it must be: a tuple of ``(bucket name, Arm)`` pairs, each name a
-    :func:`~asyncdbo.serving.measure.shape_bucket` of a busy step, named once; else the error
-    naming the bad entry and the fix."""
-    example = "pin=(('decode 64-127', OFF),)"
-    if isinstance(pin, tuple) and len(pin) == 2 and isinstance(pin[0], str) and isinstance(pin[1], Arm):
-        raise TypeError(f"AutoConfig.pin {pin!r} is one (bucket name, Arm) pair, not a tuple of them; "
-                        f"write pin=(({pin[0]!r}, {_arm_source(pin[1])}),)")
-    if not isinstance(pin, tuple):
-        fix = "pin=tuple(d.items())" if isinstance(pin, dict) else "pin=tuple(...)"
-        raise TypeError(f"AutoConfig.pin must be a tuple of (bucket name, Arm) pairs, got {type(pin).__name__} "
-                        f"{pin!r}; write {fix}, e.g. {example}")
-    seen: set[str] = set()
-    for entry in pin:
-        if not (isinstance(entry, tuple) and len(entry) == 2):
-            raise TypeError(f"AutoConfig.pin entry {entry!r} is not a (bucket name, Arm) pair; write e.g. {example}")
-        name, arm = entry
-        if not isinstance(arm, Arm):
-            fix = "OFF (asyncdbo.serving.OFF)" if isinstance(arm, str) and arm == "off" else "an Arm, e.g. OFF or Arm(2, 'token')"
-            raise TypeError(f"AutoConfig.pin entry {entry!r}: the configuration is a {type(arm).__name__}, "
-                            f"not an Arm; write {fix}")
-        if name == "idle":
-            raise ValueError("AutoConfig.pin entry ('idle', ...): a step where every rank is idle always runs "
-                             "off; pin a busy bucket such as 'decode 64-127'")
-        if not is_shape_bucket(name):
-            close = close_shape_bucket(name) if isinstance(name, str) else None
-            hint = f"; did you mean {close!r}?" if close is not None else ""
-            raise ValueError(
-                f"AutoConfig.pin bucket {name!r} is not a step-shape bucket: a bucket is 'decode LO-HI' or "
-                f"'mixed LO-HI' with LO a power of two and HI = 2 * LO - 1, as "
-                f"asyncdbo.serving.measure.shape_bucket names them (e.g. 'decode 64-127'){hint}")
-        if name in seen:
-            raise ValueError(f"AutoConfig.pin names bucket {name!r} twice; pin each bucket once")
-        seen.add(name)
-    return pin  # checked above: a tuple of (str, Arm) pairs
+           "decisive", "group_choice", "paired_sigma", "pooled_sigma", "relative_sigma", "splittable_mask",
+           "threshold_prior"]
 
 
 #: A configuration's standing after its comparison: ``"slower"`` (separated: clearly slower than the
@@ -326,130 +79,6 @@ def _checked_pin(pin: object) -> tuple[tuple[str, Arm], ...]:
 #: other's by more than the margin), ``"tie"`` (not separated, or faster by no more than the margin).
 #: Only a tie lets the climb go on from it (``AutoConfig.climb``).
 Verdict = Literal["slower", "behind", "tie"]
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """What :func:`compare` found: ``outcome`` is ``"other"`` (it is faster, separated), ``"default"``
-    (it cannot be faster by the margin, or it is clearly slower) or ``None`` (not separated yet);
-    ``gain``: the default's median minus the other's, as a share of the default's; ``se``: the
-    standard error of that difference, the same share; ``slower``: which side is separated as slower,
-    if either."""
-
-    outcome: Literal["other", "default"] | None
-    gain: float
-    se: float
-    slower: Literal["other", "default"] | None
-
-
-def _spread(xs: Sequence[float]) -> float:
-    """The interquartile range (0 for fewer than 2 samples)."""
-    if len(xs) < 2:
-        return 0.0
-    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
-    return q3 - q1
-
-
-def relative_sigma(xs: Sequence[float]) -> float:
-    """The samples' robust sigma as a share of their median: IQR / 1.349 (a normal's sigma) / median."""
-    m = statistics.median(xs) if xs else 0.0
-    return _spread(xs) / 1.349 / m if m > 0 else 0.0
-
-
-def compare(default: Sequence[float], other: Sequence[float], *, margin: float, separation: float,
-            noise: float = 0.0, final_n: int = 0) -> Comparison:
-    """Is ``other`` faster than ``default`` by more than ``margin`` and ``separation`` standard errors?
-
-    The gain is the difference of the medians as a share of the default's. Its standard error takes
-    the largest of the two sides' relative sigmas (:func:`relative_sigma`) and ``noise`` (the
-    bucket's pooled one) for both: ``se = 1.2533 * sigma * sqrt(1/n_d + 1/n_o)`` (the median of n
-    normal samples has 1.2533 sigma / sqrt(n)). Two guards keep few, noisy samples from faking a
-    separation: sigma comes from few samples, so ``separation`` becomes Student's t for
-    ``n_d + n_o - 2`` degrees of freedom (Cornish-Fisher's first term: ``z + (z**3 + z) / (4 df)``);
-    and the test looks again after every sample up to ``final_n`` each, so to *win* (or to be
-    called slower) the gain must clear O'Brien-Fleming's boundary, ``t * se * sqrt(K / k)`` with
-    ``K / k`` the ratio of the variance now to the one at ``final_n`` samples (higher at the early
-    looks). The other is ruled out (the default wins) as soon as ``gain + t * se`` stays within
-    the margin. Pure: the same samples give the same answer."""
-    n_d, n_o = len(default), len(other)
-    m_d = statistics.median(default)
-    gain = (m_d - statistics.median(other)) / (m_d if m_d > 0 else 1.0)
-    sigma = max(relative_sigma(default), relative_sigma(other), noise)
-    se = 1.2533 * sigma * math.sqrt(1 / n_d + 1 / n_o)
-    inv_now, inv_last = 1 / n_d + 1 / n_o, 1 / max(n_d, final_n) + 1 / max(n_o, final_n)
-    return _decide(gain, se, n_d + n_o - 2, math.sqrt(inv_now / inv_last), margin=margin, separation=separation)
-
-
-def _decide(gain: float, se: float, df: int, look: float, *, margin: float, separation: float) -> Comparison:
-    """The sequential test :func:`compare` and :func:`compare_paired` end with: ``separation`` as
-    Student's t for ``df`` degrees of freedom; to win (or be called slower) the gain must clear
-    ``t * se * look`` (``look``: O'Brien-Fleming's factor for this look) and the margin; the other
-    is ruled out once ``gain + t * se`` stays within the margin."""
-    t = separation + (separation**3 + separation) / (4 * df) if df > 0 else separation
-    win = t * se * look
-    if gain > win and gain > margin:
-        return Comparison("other", gain, se, "default")
-    slower: Literal["other", "default"] | None = "other" if -gain > win and -gain > margin else None
-    if gain + t * se <= margin:
-        return Comparison("default", gain, se, slower)
-    return Comparison(None, gain, se, slower)
-
-
-def compare_paired(default: Sequence[float], other: Sequence[float], *, margin: float, separation: float,
-                   noise: float = 0.0, final_n: int = 0) -> Comparison:
-    """:func:`compare` for samples taken in pairs (``default[i]`` next to ``other[i]`` in time): it
-    compares the ratios ``other[i] / default[i]``, so a load level common to a pair cancels. The
-    gain is one minus their median; its standard error ``1.2533 * sigma * median / sqrt(n)``, sigma
-    the ratios' relative sigma (:func:`relative_sigma`) or ``noise``, whichever is larger; t for
-    ``n - 1`` degrees of freedom; O'Brien-Fleming's boundary ``t * se * sqrt(final_n / n)`` to win or
-    be called slower; ruled out once ``gain + t * se`` stays within the margin. Pure."""
-    assert len(default) == len(other) > 0, "paired samples come in pairs"
-    n = len(default)
-    ratios = [o / d if d > 0 else 1.0 for d, o in zip(default, other)]
-    m = statistics.median(ratios)
-    gain = 1.0 - m
-    sigma = max(relative_sigma(ratios), noise)
-    se = 1.2533 * sigma * m / math.sqrt(n)
-    return _decide(gain, se, n - 1, math.sqrt(max(n, final_n) / n), margin=margin, separation=separation)
-
-
-#: A decisive gap is read from this many pairs at least: one pair is two steps, and one hiccup of
-#: the host (a collection, another process) in one of them can fake any ratio.
-_DECISIVE_PAIRS = 2
-
-
-def decisive(default: Sequence[float], other: Sequence[float], gap: float | None) -> Comparison | None:
-    """A comparison of samples taken in pairs that every pair already decides (``AutoConfig.decisive``):
-    with at least :data:`_DECISIVE_PAIRS` pairs, every ratio ``other[i] / default[i]`` above
-    ``1 + gap`` (the other is slower: the default wins) or every one below ``1 / (1 + gap)`` (the
-    other wins), the loser separated as slower; else None, for :func:`compare_paired` to decide.
-    A gap that large in every pair is no noise a step of this policy sees, and exploring on costs
-    most exactly there: each further pair runs the loser once more (off where DBO runs 3-5 times
-    faster, as on ``auto_measured.py``'s mixed-arrivals steps). Pure."""
-    n = len(default)
-    assert n == len(other), "paired samples come in pairs"
-    if gap is None or n < _DECISIVE_PAIRS or any(d <= 0 for d in default):
-        return None
-    ratios = [o / d for d, o in zip(default, other)]
-    gain = 1.0 - statistics.median(ratios)
-    if min(ratios) > 1.0 + gap:
-        return Comparison("default", gain, 0.0, "other")
-    if max(ratios) * (1.0 + gap) < 1.0:
-        return Comparison("other", gain, 0.0, "default")
-    return None
-
-
-def paired_sigma(pairs: Sequence[tuple[Sequence[float], Sequence[float]]]) -> float:
-    """The relative sigma of every comparison's pair ratios about their own median, pooled (the
-    host's noise is common to them; three pairs estimate it poorly)."""
-    return pooled_sigma([[o / d for d, o in zip(ds, os) if d > 0] for ds, os in pairs])
-
-
-def pooled_sigma(samples: Sequence[Sequence[float]]) -> float:
-    """The relative sigma of every configuration's samples about its own median, pooled (the host's
-    noise is common to them; one configuration's three samples estimate it poorly)."""
-    devs = [x / m - 1.0 for xs in samples if len(xs) >= 2 and (m := statistics.median(xs)) > 0 for x in xs]
-    return _spread(devs) / 1.349 if len(devs) >= 2 else 0.0
 
 
 @dataclass
@@ -664,7 +293,7 @@ class AutoPolicy:
         for arm in self._trials(b):
             inc = b.incumbent
             xa, xi = b.samples.get(arm, ()), b.paired.get(arm, ())
-            if len(xi) != len(xa) or len(xa) < min(cfg.samples, _DECISIVE_PAIRS if cfg.decisive is not None else cfg.samples):
+            if len(xi) != len(xa) or len(xa) < min(cfg.samples, DECISIVE_PAIRS if cfg.decisive is not None else cfg.samples):
                 continue
             default, other = (arm, inc) if arm == OFF else (inc, arm)  # off is the default side wherever it is one of the two
             side = {arm: list(xa), inc: list(xi)}
@@ -693,7 +322,7 @@ class AutoPolicy:
 
 
 def _fmt(xs: Sequence[float]) -> str:
-    return f"{_median(xs) * 1e6:.2f}±{_spread(xs) / 2 * 1e6:.2f}"
+    return f"{_median(xs) * 1e6:.2f}±{interquartile_range(xs) / 2 * 1e6:.2f}"
 
 
 def threshold_prior(thresholds: ThresholdConfig, cfg: AutoConfig) -> Callable[[str], Arm]:

@@ -1,0 +1,263 @@
+"""What the ``"auto"`` tuning may choose from and how it explores: a configuration (:class:`Arm`)
+and the search space with its guards (:class:`AutoConfig`), each checked when it is made. The
+policy that chooses is :mod:`asyncdbo.serving.auto`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..dist.fused import DISPATCH_MODES, DispatchMode
+from ..plan import SplitPolicy
+from ..plan.slices import SPLIT_POLICIES
+from ._checks import check_bool, check_int, check_number
+from .measure import close_shape_bucket, is_shape_bucket
+
+__all__ = ["OFF", "Arm", "AutoConfig"]
+
+
+@dataclass(frozen=True, order=True)
+class Arm:
+    """One configuration: ``num_ubatches`` (1: DBO off), the split policy, the dispatch mode. Off
+    (any ``Arm(1, ...)``) runs ``RunnerConfig.dispatch``, as a fixed runner's unsplit step does."""
+
+    num_ubatches: int
+    split: SplitPolicy = "token"
+    dispatch: DispatchMode = "auto"
+
+    def __post_init__(self) -> None:
+        n = self.num_ubatches
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"Arm num_ubatches must be an int >= 1 (1: off), got {type(n).__name__} {n!r}")
+        if n < 1:
+            raise ValueError(f"Arm num_ubatches ({n}) must be >= 1 (1: off, 2 or more: DBO)")
+        if self.split not in SPLIT_POLICIES:
+            raise ValueError(f"Arm split {self.split!r}: use one of {SPLIT_POLICIES}")
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"Arm dispatch {self.dispatch!r}: use one of {DISPATCH_MODES}")
+
+    @property
+    def label(self) -> str:
+        """``'off'`` or e.g. ``'N=2 token auto'`` (what :attr:`StepRecord.config` says)."""
+        return "off" if self.num_ubatches == 1 else f"N={self.num_ubatches} {self.split} {self.dispatch}"
+
+
+OFF = Arm(1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoConfig:
+    """The ``"auto"`` tuning's search space and guards (see the module docstring).
+
+    ``ubatch_counts``, ``splits``, ``dispatches``: the configurations it may try, each a tuple
+    naming each value once, the counts in increasing order (the climb's; the first split and
+    dispatch are the prior's). ``samples``: the
+    pairs (a trial's step, then the incumbent's) before a trial is first compared; ``max_samples``:
+    at most this many pairs while the comparison does not separate; ``warmup``: a configuration's first steps in a
+    bucket, not counted (caches, allocator). ``margin``: how much faster (a share of the default's
+    median) a configuration must be to replace the default; ``separation``: by how many standard
+    errors of the difference of the medians. ``max_arms``: configurations tried per bucket beyond
+    the prior. ``window``: the incumbent's recent samples kept (>= ``max_samples``). ``pin``:
+    ``(bucket, Arm)`` pairs that override the choice for those buckets (e.g.
+    ``(("decode 64-127", OFF),)``; each bucket a busy one :func:`~asyncdbo.serving.measure.shape_bucket`
+    names, once; any ``Arm(1, ...)`` pins off; a step some rank's batch cannot split the pinned way
+    runs off). ``climb``: explore a larger ubatch count only where the next
+    smaller one of the same split and dispatch leads or tied, and the other splits and dispatch
+    modes only where DBO leads off or tied with it (a bucket where the first DBO configuration is
+    clearly slower than off then explores three configurations, not the whole schedule); False
+    tries every configuration of the schedule. ``step_over``: while off leads, the climb still
+    tries N = k where every smaller count lost, if there are no more than this many of them (1:
+    N = 3 after N = 2 lost to off, as on a latency-bound link where N = 2 loses and N = 3 wins;
+    0: the climb ends at the first loss). ``stop_behind``: end a comparison after its first
+    ``samples`` pairs where the side that would have to win is not even ahead (its pairs' median
+    ratio >= 1), a tie to the default; False runs such a comparison on to ``max_samples`` pairs.
+    ``behind``: a loser ruled out (not separated) with its pairs' median ratio above ``1 + behind``
+    gets the verdict ``"behind"``, which ends the climb from it as ``"slower"`` does (bar ``step_over``).
+    ``prune``: while climbing, skip another split or dispatch mode of the schedule's first DBO
+    configuration (its *base*) where the base measured more than ``1 + prune`` times the incumbent
+    (the product of the pairs' median ratios along the comparisons from the base to the incumbent):
+    a variant that changes only how the base's ubatches are cut or dispatched would have to beat
+    the base by that much just to tie. None tries every variant the climb allows.
+    ``decisive``: end a comparison as soon as its pairs (two at least) all say the same by more
+    than this share, every ratio of the slower side's time to the faster's above ``1 + decisive``,
+    before its first ``samples`` pairs; the slower side is separated as slower
+    (:func:`decisive`). None runs every comparison to its first ``samples`` pairs.
+    """
+
+    ubatch_counts: tuple[int, ...] = (2, 3, 4)
+    splits: tuple[SplitPolicy, ...] = ("token", "balanced")
+    dispatches: tuple[DispatchMode, ...] = ("auto", "split")
+    samples: int = 3
+    max_samples: int = 6
+    warmup: int = 1
+    margin: float = 0.03
+    separation: float = 2.0
+    max_arms: int = 6
+    window: int = 8
+    pin: tuple[tuple[str, Arm], ...] = ()
+    climb: bool = True
+    stop_behind: bool = True
+    behind: float = 0.15
+    prune: float | None = 0.15
+    step_over: int = 1
+    decisive: float | None = 0.5
+
+    def __post_init__(self) -> None:
+        _check_counts(self.ubatch_counts)
+        _check_names("splits", self.splits, SPLIT_POLICIES)
+        _check_names("dispatches", self.dispatches, DISPATCH_MODES)
+        for name in ("samples", "max_samples", "warmup", "window", "max_arms", "step_over"):
+            check_int("AutoConfig.", name, getattr(self, name), _DEFAULTS[name])
+        for name in ("margin", "separation", "behind"):
+            check_number("AutoConfig.", name, getattr(self, name), _DEFAULTS[name])
+        check_number("AutoConfig.", "prune", self.prune, _DEFAULTS["prune"], none="no pruning")
+        check_number("AutoConfig.", "decisive", self.decisive, _DEFAULTS["decisive"], none="no early end")
+        check_bool("AutoConfig.", "climb", self.climb)
+        check_bool("AutoConfig.", "stop_behind", self.stop_behind)
+        if self.samples < 1 or self.warmup < 0 or not self.samples <= self.max_samples <= self.window:
+            raise ValueError(
+                f"samples ({self.samples}) must be >= 1, warmup ({self.warmup}) >= 0 and samples <= max_samples "
+                f"({self.max_samples}) <= window ({self.window})")
+        if not self.behind >= 0.0:
+            raise ValueError(f"behind ({self.behind}) must be >= 0 (a share of the winner's time)")
+        if not 0.0 <= self.margin < 1.0:
+            raise ValueError(f"margin ({self.margin}) must lie in [0, 1)")
+        if not self.separation >= 0.0:
+            raise ValueError(f"separation ({self.separation}) must be >= 0 (standard errors; 0 compares medians only)")
+        if self.prune is not None and not self.prune >= 0.0:
+            raise ValueError(f"prune ({self.prune}) must be >= 0 (a share of the incumbent's time) or None (no pruning)")
+        if self.decisive is not None and not self.decisive > 0.0:
+            raise ValueError(f"decisive ({self.decisive}) must be > 0 (a share of the faster side's time) or None (every "
+                             "comparison runs its first samples pairs)")
+        if self.max_arms < 0:
+            raise ValueError(f"max_arms ({self.max_arms}) must be >= 0")
+        if self.step_over < 0:
+            raise ValueError(f"step_over ({self.step_over}) must be >= 0 (ubatch counts lost to off that the climb steps over)")
+        # Any Arm(1, ...) is off (it runs RunnerConfig.dispatch unsplit): pin it as OFF, the arm the
+        # runner and the records compare with.
+        object.__setattr__(self, "pin", tuple((name, OFF if arm.num_ubatches == 1 else arm)
+                                              for name, arm in _checked_pin(self.pin)))
+
+    @property
+    def max_ubatches(self) -> int:
+        """The most ubatches a step may run: the largest of ``ubatch_counts`` and the pinned counts."""
+        return max([*self.ubatch_counts, *(arm.num_ubatches for _, arm in self.pin)])
+
+    def arms(self) -> list[Arm]:
+        """Every configuration it may choose, in a fixed order (the feasibility mask's bits): off,
+        the search space's, then the pinned ones outside it."""
+        out = [OFF] + [Arm(n, s, d) for n in self.ubatch_counts for s in self.splits for d in self.dispatches]
+        out += [arm for arm in dict.fromkeys(arm for _, arm in self.pin) if arm not in out]
+        return out
+
+    def check_max_ubatches(self, max_ubatches: int | None) -> None:
+        """Raise ValueError unless every ubatch count it may run (``ubatch_counts`` and the pinned
+        configurations) fits a model whose MoE layers were built for ``max_ubatches`` (None: any)."""
+        if max_ubatches is None:
+            return
+        if max(self.ubatch_counts) > max_ubatches:
+            raise ValueError(
+                f"tuning='auto' may run {max(self.ubatch_counts)} ubatches (AutoConfig.ubatch_counts "
+                f"{self.ubatch_counts}) but the model's MoE layers were built for max_ubatches={max_ubatches}; "
+                f"build them with max_ubatches >= {max(self.ubatch_counts)} or pass "
+                f"AutoConfig(ubatch_counts=...) within it")
+        for name, arm in self.pin:
+            if arm.num_ubatches > max_ubatches:
+                raise ValueError(
+                    f"AutoConfig.pin pins {name!r} to {arm.label} ({arm.num_ubatches} ubatches) but the model's "
+                    f"MoE layers were built for max_ubatches={max_ubatches}; build them with max_ubatches >= "
+                    f"{arm.num_ubatches} or pin at most {max_ubatches} ubatches")
+
+
+#: Each field's default, the example a message about a field gives.
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(AutoConfig)}
+
+
+def _not_a_tuple(name: str, value: object, example: object) -> TypeError:
+    """A list (or a lone value) where ``AutoConfig.<name>`` wants a tuple: the config is frozen,
+    and a list could still change after it was checked (and would leave the config unhashable)."""
+    if isinstance(value, list):
+        example = tuple(value)
+    elif isinstance(value, (str, int)) and not isinstance(value, bool):
+        example = (value,)
+    return TypeError(f"AutoConfig.{name} must be a tuple, got {type(value).__name__} {value!r}; pass a tuple, "
+                     f"e.g. {name}={example!r}")
+
+
+def _check_counts(counts: object) -> None:
+    """``AutoConfig.ubatch_counts``: a tuple of ints >= 2 in increasing order, each once. The order
+    is the climb's (:meth:`AutoPolicy._worth` tries N = k only after the next smaller count, the
+    schedule lists the counts in the order given, the first is the base of an off prior's
+    exploration and the prior's count where 2 is not among them)."""
+    if not isinstance(counts, tuple):
+        raise _not_a_tuple("ubatch_counts", counts, _DEFAULTS["ubatch_counts"])
+    usable = tuple(sorted({int(n) for n in counts if isinstance(n, (int, float)) and not isinstance(n, bool)
+                           and float(n).is_integer() and n >= 2}))
+    fix = usable or _DEFAULTS["ubatch_counts"]
+    for n in counts:
+        if isinstance(n, bool):
+            raise TypeError(f"AutoConfig.ubatch_counts {counts!r} holds {n!r}: a bool is not a ubatch count; use ints "
+                            f">= 2, e.g. ubatch_counts={fix!r}")
+        if not isinstance(n, int):
+            raise TypeError(f"AutoConfig.ubatch_counts {counts!r} holds {type(n).__name__} {n!r}, not an int; use ints "
+                            f">= 2, e.g. ubatch_counts={fix!r}")
+    if not counts or any(n < 2 for n in counts):
+        raise ValueError(f"ubatch_counts {counts!r} must be ubatch counts >= 2 (off is always a candidate)")
+    if list(counts) != sorted(set(counts)):
+        raise ValueError(f"AutoConfig.ubatch_counts {counts!r} must be in increasing order, each count once (the "
+                         f"climb tries a count only after the next smaller one); write ubatch_counts={fix!r}")
+
+
+def _check_names(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    """``AutoConfig.splits`` or ``.dispatches``: a non-empty tuple of ``allowed`` names, each once
+    (their order is the schedule's: the first is the prior's and the base's)."""
+    if not isinstance(value, tuple):
+        raise _not_a_tuple(name, value, _DEFAULTS[name])
+    if not value or any(v not in allowed for v in value):
+        raise ValueError(f"{name} {value!r}: use some of {allowed}")
+    twice = [v for i, v in enumerate(value) if v in value[:i]]
+    if twice:
+        raise ValueError(f"AutoConfig.{name} {value!r} names {twice[0]!r} twice; name each once, e.g. "
+                         f"{name}={tuple(dict.fromkeys(value))!r}")
+
+
+def _arm_source(arm: Arm) -> str:
+    """How to write ``arm``: ``'OFF'``, or e.g. ``"Arm(2, 'token', 'auto')"``."""
+    return "OFF" if arm == OFF else f"Arm({arm.num_ubatches}, {arm.split!r}, {arm.dispatch!r})"
+
+
+def _checked_pin(pin: object) -> tuple[tuple[str, Arm], ...]:
+    """``AutoConfig.pin`` as it must be: a tuple of ``(bucket name, Arm)`` pairs, each name a
+    :func:`~asyncdbo.serving.measure.shape_bucket` of a busy step, named once; else the error
+    naming the bad entry and the fix."""
+    example = "pin=(('decode 64-127', OFF),)"
+    if isinstance(pin, tuple) and len(pin) == 2 and isinstance(pin[0], str) and isinstance(pin[1], Arm):
+        raise TypeError(f"AutoConfig.pin {pin!r} is one (bucket name, Arm) pair, not a tuple of them; "
+                        f"write pin=(({pin[0]!r}, {_arm_source(pin[1])}),)")
+    if not isinstance(pin, tuple):
+        fix = "pin=tuple(d.items())" if isinstance(pin, dict) else "pin=tuple(...)"
+        raise TypeError(f"AutoConfig.pin must be a tuple of (bucket name, Arm) pairs, got {type(pin).__name__} "
+                        f"{pin!r}; write {fix}, e.g. {example}")
+    seen: set[str] = set()
+    for entry in pin:
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            raise TypeError(f"AutoConfig.pin entry {entry!r} is not a (bucket name, Arm) pair; write e.g. {example}")
+        name, arm = entry
+        if not isinstance(arm, Arm):
+            fix = "OFF (asyncdbo.serving.OFF)" if isinstance(arm, str) and arm == "off" else "an Arm, e.g. OFF or Arm(2, 'token')"
+            raise TypeError(f"AutoConfig.pin entry {entry!r}: the configuration is a {type(arm).__name__}, "
+                            f"not an Arm; write {fix}")
+        if name == "idle":
+            raise ValueError("AutoConfig.pin entry ('idle', ...): a step where every rank is idle always runs "
+                             "off; pin a busy bucket such as 'decode 64-127'")
+        if not is_shape_bucket(name):
+            close = close_shape_bucket(name) if isinstance(name, str) else None
+            hint = f"; did you mean {close!r}?" if close is not None else ""
+            raise ValueError(
+                f"AutoConfig.pin bucket {name!r} is not a step-shape bucket: a bucket is 'decode LO-HI' or "
+                f"'mixed LO-HI' with LO a power of two and HI = 2 * LO - 1, as "
+                f"asyncdbo.serving.measure.shape_bucket names them (e.g. 'decode 64-127'){hint}")
+        if name in seen:
+            raise ValueError(f"AutoConfig.pin names bucket {name!r} twice; pin each bucket once")
+        seen.add(name)
+    return pin  # checked above: a tuple of (str, Arm) pairs
