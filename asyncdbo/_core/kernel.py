@@ -37,7 +37,8 @@ Invariants (each has a test in tests/core/):
    whatever it installed before, since another task (another run) may have changed it meanwhile.
 10. A cancel of the task that drives the run ends that run, never a later one: asyncio delivers it
     where the run waits on the loop (invariant 5); one requested while the run never waits (by a
-    ubatch, by ``asyncio.run``'s Ctrl-C handler) is raised from the run once its ubatches finished.
+    ubatch, by ``asyncio.run``'s Ctrl-C handler) is raised from the run once its ubatches finished,
+   and so is one requested before the run that no wait has delivered yet.
 
 The fast path of a yield (``SWITCH``) never touches the event loop: it is one ``ctx.run(send)``,
 a deque pop and push, and a counter. Where the optional C extension was built
@@ -258,7 +259,9 @@ class DBORun(Endings):
         task = self._task = _current_task(loop) if _current_task is not None else _tasks._current_tasks.get(loop)  # type: ignore[attr-defined]
         view = None if task is None else UBatchTaskView(self, task)
         self._view = view
-        cancels = 0 if task is None else task.cancelling()  # invariant 10
+        # invariant 10; a cancel requested before the run and not yet delivered (``_must_cancel``,
+        # in C and Python tasks alike: Ctrl-C between two steps of a loop that never waits) is this run's too
+        cancels = 0 if task is None else task.cancelling() - (getattr(task, "_must_cancel", False) is True)
         if self.instrument is not None:
             self.instrument.run_started(self)
         live = LIVE_RUNS.refs

@@ -228,6 +228,26 @@ async def test_a_run_that_starts_while_its_task_is_being_cancelled_is_not_cancel
     assert task.uncancel() == 0
 
 
+async def test_a_cancel_requested_before_a_run_that_never_waits_ends_that_run() -> None:
+    # requested between two runs (Ctrl-C in the loop's own code) and not delivered yet: no wait
+    # follows in a loop of runs that only switch, so the run is the one that must deliver it
+    task = asyncio.current_task()
+    assert task is not None
+    ran: list[int] = []
+
+    async def forward(i: int) -> int:
+        await dbo_yield()
+        ran.append(i)
+        return i
+
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run_ubatches(forward, [(0,), (1,)], name="step1")
+    assert ran == [0, 1]  # its ubatches finished first, as for a cancel requested during the run
+    assert task.uncancel() == 0
+    assert await run_ubatches(forward, [(0,), (1,)], name="step2") == [0, 1]
+
+
 _CTRL_C_IN_A_STEP = r"""
 import asyncio, signal
 from asyncdbo import dbo_yield, run_ubatches
@@ -246,7 +266,6 @@ async def forward(i):
 async def serve():
     for step in range(3):
         print(f"step {step}:", await run_ubatches(forward, [(0,), (1,)], name=f"step{step}"), flush=True)
-
 try:
     asyncio.run(serve())
 except KeyboardInterrupt:
@@ -260,6 +279,37 @@ async def test_ctrl_c_in_a_step_that_never_waits_interrupts_that_step(kernel_loo
     out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", _CTRL_C_IN_A_STEP], capture_output=True,
                                   text=True, timeout=100, env=env, check=False)
     assert (out.stdout, out.returncode) == ("KeyboardInterrupt\n", 0), out.stderr  # before: steps 0, 1 and 2 ran
+
+
+_CTRL_C_BETWEEN_STEPS = r"""
+import asyncio, signal
+from asyncdbo import dbo_yield, run_ubatches
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores it)
+
+async def forward(i):
+    await dbo_yield()
+    return i
+
+async def serve():
+    for step in range(3):
+        if step == 1:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C in the loop's own code, between steps 0 and 1
+        print(f"step {step}:", await run_ubatches(forward, [(0,), (1,)], name=f"step{step}"), flush=True)
+
+try:
+    asyncio.run(serve())
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+async def test_ctrl_c_between_steps_that_never_wait_interrupts_the_next_step(kernel_loop: str) -> None:
+    env = dict(os.environ, ASYNCDBO_PURE_PYTHON="1" if kernel_loop == "python" else "0")
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", _CTRL_C_BETWEEN_STEPS], capture_output=True,
+                                  text=True, timeout=100, env=env, check=False)
+    assert (out.stdout, out.returncode) == ("step 0: [0, 1]\nKeyboardInterrupt\n", 0), out.stderr  # before: 3 steps
 
 
 class KeepRun(Instrument):
