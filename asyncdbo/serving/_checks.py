@@ -8,14 +8,15 @@ for ``enabled``."""
 
 from __future__ import annotations
 
+import math
 from numbers import Real
 
 __all__ = ["check_bool", "check_int", "check_number"]
 
 
 def _parsed(value: object, kind: type) -> object | None:
-    """``value`` as ``kind`` where it spells one (a str read from a file or the environment, an
-    integral float for an int), else None: the fix the message suggests."""
+    """``value`` as ``kind`` where it spells a finite one (a str read from a file or the environment,
+    an integral float for an int), else None: the fix the message suggests."""
     try:
         if isinstance(value, str):
             out = kind(value.strip())
@@ -25,7 +26,8 @@ def _parsed(value: object, kind: type) -> object | None:
             return None
     except (ValueError, OverflowError):
         return None
-    return out
+    # "nan" and "inf" parse, but no field takes them: the range check would refuse the suggested fix
+    return out if not isinstance(out, float) or math.isfinite(out) else None
 
 
 def _write(name: str, fix: object | None, example: object) -> str:

@@ -151,6 +151,10 @@ _FROZEN = "pass a tuple, e.g."
      "AutoConfig.prune must be a number or None (no pruning), got bool False; write e.g. prune=0.15"),
     ({"decisive": "0.5"}, TypeError,
      "AutoConfig.decisive must be a number or None (no early end), got str '0.5'; write decisive=0.5"),
+    # "nan" parses as a float, but the range check refuses it: the fix is an example, not nan
+    ({"decisive": "nan"}, TypeError,
+     "AutoConfig.decisive must be a number or None (no early end), got str 'nan'; write e.g. decisive=0.5"),
+    ({"margin": "inf"}, TypeError, "AutoConfig.margin must be a number, got str 'inf'; write e.g. margin=0.03"),
     ({"climb": "yes"}, TypeError, "AutoConfig.climb must be True or False, got str 'yes'; use True or False"),
     ({"stop_behind": 1}, TypeError, "AutoConfig.stop_behind must be True or False, got int 1; use True or False"),
 ])
