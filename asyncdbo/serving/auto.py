@@ -26,8 +26,8 @@ measured, and chooses the next step's configuration from them:
    end the climb. A comparison also ends after its first ``samples`` pairs where
    the side that would have to win is not even ahead (``stop_behind``): a tie to the default; and
    before them, from its second pair, where every pair puts one side more than ``decisive`` behind
-   the other (:func:`decisive`): that side is slower, with no noise this policy meets able to fake
-   such a gap in two pairs running. And the
+   the other (:func:`decisive`): that side is slower (faking such a gap takes a host hiccup in a
+   step of each pair, where one pair alone could be). And the
    other splits and dispatch modes, variants of the schedule's first DBO configuration (the base),
    are skipped where the base measured more than ``1 + prune`` times the incumbent (``prune``; the
    product of the pairs' median ratios along the comparisons linking them): such a variant would

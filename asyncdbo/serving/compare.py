@@ -109,9 +109,10 @@ def decisive(default: Sequence[float], other: Sequence[float], gap: float | None
     with at least :data:`DECISIVE_PAIRS` pairs, every ratio ``other[i] / default[i]`` above
     ``1 + gap`` (the other is slower: the default wins) or every one below ``1 / (1 + gap)`` (the
     other wins), the loser separated as slower; else None, for :func:`compare_paired` to decide.
-    A gap that large in every pair is no noise a step of this policy sees, and exploring on costs
-    most exactly there: each further pair runs the loser once more (off where DBO runs 3-5 times
-    faster, as on ``auto_measured.py``'s mixed-arrivals steps). Pure."""
+    Faking a gap that large takes a host hiccup in a step of every pair, and exploring on costs
+    most exactly there: each further pair runs the loser once more (off, on ``auto_measured.py``'s
+    mixed-arrivals 256-511-token steps, took 1.85 to 2.98 times N = 2's time per token in run 12's
+    decided pairs, ``benchmarks/results/auto_measured_cpu-2c_2026-12-03_run12.md``). Pure."""
     n = len(default)
     assert n == len(other), "paired samples come in pairs"
     if gap is None or n < DECISIVE_PAIRS or any(d <= 0 for d in default):
