@@ -260,8 +260,10 @@ class DBORun(Endings):
         view = None if task is None else UBatchTaskView(self, task)
         self._view = view
         # invariant 10; a cancel requested before the run and not yet delivered (``_must_cancel``,
-        # in C and Python tasks alike: Ctrl-C between two steps of a loop that never waits) is this run's too
-        cancels = 0 if task is None else task.cancelling() - (getattr(task, "_must_cancel", False) is True)
+        # in C and Python tasks alike: Ctrl-C between two steps of a loop that never waits) is this
+        # run's too. Not in a run nested in a ubatch: its task is a view, whose cancels are the ubatch's
+        cancels = 0 if task is None else task.cancelling() - (
+            type(task) is not UBatchTaskView and getattr(task, "_must_cancel", False) is True)
         if self.instrument is not None:
             self.instrument.run_started(self)
         live = LIVE_RUNS.refs

@@ -248,6 +248,33 @@ async def test_a_cancel_requested_before_a_run_that_never_waits_ends_that_run() 
     assert await run_ubatches(forward, [(0,), (1,)], name="step2") == [0, 1]
 
 
+async def test_a_run_nested_in_a_ubatch_leaves_a_pending_cancel_of_the_task_to_the_outer_run() -> None:
+    # the nested run's task is the outer run's view (cancels per ubatch): the task's cancel, requested
+    # by a ubatch of the outer run, ends the outer run, as one that never nests
+    task = asyncio.current_task()
+    assert task is not None
+    inner_results: list[list[int]] = []
+
+    async def inner(i: int) -> int:
+        await dbo_yield()
+        return i
+
+    async def outer(i: int) -> int:
+        await dbo_yield()
+        if i == 0:
+            task.cancel()
+            inner_results.append(await run_ubatches(inner, [(0,), (1,)], name="inner"))
+        await dbo_yield()
+        return i
+
+    with pytest.raises(asyncio.CancelledError) as info:
+        await run_ubatches(outer, [(0,), (1,)], name="outer")
+    assert inner_results == [[0, 1]]
+    assert info.value.__notes__ == ["asyncdbo: run 'outer' was cancelled while it ran without waiting on the event loop; "
+                                    "its ubatches had finished, and their results were dropped"]
+    assert task.uncancel() == 0
+
+
 _CTRL_C_IN_A_STEP = r"""
 import asyncio, signal
 from asyncdbo import dbo_yield, run_ubatches
