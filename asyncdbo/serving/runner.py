@@ -147,6 +147,14 @@ class RunnerConfig:
         check_number("RunnerConfig.", "max_imbalance", self.max_imbalance, 4.0, none="no limit")
         if self.num_ubatches < 1:
             raise ValueError(f"num_ubatches ({self.num_ubatches}) must be at least 1 (2 for DBO)")
+        # checked again where they are used (each step's plan and vote); here so that a bad value fails at
+        # construction, not at the first step, and nan (which no comparison refuses there) fails at all
+        if not 0.0 <= self.min_share <= 0.5:
+            raise ValueError(f"min_share ({self.min_share}) must lie in [0, 0.5] (the smaller ubatch's least share of "
+                             "the tokens); e.g. min_share=0.48, the default")
+        if self.max_imbalance is not None and not self.max_imbalance >= 1.0:
+            raise ValueError(f"max_imbalance ({self.max_imbalance}) must be >= 1 (a max/min token ratio across DP "
+                             "ranks) or None (no limit); e.g. max_imbalance=4.0")
         if self.policy not in ("token", "request", "balanced"):
             raise ValueError(f"unknown split policy {self.policy!r}; use 'token', 'request' or 'balanced'")
         if self.dispatch not in DISPATCH_MODES:

@@ -10,6 +10,7 @@ injected clock."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -186,6 +187,24 @@ def test_auto_config_takes_valid_fields_as_before() -> None:
 def test_runner_config_fields_of_the_wrong_type_are_refused_naming_the_fix(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(TypeError, match=_exactly(message)):
         RunnerConfig(**fields)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"min_share": 0.9}, "min_share (0.9) must lie in [0, 0.5] (the smaller ubatch's least share of the tokens); "
+                         "e.g. min_share=0.48, the default"),
+    ({"min_share": math.nan}, "min_share (nan) must lie in [0, 0.5] (the smaller ubatch's least share of the tokens); "
+                              "e.g. min_share=0.48, the default"),
+    ({"max_imbalance": 0.5}, "max_imbalance (0.5) must be >= 1 (a max/min token ratio across DP ranks) or None (no "
+                             "limit); e.g. max_imbalance=4.0"),
+    # nan passed the vote's own check (nan < 1 is False) and then limited nothing
+    ({"max_imbalance": math.nan}, "max_imbalance (nan) must be >= 1 (a max/min token ratio across DP ranks) or None "
+                                  "(no limit); e.g. max_imbalance=4.0"),
+])
+def test_runner_config_numbers_out_of_range_are_refused_at_construction(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=_exactly(message)):
+        RunnerConfig(**fields)
+    RunnerConfig(min_share=0.0, max_imbalance=1.0)
+    RunnerConfig(min_share=0.5, max_imbalance=None)
 
 
 class _Four(ClockedModel):
