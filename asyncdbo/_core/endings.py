@@ -62,19 +62,19 @@ class Endings(Parking):
             self.instrument.run_finished(cast("DBORun", self), exc)
 
     async def _cancelled_meanwhile(self) -> None:
-        """Deliver a cancellation of the driving task requested while the run never waited on the
-        event loop (invariant 10). asyncio throws it into the task at its next suspension, and a
-        run whose ubatches only switch has none: it would land after the run, at the caller's next
-        wait (a serving loop's next step). Requested meanwhile means by code the run ran: a ubatch
-        that cancels the task, or a signal handler between two bytecodes (``asyncio.run`` turns
-        Ctrl-C into a cancel of its main task). One pass of the loop takes it here, so the run
-        that was going on is the one that raises ``CancelledError``. The ubatches have finished;
-        their results are dropped."""
+        """Deliver a cancel of the driving task that no wait has delivered (invariant 10): one
+        requested while the run never waited on the event loop, or before it. asyncio throws a
+        cancel into the task at its next suspension, and a run whose ubatches only switch has none:
+        it would land after the run, at the caller's next wait (a serving loop's next step, or
+        later). Requested by code the run ran (a ubatch that cancels the task, a signal handler
+        between two bytecodes: ``asyncio.run`` turns Ctrl-C into a cancel of its main task) or
+        between two runs. One pass of the loop takes it here, so the run going on is the one that
+        raises ``CancelledError``. The ubatches have finished; their results are dropped."""
         try:
             await asyncio.sleep(0)
         except BaseException as exc:
-            exc.add_note(f"asyncdbo: run {self.name!r} was cancelled while it ran without waiting on the event loop; "
-                         "its ubatches had finished, and their results were dropped")
+            exc.add_note(f"asyncdbo: run {self.name!r} took a cancel of its task that no wait had delivered (the run "
+                         "never waited on the event loop); its ubatches had finished, and their results were dropped")
             raise
 
     def _warn_if_nothing_overlapped(self) -> None:

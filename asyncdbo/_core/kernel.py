@@ -37,8 +37,8 @@ Invariants (each has a test in tests/core/):
    whatever it installed before, since another task (another run) may have changed it meanwhile.
 10. A cancel of the task that drives the run ends that run, never a later one: asyncio delivers it
     where the run waits on the loop (invariant 5); one requested while the run never waits (by a
-    ubatch, by ``asyncio.run``'s Ctrl-C handler) is raised from the run once its ubatches finished,
-   and so is one requested before the run that no wait has delivered yet.
+    ubatch, by ``asyncio.run``'s Ctrl-C handler), or before it and not delivered yet, is raised
+    from the run once its ubatches finished.
 
 The fast path of a yield (``SWITCH``) never touches the event loop: it is one ``ctx.run(send)``,
 a deque pop and push, and a counter. Where the optional C extension was built
@@ -69,7 +69,7 @@ from .endings import Endings
 from .extensions import load_extension
 from .instrument import Instrument
 from .live import LIVE_RUNS
-from .tasks import RunTaskFactory, UBatchTaskView, attach_task_factory, set_current_task
+from .tasks import RunTaskFactory, UBatchTaskView, attach_task_factory, cancels_not_owed, set_current_task
 from .traps import SWITCH
 from .ubatch import UBatch, UBatchState, current_ubatch
 
@@ -259,11 +259,7 @@ class DBORun(Endings):
         task = self._task = _current_task(loop) if _current_task is not None else _tasks._current_tasks.get(loop)  # type: ignore[attr-defined]
         view = None if task is None else UBatchTaskView(self, task)
         self._view = view
-        # invariant 10; a cancel requested before the run and not yet delivered (``_must_cancel``,
-        # in C and Python tasks alike: Ctrl-C between two steps of a loop that never waits) is this
-        # run's too. Not in a run nested in a ubatch: its task is a view, whose cancels are the ubatch's
-        cancels = 0 if task is None else task.cancelling() - (
-            type(task) is not UBatchTaskView and getattr(task, "_must_cancel", False) is True)
+        cancels = 0 if task is None else cancels_not_owed(task)  # invariant 10
         if self.instrument is not None:
             self.instrument.run_started(self)
         live = LIVE_RUNS.refs

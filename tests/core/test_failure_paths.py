@@ -203,7 +203,7 @@ async def test_a_cancel_requested_while_the_run_never_waits_ends_that_run_not_a_
     with pytest.raises(asyncio.CancelledError) as info:
         await run_ubatches(forward, [(0, 1), (1, None)], name="step1")
     assert trace == ["ub0 yield 0", "ub0 cancels the task", "ub1 yield 0", "ub0 yield 1", "ub1 yield 1"]
-    assert info.value.__notes__ == ["asyncdbo: run 'step1' was cancelled while it ran without waiting on the event loop; "
+    assert info.value.__notes__ == ["asyncdbo: run 'step1' took a cancel of its task that no wait had delivered (the run never waited on the event loop); "
                                     "its ubatches had finished, and their results were dropped"]
     assert task.uncancel() == 0  # the one request, taken by that run
     trace.clear()
@@ -270,7 +270,7 @@ async def test_a_run_nested_in_a_ubatch_leaves_a_pending_cancel_of_the_task_to_t
     with pytest.raises(asyncio.CancelledError) as info:
         await run_ubatches(outer, [(0,), (1,)], name="outer")
     assert inner_results == [[0, 1]]
-    assert info.value.__notes__ == ["asyncdbo: run 'outer' was cancelled while it ran without waiting on the event loop; "
+    assert info.value.__notes__ == ["asyncdbo: run 'outer' took a cancel of its task that no wait had delivered (the run never waited on the event loop); "
                                     "its ubatches had finished, and their results were dropped"]
     assert task.uncancel() == 0
 
