@@ -9,7 +9,7 @@ for ``enabled``."""
 from __future__ import annotations
 
 import math
-from numbers import Real
+from numbers import Integral, Real
 
 __all__ = ["check_bool", "check_int", "check_number"]
 
@@ -30,25 +30,38 @@ def _parsed(value: object, kind: type) -> object | None:
     return out if not isinstance(out, float) or math.isfinite(out) else None
 
 
+def _type(value: object) -> str:
+    """The type's name in a message: numpy's scalars say so (numpy's bool is named bool)."""
+    t = type(value)
+    return f"numpy.{t.__name__}" if t.__module__ == "numpy" else t.__name__
+
+
 def _write(name: str, fix: object | None, example: object) -> str:
     return f"write {name}={fix!r}" if fix is not None else f"write e.g. {name}={example!r}"
 
 
+def _numpy_bool(value: object) -> bool:
+    """Whether ``value`` is numpy's bool scalar (what a numpy comparison gives; no numpy import)."""
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+
+
 def check_bool(owner: str, name: str, value: object, *, none: str = "") -> None:
-    """Raise TypeError unless ``value`` is True or False (or None, where ``none`` says what None means)."""
-    if isinstance(value, bool) or (none and value is None):
+    """Raise TypeError unless ``value`` is True or False, Python's or numpy's (or None, where
+    ``none`` says what None means)."""
+    if isinstance(value, bool) or _numpy_bool(value) or (none and value is None):
         return
     allowed = f"True, False or None ({none})" if none else "True or False"
-    raise TypeError(f"{owner}{name} must be {allowed}, got {type(value).__name__} {value!r}; use True or False")
+    raise TypeError(f"{owner}{name} must be {allowed}, got {_type(value)} {value!r}; use True or False")
 
 
 def check_int(owner: str, name: str, value: object, example: int) -> None:
-    """Raise TypeError unless ``value`` is an int (a bool is not one here)."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    """Raise TypeError unless ``value`` is an integer, Python's or another integral type's such as
+    numpy's (a bool is not one here)."""
+    if isinstance(value, Integral) and not isinstance(value, bool) and not _numpy_bool(value):
         return
     fix = _parsed(value, int)
-    why = " (True and False are not counts)" if isinstance(value, bool) else ""
-    raise TypeError(f"{owner}{name} must be an int, got {type(value).__name__} {value!r}{why}; {_write(name, fix, example)}")
+    why = " (True and False are not counts)" if isinstance(value, bool) or _numpy_bool(value) else ""
+    raise TypeError(f"{owner}{name} must be an int, got {_type(value)} {value!r}{why}; {_write(name, fix, example)}")
 
 
 def check_number(owner: str, name: str, value: object, example: float, *, none: str = "") -> None:
@@ -58,4 +71,4 @@ def check_number(owner: str, name: str, value: object, example: float, *, none: 
         return
     fix = _parsed(value, float)
     allowed = f"a number or None ({none})" if none else "a number"
-    raise TypeError(f"{owner}{name} must be {allowed}, got {type(value).__name__} {value!r}; {_write(name, fix, example)}")
+    raise TypeError(f"{owner}{name} must be {allowed}, got {_type(value)} {value!r}; {_write(name, fix, example)}")

@@ -174,6 +174,17 @@ def test_auto_config_takes_valid_fields_as_before() -> None:
                                              "N=4 token split"]
 
 
+def test_numpy_integers_and_bools_pass_as_python_ones_do() -> None:
+    # a config computed with numpy (a count from an array, a flag from a comparison) worked before
+    # the type checks; numpy's bool is still no count
+    np = pytest.importorskip("numpy")
+    assert AutoConfig(samples=np.int64(2), window=np.int32(8), climb=np.bool_(False)).samples == 2
+    assert RunnerConfig(num_ubatches=np.int64(3), enabled=np.True_).num_ubatches == 3
+    with pytest.raises(TypeError, match=re.escape(
+            "AutoConfig.samples must be an int, got numpy.bool np.True_ (True and False are not counts)")):
+        AutoConfig(samples=np.True_)
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"enabled": "yes"}, "RunnerConfig.enabled must be True or False, got str 'yes'; use True or False"),
     ({"enabled": 0}, "RunnerConfig.enabled must be True or False, got int 0; use True or False"),
