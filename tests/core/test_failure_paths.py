@@ -275,54 +275,29 @@ async def test_a_run_nested_in_a_ubatch_leaves_a_pending_cancel_of_the_task_to_t
     assert task.uncancel() == 0
 
 
-_CTRL_C_IN_A_STEP = r"""
-import asyncio, signal
+_CTRL_C = r"""
+import asyncio, signal, sys
 from asyncdbo import dbo_yield, run_ubatches
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores it)
-pressed = []
+where = sys.argv[1]
 
-async def forward(i):
+def press(at):  # Ctrl-C: asyncio.run's handler cancels its main task
+    if at == where:
+        signal.raise_signal(signal.SIGINT)
+
+async def forward(i, step):
     for k in range(3):
-        if i == 0 and k == 1 and not pressed:
-            pressed.append(1)
-            signal.raise_signal(signal.SIGINT)  # Ctrl-C: asyncio.run's handler cancels its main task
+        if i == 0 and k == 1 and step == 0:
+            press("in a step")
         await dbo_yield()
     return i
 
 async def serve():
     for step in range(3):
-        print(f"step {step}:", await run_ubatches(forward, [(0,), (1,)], name=f"step{step}"), flush=True)
-try:
-    asyncio.run(serve())
-except KeyboardInterrupt:
-    print("KeyboardInterrupt", flush=True)
-"""
-
-
-@pytest.mark.timeout(120)
-async def test_ctrl_c_in_a_step_that_never_waits_interrupts_that_step(kernel_loop: str) -> None:
-    env = dict(os.environ, ASYNCDBO_PURE_PYTHON="1" if kernel_loop == "python" else "0")
-    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", _CTRL_C_IN_A_STEP], capture_output=True,
-                                  text=True, timeout=100, env=env, check=False)
-    assert (out.stdout, out.returncode) == ("KeyboardInterrupt\n", 0), out.stderr  # before: steps 0, 1 and 2 ran
-
-
-_CTRL_C_BETWEEN_STEPS = r"""
-import asyncio, signal
-from asyncdbo import dbo_yield, run_ubatches
-
-signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores it)
-
-async def forward(i):
-    await dbo_yield()
-    return i
-
-async def serve():
-    for step in range(3):
         if step == 1:
-            signal.raise_signal(signal.SIGINT)  # Ctrl-C in the loop's own code, between steps 0 and 1
-        print(f"step {step}:", await run_ubatches(forward, [(0,), (1,)], name=f"step{step}"), flush=True)
+            press("between steps")  # in the loop's own code, between steps 0 and 1
+        print(f"step {step}:", await run_ubatches(forward, [(0, step), (1, step)], name=f"step{step}"), flush=True)
 
 try:
     asyncio.run(serve())
@@ -332,11 +307,16 @@ except KeyboardInterrupt:
 
 
 @pytest.mark.timeout(120)
-async def test_ctrl_c_between_steps_that_never_wait_interrupts_the_next_step(kernel_loop: str) -> None:
+@pytest.mark.parametrize(("where", "printed"), [
+    ("in a step", "KeyboardInterrupt\n"),  # before: steps 0, 1 and 2 ran, then the interrupt
+    ("between steps", "step 0: [0, 1]\nKeyboardInterrupt\n"),  # before: the same
+])
+async def test_ctrl_c_in_or_between_steps_that_never_wait_interrupts_that_step(kernel_loop: str, where: str,
+                                                                              printed: str) -> None:
     env = dict(os.environ, ASYNCDBO_PURE_PYTHON="1" if kernel_loop == "python" else "0")
-    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", _CTRL_C_BETWEEN_STEPS], capture_output=True,
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", _CTRL_C, where], capture_output=True,
                                   text=True, timeout=100, env=env, check=False)
-    assert (out.stdout, out.returncode) == ("step 0: [0, 1]\nKeyboardInterrupt\n", 0), out.stderr  # before: 3 steps
+    assert (out.stdout, out.returncode) == (printed, 0), out.stderr
 
 
 class KeepRun(Instrument):
