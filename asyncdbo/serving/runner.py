@@ -382,7 +382,7 @@ class DBORunner:
             # bucket's choice) cannot split this batch: the split policy's refusal, as a fixed runner's
             reason = PlanReason.AUTO_OFF if refused is None else PlanReason.POLICY_REFUSED
             decision = dataclasses.replace(decision, should_ubatch=False, reason=reason, detail=evidence)
-        if tokens > 0:
+        if tokens > 0 and refused is None:  # a refused step ran off out of the schedule's turn: not a sample
             self._last = (bucket, arm, tokens)
         return plan_step(
             qsl,

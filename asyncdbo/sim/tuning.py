@@ -109,7 +109,7 @@ def replay_auto(steps: Sequence[Step], *, sims: StepSims, thresholds: ThresholdC
                 ran.append(sims.split(reqs, [s.num_tokens_padded for s in plan.slices], shape))
         tokens = tuple(q[-1] for q in qsls)
         step_s = max(ran, default=0.0)
-        if max(tokens, default=0) > 0:
+        if max(tokens, default=0) > 0 and refused is None:  # as the runner: a refused step is no sample
             policy.observe(bucket, arm, step_s / max(tokens))
         microbatched = arm != OFF
         reason = (PlanReason.MICROBATCHED if microbatched else decision.reason if not decision.should_ubatch

@@ -305,6 +305,13 @@ async def test_an_auto_choice_that_cannot_split_the_batch_is_recorded_as_policy_
         "mixed 64-127: N=2 request auto cannot split this batch (a request split leaves a ubatch without real "
         "tokens), off; best N=2 request auto (prior, unmeasured)")  # its one step was its warm-up
     assert runner.stats.summary() == "2 steps, 50% microbatched; policy_refused=1"
+    # It ran off out of the schedule's turn: the next step feeds the policy nothing for it (an off
+    # sample there would enter a comparison with off as if off had had its turn)
+    builder.reset()
+    await runner.step(builder.build([(0, [1] * 40), (1, [1] * 40)]))
+    assert runner.auto is not None
+    bucket = runner.auto.buckets["mixed 64-127"]
+    assert bucket.seen == {Arm(2, "request"): 1} and OFF not in bucket.samples
     fixed = DBORunner(model, RunnerConfig(policy="request", thresholds=ThresholdConfig(prefill_threshold=16)),
                       clock=clock)
     builder.reset()
