@@ -63,7 +63,7 @@ from typing import Literal
 
 from ..plan import DPDecision, ThresholdConfig, plan_slices
 from .auto_config import OFF, Arm, AutoConfig
-from .compare import (DECISIVE_PAIRS, Comparison, compare, compare_paired, decisive, interquartile_range, paired_sigma,
+from .compare import (Comparison, compare, compare_paired, decisive, interquartile_range, paired_sigma,
                       pooled_sigma, relative_sigma)
 from .measure import shape_bucket
 
@@ -293,13 +293,13 @@ class AutoPolicy:
         for arm in self._trials(b):
             inc = b.incumbent
             xa, xi = b.samples.get(arm, ()), b.paired.get(arm, ())
-            if len(xi) != len(xa) or len(xa) < min(cfg.samples, DECISIVE_PAIRS if cfg.decisive is not None else cfg.samples):
+            if len(xi) != len(xa) or not xa:
                 continue
             default, other = (arm, inc) if arm == OFF else (inc, arm)  # off is the default side wherever it is one of the two
             side = {arm: list(xa), inc: list(xi)}
-            c = decisive(side[default], side[other], cfg.decisive)
+            c = decisive(side[default], side[other], cfg.decisive)  # from DECISIVE_PAIRS pairs
             if c is None:
-                if len(xa) < cfg.samples:
+                if len(xa) < cfg.samples:  # the statistical test's first look
                     continue
                 pairs = [(ls, ws) for _, ls, ws, _ in b.compared.values()] + [(xi, xa)]
                 c = compare_paired(side[default], side[other], margin=cfg.margin, separation=cfg.separation,
