@@ -163,6 +163,20 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
     return model, dep
 
 
+def _shortfall(model: Any, tokens: int, avail: int | None, lowest: int) -> tuple[str, int | None] | None:
+    """None where a row of ``tokens`` fits in ``avail`` bytes (None: unknown, so it is not refused),
+    else what it needs against what is available, and the most tokens from ``lowest`` up that fit
+    (None: not even ``lowest``)."""
+    if avail is None:
+        return None
+    need = check_bytes(model, tokens)
+    if need <= avail:
+        return None
+    best = largest_fitting(lambda t: check_bytes(model, t), lowest, tokens, avail)
+    return (f"needs about {human_bytes(need)} (the sim routes every token on this CPU; estimated before running "
+            f"it), but {human_bytes(avail)} is available"), best
+
+
 def rank_tokens_check(model: Any) -> Callable[[int], str | None]:
     """What ``--workload`` asks of each rank's step as it reads the file
     (:func:`~asyncdbo.sim.workload.load_workload`'s ``check_rank``): a rank of more tokens than the
@@ -171,13 +185,13 @@ def rank_tokens_check(model: Any) -> Callable[[int], str | None]:
     avail = inputs.available_bytes()
 
     def check(tokens: int) -> str | None:
-        if avail is None or check_bytes(model, tokens) <= avail:
+        short = _shortfall(model, tokens, avail, 1)
+        if short is None:
             return None
-        best = largest_fitting(lambda t: check_bytes(model, t), 1, tokens, avail)
+        needs, best = short
         fix = (f"give a rank at most {best} new tokens a step (cut a long prefill into chunks), or simulate fewer "
                "experts (--experts)" if best else "simulate fewer experts (--experts)")
-        return (f"simulating them needs about {human_bytes(check_bytes(model, tokens))} (the sim routes every token "
-                f"on this CPU; estimated before running it), but {human_bytes(avail)} is available; {fix}")
+        return f"simulating them {needs}; {fix}"
 
     return check
 
@@ -185,15 +199,11 @@ def rank_tokens_check(model: Any) -> Callable[[int], str | None]:
 def _check_memory(model: Any, tokens: int) -> None:
     """Refuse a size whose row would take more than the machine's available memory, up front
     (it used to end in an allocation failure or the OOM killer after the earlier rows)."""
-    avail = inputs.available_bytes()
-    if avail is None or check_bytes(model, tokens) <= avail:
-        return
-    best = largest_fitting(lambda t: check_bytes(model, t), 2, tokens, avail)
-    fix = f"use --tokens up to {best}" if best else "use a model with fewer experts (--experts)"
-    raise ValueError(
-        f"--tokens {tokens} needs about {human_bytes(check_bytes(model, tokens))} (the sim routes every token on "
-        f"this CPU; estimated before running it), but {human_bytes(avail)} is available; {fix}"
-    )
+    short = _shortfall(model, tokens, inputs.available_bytes(), 2)
+    if short is not None:
+        needs, best = short
+        fix = f"use --tokens up to {best}" if best else "use a model with fewer experts (--experts)"
+        raise ValueError(f"--tokens {tokens} {needs}; {fix}")
 
 
 def main(args: argparse.Namespace) -> int:
