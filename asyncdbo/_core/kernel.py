@@ -69,7 +69,7 @@ from .endings import Endings
 from .extensions import load_extension
 from .instrument import Instrument
 from .live import LIVE_RUNS
-from .tasks import RunTaskFactory, UBatchTaskView, attach_task_factory, cancels_not_owed, set_current_task
+from .tasks import RunTaskFactory, UBatchTaskView, attach_task_factory, set_current_task
 from .traps import SWITCH
 from .ubatch import UBatch, UBatchState, current_ubatch
 
@@ -259,7 +259,9 @@ class DBORun(Endings):
         task = self._task = _current_task(loop) if _current_task is not None else _tasks._current_tasks.get(loop)  # type: ignore[attr-defined]
         view = None if task is None else UBatchTaskView(self, task)
         self._view = view
-        cancels = 0 if task is None else cancels_not_owed(task)  # invariant 10
+        # invariant 10: the cancels requested so far, less one asyncio has not delivered (its private
+        # ``_must_cancel``; absent: none pending), which is this run's to raise (Ctrl-C between two steps)
+        cancels = 0 if task is None else task.cancelling() - (getattr(task, "_must_cancel", False) is True)
         if self.instrument is not None:
             self.instrument.run_started(self)
         live = LIVE_RUNS.refs

@@ -43,7 +43,7 @@ from .ubatch import UBatch, current_ubatch
 if TYPE_CHECKING:
     from .kernel import DBORun
 
-__all__ = ["RunTaskFactory", "UBatchTaskView", "attach_task_factory", "cancels_not_owed", "set_current_task"]
+__all__ = ["RunTaskFactory", "UBatchTaskView", "attach_task_factory", "set_current_task"]
 
 #: ``set_current_task(loop, obj)``: make ``obj`` the loop's current task in one call, where the
 #: kernel knows which task is current now (it read it itself): asyncio's ``_swap_current_task``
@@ -64,6 +64,11 @@ class UBatchTaskView:
     whole run."""
 
     __slots__ = ("_run", "_task")
+    #: No cancel of its own is pending undelivered (what asyncio's private ``_must_cancel`` says of a
+    #: task, read by the kernel's ``drive``): a run nested in a ubatch sees this view as its task, and
+    #: a pending cancel of the driving task is the outer run's to raise (without this, ``__getattr__``
+    #: would answer with the driving task's).
+    _must_cancel = False
 
     def __init__(self, run: DBORun, task: asyncio.Task[Any]) -> None:
         self._run = run
@@ -117,18 +122,6 @@ class UBatchTaskView:
 
 
 TaskFactory = Callable[..., "asyncio.Future[Any]"]
-
-
-def cancels_not_owed(task: Any) -> int:
-    """The cancels of ``task`` that a run starting now must not raise (the kernel's invariant 10):
-    those requested so far (``cancelling()``), less one that asyncio has not delivered yet, which
-    is the run's to raise: a loop whose runs never wait would otherwise carry it (Ctrl-C between
-    two steps) until it first waits. Whether one is pending is asyncio's private ``_must_cancel``
-    (C and Python tasks, 3.11 to 3.13); a task without it reads as having none pending. A run
-    nested in a ubatch has the outer run's view as its task, whose cancels are that ubatch's, and
-    the pending one is the outer run's to raise."""
-    pending = type(task) is not UBatchTaskView and getattr(task, "_must_cancel", False) is True
-    return int(task.cancelling()) - pending
 
 
 def _may_yield_to_kernel(coro: Any) -> bool:
