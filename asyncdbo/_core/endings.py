@@ -75,6 +75,8 @@ class Endings(Parking):
         except BaseException as exc:
             exc.add_note(f"asyncdbo: run {self.name!r} took a cancel of its task that no wait had delivered (the run "
                          "never waited on the event loop); its ubatches had finished, and their results were dropped")
+            if self.instrument is not None:  # it ends the run as the caller sees it
+                self.instrument.run_finished(cast("DBORun", self), exc)
             raise
 
     def _warn_if_nothing_overlapped(self) -> None:

@@ -298,6 +298,8 @@ class DBORun(Endings):
             except BaseException as exc:
                 self._fail_run(exc)
                 raise
+            if task is not None and task.cancelling() > cancels:
+                await self._cancelled_meanwhile()  # invariant 10 (an instrument hears the cancel)
             if self.instrument is not None:
                 self.instrument.run_finished(self, None)
             if not self.num_switches and not self.num_parks:
@@ -307,10 +309,7 @@ class DBORun(Endings):
             self._release()  # its results are dropped with the records: the error's frames hold none
             raise
         live.discard(self._wref)
-        results = self._release()  # the records' results, read as they are released
-        if task is not None and task.cancelling() > cancels:
-            await self._cancelled_meanwhile()  # invariant 10
-        return results
+        return self._release()  # the records' results, read as they are released
 
     async def _loop_until_done(self) -> None:
         """Switch ubatches until every one finished; sleep while all are parked, and let the event

@@ -211,6 +211,29 @@ async def test_a_cancel_requested_while_the_run_never_waits_ends_that_run_not_a_
     assert trace == ["ub0 yield 0", "ub1 yield 0", "ub0 yield 1", "ub1 yield 1"]
 
 
+async def test_an_instrument_hears_the_cancel_a_run_took_after_its_ubatches_finished() -> None:
+    # the run ends as its caller sees it: run_finished gets the CancelledError, never None first
+    task = asyncio.current_task()
+    assert task is not None
+    heard: list[str] = []
+
+    class Ends(Instrument):
+        def run_finished(self, run: Any, exc: BaseException | None) -> None:
+            heard.append(f"{run.name}: {type(exc).__name__}")
+
+    async def forward(i: int) -> int:
+        if i == 0:
+            task.cancel()
+        await dbo_yield()
+        return i
+
+    with pytest.raises(asyncio.CancelledError):
+        await run_ubatches(forward, [(0,), (1,)], name="step1", instrument=Ends())
+    assert task.uncancel() == 0
+    assert await run_ubatches(forward, [(1,), (1,)], name="step2", instrument=Ends()) == [1, 1]
+    assert heard == ["step1: CancelledError", "step2: NoneType"]
+
+
 async def test_a_run_that_starts_while_its_task_is_being_cancelled_is_not_cancelled_again() -> None:
     # a cleanup step in an except CancelledError block: the request it handles is not this run's
     task = asyncio.current_task()
