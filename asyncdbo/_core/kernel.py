@@ -40,16 +40,15 @@ Invariants (each has a test in tests/core/):
     ubatch, by ``asyncio.run``'s Ctrl-C handler), or before it and not delivered yet, is raised
     from the run once its ubatches finished.
 
-The fast path of a yield (``SWITCH``) never touches the event loop: it is one ``ctx.run(send)``,
-a deque pop and push, and a counter. Where the optional C extension was built
-(``asyncdbo/_core/_spin.c``) that loop runs in C while no instrument or event-loop wait is
-involved, and hands everything else back to the Python loop below, which stays the reference
-(``ASYNCDBO_PURE_PYTHON=1`` runs it alone). See benchmarks/switch_cost.py.
+The fast path of a yield (``SWITCH``) never touches the event loop: it is one ``ctx.run(send)``, a deque pop
+and push, and a counter. Where the optional C extension was built (``asyncdbo/_core/_spin.c``) that loop runs
+in C while no instrument or event-loop wait is involved, and hands everything else back to the Python loop
+below, which stays the reference (``ASYNCDBO_PURE_PYTHON=1`` runs it alone). See benchmarks/switch_cost.py.
 
-Parking, waking, cancelling one ubatch, the loop poll and the run's sleep (invariants 3, 4 and
-7) live in :mod:`asyncdbo._core.parking`; the endings of a ubatch and a run (invariants 5 and 8)
-in :mod:`asyncdbo._core.endings`, the base classes of :class:`DBORun`; cancellation at a
-suspension point (invariant 5) in :mod:`asyncdbo._core.cancel`.
+Parking, waking, cancelling one ubatch, the loop poll and the run's sleep (invariants 3, 4 and 7) live in
+:mod:`asyncdbo._core.parking`; the endings of a ubatch and a run (invariants 5 and 8) in
+:mod:`asyncdbo._core.endings`, the base classes of :class:`DBORun`; cancellation at a suspension point
+(invariant 5) in :mod:`asyncdbo._core.cancel`.
 """
 
 from __future__ import annotations
@@ -326,29 +325,25 @@ class DBORun(Endings):
                 self._switch_in_view()
 
     def _switch_in_view(self) -> None:
-        """:meth:`_switch` with the run's task view as the loop's current task (no view: no task
-        drives the run, a bare coroutine.send)."""
+        """Switch ubatches, in C where it can (no instrument, no ubatch waiting on the loop), with the
+        run's task view as the loop's current task (no view: no task drives the run, a bare send)."""
+        c = _spin is not None and self.instrument is None and not self._loop_waits
+        switch = self._switch_in_c if c else self._switch_in_python
         view = self._view
         if view is None:
-            self._switch()
+            switch()
             return
         set_current_task(self._loop, view)  # type: ignore[arg-type]  # a view has a loop and a task
         try:
-            self._switch()
+            switch()
         finally:
             set_current_task(self._loop, self._task)  # type: ignore[arg-type]
 
-    def _switch(self) -> None:
-        if _spin is not None and self.instrument is None and not self._loop_waits:
-            self._switch_in_c()
-        else:
-            self._switch_in_python()
-
-    # ---- the fast path. Ubatches that keep switching stay in one of the two loops below until one
-    # parks or finishes. Completions and loop polls only matter for parked ubatches, so they are
-    # checked only while some ubatch is parked (a wake can only target a parked one). Timers added
-    # during the loop (a modeled link's releases) fire at the next switch once due: the message is
-    # then complete before its ubatch awaits it, which does not park.
+    # ---- the fast path. Ubatches that keep switching stay in one of the two loops below until one parks or
+    # finishes. Completions and loop polls only matter for parked ubatches, so they are checked only while
+    # some ubatch is parked (a wake can only target a parked one). Timers added during the loop (a modeled
+    # link's releases) fire at the next switch once due: the message is then complete before its ubatch awaits
+    # it, which does not park.
     def _switch_in_python(self) -> None:
         """Resume ubatches round-robin until one parks, finishes or fails, or a loop poll is due.
         The reference for :meth:`_switch_in_c`, and the only path with an instrument or a ubatch
