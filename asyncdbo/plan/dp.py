@@ -33,11 +33,12 @@ failed votes *recover* instead of a plan, and then every rank of the vote gets
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Union
 
 import torch
 
+from ._checks import check_int
 from .records import PlanReason, RankVote
 from .slices import as_query_start_loc
 
@@ -75,10 +76,21 @@ class ThresholdConfig:
     num_spec_tokens: int = 0
 
     def __post_init__(self) -> None:
+        # A float, a bool or a str used to pass (or fail with "'<' not supported"): 32.5 compared as
+        # a threshold, True as one token, and nan passed every check and made no step microbatch.
         for name in ("decode_threshold", "prefill_threshold", "num_spec_tokens"):
+            check_int("ThresholdConfig.", name, getattr(self, name), _THRESHOLD_DEFAULTS[name])
+        for name in ("decode_threshold", "prefill_threshold"):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"{name} ({value}) must be >= 0; use 0 to always microbatch")
+        if self.num_spec_tokens < 0:
+            raise ValueError(f"num_spec_tokens ({self.num_spec_tokens}) must be >= 0 (the draft tokens each decode "
+                             "request carries); use 0 without speculative decoding")
+
+
+#: Each field's default, the example a message about a field gives.
+_THRESHOLD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(ThresholdConfig)}
 
 
 def is_uniform_decode(qsl: Sequence[int], num_spec_tokens: int = 0) -> bool:

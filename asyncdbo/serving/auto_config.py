@@ -9,8 +9,8 @@ from typing import Any
 
 from ..dist.fused import DISPATCH_MODES, DispatchMode
 from ..plan import SplitPolicy
+from ..plan._checks import check_bool, check_int, check_number
 from ..plan.slices import SPLIT_POLICIES
-from ._checks import check_bool, check_int, check_number
 from .measure import close_shape_bucket, is_shape_bucket
 
 __all__ = ["OFF", "Arm", "AutoConfig"]

@@ -40,7 +40,7 @@ from typing import Any, Literal
 import torch
 
 from ..plan import StepRecord
-from ._checks import check_bool
+from ..plan._checks import check_bool
 from .batch import BatchBuilder
 from .runner import DBORunner
 from .sampling import SamplingParams, sample_tokens

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import re
 from typing import Any
 
 import pytest
@@ -54,12 +56,40 @@ def test_mixed_and_prefill_use_the_prefill_threshold() -> None:
 def test_bad_thresholds_are_named() -> None:
     with pytest.raises(ValueError, match=r"^decode_threshold \(-1\) must be >= 0; use 0 to always microbatch$"):
         ThresholdConfig(decode_threshold=-1)
-    with pytest.raises(ValueError, match=r"^num_spec_tokens \(-2\) must be >= 0"):
+    with pytest.raises(ValueError, match=re.escape(
+            "num_spec_tokens (-2) must be >= 0 (the draft tokens each decode request carries); use 0 without "
+            "speculative decoding")):
         ThresholdConfig(num_spec_tokens=-2)
     with pytest.raises(ValueError, match=r"num_tokens_padded \(3\) is below num_tokens_unpadded \(5\)"):
         LocalStepInfo(num_tokens_unpadded=5, num_tokens_padded=3, wants_ubatch=True)
     with pytest.raises(ValueError, match=r"max_imbalance \(0\.5\) must be >= 1"):
         agree_across_dp(LocalStepInfo(num_tokens_unpadded=5, wants_ubatch=True), 2, max_imbalance=0.5)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"decode_threshold": 32.5}, "ThresholdConfig.decode_threshold must be an int, got float 32.5; write e.g. "
+                                 "decode_threshold=32"),
+    ({"prefill_threshold": 512.0}, "ThresholdConfig.prefill_threshold must be an int, got float 512.0; write "
+                                   "prefill_threshold=512"),
+    ({"decode_threshold": math.nan}, "ThresholdConfig.decode_threshold must be an int, got float nan; write e.g. "
+                                     "decode_threshold=32"),
+    ({"prefill_threshold": True}, "ThresholdConfig.prefill_threshold must be an int, got bool True (True and False "
+                                  "are not counts); write e.g. prefill_threshold=512"),
+    ({"decode_threshold": "16"}, "ThresholdConfig.decode_threshold must be an int, got str '16'; write "
+                                 "decode_threshold=16"),
+    ({"num_spec_tokens": None}, "ThresholdConfig.num_spec_tokens must be an int, got NoneType None; write e.g. "
+                                "num_spec_tokens=0"),
+])
+def test_thresholds_of_the_wrong_type_are_refused_naming_the_fix(fields: dict[str, Any], message: str) -> None:
+    # a float compared as a threshold, True as one token, and nan (no token count reaches it) made no step microbatch
+    with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
+        ThresholdConfig(**fields)
+
+
+def test_numpy_integers_pass_as_thresholds_as_python_ints_do() -> None:
+    np = pytest.importorskip("numpy")
+    cfg = ThresholdConfig(decode_threshold=np.int64(4), prefill_threshold=np.int32(8), num_spec_tokens=np.int64(1))
+    assert should_microbatch(8, [0, 2, 4, 6, 8], cfg) == (True, "uniform decode: 8 tokens >= threshold 4")
 
 
 def V(rank: int, vote: str, tokens: int, padded: int | None = None,

@@ -111,6 +111,20 @@ def test_runner_config_auto_must_be_an_auto_config() -> None:
         RunnerConfig(auto=None)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("thresholds, message", [
+    ({"decode_threshold": 8}, "RunnerConfig.thresholds must be an asyncdbo.plan.ThresholdConfig, got dict "
+                              "{'decode_threshold': 8}; write thresholds=ThresholdConfig(decode_threshold=8)"),
+    (32, "RunnerConfig.thresholds must be an asyncdbo.plan.ThresholdConfig, got int 32; write "
+         "thresholds=ThresholdConfig(decode_threshold=32, prefill_threshold=512)"),
+    (None, "RunnerConfig.thresholds must be an asyncdbo.plan.ThresholdConfig, got NoneType None; write "
+           "thresholds=ThresholdConfig(decode_threshold=32, prefill_threshold=512)"),
+])
+def test_runner_config_thresholds_must_be_a_threshold_config(thresholds: Any, message: str) -> None:
+    # it used to be taken, and the first step failed with "'dict' object has no attribute 'num_spec_tokens'"
+    with pytest.raises(TypeError, match=_exactly(message)):
+        RunnerConfig(thresholds=thresholds)
+
+
 _FROZEN = "pass a tuple, e.g."
 
 

@@ -1,5 +1,8 @@
-"""Type checks of the serving configs' fields (:class:`~asyncdbo.serving.AutoConfig`,
+"""Type checks of the configs' fields and flags (:class:`~asyncdbo.plan.ThresholdConfig`,
+:func:`~asyncdbo.plan.plan_step`'s ``enabled``, :class:`~asyncdbo.serving.AutoConfig`,
 :class:`~asyncdbo.serving.RunnerConfig`), each a TypeError naming the field, the value and the fix.
+They live in :mod:`asyncdbo.plan`, the lowest package that takes such input: serving imports plan,
+plan imports no other package of asyncdbo.
 
 The range checks stay with each config; these come first, so that a value of the wrong type gets
 a message about its type, not a comparison error (``"0.03" <= 1.0``) or, worse, no error at all:
