@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ._checks import check_bool
 from .dp import (
     DPDecision,
     LocalStepInfo,
@@ -121,7 +122,8 @@ def plan_step(
     the default group); None plans locally.  With a group, EVERY rank must call ``plan_step``
     every step (it runs one all-reduce on ``device``), and every ubatch of the resulting plan,
     even an empty one, must take part in every collective of the step.
-    ``enabled=False`` votes no for this step (e.g. a vetoed prefix-cache case).
+    ``enabled=False`` votes no for this step (e.g. a vetoed prefix-cache case); ``enabled`` and
+    ``is_idle`` must be True or False (numpy's bools too), or a TypeError names the value.
     ``stats``: if given, the step's record is counted there.  Every record is logged at DEBUG
     on the ``asyncdbo.plan`` logger.
     ``max_ubatches``: the most ubatches the model's MoE layers were built for
@@ -130,6 +132,9 @@ def plan_step(
     once with its measurements and decides the configuration from that vote): used as it is, no
     threshold test and no second vote. ``config`` and ``evidence`` go into the record.
     """
+    # Any truthy value would pass for a flag (enabled="no" voted yes); checked before the vote, like the rest.
+    check_bool("plan_step() ", "enabled", enabled)
+    check_bool("plan_step() ", "is_idle", is_idle)
     qsl = as_query_start_loc(query_start_loc)
     if num_ubatches < 1:
         raise ValueError(f"num_ubatches ({num_ubatches}) must be at least 1")

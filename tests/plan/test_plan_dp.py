@@ -163,6 +163,24 @@ def test_plan_step_rejects_bad_arguments() -> None:
         plan_step(prefill(4), min_share=-0.1)
 
 
+@pytest.mark.parametrize("flags, message", [
+    ({"enabled": "no"}, "plan_step() enabled must be True or False, got str 'no'; use True or False"),
+    ({"enabled": 1}, "plan_step() enabled must be True or False, got int 1; use True or False"),
+    ({"enabled": None}, "plan_step() enabled must be True or False, got NoneType None; use True or False"),
+    ({"is_idle": "yes"}, "plan_step() is_idle must be True or False, got str 'yes'; use True or False"),
+])
+def test_plan_step_flags_must_be_bools(flags: dict[str, Any], message: str) -> None:
+    # any truthy value passed: enabled="no" voted yes and microbatched
+    with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
+        plan_step(prefill(9), thresholds=LOW, **flags)
+
+
+def test_plan_step_takes_numpy_bools_as_python_ones() -> None:
+    np = pytest.importorskip("numpy")
+    assert plan_step(prefill(9), thresholds=LOW, enabled=np.False_).record.reason is PlanReason.DISABLED
+    assert plan_step(prefill(9), thresholds=LOW, enabled=np.True_, is_idle=np.False_).microbatched
+
+
 # ---- real process groups ------------------------------------------------------------------------
 
 
