@@ -1,6 +1,7 @@
 """Type checks of the configs' fields and flags (:class:`~asyncdbo.plan.ThresholdConfig`,
-:func:`~asyncdbo.plan.plan_step`'s ``enabled``, :class:`~asyncdbo.serving.AutoConfig`,
-:class:`~asyncdbo.serving.RunnerConfig`), each a TypeError naming the field, the value and the fix.
+:func:`~asyncdbo.plan.plan_step`'s flags, :class:`~asyncdbo.serving.AutoConfig`,
+:class:`~asyncdbo.serving.RunnerConfig`), each a TypeError naming the field, the value and the fix,
+and the one range check they share (:func:`check_finite`, a ValueError).
 They live in :mod:`asyncdbo.plan`, the lowest package that takes such input: serving imports plan,
 plan imports no other package of asyncdbo.
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import math
 from numbers import Integral, Real
 
-__all__ = ["check_bool", "check_int", "check_number"]
+__all__ = ["check_bool", "check_finite", "check_int", "check_number"]
 
 
 def _parsed(value: object, kind: type) -> object | None:
@@ -75,3 +76,12 @@ def check_number(owner: str, name: str, value: object, example: float, *, none: 
     fix = _parsed(value, float)
     allowed = f"a number or None ({none})" if none else "a number"
     raise TypeError(f"{owner}{name} must be {allowed}, got {_type(value)} {value!r}; {_write(name, fix, example)}")
+
+
+def check_finite(name: str, value: float | None, meaning: str, fix: str) -> None:
+    """Raise ValueError where ``value`` is infinite (or nan), saying what it would mean and the fix.
+    For fields whose range check lets ``inf`` through (``>= 0``, ``> 0``): an infinite share or
+    ratio is never reached, which is what None says where the field takes it, or nothing useful
+    where it does not; call it after the range check, whose message nan and -inf keep."""
+    if value is not None and not math.isfinite(value):
+        raise ValueError(f"{name} ({value}) must be finite: {meaning}; {fix}")

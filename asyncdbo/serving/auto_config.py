@@ -9,7 +9,7 @@ from typing import Any
 
 from ..dist.fused import DISPATCH_MODES, DispatchMode
 from ..plan import SplitPolicy
-from ..plan._checks import check_bool, check_int, check_number
+from ..plan._checks import check_bool, check_finite, check_int, check_number
 from ..plan.slices import SPLIT_POLICIES
 from .measure import close_shape_bucket, is_shape_bucket
 
@@ -129,6 +129,14 @@ class AutoConfig:
         if self.decisive is not None and not self.decisive > 0.0:
             raise ValueError(f"decisive ({self.decisive}) must be > 0 (a share of the faster side's time) or None (every "
                              "comparison runs its first samples pairs)")
+        # inf passes the checks above, and is never reached: say what it means, and what to write
+        check_finite("separation", self.separation, "the standard-error test would never separate two "
+                     "configurations", "e.g. separation=2.0, the default")
+        check_finite("behind", self.behind, "no loser would ever be ruled behind", "use a finite share, e.g. "
+                     "behind=0.15, the default (a larger one rules fewer losers behind)")
+        check_finite("prune", self.prune, "it would prune nothing", "use prune=None to try every variant")
+        check_finite("decisive", self.decisive, "no comparison would be decisive",
+                     "use decisive=None to turn decisive comparisons off")
         if self.max_arms < 0:
             raise ValueError(f"max_arms ({self.max_arms}) must be >= 0")
         if self.step_over < 0:

@@ -79,7 +79,7 @@ from ..plan import (
     merge_outputs,
     plan_step,
 )
-from ..plan._checks import check_bool, check_int, check_number
+from ..plan._checks import check_bool, check_finite, check_int, check_number
 from .auto import OFF, Arm, AutoConfig, AutoPolicy, group_choice, splittable_mask, threshold_prior
 from .batch import Batch
 from .measure import OverlapLedger, host_timing, shape_bucket
@@ -155,6 +155,8 @@ class RunnerConfig:
         if self.max_imbalance is not None and not self.max_imbalance >= 1.0:
             raise ValueError(f"max_imbalance ({self.max_imbalance}) must be >= 1 (a max/min token ratio across DP "
                              "ranks) or None (no limit); e.g. max_imbalance=4.0")
+        check_finite("max_imbalance", self.max_imbalance, "no ratio would reach it",
+                     "use max_imbalance=None for no limit")
         if self.policy not in ("token", "request", "balanced"):
             raise ValueError(f"unknown split policy {self.policy!r}; use 'token', 'request' or 'balanced'")
         if self.dispatch not in DISPATCH_MODES:

@@ -232,6 +232,57 @@ def test_runner_config_numbers_out_of_range_are_refused_at_construction(fields: 
     RunnerConfig(min_share=0.5, max_imbalance=None)
 
 
+_INF, _NAN = math.inf, math.nan
+_SEPARATION = "must be >= 0 (standard errors; 0 compares medians only)"
+_BEHIND = "must be >= 0 (a share of the winner's time)"
+_PRUNE = "must be >= 0 (a share of the incumbent's time) or None (no pruning)"
+_DECISIVE = "must be > 0 (a share of the faster side's time) or None (every comparison runs its first samples pairs)"
+_MIN_SHARE = "must lie in [0, 0.5] (the smaller ubatch's least share of the tokens); e.g. min_share=0.48, the default"
+_IMBALANCE = "must be >= 1 (a max/min token ratio across DP ranks) or None (no limit); e.g. max_imbalance=4.0"
+
+
+@pytest.mark.parametrize("config, name, value, message", [
+    # every float field of both configs, at inf, -inf and nan: the range checks refuse nan and -inf
+    # (and inf where the range is bounded above); where inf passed them, it is refused as never reached
+    (AutoConfig, "margin", _INF, "margin (inf) must lie in [0, 1)"),
+    (AutoConfig, "margin", -_INF, "margin (-inf) must lie in [0, 1)"),
+    (AutoConfig, "margin", _NAN, "margin (nan) must lie in [0, 1)"),
+    (AutoConfig, "separation", _INF, "separation (inf) must be finite: the standard-error test would never separate "
+                                     "two configurations; e.g. separation=2.0, the default"),
+    (AutoConfig, "separation", -_INF, f"separation (-inf) {_SEPARATION}"),
+    (AutoConfig, "separation", _NAN, f"separation (nan) {_SEPARATION}"),
+    (AutoConfig, "behind", _INF, "behind (inf) must be finite: no loser would ever be ruled behind; use a finite "
+                                 "share, e.g. behind=0.15, the default (a larger one rules fewer losers behind)"),
+    (AutoConfig, "behind", -_INF, f"behind (-inf) {_BEHIND}"),
+    (AutoConfig, "behind", _NAN, f"behind (nan) {_BEHIND}"),
+    (AutoConfig, "prune", _INF, "prune (inf) must be finite: it would prune nothing; use prune=None to try every "
+                                "variant"),
+    (AutoConfig, "prune", -_INF, f"prune (-inf) {_PRUNE}"),
+    (AutoConfig, "prune", _NAN, f"prune (nan) {_PRUNE}"),
+    (AutoConfig, "decisive", _INF, "decisive (inf) must be finite: no comparison would be decisive; use "
+                                   "decisive=None to turn decisive comparisons off"),
+    (AutoConfig, "decisive", -_INF, f"decisive (-inf) {_DECISIVE}"),
+    (AutoConfig, "decisive", _NAN, f"decisive (nan) {_DECISIVE}"),
+    (RunnerConfig, "min_share", _INF, f"min_share (inf) {_MIN_SHARE}"),
+    (RunnerConfig, "min_share", -_INF, f"min_share (-inf) {_MIN_SHARE}"),
+    (RunnerConfig, "min_share", _NAN, f"min_share (nan) {_MIN_SHARE}"),
+    (RunnerConfig, "max_imbalance", _INF, "max_imbalance (inf) must be finite: no ratio would reach it; use "
+                                          "max_imbalance=None for no limit"),
+    (RunnerConfig, "max_imbalance", -_INF, f"max_imbalance (-inf) {_IMBALANCE}"),
+    (RunnerConfig, "max_imbalance", _NAN, f"max_imbalance (nan) {_IMBALANCE}"),
+])
+def test_float_fields_refuse_values_that_are_not_finite(config: type, name: str, value: float, message: str) -> None:
+    with pytest.raises(ValueError, match=_exactly(message)):
+        config(**{name: value})
+
+
+def test_the_never_reached_values_have_their_spelling() -> None:
+    assert (AutoConfig(prune=None, decisive=None).prune, RunnerConfig(max_imbalance=None).max_imbalance) == (None, None)
+    np = pytest.importorskip("numpy")  # numpy's inf is refused as Python's is
+    with pytest.raises(ValueError, match=re.escape("decisive (inf) must be finite")):
+        AutoConfig(decisive=np.float64("inf"))
+
+
 class _Four(ClockedModel):
     max_ubatches = 4
 
