@@ -163,29 +163,33 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
     return model, dep
 
 
-def _shortfall(model: Any, tokens: int, avail: int | None, lowest: int) -> tuple[str, int | None] | None:
-    """None where a row of ``tokens`` fits in ``avail`` bytes (None: unknown, so it is not refused),
-    else what it needs against what is available, and the most tokens from ``lowest`` up that fit
-    (None: not even ``lowest``)."""
-    if avail is None:
+def _shortfall(model: Any, tokens: int, bound: tuple[int, str] | None,
+               lowest: int) -> tuple[str, int | None] | None:
+    """None where a row of ``tokens`` fits in ``bound``'s bytes (:func:`~asyncdbo.cli.inputs.usable_bytes`;
+    None: unknown, so it is not refused), else what it needs against what the bound leaves (which
+    bound: the machine's available memory or a limit of this process), and the most tokens from
+    ``lowest`` up that fit (None: not even ``lowest``)."""
+    if bound is None:
         return None
+    avail, which = bound
     need = check_bytes(model, tokens)
     if need <= avail:
         return None
     best = largest_fitting(lambda t: check_bytes(model, t), lowest, tokens, avail)
     return (f"needs about {human_bytes(need)} (the sim routes every token on this CPU; estimated before running "
-            f"it), but {human_bytes(avail)} is available"), best
+            f"it), but {human_bytes(avail)} {which}"), best
 
 
 def rank_tokens_check(model: Any) -> Callable[[int], str | None]:
     """What ``--workload`` asks of each rank's step as it reads the file
     (:func:`~asyncdbo.sim.workload.load_workload`'s ``check_rank``): a rank of more tokens than the
-    machine's available memory can simulate is refused up front, with the most that fit (a rank
-    of 10**12 tokens used to end in an allocation failure inside the sim)."""
-    avail = inputs.available_bytes()
+    machine's available memory (or this process's memory limit, where one is set and smaller) can
+    simulate is refused up front, with the most that fit (a rank of 10**12 tokens used to end in
+    an allocation failure inside the sim, as did one that fit the memory but not ``ulimit -v``)."""
+    bound = inputs.usable_bytes()
 
     def check(tokens: int) -> str | None:
-        short = _shortfall(model, tokens, avail, 1)
+        short = _shortfall(model, tokens, bound, 1)
         if short is None:
             return None
         needs, best = short
@@ -197,9 +201,10 @@ def rank_tokens_check(model: Any) -> Callable[[int], str | None]:
 
 
 def _check_memory(model: Any, tokens: int) -> None:
-    """Refuse a size whose row would take more than the machine's available memory, up front
-    (it used to end in an allocation failure or the OOM killer after the earlier rows)."""
-    short = _shortfall(model, tokens, inputs.available_bytes(), 2)
+    """Refuse a size whose row would take more than the machine's available memory or this
+    process's memory limit, up front (it used to end in an allocation failure or the OOM killer
+    after the earlier rows)."""
+    short = _shortfall(model, tokens, inputs.usable_bytes(), 2)
     if short is not None:
         needs, best = short
         fix = f"use --tokens up to {best}" if best else "use a model with fewer experts (--experts)"

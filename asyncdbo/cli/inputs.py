@@ -5,8 +5,9 @@ A size flag that does not fit used to end in an allocation failure inside the ra
 OOM killer after a minute (``demo --tokens 5000000``, ``check --tokens 100000000``). The estimates
 here add up the largest tensors of one step (attention scores, the KV cache, logits, MoE rows,
 weights) plus a fixed per-process base, and the run is refused when they exceed the memory the
-machine has available (``MemAvailable``), with the largest size that would fit. They are meant to
-be right to within a small factor, and to err high (measured against peak RSS:
+machine has available (``MemAvailable``), with the largest size that would fit; ``check`` also
+holds them to the process's own limits (``ulimit -v``, ``ulimit -d``: :func:`usable_bytes`). They
+are meant to be right to within a small factor, and to err high (measured against peak RSS:
 ``benchmarks/results/memory_estimate_cpu-2c_2026-12-01.md``), not to be a budget.
 """
 
@@ -15,15 +16,20 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 __all__ = [
     "MAX_TIMEOUT_S",
+    "ProcessLimit",
     "available_bytes",
     "check_output_dir",
     "check_timeout",
     "human_bytes",
     "largest_fitting",
+    "memory_bound",
+    "process_limits",
+    "usable_bytes",
 ]
 
 #: The longest ``--timeout`` accepted: a day. Larger values overflow the waits they bound (a
@@ -73,6 +79,82 @@ def available_bytes() -> int | None:
         return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
         return None
+
+
+@dataclass(frozen=True)
+class ProcessLimit:
+    """A soft limit on this process's memory (``resource.getrlimit``) and how much of what it
+    counts is not resident now: ``name`` (``"RLIMIT_AS"``), ``flag`` (the shell's ``ulimit -v``),
+    ``what`` (``"address-space"``), ``limit`` and ``unresident`` in bytes."""
+
+    name: str
+    flag: str
+    what: str
+    limit: int
+    unresident: int
+
+
+#: The limits a run is held to: RLIMIT_AS counts the address space (VmSize), RLIMIT_DATA the
+#: private writable mappings (VmData: Linux >= 4.7).
+_LIMITS = (("RLIMIT_AS", "ulimit -v", "address-space", "VmSize"), ("RLIMIT_DATA", "ulimit -d", "data", "VmData"))
+
+
+def _proc_status() -> dict[str, int]:
+    """``/proc/self/status``'s sizes in bytes (``VmSize``, ``VmRSS``...); empty where there is none."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                parts = value.split()
+                if len(parts) == 2 and parts[1] == "kB":
+                    out[key] = int(parts[0]) * 1024
+    except (OSError, ValueError):
+        return {}
+    return out
+
+
+def process_limits() -> list[ProcessLimit]:
+    """This process's soft RLIMIT_AS and RLIMIT_DATA, those that are set (``RLIM_INFINITY``: none).
+
+    The estimates here are of the resident set, but a limit counts mappings whether resident or
+    not: with torch imported the address space is about 400 MiB larger than the resident set
+    (VmSize 644 MiB, VmRSS 228 MiB), the data segment about as large (VmData 226 MiB). Each limit
+    carries that difference now (``unresident``), which the run keeps: ``check --workload`` of a
+    65,536-token rank (peak RSS 687-715 MiB) ran under ``ulimit -v`` 1120 MiB and failed to
+    allocate under 1060 MiB, and ran under ``ulimit -d`` 720 MiB."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return []
+    status = _proc_status()
+    out = []
+    for name, flag, what, counted in _LIMITS:
+        soft, _ = resource.getrlimit(getattr(resource, name))
+        if soft == resource.RLIM_INFINITY or soft < 0:
+            continue
+        unresident = max(0, status[counted] - status["VmRSS"]) if counted in status and "VmRSS" in status else 0
+        out.append(ProcessLimit(name, flag, what, soft, unresident))
+    return out
+
+
+def memory_bound(available: int | None, limits: Sequence[ProcessLimit]) -> tuple[int, str] | None:
+    """The most bytes a run's resident set may reach here, and what bounds it (the end of a
+    message: ``"is available"``, or which limit leaves it): the smaller of the memory the machine
+    has ``available`` (None: unknown) and what each of this process's ``limits`` leaves for
+    resident memory (the limit less what it counts that is not resident). None where neither is
+    known."""
+    bounds = [] if available is None else [(available, "is available")]
+    for lim in limits:
+        mapped = f", of which {human_bytes(lim.unresident)} is mapped but not resident" if lim.unresident else ""
+        bounds.append((max(0, lim.limit - lim.unresident), f"is left under this process's {lim.what} limit "
+                                                            f"({lim.name}, {lim.flag}: {human_bytes(lim.limit)}{mapped})"))
+    return min(bounds, key=lambda bound: bound[0]) if bounds else None
+
+
+def usable_bytes() -> tuple[int, str] | None:
+    """:func:`memory_bound` of this machine's available memory and this process's limits."""
+    return memory_bound(available_bytes(), process_limits())
 
 
 def human_bytes(n: float) -> str:

@@ -1,14 +1,18 @@
 """Every bad input gets one clear line before anything runs: the value, and the fix.
 
 One table per command; each row is the flags and the exact message. Sizes that do not fit are
-refused from an estimate before any rank starts; the available memory is pinned to 8 GiB here so
-the messages are exact on any machine.
+refused from an estimate before any rank starts; the available memory is pinned to 8 GiB here, and
+the process's memory limits to none, so the messages are exact on any machine (one test sets a
+real limit, in a subprocess).
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
+import re
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -25,6 +29,7 @@ GIB = 2**30
 @pytest.fixture(autouse=True)
 def eight_gib(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(inputs, "available_bytes", lambda: 8 * GIB)
+    monkeypatch.setattr(inputs, "process_limits", lambda: [])  # as if no ulimit were set
 
 
 @pytest.fixture
@@ -109,6 +114,72 @@ def test_check_workload_refuses_a_rank_the_memory_cannot_simulate_and_a_bool_tok
         assert cli_main(["check", "--workload", str(path), "-q"]) == 2
         captured = capsys.readouterr()
         assert (captured.out, captured.err) == ("", f"asyncdbo check: error: {message}\n")
+
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(("available", "limits", "bound"), [
+    (8 * GIB, [], (8 * GIB, "is available")),
+    (None, [], None),  # nothing known: nothing is refused
+    (8 * GIB, [inputs.ProcessLimit("RLIMIT_AS", "ulimit -v", "address-space", 2 * GIB, 400 * MIB)],
+     (2 * GIB - 400 * MIB, "is left under this process's address-space limit (RLIMIT_AS, ulimit -v: 2.0 GiB, of which "
+                           "400.0 MiB is mapped but not resident)")),
+    (8 * GIB, [inputs.ProcessLimit("RLIMIT_AS", "ulimit -v", "address-space", 16 * GIB, 400 * MIB)],
+     (8 * GIB, "is available")),  # a limit above the memory bounds nothing
+    (None, [inputs.ProcessLimit("RLIMIT_AS", "ulimit -v", "address-space", 4 * GIB, 400 * MIB),
+            inputs.ProcessLimit("RLIMIT_DATA", "ulimit -d", "data", 3 * GIB, 0)],
+     (3 * GIB, "is left under this process's data limit (RLIMIT_DATA, ulimit -d: 3.0 GiB)")),
+])
+def test_the_memory_bound_is_the_smallest_of_the_memory_and_the_limits(
+        available: int | None, limits: list[inputs.ProcessLimit], bound: tuple[int, str] | None) -> None:
+    # a limit counts the mappings that are not resident too, which the estimates leave out: it
+    # leaves the resident set only what they do not take
+    assert inputs.memory_bound(available, limits) == bound
+
+
+_UNDER_A_LIMIT = """
+import resource, sys
+import torch
+import asyncdbo.cli.check, asyncdbo.cli.check_workload, asyncdbo.sim.tuning, asyncdbo.sim.workload
+from asyncdbo.cli import main
+
+name, path = sys.argv[1:]
+with open("/proc/self/status") as f:
+    status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[-1:] == ["kB"]}
+limit = getattr(resource, name)
+# set after the imports, 512 MiB above what the limit counts now: room for the check, not for the sim
+resource.setrlimit(limit, (status["VmSize" if name == "RLIMIT_AS" else "VmData"] + 512 * 2**20,
+                           resource.getrlimit(limit)[1]))
+sys.exit(main(["check", "--workload", path, "-q"]))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the process's sizes from /proc")
+@pytest.mark.parametrize(("name", "limit"), [("RLIMIT_AS", "address-space limit (RLIMIT_AS, ulimit -v"),
+                                             ("RLIMIT_DATA", "data limit (RLIMIT_DATA, ulimit -d")])
+def test_check_workload_holds_a_rank_to_the_process_memory_limit_and_names_it(
+        tmp_path: Path, name: str, limit: str) -> None:
+    # The machine's memory would take the rank (1.3 GiB), the process's limit would not: it used to
+    # pass, and the sim failed to allocate. The limit is set in a subprocess after its imports (torch
+    # maps 0.6 GiB on a CPU build, more with CUDA), so only the sizes vary from machine to machine.
+    available = inputs.available_bytes()
+    if available is None or available < 4 * GIB:
+        pytest.skip("the machine's available memory would be the smaller bound")
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"ranks": [[[200000, 0]], [[1, 100]]]}\n')
+    env = dict(os.environ, PYTHONPATH=str(Path(asyncdbo.__file__).resolve().parent.parent))
+    proc = subprocess.run([sys.executable, "-c", _UNDER_A_LIMIT, name, str(path)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    expected = (f"asyncdbo check: error: {path}:1: rank 0 has 200000 new tokens (its largest request [200000, 0]); "
+                "simulating them needs about 1.3 GiB (the sim routes every token on this CPU; estimated before running "
+                f"it), but <SIZE> is left under this process's {limit}: <SIZE><MAPPED>); give a rank at most <N> new "
+                "tokens a step (cut a long prefill into chunks), or simulate fewer experts (--experts)\n")
+    size = r"[0-9.]+ (?:MiB|GiB)"
+    pattern = (re.escape(expected).replace("<SIZE>", size).replace("<N>", "[0-9]+")
+               .replace("<MAPPED>", f"(?:, of which {size} is mapped but not resident)?"))
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+    assert re.fullmatch(pattern, proc.stderr), proc.stderr
 
 
 def test_check_trace_must_be_a_writable_directory(capsys: pytest.CaptureFixture[str], a_file: Path) -> None:
