@@ -8,8 +8,9 @@ through the real planner (:mod:`asyncdbo.plan`) and the sim, with and without DB
 ``ranks`` holds one list per DP rank (every line the same number of ranks): that rank's requests
 this step as ``[new_tokens, cached_tokens]`` pairs (a decode request is ``[1, context]``, or
 ``[1 + K, context]`` with K draft tokens of MTP or speculative verify; a prefill chunk
-``[chunk_len, prefix_len]``); an empty list is an idle rank. Other keys (``"step"``,
-comments under ``"note"``) are ignored. Blank lines and lines starting with ``#`` are skipped.
+``[chunk_len, prefix_len]``; ``cached_tokens`` at most :data:`MAX_CACHED_TOKENS`); an empty list is
+an idle rank. Other keys (``"step"``, comments under ``"note"``) are ignored. Blank lines and lines
+starting with ``#`` are skipped.
 
 **Per step**: every rank's local vote (:func:`asyncdbo.plan.plan_step` without a group: threshold,
 split policy), the group's decision (:func:`asyncdbo.plan.decide_from_votes`: all ranks split or
@@ -48,11 +49,22 @@ __all__ = ["ReplayResult", "StepOutcome", "StepSims", "load_workload", "replay",
 
 Step = list[list[Request]]  # per DP rank, its requests
 
+#: The most ``cached_tokens`` a request may have: 2**24, over 100 times the longest context window
+#: of the models the sim ships (DeepSeek-V3's 163,840 positions). The sim sizes its attention
+#: tensors by a request's context (meta tensors: nothing is allocated, but torch still computes
+#: their bytes in int64): 10**18 failed with "Storage size calculation overflowed" after the
+#: table's header. At the bound, a prefill chunk's largest tensor (DeepSeek-V3's keys expanded
+#: per head, 128 KiB per key in float32) takes 2**41 bytes, and a rank's decode requests, summed
+#: into one attention call (DeepSeek-V3's latent cache: 2,304 bytes per key and request;
+#: Mixtral's keys: 4,096) would need over 10**8 requests to reach 2**63.
+MAX_CACHED_TOKENS = 2**24
+
 
 def load_workload(path: str | Path, *, check_rank: Callable[[int], str | None] | None = None) -> list[Step]:
     """Read a JSON-lines workload (module docstring); a ValueError names the file, the line and
     the fix: a file that cannot be read, a malformed line (a token count that is not a whole
-    number >= its bound, JSON's ``true`` and ``false`` included: Python reads them as ints), a
+    number >= its bound, JSON's ``true`` and ``false`` included: Python reads them as ints, or
+    ``cached_tokens`` over :data:`MAX_CACHED_TOKENS`), a
     file without steps or whose steps have no tokens at all (nothing to replay).
     ``check_rank(tokens)``: what is wrong with simulating one rank's ``tokens`` new tokens in a
     step (e.g. more than the memory holds), or None; a rank it objects to is refused as it is
@@ -92,6 +104,11 @@ def load_workload(path: str | Path, *, check_rank: Callable[[int], str | None] |
                 if why is not None:
                     raise ValueError(f"{where}: rank {r} has request {json.dumps(req)}; a request is [new_tokens >= 1, "
                                      f"cached_tokens >= 0]{why}")
+                if req[1] > MAX_CACHED_TOKENS:
+                    raise ValueError(f"{where}: rank {r} has request {json.dumps(req)}; cached_tokens (the request's "
+                                     f"context) must be at most {MAX_CACHED_TOKENS} (2**24, over 100 times the longest "
+                                     "context window of the models the sim ships, DeepSeek-V3's 163,840 tokens); "
+                                     "give the tokens the request's KV cache holds")
             tokens = sum(q for q, _ in reqs)
             problem = check_rank(tokens) if check_rank is not None and tokens else None
             if problem is not None:

@@ -61,6 +61,33 @@ def test_a_bad_line_names_the_line_and_the_fix(tmp_path: Path, line: str, messag
     assert str(info.value).startswith(f"{path}:2: {message}")
 
 
+_CONTEXT = ("cached_tokens (the request's context) must be at most 16777216 (2**24, over 100 times the longest "
+            "context window of the models the sim ships, DeepSeek-V3's 163,840 tokens); give the tokens the request's "
+            "KV cache holds")
+
+
+@pytest.mark.parametrize("cached", [2**24 + 1, 10**18, 2**63])
+def test_a_context_past_the_bound_is_refused_naming_the_rank_the_request_and_the_bound(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], cached: int) -> None:
+    # 10**18 (and 2**63) passed, and the sim failed after the table's header: torch refused the size of an
+    # attention tensor sized by the context ("Storage size calculation overflowed")
+    path = tmp_path / "long.jsonl"
+    path.write_text(f'{{"ranks": [[[1, 5]], []]}}\n{{"ranks": [[[1, 100]], [[512, 0], [1, {cached}]]]}}\n')
+    message = f"{path}:2: rank 1 has request [1, {cached}]; {_CONTEXT}"
+    with pytest.raises(ValueError) as info:
+        load_workload(path)
+    assert str(info.value) == message
+    assert cli_main(["check", "--workload", str(path), "-q"]) == 2
+    assert capsys.readouterr() == ("", f"asyncdbo check: error: {message}\n")
+
+
+def test_a_context_at_the_bound_is_replayed() -> None:
+    # DeepSeek-V3: the largest attention tensors per key of the models the sim ships
+    steps = [[[(1, 2**24)] * 64, [(512, 2**24), (1, 2**24)]]]
+    result = replay(steps, model=ModelShape.of("deepseek-v3", layers=1), deployment=Deployment(ep=8))
+    assert [s.tokens for s in result.steps] == [(64, 513)] and 0 < result.serial_s < float("inf")
+
+
 EXAMPLE = '{"ranks": [[[1, 2048]], [[512, 0]], []]}'
 
 
