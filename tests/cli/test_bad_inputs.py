@@ -75,11 +75,11 @@ def test_demo_trace_must_be_a_writable_directory_before_the_run(capsys: pytest.C
 CHECK = [
     (["--ubatches", "0"], "--ubatches must be 2, 3 or 4 (got 0); 1 is the serial run every row has anyway"),
     (["--ubatches", "5"], "--ubatches must be 2, 3 or 4 (got 5); 1 is the serial run every row has anyway"),
-    (["--tokens", "100000000"], "--tokens 100000000 needs about 477.1 GiB (the sim routes every token on this CPU; "
-                                "estimated before running it), but 8.0 GiB is available; use --tokens up to 1612185"),
+    (["--tokens", "100000000"], "--tokens 100000000 needs about 667.9 GiB (the sim routes every token on this CPU; "
+                                "estimated before running it), but 8.0 GiB is available; use --tokens up to 1151561"),
     (["--tokens", "100000000", "--shape", "prefill"],
-     "--tokens 100000000 needs about 477.1 GiB (the sim routes every token on this CPU; "
-     "estimated before running it), but 8.0 GiB is available; use --tokens up to 1612185"),
+     "--tokens 100000000 needs about 667.9 GiB (the sim routes every token on this CPU; "
+     "estimated before running it), but 8.0 GiB is available; use --tokens up to 1151561"),
     (["--ep", "0"], "--ep must be a number of ranks >= 1 (got 0); the default is 32"),
     (["--gpus-per-node", "-1"], "--gpus-per-node must be a number of ranks >= 1 (got -1); the default is 8"),
     (["--context", "0"], "--context must be a number of tokens >= 1 (got 0); the default is 2000 for decode, 4096 for prefill"),
@@ -103,8 +103,8 @@ def test_check_workload_refuses_a_rank_the_memory_cannot_simulate_and_a_bool_tok
     for line, message in (
         ('{"ranks": [[[1, 5]], [[1, 5]]]}\n{"ranks": [[[1, 2000], [1000000000000, 0]], []]}',
          f"{path}:2: rank 0 has 1000000000001 new tokens (its largest request [1000000000000, 0]); simulating them "
-         "needs about 4.5 PiB (the sim routes every token on this CPU; estimated before running it), but 8.0 GiB is "
-         "available; give a rank at most 1612185 new tokens a step (cut a long prefill into chunks), or simulate "
+         "needs about 6.4 PiB (the sim routes every token on this CPU; estimated before running it), but 8.0 GiB is "
+         "available; give a rank at most 1151561 new tokens a step (cut a long prefill into chunks), or simulate "
          "fewer experts (--experts)"),
         ('{"ranks": [[[1, 5]], [[true, 5]]]}',
          f"{path}:1: rank 1 has request [true, 5]; a request is [new_tokens >= 1, cached_tokens >= 0]: true is a JSON "
@@ -160,7 +160,7 @@ sys.exit(main(["check", "--workload", path, "-q"]))
                                              ("RLIMIT_DATA", "data limit (RLIMIT_DATA, ulimit -d")])
 def test_check_workload_holds_a_rank_to_the_process_memory_limit_and_names_it(
         tmp_path: Path, name: str, limit: str) -> None:
-    # The machine's memory would take the rank (1.3 GiB), the process's limit would not: it used to
+    # The machine's memory would take the rank (1.6 GiB), the process's limit would not: it used to
     # pass, and the sim failed to allocate. The limit is set in a subprocess after its imports (torch
     # maps 0.6 GiB on a CPU build, more with CUDA), so only the sizes vary from machine to machine.
     available = inputs.available_bytes()
@@ -172,7 +172,7 @@ def test_check_workload_holds_a_rank_to_the_process_memory_limit_and_names_it(
     proc = subprocess.run([sys.executable, "-c", _UNDER_A_LIMIT, name, str(path)], capture_output=True, text=True,
                           env=env, timeout=300)
     expected = (f"asyncdbo check: error: {path}:1: rank 0 has 200000 new tokens (its largest request [200000, 0]); "
-                "simulating them needs about 1.3 GiB (the sim routes every token on this CPU; estimated before running "
+                "simulating them needs about 1.6 GiB (the sim routes every token on this CPU; estimated before running "
                 f"it), but <SIZE> is left under this process's {limit}: <SIZE><MAPPED>); give a rank at most <N> new "
                 "tokens a step (cut a long prefill into chunks), or simulate fewer experts (--experts)\n")
     size = r"[0-9.]+ (?:MiB|GiB)"
