@@ -564,7 +564,7 @@ def test_every_dp_rank_runs_the_same_configuration_every_step(pool: RankPool) ->
 @pytest.mark.timeout(120)
 def test_auto_refuses_ep_peers_that_would_choose_alone(pool: RankPool) -> None:
     """EP peers that choose different ubatch counts issue different all-to-alls: an "auto" runner
-    needs a DP vote that every EP rank is in (asyncdbo.serving.runner._check_auto_group)."""
+    needs a DP vote that every EP rank is in (asyncdbo.serving.runner_config.check_ep_group)."""
     r0, r1 = pool.run(auto_groups, timeout_s=90.0)
     for rank, out in enumerate((r0, r1)):
         assert out["none"] == (
