@@ -93,6 +93,18 @@ class ThresholdConfig:
 _THRESHOLD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(ThresholdConfig)}
 
 
+def check_thresholds(where: str, th: object) -> None:
+    """TypeError unless ``th`` is a :class:`ThresholdConfig` (``where``: what it was given to, e.g.
+    ``"RunnerConfig.thresholds"``): else a dict or an int fails at the first plan, with an
+    AttributeError deep in it. The message writes the fix out (a dict's items as keywords)."""
+    if isinstance(th, ThresholdConfig):
+        return
+    fix = (f"ThresholdConfig({', '.join(f'{k}={v!r}' for k, v in th.items())})" if isinstance(th, dict)
+           else "ThresholdConfig(decode_threshold=32, prefill_threshold=512)")
+    raise TypeError(f"{where} must be an asyncdbo.plan.ThresholdConfig, got {type(th).__name__} {th!r}; "
+                    f"write thresholds={fix}")
+
+
 def is_uniform_decode(qsl: Sequence[int], num_spec_tokens: int = 0) -> bool:
     """Every request has exactly ``1 + num_spec_tokens`` query tokens (and there is one)."""
     q = 1 + num_spec_tokens

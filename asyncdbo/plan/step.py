@@ -19,6 +19,7 @@ from .dp import (
     LocalStepInfo,
     ThresholdConfig,
     agree_across_dp,
+    check_thresholds,
     decide_from_votes,
     should_microbatch,
 )
@@ -123,7 +124,8 @@ def plan_step(
     every step (it runs one all-reduce on ``device``), and every ubatch of the resulting plan,
     even an empty one, must take part in every collective of the step.
     ``enabled=False`` votes no for this step (e.g. a vetoed prefix-cache case); ``enabled`` and
-    ``is_idle`` must be True or False (numpy's bools too), or a TypeError names the value.
+    ``is_idle`` must be True or False (numpy's bools too), and ``thresholds`` a
+    :class:`ThresholdConfig`, or a TypeError names the value.
     ``stats``: if given, the step's record is counted there.  Every record is logged at DEBUG
     on the ``asyncdbo.plan`` logger.
     ``max_ubatches``: the most ubatches the model's MoE layers were built for
@@ -135,6 +137,7 @@ def plan_step(
     # Any truthy value would pass for a flag (enabled="no" voted yes); checked before the vote, like the rest.
     check_bool("plan_step() ", "enabled", enabled)
     check_bool("plan_step() ", "is_idle", is_idle)
+    check_thresholds("plan_step() thresholds", thresholds)
     qsl = as_query_start_loc(query_start_loc)
     if num_ubatches < 1:
         raise ValueError(f"num_ubatches ({num_ubatches}) must be at least 1")

@@ -17,6 +17,7 @@ from ..dbo import DBOOptions, RunStats
 from ..dist.ep import EPComm
 from ..dist.fused import DISPATCH_MODES, DispatchMode
 from ..plan import SplitPolicy, StepPlan, StepRecord, ThresholdConfig
+from ..plan.dp import check_thresholds
 from ..plan._checks import check_bool, check_finite, check_int, check_number
 from .auto_config import AutoConfig
 
@@ -88,13 +89,7 @@ class RunnerConfig:
                    if isinstance(self.auto, dict) else "AutoConfig(...)")
             raise TypeError(f"RunnerConfig.auto must be an asyncdbo.serving.AutoConfig, got {type(self.auto).__name__} "
                             f"{self.auto!r}; write auto={fix}")
-        if not isinstance(self.thresholds, ThresholdConfig):
-            # Else read at the first step, where a dict or an int fails with an AttributeError deep in the plan.
-            th = self.thresholds
-            fix = (f"ThresholdConfig({', '.join(f'{k}={v!r}' for k, v in th.items())})" if isinstance(th, dict)
-                   else "ThresholdConfig(decode_threshold=32, prefill_threshold=512)")
-            raise TypeError(f"RunnerConfig.thresholds must be an asyncdbo.plan.ThresholdConfig, got {type(th).__name__} "
-                            f"{th!r}; write thresholds={fix}")
+        check_thresholds("RunnerConfig.thresholds", self.thresholds)  # else read (and failing) at the first step
         # The remaining fields are checked where they are used, with the same messages:
         DBOOptions(stream_policy=self.stream_policy, watchdog_s=self.watchdog_s)
 

@@ -175,6 +175,18 @@ def test_plan_step_flags_must_be_bools(flags: dict[str, Any], message: str) -> N
         plan_step(prefill(9), thresholds=LOW, **flags)
 
 
+def test_plan_step_thresholds_must_be_a_threshold_config() -> None:
+    # a dict failed inside the plan with "'dict' object has no attribute 'num_spec_tokens'"
+    with pytest.raises(TypeError, match="^" + re.escape(
+            "plan_step() thresholds must be an asyncdbo.plan.ThresholdConfig, got dict {'decode_threshold': 8}; "
+            "write thresholds=ThresholdConfig(decode_threshold=8)") + "$"):
+        plan_step(prefill(9), thresholds={"decode_threshold": 8})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="^" + re.escape(
+            "plan_step() thresholds must be an asyncdbo.plan.ThresholdConfig, got int 0; "
+            "write thresholds=ThresholdConfig(decode_threshold=32, prefill_threshold=512)") + "$"):
+        plan_step(prefill(9), thresholds=0)  # type: ignore[arg-type]
+
+
 def test_plan_step_takes_numpy_bools_as_python_ones() -> None:
     np = pytest.importorskip("numpy")
     assert plan_step(prefill(9), thresholds=LOW, enabled=np.False_).record.reason is PlanReason.DISABLED
