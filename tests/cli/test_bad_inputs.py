@@ -8,6 +8,7 @@ real limit, in a subprocess).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -22,8 +23,11 @@ import pytest
 import asyncdbo
 from asyncdbo.cli import inputs
 from asyncdbo.cli import main as cli_main
+from asyncdbo.cli.demo import DemoConfig
+from asyncdbo.cli.demo_memory import check_memory
 
 GIB = 2**30
+MIB = 2**20
 
 
 @pytest.fixture(autouse=True)
@@ -116,9 +120,6 @@ def test_check_workload_refuses_a_rank_the_memory_cannot_simulate_and_a_bool_tok
         assert (captured.out, captured.err) == ("", f"asyncdbo check: error: {message}\n")
 
 
-MIB = 2**20
-
-
 @pytest.mark.parametrize(("available", "limits", "bound"), [
     (8 * GIB, [], (8 * GIB, "is available")),
     (None, [], None),  # nothing known: nothing is refused
@@ -180,6 +181,23 @@ def test_check_workload_holds_a_rank_to_the_process_memory_limit_and_names_it(
                .replace("<MAPPED>", f"(?:, of which {size} is mapped but not resident)?"))
     assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
     assert re.fullmatch(pattern, proc.stderr), proc.stderr
+
+
+def test_demo_holds_each_rank_to_the_data_limit_the_ranks_inherit() -> None:
+    # The machine has room for both ranks; the data limit (ulimit -d) counts each rank's own data, so
+    # the per-rank need (1.1 GiB) is held to it. An address-space limit is not checked: a rank maps
+    # far more than this process beyond what it keeps resident, unknown before it starts.
+    cfg = DemoConfig(tokens=4096)
+    limit = inputs.ProcessLimit("RLIMIT_DATA", "ulimit -d", "data", 1024 * MIB, 0)
+    with pytest.raises(ValueError) as info:
+        check_memory(cfg, available=64 * GIB, limits=[limit])
+    assert str(info.value) == (
+        "--tokens 4096 needs about 1.1 GiB per rank (estimated before starting them; the prefill step's attention "
+        "scores dominate), but 1.0 GiB is left under each rank's data limit (RLIMIT_DATA, ulimit -d: 1.0 GiB; the "
+        "ranks inherit this process's); use --tokens 3779 or fewer")
+    check_memory(cfg, available=64 * GIB, limits=[dataclasses.replace(limit, limit=2 * GIB)])  # fits
+    check_memory(cfg, available=64 * GIB, limits=[inputs.ProcessLimit("RLIMIT_AS", "ulimit -v", "address-space",
+                                                                       1024 * MIB, 400 * MIB)])  # not checked
 
 
 def test_check_trace_must_be_a_writable_directory(capsys: pytest.CaptureFixture[str], a_file: Path) -> None:
