@@ -2,7 +2,8 @@
 
 The sizes come from the config alone; :func:`check_memory` compares them with the memory the
 machine has available (and each rank's with this process's data limit, which the ranks
-inherit) and refuses a run that does not fit, naming the largest ``--tokens`` that would (see :mod:`asyncdbo.cli.inputs` for why, and for the measurements).
+inherit) and refuses a run that does not fit, naming the largest ``--tokens`` that would (see
+:mod:`asyncdbo.cli.inputs` for why, and for the measurements).
 """
 
 from __future__ import annotations
