@@ -30,7 +30,7 @@ the steps in the extra pairs of a comparison that did not separate, and how many
 configuration other than the incumbent of that moment (the trial's steps, the ones that can
 cost); the excess cost of the exploring steps over running the scenario's best configuration,
 in steps' worth (sum of ``cost[arm] / cost[best] - 1``); and in how many seeds the final choice
-is the best configuration or within the 3% margin of it.
+is the best configuration or within 3% of it (the issue's target, not the variant's ``margin``).
 
     python benchmarks/auto_exploration.py --out benchmarks/results
     python benchmarks/auto_exploration.py --compare prune=None --out benchmarks/results
@@ -50,6 +50,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import publish_results, results_preamble  # noqa: E402
+
+
+#: How far from the best a final choice may be (issue 26's target; the variants' ``margin`` may differ).
+TARGET = 0.03
 
 
 def scenarios() -> dict[str, dict[Any, float]]:
@@ -110,7 +114,7 @@ def run_one(cfg: Any, cost: dict[Any, float], steps: int, jitter: float, seed: i
         policy.observe("b", arm, cost[arm] * 1e-6 * (1 + rng.uniform(-jitter, jitter)))
     final = policy.buckets["b"].incumbent
     counts["best"] = cost[final] == best
-    counts["within margin"] = cost[final] <= best * (1 + cfg.margin)
+    counts["within 3%"] = cost[final] <= best * (1 + TARGET)  # the issue's target, whatever the margin
     return counts
 
 
@@ -127,7 +131,7 @@ def measure(cfg: Any, args: argparse.Namespace) -> list[str]:
             rows.append(
                 f"| {name} | ±{jitter:.0%} | {spread(col('exploring'))} | {spread(col('warm-up'))} | "
                 f"{spread(col('first pairs'))} | {spread(col('extra pairs'))} | {spread(col('trial steps'))} | "
-                f"{spread(col('excess'), '{:.1f}')} | {sum(col('best'))} / {sum(col('within margin'))} of {len(runs)} |\n")
+                f"{spread(col('excess'), '{:.1f}')} | {sum(col('best'))} / {sum(col('within 3%'))} of {len(runs)} |\n")
     return rows
 
 
