@@ -69,7 +69,10 @@ class Endings(Parking):
         later). Requested by code the run ran (a ubatch that cancels the task, a signal handler
         between two bytecodes: ``asyncio.run`` turns Ctrl-C into a cancel of its main task) or
         between two runs. One pass of the loop takes it here, so the run going on is the one that
-        raises ``CancelledError``. The ubatches have finished; their results are dropped."""
+        raises ``CancelledError``. The ubatches have finished; their results are dropped. Other
+        tasks run in that pass, so the run's ``home`` is made current first (invariant 9), as
+        before any wait of the run on the loop."""
+        self._go_home()
         try:
             await asyncio.sleep(0)
         except BaseException as exc:

@@ -504,6 +504,31 @@ async def test_a_run_waiting_on_the_loop_leaves_home_current_and_reinstalls_afte
     assert log == ["install a", "ub0 runs", "ub1 runs", "install home", "install x", "install a", "ub0 runs", "ub1 runs"]
 
 
+async def test_a_run_taking_a_late_cancel_leaves_home_current_while_the_loop_runs(kernel_loop: str) -> None:
+    """Invariants 9 and 10: a cancel that no wait delivered is taken in one pass of the event
+    loop after the ubatches finished, and other tasks run in it (here a callback scheduled by
+    ubatch 0): they find the run's ``home`` current, not the stream its last ubatch ran on."""
+    task = asyncio.current_task()
+    assert task is not None
+    log: list[str] = []
+
+    async def ub(i: int) -> int:
+        if i == 0:
+            task.cancel()
+            asyncio.get_running_loop().call_soon(log.append, "another task runs")
+        log.append(f"ub{i} runs")
+        return i
+
+    run = DBORun([ub(0), ub(1)], install=lambda s: log.append(f"install {s}"))
+    run.home = "home"
+    for u in run.ubatches:
+        u.resume_with = "a"
+    with pytest.raises(asyncio.CancelledError):
+        await run.drive()
+    assert task.uncancel() == 0
+    assert log == ["install a", "ub0 runs", "ub1 runs", "install home", "another task runs"]
+
+
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("watchdog_s", "5", "watchdog_s must be a number of seconds or None (got '5' of type str); write watchdog_s=5.0"),
     ("watchdog_s", True, "watchdog_s must be a number of seconds or None (got True of type bool); write e.g. watchdog_s=10.0"),
