@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=_tokens, default=[16, 32, 64, 128, 256], help="tokens per rank to sweep, e.g. 32,256")
     p.add_argument("--shape", choices=("decode", "prefill"), default="decode")
     p.add_argument("--context", type=int, default=None,
-                   help="decode: cached tokens per request (default 2000); prefill: prompt length (default 4096)")
+                   help="decode: cached tokens per request (default 2000, at most 2**24); prefill: prompt length (default 4096)")
     p.add_argument("--spec-tokens", type=int, default=0,
                    help="decode: draft tokens per request (MTP, speculative verify): each request decodes 1 + K "
                         "tokens a step, modeled as decode (default 0); with --workload, the planner's uniform decode "
@@ -129,6 +129,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
     from ..sim.predict import Deployment, ModelShape
+    from ..sim.workload import MAX_CACHED_TOKENS
 
     if not getattr(args, "workload", None):
         from ..plan import ThresholdConfig
@@ -149,6 +150,12 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.context is not None and args.context < 1:
         raise ValueError(f"--context must be a number of tokens >= 1 (got {args.context}); "
                          "the default is 2000 for decode, 4096 for prefill")
+    if args.context is not None and args.shape == "decode" and args.context > MAX_CACHED_TOKENS:
+        # the bound of a --workload request's cached tokens: past it torch's size of the sim's (meta)
+        # attention tensors overflowed int64 after the table's header (a prefill prompt is cut by --tokens)
+        raise ValueError(f"--context is the cached tokens of each decode request, at most {MAX_CACHED_TOKENS} (got "
+                         f"{args.context}; 2**24, over 100 times the longest context window of the models the sim "
+                         "ships, DeepSeek-V3's 163,840 tokens); the default is 2000")
     if not args.imbalance >= 1:  # also refuses nan
         raise ValueError(f"--imbalance is the busiest rank's expert work over this rank's, >= 1 (got {args.imbalance:g}); "
                          "1 is balanced")

@@ -87,6 +87,11 @@ CHECK = [
     (["--ep", "0"], "--ep must be a number of ranks >= 1 (got 0); the default is 32"),
     (["--gpus-per-node", "-1"], "--gpus-per-node must be a number of ranks >= 1 (got -1); the default is 8"),
     (["--context", "0"], "--context must be a number of tokens >= 1 (got 0); the default is 2000 for decode, 4096 for prefill"),
+    # decode requests of 10**18 cached tokens: torch overflowed sizing the sim's attention, after the header
+    (["--tokens", "64", "--context", "1000000000000000000"],
+     "--context is the cached tokens of each decode request, at most 16777216 (got 1000000000000000000; 2**24, "
+     "over 100 times the longest context window of the models the sim ships, DeepSeek-V3's 163,840 tokens); "
+     "the default is 2000"),
     (["--imbalance", "0.5"], "--imbalance is the busiest rank's expert work over this rank's, >= 1 (got 0.5); 1 is balanced"),
     (["--imbalance", "nan"], "--imbalance is the busiest rank's expert work over this rank's, >= 1 (got nan); 1 is balanced"),
 ]
