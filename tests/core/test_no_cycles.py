@@ -31,6 +31,7 @@ from asyncdbo import (
     prepare_run,
     run_ubatches,
 )
+from asyncdbo.lowlevel import SWITCH, DBORun, trap
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -118,6 +119,22 @@ async def times_out_inside(p: Payload) -> str:
     return "never"
 
 
+#: The task that drives the run, for a ubatch that cancels it (inside a ubatch
+#: ``asyncio.current_task()`` is the run's view, whose cancel cancels that ubatch only).
+DRIVER: list[asyncio.Task[Any]] = []
+
+
+async def cancels_its_task(p: Payload) -> Payload:
+    """Ubatch 0 cancels the driving task while the run never waits on the loop: the run takes
+    the cancel in one pass of the loop after every ubatch returned, still live and unreleased
+    (the kernel's invariant 10), and drops the results."""
+    await _work(p)
+    if p.i == 0:
+        DRIVER[0].cancel()
+    await dbo_yield("after")
+    return p
+
+
 RESULTS: list[weakref.ref[Payload]] = []
 
 
@@ -186,6 +203,18 @@ async def _ending(name: str, payloads: list[Payload]) -> None:
                 await _entry(switches_forever, args)
         except TimeoutError:
             pass
+    elif name == "cancelled by a ubatch, never waiting":
+        task = asyncio.current_task()
+        assert task is not None
+        DRIVER[:] = [task]
+        try:
+            await _entry(cancels_its_task, args)
+        except asyncio.CancelledError:
+            assert task.uncancel() == 0
+        else:  # pragma: no cover - the run must take the cancel
+            raise AssertionError("the run returned")
+        finally:
+            DRIVER.clear()
     elif name == "timeout inside a ubatch":
         assert await _entry(times_out_inside, args) == ["timed out inside"] * len(args)
     else:  # pragma: no cover - a typo in ENDINGS
@@ -201,6 +230,7 @@ ENDINGS = [
     "wait_for timeout",
     "asyncio.timeout around the run",
     "timeout inside a ubatch",
+    "cancelled by a ubatch, never waiting",
 ]
 
 
@@ -288,3 +318,42 @@ async def test_an_error_the_caller_keeps_holds_no_result_of_its_run(entry: str) 
         del kept
     finally:
         gc.enable()
+
+
+
+async def returns_after_cancelling_its_task(p: Payload) -> Payload:
+    """:func:`cancels_its_task` with a plain yield (a bare kernel run has no DBO layer), returning a
+    result only the run's records hold."""
+    if p.i == 0:
+        DRIVER[0].cancel()
+    await trap(SWITCH)
+    result = Payload(100 + p.i)
+    RESULTS.append(weakref.ref(result))
+    return result
+
+
+@pytest.mark.asyncio
+async def test_a_late_cancel_the_caller_keeps_holds_no_result_of_its_run(kernel_loop: str) -> None:
+    """A run that takes a cancel after its ubatches returned (the kernel's invariant 10) drops
+    their results before the cancel is raised: the CancelledError the caller keeps holds the
+    kernel's frames (driven bare here: ``run_ubatches`` cuts them from what it raises), and none
+    of them a result."""
+    RESULTS.clear()
+    task = asyncio.current_task()
+    assert task is not None
+    DRIVER[:] = [task]
+    gc.collect()
+    gc.disable()
+    try:
+        try:
+            await DBORun([returns_after_cancelling_its_task(Payload(i)) for i in range(3)]).drive()
+        except asyncio.CancelledError as exc:
+            kept = exc
+        assert task.uncancel() == 0
+        await asyncio.sleep(0)
+        assert len(RESULTS) == 3  # every ubatch returned before the run took the cancel
+        assert [r() for r in RESULTS] == [None, None, None]
+        del kept
+    finally:
+        gc.enable()
+        DRIVER.clear()
