@@ -75,12 +75,13 @@ def check_rows(sizes: dict[str, list[int]]) -> list[str]:
     from asyncdbo.cli.check import check_bytes
     from asyncdbo.sim.predict import ModelShape
 
+    model = ModelShape.of("deepseek-v3")  # what predict() simulates by default
     rows = []
     for shape, tokens_list in sizes.items():
         for tokens in tokens_list:
             done = subprocess.run([sys.executable, "-c", _CHECK, str(tokens), shape], capture_output=True, text=True, check=True)
             peak = int(done.stdout.split()[-1])
-            est = check_bytes(ModelShape(), shape, tokens)
+            est = check_bytes(model, tokens)  # the same for both shapes: the router's scores
             rows.append(f"| {shape} | {tokens} | {peak / MIB:.0f} | {est / MIB:.0f} | {est / peak:.2f} |")
             print(rows[-1], file=sys.stderr, flush=True)
     return rows

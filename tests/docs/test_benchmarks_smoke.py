@@ -388,3 +388,16 @@ def test_auto_runner_cost_runs_on_the_shared_ranks(pool: RankPool) -> None:
     assert "| auto switching | " in table
     # the 512-token bucket is the trace's only one, so switching pins it to the arm: the step after one of N = 3
     assert "| 512 | N=3 token auto | N=3 token auto | 1 | " in table
+
+
+@pytest.mark.timeout(120)
+def test_memory_estimate_check_rows_set_the_cli_estimate_against_a_measured_peak() -> None:
+    # one check row: a subprocess runs the sim at 16 tokens; its estimate is check_bytes's for the default model
+    from asyncdbo.cli.check import check_bytes
+    from asyncdbo.sim.predict import ModelShape
+
+    [row] = _load("memory_estimate").check_rows({"decode": [16]})
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:2] == ["decode", "16"]
+    assert cells[3] == f"{check_bytes(ModelShape.of('deepseek-v3'), 16) / 2**20:.0f}"
+    assert float(cells[2]) > 0
