@@ -34,7 +34,7 @@ __all__ = ["add_arguments", "check_bytes", "main", "rank_tokens_check"]
 #: Bytes per token per routed expert that a ``check`` row holds at its peak: the router's float32
 #: scores and what routing derives from them (weights and activations are meta tensors). Fitted to
 #: DeepSeek-V3 (256 experts; ``/usr/bin/time -f %M asyncdbo check --tokens T --shape S``): peak
-#: RSS grows about 5.2 KiB per token from 1,024 to 32,768 tokens and 6.8 KiB from 32,768 to 131,072,
+#: RSS grows about 5.2 KiB per token from 1,024 to 32,768 tokens and 6.9 KiB from 32,768 to 131,072,
 #: decode and prefill alike; 7 x 4 B x 256 = 7 KiB keeps the estimate above every measured peak
 #: (benchmarks/results/check_memory_cpu-2c_2026-12-03.md).
 ROUTED_BYTES = 7 * 4
