@@ -69,12 +69,9 @@ def check_memory(cfg: DemoConfig, *, processes: int | None = None, available: in
         # this process 406 MiB beyond its own), so no bound on it is known before the ranks start.
         if lim.name != "RLIMIT_DATA":
             continue
-        bound = max(0, lim.limit - lim.unresident)
-        if rank(cfg.tokens) > bound:
-            mapped = f", of which {human_bytes(lim.unresident)} is mapped but not resident" if lim.unresident else ""
-            _refuse(cfg, rank, bound, "per rank",
-                    f"{human_bytes(bound)} is left under each rank's {lim.what} limit ({lim.name}, {lim.flag}: "
-                    f"{human_bytes(lim.limit)}{mapped}; the ranks inherit this process's)")
+        if rank(cfg.tokens) > lim.left:
+            _refuse(cfg, rank, lim.left, "per rank", f"{human_bytes(lim.left)} is left under each rank's {lim.what} "
+                                                     f"limit ({lim.describe()}; the ranks inherit this process's)")
 
 
 def _refuse(cfg: DemoConfig, need: Callable[[int], float], bound: int, whose: str, left: str) -> NoReturn:

@@ -93,6 +93,17 @@ class ProcessLimit:
     limit: int
     unresident: int
 
+    @property
+    def left(self) -> int:
+        """What the limit leaves for resident memory: the limit less what it counts that is not."""
+        return max(0, self.limit - self.unresident)
+
+    def describe(self) -> str:
+        """The limit as a message names it: ``RLIMIT_AS, ulimit -v: 1.2 GiB, of which ... is mapped
+        but not resident``."""
+        mapped = f", of which {human_bytes(self.unresident)} is mapped but not resident" if self.unresident else ""
+        return f"{self.name}, {self.flag}: {human_bytes(self.limit)}{mapped}"
+
 
 #: The limits a run is held to: RLIMIT_AS counts the address space (VmSize), RLIMIT_DATA the
 #: private writable mappings (VmData: Linux >= 4.7).
@@ -146,9 +157,7 @@ def memory_bound(available: int | None, limits: Sequence[ProcessLimit]) -> tuple
     known."""
     bounds = [] if available is None else [(available, "is available")]
     for lim in limits:
-        mapped = f", of which {human_bytes(lim.unresident)} is mapped but not resident" if lim.unresident else ""
-        bounds.append((max(0, lim.limit - lim.unresident), f"is left under this process's {lim.what} limit "
-                                                            f"({lim.name}, {lim.flag}: {human_bytes(lim.limit)}{mapped})"))
+        bounds.append((lim.left, f"is left under this process's {lim.what} limit ({lim.describe()})"))
     return min(bounds, key=lambda bound: bound[0]) if bounds else None
 
 
