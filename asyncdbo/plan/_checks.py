@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from numbers import Integral, Real
 
-__all__ = ["check_bool", "check_finite", "check_int", "check_number"]
+__all__ = ["check_bool", "check_config", "check_finite", "check_int", "check_number"]
 
 
 def _parsed(value: object, kind: type) -> object | None:
@@ -85,3 +85,15 @@ def check_finite(name: str, value: float | None, meaning: str, fix: str) -> None
     where it does not; call it after the range check, whose message nan and -inf keep."""
     if value is not None and not math.isfinite(value):
         raise ValueError(f"{name} ({value}) must be finite: {meaning}; {fix}")
+
+
+def check_config(where: str, field: str, value: object, cls: type, qualname: str, example: str) -> None:
+    """Raise TypeError unless ``value`` is a ``cls`` (``qualname``: its public name, e.g.
+    ``"asyncdbo.plan.ThresholdConfig"``): a config field given a dict or a number otherwise fails
+    where it is first read, with an AttributeError deep in the code. The message writes the fix out,
+    a dict's items as keywords, else ``example``."""
+    if isinstance(value, cls):
+        return
+    fix = (f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in value.items())})" if isinstance(value, dict)
+           else example)
+    raise TypeError(f"{where} must be an {qualname}, got {type(value).__name__} {value!r}; write {field}={fix}")

@@ -38,7 +38,7 @@ from typing import Any, Union
 
 import torch
 
-from ._checks import check_int
+from ._checks import check_config, check_int
 from .records import PlanReason, RankVote
 from .slices import as_query_start_loc
 
@@ -96,13 +96,9 @@ _THRESHOLD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Thresho
 def check_thresholds(where: str, th: object) -> None:
     """TypeError unless ``th`` is a :class:`ThresholdConfig` (``where``: what it was given to, e.g.
     ``"RunnerConfig.thresholds"``): else a dict or an int fails at the first plan, with an
-    AttributeError deep in it. The message writes the fix out (a dict's items as keywords)."""
-    if isinstance(th, ThresholdConfig):
-        return
-    fix = (f"ThresholdConfig({', '.join(f'{k}={v!r}' for k, v in th.items())})" if isinstance(th, dict)
-           else "ThresholdConfig(decode_threshold=32, prefill_threshold=512)")
-    raise TypeError(f"{where} must be an asyncdbo.plan.ThresholdConfig, got {type(th).__name__} {th!r}; "
-                    f"write thresholds={fix}")
+    AttributeError deep in it."""
+    check_config(where, "thresholds", th, ThresholdConfig, "asyncdbo.plan.ThresholdConfig",
+                 "ThresholdConfig(decode_threshold=32, prefill_threshold=512)")
 
 
 def is_uniform_decode(qsl: Sequence[int], num_spec_tokens: int = 0) -> bool:

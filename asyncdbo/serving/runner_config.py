@@ -18,7 +18,7 @@ from ..dist.ep import EPComm
 from ..dist.fused import DISPATCH_MODES, DispatchMode
 from ..plan import SplitPolicy, StepPlan, StepRecord, ThresholdConfig
 from ..plan.dp import check_thresholds
-from ..plan._checks import check_bool, check_finite, check_int, check_number
+from ..plan._checks import check_bool, check_config, check_finite, check_int, check_number
 from .auto_config import AutoConfig
 
 __all__ = ["RunnerConfig", "StepResult", "check_ep_group", "check_model"]
@@ -84,11 +84,7 @@ class RunnerConfig:
             raise ValueError(f"unknown split policy {self.policy!r}; use 'token', 'request' or 'balanced'")
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"unknown dispatch {self.dispatch!r}; use 'auto', 'fused' or 'split'")
-        if not isinstance(self.auto, AutoConfig):
-            fix = (f"AutoConfig({', '.join(f'{k}={v!r}' for k, v in self.auto.items())})"
-                   if isinstance(self.auto, dict) else "AutoConfig(...)")
-            raise TypeError(f"RunnerConfig.auto must be an asyncdbo.serving.AutoConfig, got {type(self.auto).__name__} "
-                            f"{self.auto!r}; write auto={fix}")
+        check_config("RunnerConfig.auto", "auto", self.auto, AutoConfig, "asyncdbo.serving.AutoConfig", "AutoConfig(...)")
         check_thresholds("RunnerConfig.thresholds", self.thresholds)  # else read (and failing) at the first step
         # The remaining fields are checked where they are used, with the same messages:
         DBOOptions(stream_policy=self.stream_policy, watchdog_s=self.watchdog_s)
