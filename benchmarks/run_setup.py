@@ -10,6 +10,10 @@ time per call is the fixed cost a short decode step pays on top of its switches.
 * the same run taken apart into the phases ``asyncdbo.dbo.run._run`` goes through (options and
   coroutines, backend, taking a run shell, attach, drive, detach, giving the shell back), each
   timed on its own;
+* a prepared run's own mechanics alone: its run shell driven by hand with every check, every
+  piece of bookkeeping and every promise left out (no cancel accounting, no registry of live runs,
+  no task-factory check, no reuse check of the shell, no error handling): what a run costs before
+  any of what ``run_ubatches`` guarantees (C kernel loop only);
 * the floor: a bare trampoline's set-up (one ``copy_context`` per coroutine, a ``send`` loop).
 
 CPU time (``time.process_time_ns``) over ``--calls`` calls, the minimum of ``--rounds`` rounds
@@ -27,6 +31,7 @@ one process: medians, min..max, and the ratio of the medians.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextvars
 import statistics
 import subprocess
@@ -233,6 +238,57 @@ async def trampoline(n: int, calls: int) -> float:
     return (time.process_time_ns() - t0) / calls / 1e3
 
 
+async def mechanics(n: int, calls: int) -> float | None:
+    """A prepared run's records driven by hand (see the module docstring): the coroutines made, the
+    records refilled and the run's counters reset, each record bound to its lane and stream, the
+    task view swapped in, the C loop, the records released, the shell back in its pool. None
+    without the C kernel loop. Keep in step with DBORun.rerun/drive and asyncdbo.dbo.shell."""
+    spin = kernel._spin
+    if spin is None:
+        return None
+    from asyncdbo._core.tasks import UBatchTaskView, set_current_task
+    from asyncdbo._core.traps import SWITCH
+    from asyncdbo._core.ubatch import current_ubatch
+
+    prepared = _prepared(backend="host")
+    args = [(i,) for i in range(n)]
+    await prepared.run_ubatches(forward, args)  # leaves an idle shell of n records in its pool
+    idle = prepared._pool[n]
+    cpu = prepared.backend._cpu
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    ready_state, done = kernel.READY, kernel.DONE
+
+    async def one() -> list[Any]:
+        coros = [forward(*a) for a in args]
+        held = idle.pop()
+        run = held.run
+        ubs = run.ubatches
+        spin.start(ubs, run, coros, current_ubatch, ready_state)
+        ready = run._ready
+        ready.extend(ubs)
+        run._released = False
+        run._reset()
+        for ub, lane in held.pairs:
+            ub.ext = lane
+            lane.stream = ub.resume_with = cpu
+        set_current_task(loop, UBatchTaskView(run, task))
+        status = spin.spin(ready.popleft, ready.append, None, run._timers, SWITCH, None, run, done)[2]
+        assert status == kernel._EMPTY, status  # each ubatch ran to its end in the one call
+        set_current_task(loop, task)
+        results: list[Any] = spin.release(ubs)
+        run._released = True
+        for lane in held.state.lanes:
+            lane.stream = None
+        idle.append(held)
+        return results
+
+    t0 = time.process_time_ns()
+    for _ in range(calls):
+        await one()
+    return (time.process_time_ns() - t0) / calls / 1e3
+
+
 def best(fn: Callable[[], Any], rounds: int) -> Any:
     results = [uvloop.run(fn()) for _ in range(rounds)]
     if isinstance(results[0], dict):
@@ -296,17 +352,20 @@ def phase_table(args: argparse.Namespace) -> list[str]:
         f"rounds of {args.calls} calls (after 200 warm-up calls); C kernel loop "
         f"{'on' if kernel._spin is not None else 'off'}.",
         "",
-        "| N | run_ubatches | prepared run | sum of phases | " + " | ".join(PHASES) + " | bare trampoline set-up |",
-        "|---:|---:|---:|---:|" + "---:|" * len(PHASES) + "---:|",
+        "| N | run_ubatches | prepared run | sum of phases | " + " | ".join(PHASES)
+        + " | a prepared run's mechanics alone | bare trampoline set-up |",
+        "|---:|---:|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|",
     ]
     for n in (2, 4, 8):
         uvloop.run(end_to_end(n, 200))
         total = best(lambda n=n: end_to_end(n, args.calls), args.rounds)
         prepared = best(lambda n=n: end_to_end(n, args.calls, PREPARED), args.rounds)
         phases = best(lambda n=n: by_phase(n, args.calls), args.rounds)
+        bare = best(lambda n=n: mechanics(n, args.calls), args.rounds) if kernel._spin is not None else None
         floor = best(lambda n=n: trampoline(n, args.calls), args.rounds)
         lines.append(f"| {n} | {total:.1f} | {prepared:.1f} | {sum(phases.values()):.1f} | "
-                     + " | ".join(f"{phases[p]:.1f}" for p in PHASES) + f" | {floor:.1f} |")
+                     + " | ".join(f"{phases[p]:.1f}" for p in PHASES)
+                     + f" | {'-' if bare is None else f'{bare:.1f}'} | {floor:.1f} |")
         print(f"N={n} done", file=sys.stderr)
     return lines
 
