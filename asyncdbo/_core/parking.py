@@ -33,6 +33,7 @@ __all__ = ["Parking", "is_future"]
 
 READY, PARKED, DONE = UBatchState.READY, UBatchState.PARKED, UBatchState.DONE
 _now = time.perf_counter
+_INF = float("inf")
 
 #: How long a loop poll hands the GIL to other threads, once a ubatch has waited on the loop for
 #: longer than the interpreter's switch interval (seconds; 0 turns the hand-over off). See
@@ -341,7 +342,8 @@ class Parking:
         with every ubatch parked."""
         clock = self.clock
         timer_due = self._timers[0][0] if self._timers else None
-        watchdog_due = None if self.watchdog_s is None else t0 + self.watchdog_s
+        # inf bounds nothing, as None: a deadline at inf would move a virtual clock there at once
+        watchdog_due = None if self.watchdog_s is None or self.watchdog_s == _INF else t0 + self.watchdog_s
         if watchdog_due is not None and (timer_due is None or watchdog_due < timer_due):
             return loop.call_later(clock.wait_s(watchdog_due), self._watchdog_fire, fut)
         if timer_due is not None:

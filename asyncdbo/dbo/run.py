@@ -38,7 +38,7 @@ class DBOOptions:
         ``host``). stream_policy: ``role`` (vLLM: shared compute + comm streams) or ``ubatch`` (CANN:
         a stream per ubatch). watchdog_s: fail with the ubatch stacks when every ubatch stays parked
         this long (default 300 s, so that no wait inside a run is unbounded; a rank that fails
-        tells its peers at once anyway, see :mod:`asyncdbo.dist.recovery`; None: no bound). instrument: scheduler hooks (tracing, checks), one or a
+        tells its peers at once anyway, see :mod:`asyncdbo.dist.recovery`; None or inf: no bound). instrument: scheduler hooks (tracing, checks), one or a
         sequence. debug: also run the yield-discipline checker (asyncdbo.dbo.debug.YieldChecker), which
         reports the first place the ubatches' yield-tag sequences diverge. name: shows in errors
         and traces. clock: the time source of timers and the watchdog (default: real monotonic

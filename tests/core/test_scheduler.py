@@ -413,6 +413,24 @@ async def test_timers_and_the_watchdog_run_on_the_runs_clock() -> None:
     assert order == [("ub1", 100.0), ("ub0", 105.0)]
 
 
+async def test_an_infinite_watchdog_bounds_nothing_as_none_does() -> None:
+    """``watchdog_s=inf`` is no bound, as None: its deadline would be where a virtual clock moves
+    itself while every ubatch is parked, and the watchdog then fired at once ("made no progress for
+    inf s"). The ubatches wait for the loop's timer, on the virtual clock and on real time."""
+    from asyncdbo.lowlevel import Signal
+
+    for clock in (VirtualClock(start=100.0), None):
+        loop = asyncio.get_running_loop()
+        outside = Signal("set by the loop", external=True)
+
+        async def forward(i: int) -> int:
+            await outside
+            return i
+
+        loop.call_later(0.01, outside.set)
+        assert await run_ubatches(forward, [(0,), (1,)], clock=clock, watchdog_s=float("inf")) == [0, 1]
+
+
 async def test_a_virtual_clock_moves_only_forward() -> None:
     clock = VirtualClock()
     clock.advance(2.5)
