@@ -247,13 +247,13 @@ async def mechanics(n: int, calls: int) -> float | None:
     if spin is None:
         return None
     from asyncdbo._core.tasks import UBatchTaskView, set_current_task
-    from asyncdbo._core.traps import SWITCH
     from asyncdbo._core.ubatch import current_ubatch
 
     prepared = _prepared(backend="host")
     args = [(i,) for i in range(n)]
     await prepared.run_ubatches(forward, args)  # leaves an idle shell of n records in its pool
     idle = prepared._pool[n]
+    assert not idle[-1].run.installs  # the host installs no stream: drive's spin arguments are _spin_args[0]
     cpu = prepared.backend._cpu
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
@@ -273,7 +273,8 @@ async def mechanics(n: int, calls: int) -> float | None:
             ub.ext = lane
             lane.stream = ub.resume_with = cpu
         set_current_task(loop, UBatchTaskView(run, task))
-        status = spin.spin(ready.popleft, ready.append, None, run._timers, SWITCH, None, run, done)[2]
+        # the run's own arguments, as drive passes them (built with its records, not per call)
+        status = spin.spin(*run._spin_args[0], run, done)[2]
         assert status == kernel._EMPTY, status  # each ubatch ran to its end in the one call
         set_current_task(loop, task)
         results: list[Any] = spin.release(ubs)
@@ -283,6 +284,7 @@ async def mechanics(n: int, calls: int) -> float | None:
         idle.append(held)
         return results
 
+    assert await one() == list(range(n))  # the run's results, as run_ubatches returns them
     t0 = time.process_time_ns()
     for _ in range(calls):
         await one()
