@@ -139,7 +139,7 @@ def _batched_attention(out_THK: torch.Tensor, q_THK: torch.Tensor, positions_T: 
     a Python loop over requests, whose few ops per request dominated a prefill step of many
     short requests on a CPU.  A context position past a request's ``seq_len`` reads its position
     0 (finite) and is masked: a query's position is below its request's ``seq_len``.  Padding
-    query rows see no key and are dropped.  Shape legend here: Q = queries of one request
+    query rows see key position 0 and are dropped.  Shape legend here: Q = queries of one request
     (padded), S = context (padded)."""
     dev = q_THK.device
     qsl_R1 = attn.query_start_loc_cpu[: attn.num_reqs + 1].long()
@@ -157,7 +157,10 @@ def _batched_attention(out_THK: torch.Tensor, q_THK: torch.Tensor, positions_T: 
     R, H, K = qlen_R.numel(), q_THK.shape[1], q_THK.shape[2]
     q_RQHK = q_THK[rows].view(R, Q, H, K)
     # Causal by position: key position s is visible to a query at position p iff s <= p.
-    qpos_RQ = positions_T[rows].view(R, Q).masked_fill(~real_RQ.to(dev), -1)  # padding rows see no key
+    # A padding query row sees key position 0 (finite, its request's own) and is dropped below.
+    # A row that saw no key would softmax to NaN, and a bf16 CPU matmul spreads a NaN row of
+    # one [Q, S] matrix into the real rows beside it (tests/models/test_attention_nan.py).
+    qpos_RQ = positions_T[rows].view(R, Q).masked_fill(~real_RQ.to(dev), 0)
     visible_RQS = pos_S.to(dev)[None, None, :] <= qpos_RQ[:, :, None]
     scores_RHQS = torch.einsum("rqhk,rshk->rhqs", q_RQHK, k_RSHK) * scale
     probs_RHQS = scores_RHQS.masked_fill(~visible_RQS[:, None], float("-inf")).softmax(-1)

@@ -212,7 +212,10 @@ def _attend_requests(out_THV: torch.Tensor, q_THK: torch.Tensor, positions_T: to
     k_XSK = k_HXK.view(H, R, S, K).transpose(0, 1).reshape(R * H, S, K)
     v_XSV = v_HXV.view(H, R, S, V).transpose(0, 1).reshape(R * H, S, V)
     q_XQK = q_THK[rows].view(R, Q, H, -1).permute(0, 2, 1, 3).reshape(R * H, Q, -1)
-    qpos_RQ = positions_T[rows].view(R, Q).masked_fill(~real_RQ.to(dev), -1)  # padding rows see no key
+    # A padding query row sees key position 0 (finite, its request's own) and is dropped below.
+    # A row that saw no key would softmax to NaN, and a bf16 CPU matmul spreads a NaN row of
+    # one [Q, S] matrix into the real rows beside it (tests/models/test_attention_nan.py).
+    qpos_RQ = positions_T[rows].view(R, Q).masked_fill(~real_RQ.to(dev), 0)
     visible_RQS = pos_S.to(dev)[None, None, :] <= qpos_RQ[:, :, None]
     visible_XQS = visible_RQS[:, None].expand(R, H, Q, S).reshape(R * H, Q, S)
     o_RQHV = attend_fn(q_XQK, k_XSK, v_XSV, visible_XQS, scale).view(R, H, Q, V).transpose(1, 2)
