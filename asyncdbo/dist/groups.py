@@ -39,6 +39,7 @@ __all__ = [
     "forget_group",
     "on_destroy",
     "renew_ubatch_groups",
+    "retire_groups",
     "ubatch_group",
     "ubatch_groups",
 ]
@@ -235,15 +236,24 @@ def renew_ubatch_groups() -> int:
         old += clones.groups
         clones.groups[:] = fresh
     count = len(old)
-    for i in range(count):  # by index: a loop variable would keep the last group alive here
+    retire_groups(old)
+    log.debug("replaced %d per-ubatch groups", count)
+    return count
+
+
+def retire_groups(old: list[Any]) -> None:
+    """Abort, unregister and release (in a background thread) the groups of ``old``, a list only
+    the caller holds, emptied here: groups replaced after a failure, which may have work in flight
+    (see :func:`renew_ubatch_groups`)."""
+    import torch.distributed as dist
+
+    for i in range(len(old)):  # by index: a loop variable would keep the last group alive here
         try:
             old[i].abort()
         except RuntimeError as exc:  # an abort must never stop the renewal
-            log.debug("abort of a replaced per-ubatch group failed: %s", exc)
+            log.debug("abort of a replaced group failed: %s", exc)
         dist.destroy_process_group(old[i])
     _release_later(old)
-    log.debug("replaced %d per-ubatch groups", count)
-    return count
 
 
 def _release_later(groups: list[Any]) -> None:

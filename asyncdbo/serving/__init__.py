@@ -9,11 +9,12 @@ attn)``.
 
 from .auto import OFF, Arm, AutoConfig, AutoPolicy
 from .batch import Batch, BatchBuilder, check_token_ids
-from .engine import Engine, EngineReport, Request, RequestOutput, trace_requests
+from .engine import Engine, EngineReport
+from .requests import Request, RequestOutput, RequestStatus, trace_requests
 from .exact import ExactDifference, ExactReport, exact_check, exact_tap
 from .kv_cache import PAD_SLOT_ID, KVCacheConfig, PagedKVCache, slots_for
 from .runner import DBORunner, RunnerConfig, StepResult, current_slice
-from .sampling import SamplingParams, sample_tokens
+from .sampling import NonFiniteLogitsError, SamplingParams, sample_tokens
 
 __all__ = [
     "OFF",
@@ -29,9 +30,11 @@ __all__ = [
     "ExactDifference",
     "ExactReport",
     "KVCacheConfig",
+    "NonFiniteLogitsError",
     "PagedKVCache",
     "Request",
     "RequestOutput",
+    "RequestStatus",
     "RunnerConfig",
     "SamplingParams",
     "StepResult",

@@ -113,6 +113,29 @@ class BatchBuilder:
         self._free.sort(reverse=True)  # lowest id next: reuse stays predictable
         return len(blocks)
 
+    def mark(self, request_ids: Sequence[int]) -> dict[int, tuple[int | None, int]]:
+        """What :meth:`rollback` needs to undo a :meth:`build` of these requests: each one's
+        tokens in the cache (None: not known yet) and blocks held."""
+        return {rid: (self.num_computed.get(rid), len(self.blocks.get(rid, ()))) for rid in request_ids}
+
+    def rollback(self, mark: dict[int, tuple[int | None, int]]) -> None:
+        """Undo every :meth:`build` since :meth:`mark` for the requests it names (a step that did
+        not take effect): their lengths as they were, and the blocks they took back on the free
+        list. The cache slots those builds wrote are not read again before being written anew:
+        attention reads a slot only below its request's ``seq_len``."""
+        for rid, (computed, held) in mark.items():
+            blocks = self.blocks.get(rid, [])
+            extra = blocks[held:]
+            del blocks[held:]
+            if computed is None:
+                self.num_computed.pop(rid, None)
+                self.blocks.pop(rid, None)
+            else:
+                self.num_computed[rid] = computed
+            if extra:
+                self._free.extend(extra)
+                self._free.sort(reverse=True)
+
     def _token_ids(self, rid: int, tokens: Sequence[int]) -> list[int]:
         """``tokens`` as ints, refusing a float (``int()`` would truncate it), a bool and, with
         ``vocab_size``, an id outside the vocabulary."""

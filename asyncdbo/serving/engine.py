@@ -11,91 +11,71 @@ Per step, on every rank:
    ``max_num_seqs`` and the KV cache can hold the request at its longest (prompt plus
    ``max_tokens``: blocks are reserved at admission, so a running request never finds the cache
    full and nothing is preempted);
-3. the runner plans (microbatch or not, the DP vote), runs and merges the step;
-4. each request's last logits row gives its next token (:mod:`asyncdbo.serving.sampling`); a
-   request that hit EOS, a stop token or ``max_tokens`` finishes, and its KV blocks go back to the
-   pool (:meth:`BatchBuilder.free`).
+3. the DP group agrees (one small all-reduce): requests left, requests ready, whether admission
+   failed on any rank;
+4. the runner plans (microbatch or not, the DP vote), runs and merges the step;
+5. each request's last logits row gives its next token (:mod:`asyncdbo.serving.sampling`); a row
+   holding NaN or ``+inf`` (or only ``-inf``) fails its request (:class:`~asyncdbo.serving.NonFiniteLogitsError`), never
+   becomes a token;
+6. the DP group agrees again, on whether the step failed anywhere; then, and only then, the step
+   takes effect: tokens are appended, and a request that hit EOS, a stop token or ``max_tokens``
+   finishes and its KV blocks go back to the pool (:meth:`BatchBuilder.free`).
 
-Under DP every rank must step together (the runner's collectives): :meth:`Engine.run` all-reduces
-"requests left" and "requests ready" over the DP group before each step (one small collective per
-step), so a rank with nothing to do steps with an empty batch while another works, every rank
-waits while no rank has an arrived request, and all stop together.
+**A step is a transaction.** Until step 6 nothing of it is visible: a step that fails on any rank,
+anywhere (admission, the model, sampling), leaves every request on every rank as it was before it
+(queues, KV blocks, outputs, sampling generators), the failing rank raises its error and the
+others :class:`~asyncdbo.dist.StepAborted` naming it (:mod:`asyncdbo.serving.dp_agree`). Call
+:meth:`Engine.run` (or :meth:`Engine.step`) again on every rank: it resumes where the last good
+step left off, and a retried step draws the same tokens a clean run draws.
+
+Under DP every rank must step together (the runner's collectives): a rank with nothing to do steps
+with an empty batch while another works, every rank waits while no rank has an arrived request,
+and all stop together.
 
 Times come from ``clock`` (seconds; injected in tests), read once before each step's admission
-and once after its tokens are sampled; an idle wait for the next arrival calls ``sleep``.
+and once after its tokens are sampled; an idle wait for the next arrival calls ``sleep``, and
+:meth:`Engine.run` yields to the event loop after every step, so a request another task adds
+during the run joins it.
+
+**Memory is bounded:** step records and times are kept in rings of ``keep_records``; a finished
+request's output is handed over (returned by :meth:`Engine.step`, in :meth:`Engine.run`'s report,
+or by :meth:`Engine.take_finished`) and then forgotten; the statuses of the last ``keep_records``
+ended requests stay readable through :meth:`Engine.status`.
 """
 
-# Shape legend: T = tokens of a step, V = vocab.
+# Shape legend: T = tokens of a step, R = requests sampled in a step, V = vocab.
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import statistics
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from ..plan import StepRecord
 from ..plan._checks import check_bool
-from .batch import BatchBuilder
+from .batch import Batch, BatchBuilder
+from .dp_agree import DPAgreement
+from .requests import FinishReason, Request, RequestOutput, RequestStatus, trace_requests
 from .runner import DBORunner
-from .sampling import SamplingParams, sample_tokens
+from .sampling import SEED_LIMIT, NonFiniteLogitsError, finite_rows, sample_finite
 
-__all__ = ["Engine", "EngineReport", "Request", "RequestOutput", "trace_requests"]
+__all__ = ["Engine", "EngineReport", "Request", "RequestOutput", "RequestStatus", "trace_requests"]
 
-FinishReason = Literal["stop", "length"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Request:
-    """A request of a trace: its id (unique on this rank), prompt token ids, sampling and the time
-    it arrives (seconds from the start of :meth:`Engine.run`)."""
-
-    request_id: int
-    prompt: tuple[int, ...]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    arrival_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "prompt", tuple(self.prompt))
-        if not self.prompt:
-            raise ValueError(f"request {self.request_id}: the prompt is empty; give at least one token id")
-        if not (isinstance(self.arrival_s, (int, float)) and self.arrival_s >= 0):
-            raise ValueError(f"request {self.request_id}: arrival_s must be a time >= 0 in seconds "
-                             f"(got {self.arrival_s!r})")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RequestOutput:
-    """A finished request: its tokens, why it stopped, and when (seconds from the run's start)."""
-
-    request_id: int
-    prompt: tuple[int, ...]
-    output_ids: tuple[int, ...]
-    finish_reason: FinishReason
-    arrival_s: float
-    first_token_s: float
-    finish_s: float
-
-    @property
-    def ttft_s(self) -> float:
-        """Time to first token: arrival to the end of the step that sampled it."""
-        return self.first_token_s - self.arrival_s
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Time per output token after the first (None for a one-token output)."""
-        n = len(self.output_ids)
-        return (self.finish_s - self.first_token_s) / (n - 1) if n > 1 else None
+log = logging.getLogger("asyncdbo.serving")
 
 
 @dataclass(frozen=True, kw_only=True)
 class EngineReport:
-    """One rank's replay of a trace: every request's output, every step's record and time."""
+    """One rank's replay of a trace: the outputs handed over by the run (every request that ended
+    in it, and any ended earlier and not taken yet), and its steps' records and times (the last
+    ``keep_records`` of them)."""
 
     outputs: dict[int, RequestOutput]
     records: tuple[StepRecord, ...]
@@ -105,6 +85,11 @@ class EngineReport:
     @property
     def output_tokens(self) -> int:
         return sum(len(o.output_ids) for o in self.outputs.values())
+
+    @property
+    def failed(self) -> dict[int, RequestOutput]:
+        """The requests that ended by an error (their ``error`` says which)."""
+        return {rid: o for rid, o in self.outputs.items() if o.finish_reason == "error"}
 
     @property
     def tokens_per_s(self) -> float:
@@ -125,7 +110,8 @@ class EngineReport:
         return sum(rec.microbatched for rec in self.records)
 
     def summary(self) -> str:
-        return (f"{len(self.outputs)} requests, {self.output_tokens} tokens in {len(self.records)} steps "
+        failed = f", {len(self.failed)} failed" if self.failed else ""
+        return (f"{len(self.outputs)} requests{failed}, {self.output_tokens} tokens in {len(self.records)} steps "
                 f"({self.microbatched_steps} microbatched), {self.tokens_per_s:.1f} tokens/s, "
                 f"TTFT {self.mean_ttft_s * 1e3:.1f} ms, TPOT {self.mean_tpot_s * 1e3:.1f} ms (means)")
 
@@ -139,6 +125,18 @@ class _Running:
     first_token_s: float = 0.0
 
 
+@dataclass(eq=False)
+class _Txn:
+    """What a step changed before it took effect, to undo it (:meth:`Engine._undo`)."""
+
+    chunks: list[tuple[int, list[int]]]
+    admitted: list[Request]
+    seeds_state: torch.Tensor | None  # the engine's seed generator before the step drew any
+    builder_mark: dict[int, tuple[int | None, int]] | None = None
+    gen_states: list[tuple[torch.Generator, torch.Tensor]] = field(default_factory=list)
+    batch: Batch | None = None
+
+
 class Engine:
     """Continuous batching over ``runner`` with the KV blocks of ``builder`` (module docstring).
 
@@ -146,15 +144,19 @@ class Engine:
     owns it. ``enabled``: microbatch (None: the runner's config; False: the serial baseline).
     ``seed`` draws the seeds of sampling requests that give none. ``dp_group``: the group whose
     ranks step together (default: the runner's). ``clock``/``sleep``: seconds, and an idle wait.
+    ``keep_records``: how many step records and times, and ended requests' statuses, are kept.
     """
 
     def __init__(self, runner: DBORunner, builder: BatchBuilder, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enabled: bool | None = None, seed: int = 0,
                  dp_group: Any = None, clock: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep, keep_records: int = 1024) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("keep_records", keep_records)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1 (got {value!r})")
+                raise ValueError(f"Engine {name} must be an int >= 1 (got {value!r})")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+            raise ValueError(f"Engine seed must be an int in [0, 2**64) (got {seed!r})")
         check_bool("Engine ", "enabled", enabled, none="None: RunnerConfig.enabled")
         if builder.blocks or builder.num_computed:
             raise ValueError(f"the builder already holds requests {sorted(builder.num_computed)}; "
@@ -163,17 +165,21 @@ class Engine:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.enabled = enabled
         self.dp_group = runner.dp_group if dp_group is None else dp_group
+        self._dp = DPAgreement(self.dp_group, runner.sync, runner.device)
         self.clock, self.sleep = clock, sleep
+        self.keep_records = keep_records
         self._seeds = torch.Generator().manual_seed(seed)
         self._pending: deque[Request] = deque()  # not arrived yet, by arrival time
         self._waiting: deque[Request] = deque()
         self._running: dict[int, _Running] = {}
         self._reserved = 0
         self._t0 = self._end_s = 0.0
-        self._ids: set[int] = set()
-        self.outputs: dict[int, RequestOutput] = {}
-        self.records: list[StepRecord] = []
-        self.step_s: list[float] = []
+        self._started = False
+        self._finished: dict[int, RequestOutput] = {}  # ended, not handed over yet
+        self._ended: OrderedDict[int, RequestStatus] = OrderedDict()  # the last keep_records
+        self.records: deque[StepRecord] = deque(maxlen=keep_records)
+        self.step_s: deque[float] = deque(maxlen=keep_records)
+        self.num_steps = 0  # steps that took effect
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -181,27 +187,76 @@ class Engine:
         # The last sampled token is never fed, so the cache holds prompt + max_tokens - 1 tokens.
         return -(-(len(req.prompt) + req.params.max_tokens - 1) // self.builder.cache_cfg.block_size)
 
+    @property
+    def vocab_size(self) -> int | None:
+        """The vocabulary token ids are checked against: the builder's, else the model's."""
+        if self.builder.vocab_size is not None:
+            return self.builder.vocab_size
+        hf = getattr(self.runner.model, "hf", None)
+        size = getattr(hf, "vocab_size", None) or getattr(getattr(self.runner.model, "cfg", None), "vocab_size", None)
+        return size if isinstance(size, int) else None
+
     def add_request(self, req: Request) -> None:
-        """Queue ``req`` (it joins a step once the run's clock reaches its ``arrival_s``)."""
-        if req.request_id in self._ids:
-            raise ValueError(f"request {req.request_id} was added already; request ids must be unique")
+        """Queue ``req`` (it joins a step once the run's clock reaches its ``arrival_s``).
+        Everything a step could trip on is refused here, naming the request and the field."""
+        if not isinstance(req, Request):
+            raise ValueError(f"add_request takes an asyncdbo.serving.Request (got {type(req).__name__})")
+        rid = req.request_id
+        if rid in self._ended or self._status_live(rid) is not None:
+            raise ValueError(f"request {rid} was added already; request ids must be unique")
         cfg = self.builder.cache_cfg
         if self._blocks_for(req) > cfg.num_blocks:
             raise ValueError(
-                f"request {req.request_id}: {len(req.prompt)} prompt tokens + max_tokens {req.params.max_tokens} "
+                f"request {rid}: {len(req.prompt)} prompt tokens + max_tokens {req.params.max_tokens} "
                 f"need {self._blocks_for(req)} KV blocks of {cfg.block_size}, the cache has {cfg.num_blocks}; "
                 "lower max_tokens or raise num_kv_blocks")
         if len(req.prompt) > self.max_num_batched_tokens:
-            raise ValueError(f"request {req.request_id}: a prompt of {len(req.prompt)} tokens exceeds "
+            raise ValueError(f"request {rid}: a prompt of {len(req.prompt)} tokens exceeds "
                              f"max_num_batched_tokens ({self.max_num_batched_tokens}); raise it")
-        self.builder._token_ids(req.request_id, req.prompt)  # refuse bad ids now, not in a step
-        self._ids.add(req.request_id)
+        self.builder._token_ids(rid, req.prompt)  # refuse bad ids now, not in a step
+        vocab = self.vocab_size
+        stops = (*req.params.stop_token_ids, *(() if req.params.eos_token_id is None else (req.params.eos_token_id,)))
+        if vocab is not None:
+            outside = [t for t in stops if t >= vocab]
+            if outside:
+                raise ValueError(f"request {rid}: stop_token_ids/eos_token_id {outside} are outside the vocabulary "
+                                 f"of {vocab} (0 .. {vocab - 1}); such a token is never sampled, so it never stops "
+                                 "the request")
         at = next((i for i, p in enumerate(self._pending) if p.arrival_s > req.arrival_s), len(self._pending))
         self._pending.insert(at, req)
 
     @property
     def num_unfinished(self) -> int:
         return len(self._pending) + len(self._waiting) + len(self._running)
+
+    def _status_live(self, rid: int) -> RequestStatus | None:
+        if rid in self._running:
+            return RequestStatus.RUNNING
+        if any(r.request_id == rid for r in self._waiting):
+            return RequestStatus.WAITING
+        if any(r.request_id == rid for r in self._pending):
+            return RequestStatus.PENDING
+        return None
+
+    def status(self, request_id: int) -> RequestStatus:
+        """Where request ``request_id`` is (:class:`RequestStatus`); a KeyError for an id never
+        added, or ended longer ago than the last ``keep_records`` requests."""
+        found = self._status_live(request_id) or self._ended.get(request_id)
+        if found is None:
+            raise KeyError(f"request {request_id} is not known to this engine (never added, or ended before "
+                           f"the last {self.keep_records} requests)")
+        return found
+
+    def take_finished(self) -> dict[int, RequestOutput]:
+        """Hand over the requests that ended and were not handed over yet (by request id); the
+        engine keeps only their status."""
+        out, self._finished = self._finished, {}
+        return out
+
+    @property
+    def outputs(self) -> dict[int, RequestOutput]:
+        """The ended requests not handed over yet (see :meth:`take_finished`)."""
+        return dict(self._finished)
 
     def _now(self) -> float:
         return self.clock() - self._t0
@@ -210,103 +265,192 @@ class Engine:
         while self._pending and self._pending[0].arrival_s <= now:
             self._waiting.append(self._pending.popleft())
 
-    # -- steps -----------------------------------------------------------------------------------
+    # -- a step: begin, agree, run, sample, agree, commit (or undo) ------------------------------
 
-    def _schedule(self) -> list[tuple[int, list[int]]]:
+    def _begin(self) -> _Txn:
+        """Schedule and build the step without letting any of it take effect yet."""
         chunks = [(rid, [run.output[-1]]) for rid, run in self._running.items()]
+        txn = _Txn(chunks=chunks, admitted=[], seeds_state=None)
         budget = self.max_num_batched_tokens - len(chunks)
-        while self._waiting and len(chunks) < self.max_num_seqs:
-            req = self._waiting[0]
-            blocks = self._blocks_for(req)
-            if len(req.prompt) > budget or self._reserved + blocks > self.builder.cache_cfg.num_blocks:
-                break  # FIFO: a later request does not overtake the head
-            self._waiting.popleft()
-            seed = req.params.seed
-            gen = None
-            if not req.params.greedy:
-                if seed is None:
-                    seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-                gen = torch.Generator().manual_seed(seed)
-            self._running[req.request_id] = _Running(req=req, generator=gen, blocks=blocks)
-            self._reserved += blocks
-            budget -= len(req.prompt)
-            chunks.append((req.request_id, list(req.prompt)))
-        return chunks
+        reserved = self._reserved
+        try:
+            while self._waiting and len(chunks) < self.max_num_seqs:
+                req = self._waiting[0]
+                blocks = self._blocks_for(req)
+                if len(req.prompt) > budget or reserved + blocks > self.builder.cache_cfg.num_blocks:
+                    break  # FIFO: a later request does not overtake the head
+                self._waiting.popleft()
+                txn.admitted.append(req)
+                gen = None
+                if not req.params.greedy:
+                    seed = req.params.seed
+                    if seed is None:
+                        if txn.seeds_state is None:
+                            txn.seeds_state = self._seeds.get_state()
+                        seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+                    gen = torch.Generator().manual_seed(seed)
+                self._running[req.request_id] = _Running(req=req, generator=gen, blocks=blocks)
+                reserved += blocks
+                budget -= len(req.prompt)
+                chunks.append((req.request_id, list(req.prompt)))
+            self._reserved = reserved
+            txn.builder_mark = self.builder.mark([rid for rid, _ in chunks])
+            txn.batch = self.builder.build(chunks)
+        except BaseException:
+            self._undo(txn)
+            raise
+        return txn
 
-    async def step(self) -> list[RequestOutput]:
-        """One step: admit, run, sample; returns the requests that finished in it. Every rank of
-        the DP group calls it together (:meth:`run` does)."""
-        return await self._step(self._now())
+    def _undo(self, txn: _Txn) -> None:
+        """Put every request back as it was before ``txn``'s step."""
+        for gen, state in txn.gen_states:
+            gen.set_state(state)
+        if txn.builder_mark is not None:
+            self.builder.rollback(txn.builder_mark)
+        for req in txn.admitted:
+            run = self._running.pop(req.request_id, None)
+            if run is not None:
+                self._reserved -= run.blocks
+        self._waiting.extendleft(reversed(txn.admitted))
+        if txn.seeds_state is not None:
+            self._seeds.set_state(txn.seeds_state)
 
-    async def _step(self, now: float) -> list[RequestOutput]:
-        self._arrive(now)
-        chunks = self._schedule()
-        batch = self.builder.build(chunks)
-        t_step = time.perf_counter()
-        result = await self.runner.step(batch, enabled=self.enabled)
-        self.step_s.append(time.perf_counter() - t_step)
-        self.records.append(result.record)
-        last_T = torch.tensor([len(t) for _, t in chunks], dtype=torch.int64).cumsum(0) - 1
-        runs = [self._running[rid] for rid, _ in chunks]
-        tokens = sample_tokens(result.logits_TV[last_T.to(result.logits_TV.device)],
-                               [r.req.params for r in runs], [r.generator for r in runs])
-        now = self._end_s = self._now()
-        finished = []
-        for run, token in zip(runs, tokens):
-            if not run.output:
-                run.first_token_s = now
-            run.output.append(token)
+    def _sample(self, txn: _Txn, logits_TV: torch.Tensor) -> list[int | NonFiniteLogitsError]:
+        """Each request's next token, or the error that fails it (its row is not finite)."""
+        last_T = torch.tensor([len(t) for _, t in txn.chunks], dtype=torch.int64).cumsum(0) - 1
+        rows_RV = logits_TV[last_T.to(logits_TV.device)].detach().float().cpu()
+        ok_R = finite_rows(rows_RV).tolist()
+        runs = [self._running[rid] for rid, _ in txn.chunks]
+        good = [r for r, ok in enumerate(ok_R) if ok]
+        txn.gen_states = [(gen, gen.get_state()) for r in good if (gen := runs[r].generator) is not None]
+        tokens = sample_finite(rows_RV[good] if len(good) < len(runs) else rows_RV,
+                               [runs[r].req.params for r in good], [runs[r].generator for r in good])
+        out: list[int | NonFiniteLogitsError] = []
+        it = iter(tokens)
+        for r, ok in enumerate(ok_R):
+            out.append(next(it) if ok else NonFiniteLogitsError(
+                f"request {txn.chunks[r][0]}: its logits at step {self.num_steps} hold NaN or +inf, or only -inf "
+                f"({int(rows_RV[r].isnan().sum())} NaN, {int(rows_RV[r].isinf().sum())} inf of {rows_RV.shape[1]}); "
+                "no token was sampled from them"))
+        return out
+
+    def _commit(self, txn: _Txn, drawn: list[int | NonFiniteLogitsError], now: float) -> list[RequestOutput]:
+        self.num_steps += 1
+        ended = []
+        for (rid, _), token in zip(txn.chunks, drawn):
+            run = self._running[rid]
             params = run.req.params
-            reason: FinishReason | None = ("stop" if params.stops_at(token)
-                                           else "length" if len(run.output) >= params.max_tokens else None)
+            reason: FinishReason | None
+            error = None
+            if isinstance(token, NonFiniteLogitsError):
+                reason, error = "error", f"{type(token).__name__}: {token}"
+                log.warning("%s", error)
+            else:
+                if not run.output:
+                    run.first_token_s = now
+                run.output.append(token)
+                reason = ("stop" if params.stops_at(token)
+                          else "length" if len(run.output) >= params.max_tokens else None)
             if reason is None:
                 continue
-            rid = run.req.request_id
             self.builder.free(rid)
             self._reserved -= run.blocks
             del self._running[rid]
             out = RequestOutput(request_id=rid, prompt=run.req.prompt, output_ids=tuple(run.output),
                                 finish_reason=reason, arrival_s=run.req.arrival_s,
-                                first_token_s=run.first_token_s, finish_s=now)
-            self.outputs[rid] = out
-            finished.append(out)
-        return finished
+                                first_token_s=run.first_token_s if run.output else now, finish_s=now, error=error)
+            self._ended[rid] = out.status
+            while len(self._ended) > self.keep_records:
+                self._ended.popitem(last=False)
+            ended.append(out)
+        return ended
 
-    def _agree(self, left: int, ready: int) -> tuple[int, int]:
-        """The DP group's most requests left and ready (local values without a group)."""
-        group = self.dp_group
-        if group is None or torch.distributed.get_world_size(group) == 1:
-            return left, ready
-        t = torch.tensor([left, ready], dtype=torch.int64, device=self.runner.device or "cpu")
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
-        return int(t[0]), int(t[1])
+    async def _cycle(self, now: float) -> tuple[int, int, list[RequestOutput] | None]:
+        """Agree on the group's requests left and ready and, if any is ready, run one step (module
+        docstring). Returns (left, ready, the requests that ended: None when no step ran)."""
+        self._arrive(now)
+        left, ready = self.num_unfinished, len(self._waiting) + len(self._running)
+        txn: _Txn | None = None
+        error: BaseException | None = None
+        try:
+            try:
+                txn = self._begin() if ready else None
+            except Exception as exc:  # admission failed here: every rank hears it in the agreement
+                error = exc
+                self._dp.post(exc)
+            left, ready, flag = await self._dp.agree([left, ready, self._dp.flag(error is not None)])
+            self._raise_if_failed(flag, error)
+            if not ready:
+                return left, ready, None
+            if txn is None:  # an idle rank steps with the group
+                txn = _Txn(chunks=[], admitted=[], seeds_state=None, batch=self.builder.build([]))
+            assert txn.batch is not None
+            drawn: list[int | NonFiniteLogitsError] = []
+            t_step = time.perf_counter()
+            try:
+                result = await self.runner.step(txn.batch, enabled=self.enabled)
+                if txn.chunks:
+                    drawn = self._sample(txn, result.logits_TV)
+            except Exception as exc:  # the runner posted its own failures; this posts sampling's
+                error = exc
+                self._dp.post(exc)
+            step_s = time.perf_counter() - t_step
+            (flag,) = await self._dp.agree([self._dp.flag(error is not None)])
+            self._raise_if_failed(flag, error)
+        except BaseException as exc:
+            if txn is not None:
+                self._undo(txn)
+            if error is None and not isinstance(exc, Exception):  # cancelled here: tell the peers
+                self._dp.post(exc)
+            exc.add_note(f"asyncdbo: engine step {self.num_steps} did not take effect on this rank: every request "
+                         "is as it was before it; call Engine.run() (or step()) again on every rank to go on")
+            raise
+        self.records.append(result.record)
+        self.step_s.append(step_s)
+        now = self._end_s = self._now()
+        return left, ready, self._commit(txn, drawn, now)
+
+    def _raise_if_failed(self, flag: int, error: BaseException | None) -> None:
+        rank = self._dp.failed_rank(flag)
+        if error is not None:
+            raise error
+        if rank is not None:
+            raise self._dp.aborted(rank)
+
+    async def step(self) -> list[RequestOutput]:
+        """One step: admit, run, sample; returns the requests that ended in it (handed over: the
+        engine keeps only their status). Every rank of the DP group calls it together (:meth:`run`
+        does). A step that fails on any rank raises and changes nothing (module docstring)."""
+        if not self._started:
+            self._t0, self._started = self.clock(), True
+        _, _, finished = await self._cycle(self._now())
+        return finished or []
 
     async def run(self, requests: Iterable[Request] = ()) -> EngineReport:
         """Replay ``requests`` (arrival times from now) to the end on every rank of the DP group,
-        each with its own requests (an idle rank passes none); returns this rank's report."""
+        each with its own requests (an idle rank passes none); returns this rank's report.
+
+        A run that starts while requests of an earlier one are unfinished (it raised) resumes it
+        on the same clock; a request added by another task while it runs joins it."""
+        resume = self._started and self.num_unfinished > 0
         for req in requests:
             self.add_request(req)
-        self._t0 = self.clock()
+        if not resume:
+            self._t0, self._started = self.clock(), True
+        steps0 = self.num_steps
         while True:
             now = self._now()
-            self._arrive(now)
-            left, ready = self._agree(self.num_unfinished, len(self._waiting) + len(self._running))
+            left, ready, finished = await self._cycle(now)
             if not left:
                 break
-            if not ready:  # nobody has an arrived request: wait for this rank's next one
+            if finished is None:  # nobody has an arrived request: wait for this rank's next one
                 nxt = self._pending[0].arrival_s - now if self._pending else 0.0
                 await self.sleep(max(nxt, 0.0))
                 continue
-            await self._step(now)
-        return EngineReport(outputs=dict(self.outputs), records=tuple(self.records), step_s=tuple(self.step_s),
+            for out in finished:
+                self._finished[out.request_id] = out
+            await asyncio.sleep(0)  # let other tasks of the loop run (and add requests) between steps
+        kept = min(self.num_steps - steps0, len(self.records))
+        steps, times = list(self.records)[len(self.records) - kept:], list(self.step_s)[len(self.step_s) - kept:]
+        return EngineReport(outputs=self.take_finished(), records=tuple(steps), step_s=tuple(times),
                             makespan_s=self._end_s)
-
-
-def trace_requests(prompts: Sequence[Sequence[int]], arrivals_s: Sequence[float],
-                   params: SamplingParams | Sequence[SamplingParams]) -> list[Request]:
-    """Requests ``0..n-1`` of a trace: prompt ``i`` arriving at ``arrivals_s[i]``."""
-    if len(prompts) != len(arrivals_s):
-        raise ValueError(f"{len(prompts)} prompts but {len(arrivals_s)} arrival times; give one each")
-    each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-    return [Request(request_id=i, prompt=tuple(p), params=sp, arrival_s=a)
-            for i, (p, a, sp) in enumerate(zip(prompts, arrivals_s, each, strict=True))]

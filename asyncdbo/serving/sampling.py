@@ -6,6 +6,12 @@ on its seed and its own logits only, not on which requests share its steps, thei
 whether the step was microbatched: equal logits give equal tokens, serial or DBO. Sampling runs on
 the host in float32 (the engine needs the ids there anyway to build the next step), so a seed
 gives the same draws on every device.
+
+A row that holds NaN or ``+inf``, or only ``-inf``, is never sampled: :func:`sample_tokens` raises
+:class:`NonFiniteLogitsError` naming the rows (an argmax over NaN is token 0, silently), and the
+engine fails exactly those requests. Every finite temperature > 0 is representable: the row's
+maximum is subtracted before dividing by it, so a tiny temperature gives ``-inf`` for every token
+but the most likely (greedy in the limit) instead of ``inf - inf = NaN``.
 """
 
 # Shape legend: R = requests of a step, V = vocab, K = candidates kept by top-p.
@@ -18,7 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "sample_tokens"]
+__all__ = ["NonFiniteLogitsError", "SamplingParams", "finite_rows", "sample_tokens"]
+
+#: Seeds a ``torch.Generator`` takes: ``0 .. 2**64 - 1``.
+SEED_LIMIT = 2**64
+
+
+class NonFiniteLogitsError(ArithmeticError):
+    """A request's logits row held NaN or Inf at the step that would have sampled from it: the
+    request fails with this error (the engine's :attr:`RequestOutput.error`), never with a token
+    drawn from garbage (a greedy argmax over NaN is token 0)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,8 +62,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, 0 for greedy (got {self.temperature!r})")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], 1.0 keeping every token (got {self.top_p!r})")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be an int >= 0 or None (got {self.seed!r})")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be an int in [0, 2**64) or None, what torch.Generator.manual_seed takes "
+                             f"(got {self.seed!r})")
         stops = tuple(self.stop_token_ids)
         for t in (*stops, *(() if self.eos_token_id is None else (self.eos_token_id,))):
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
@@ -64,21 +81,41 @@ class SamplingParams:
         return token == self.eos_token_id or token in self.stop_token_ids
 
 
+def finite_rows(rows_RV: torch.Tensor) -> torch.Tensor:
+    """``[R]`` bool: which rows a token can be drawn from: no NaN, no ``+inf``, and at least one
+    finite value (``-inf`` is a token ruled out, as a logits processor marks one). One reduction:
+    a row's max is NaN if it holds a NaN (``amax`` propagates it), ``+inf`` if it holds one, and
+    ``-inf`` if nothing else is left, so the row is usable exactly when its max is finite."""
+    return torch.isfinite(rows_RV.amax(dim=-1))
+
+
 def sample_tokens(logits_RV: torch.Tensor, params: Sequence[SamplingParams],
                   generators: Sequence[torch.Generator | None]) -> list[int]:
     """One token per row of ``logits_RV``: row ``r`` with ``params[r]``, drawing (when not greedy)
-    from ``generators[r]``, a CPU generator."""
+    from ``generators[r]``, a CPU generator. A row :func:`finite_rows` refuses raises
+    :class:`NonFiniteLogitsError` naming it, before any draw."""
     if logits_RV.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(f"{logits_RV.shape[0]} logits rows, {len(params)} params and {len(generators)} generators; "
                          "pass one of each per request")
     rows_RV = logits_RV.detach().float().cpu()
+    bad = (~finite_rows(rows_RV)).nonzero().flatten().tolist()
+    if bad:
+        raise NonFiniteLogitsError(f"logits rows {bad} hold NaN or +inf (or only -inf); no token is sampled from them")
+    return sample_finite(rows_RV, params, generators)
+
+
+def sample_finite(rows_RV: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator | None]) -> list[int]:
+    """:func:`sample_tokens` on float32 host rows already known to be finite (the engine checks
+    them once, to fail exactly the requests whose rows are not)."""
     tokens = rows_RV.argmax(dim=-1).tolist()  # every greedy row in one call
     for r, (p, gen) in enumerate(zip(params, generators)):
         if p.greedy:
             continue
         if gen is None:
             raise ValueError(f"request row {r} samples (temperature {p.temperature}) but has no generator")
-        probs_V = torch.softmax(rows_RV[r] / p.temperature, dim=-1)
+        row_V = rows_RV[r]
+        probs_V = torch.softmax((row_V - row_V.max()) / p.temperature, dim=-1)
         if p.top_p < 1:
             sorted_K, order_K = probs_V.sort(descending=True, stable=True)
             before_K = sorted_K.cumsum(0) - sorted_K  # mass of the more likely tokens

@@ -24,6 +24,7 @@ from asyncdbo.serving import (  # noqa: E402
     DBORunner,
     Engine,
     Request,
+    RequestStatus,
     RunnerConfig,
     SamplingParams,
     sample_tokens,
@@ -110,8 +111,10 @@ async def test_finished_requests_give_their_blocks_back_and_a_waiting_request_re
     eng.add_request(Request(request_id=0, prompt=tuple(a), params=SamplingParams(max_tokens=6)))
     eng.add_request(Request(request_id=1, prompt=tuple(b), params=SamplingParams(max_tokens=4)))
     held: list[dict[int, list[int]]] = []
+    ended = {}
     while eng.num_unfinished:
         finished = await eng.step()
+        ended.update((o.request_id, o) for o in finished)
         held.append({rid: list(blocks) for rid, blocks in eng.builder.blocks.items()})
         assert eng.builder.num_free_blocks == 4 - sum(len(v) for v in held[-1].values())
         if finished and finished[0].request_id == 0:
@@ -120,7 +123,9 @@ async def test_finished_requests_give_their_blocks_back_and_a_waiting_request_re
     assert held[5] == {}  # a finished in step 5: every block back
     assert held[6] == {1: [0, 1]}  # b admitted next step, on a's old blocks
     assert eng.builder.num_free_blocks == 4 and eng.builder.blocks == {}
-    assert [len(eng.outputs[0].output_ids), len(eng.outputs[1].output_ids)] == [6, 4]
+    assert [len(ended[0].output_ids), len(ended[1].output_ids)] == [6, 4]
+    assert eng.outputs == {}  # handed over by step(): the engine keeps their status only
+    assert eng.status(0) is eng.status(1) is RequestStatus.FINISHED
 
 
 @pytest.mark.asyncio
@@ -176,7 +181,8 @@ def test_top_p_keeps_the_smallest_set_reaching_p_and_a_seed_repeats_its_draws() 
     ({"max_tokens": 0}, r"max_tokens must be an int >= 1 \(got 0\)"),
     ({"temperature": -1.0}, r"temperature must be a finite number >= 0, 0 for greedy \(got -1.0\)"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\], 1.0 keeping every token \(got 0.0\)"),
-    ({"seed": -2}, r"seed must be an int >= 0 or None \(got -2\)"),
+    ({"seed": -2}, r"seed must be an int in \[0, 2\*\*64\) or None, what torch.Generator.manual_seed takes \(got -2\)"),
+    ({"seed": 2**70}, r"seed must be an int in \[0, 2\*\*64\) or None, .* \(got 1180591620717411303424\)"),
     ({"stop_token_ids": (3, -1)}, r"stop_token_ids and eos_token_id must be token ids \(ints >= 0\), got -1"),
 ])
 def test_bad_sampling_params_are_refused(kwargs: dict[str, Any], message: str) -> None:
@@ -190,7 +196,7 @@ async def test_bad_requests_are_refused_before_any_step(hf_models: dict[str, Any
     eng = engine(model, enabled=True, max_num_batched_tokens=8)
     with pytest.raises(ValueError, match=r"request 7: the prompt is empty; give at least one token id"):
         Request(request_id=7, prompt=())
-    with pytest.raises(ValueError, match=r"request 1: arrival_s must be a time >= 0 in seconds \(got -1.0\)"):
+    with pytest.raises(ValueError, match=r"request 1: arrival_s must be a finite time >= 0 in seconds \(got -1.0\)"):
         Request(request_id=1, prompt=(1,), arrival_s=-1.0)
     with pytest.raises(ValueError, match=r"request 2: 10 prompt tokens \+ max_tokens 8 need 5 KV blocks of 4, "
                                          r"the cache has 4; lower max_tokens or raise num_kv_blocks"):

@@ -182,6 +182,9 @@ class HFMoEModel:
             raise ValueError(f"HFMoEModel mla_absorb must be True or False (got {mla_absorb!r})")
         check_logits("HFMoEModel", logits)
         self.logits = logits
+        #: The most ubatches a run may cut a step into (its MoE layers' process-group clones): a
+        #: DBORunner refuses at construction a configuration that could choose more.
+        self.max_ubatches = max_ubatches
         hf = self.hf = arch.hf
         self.deterministic = deterministic
         self.mla_absorb = mla_absorb
