@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -62,58 +61,13 @@ from ..plan import StepRecord
 from ..plan._checks import check_bool
 from .batch import Batch, BatchBuilder
 from .dp_agree import DPAgreement
-from .requests import FinishReason, Request, RequestOutput, RequestStatus, trace_requests
+from .requests import EngineReport, FinishReason, Request, RequestOutput, RequestStatus, trace_requests
 from .runner import DBORunner
 from .sampling import SEED_LIMIT, NonFiniteLogitsError, finite_rows, sample_finite
 
 __all__ = ["Engine", "EngineReport", "Request", "RequestOutput", "RequestStatus", "trace_requests"]
 
 log = logging.getLogger("asyncdbo.serving")
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineReport:
-    """One rank's replay of a trace: the outputs handed over by the run (every request that ended
-    in it, and any ended earlier and not taken yet), and its steps' records and times (the last
-    ``keep_records`` of them)."""
-
-    outputs: dict[int, RequestOutput]
-    records: tuple[StepRecord, ...]
-    step_s: tuple[float, ...]
-    makespan_s: float  # the run's start to the end of its last step
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(len(o.output_ids) for o in self.outputs.values())
-
-    @property
-    def failed(self) -> dict[int, RequestOutput]:
-        """The requests that ended by an error (their ``error`` says which)."""
-        return {rid: o for rid, o in self.outputs.items() if o.finish_reason == "error"}
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Output tokens over the run's wall time (its start to the last step's end)."""
-        return self.output_tokens / self.makespan_s if self.makespan_s > 0 else 0.0
-
-    @property
-    def mean_ttft_s(self) -> float:
-        return statistics.fmean(o.ttft_s for o in self.outputs.values()) if self.outputs else 0.0
-
-    @property
-    def mean_tpot_s(self) -> float:
-        tpots = [t for o in self.outputs.values() if (t := o.tpot_s) is not None]
-        return statistics.fmean(tpots) if tpots else 0.0
-
-    @property
-    def microbatched_steps(self) -> int:
-        return sum(rec.microbatched for rec in self.records)
-
-    def summary(self) -> str:
-        failed = f", {len(self.failed)} failed" if self.failed else ""
-        return (f"{len(self.outputs)} requests{failed}, {self.output_tokens} tokens in {len(self.records)} steps "
-                f"({self.microbatched_steps} microbatched), {self.tokens_per_s:.1f} tokens/s, "
-                f"TTFT {self.mean_ttft_s * 1e3:.1f} ms, TPOT {self.mean_tpot_s * 1e3:.1f} ms (means)")
 
 
 @dataclass(eq=False)

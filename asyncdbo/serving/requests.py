@@ -1,5 +1,6 @@
 """What a user hands the :class:`~asyncdbo.serving.Engine` and what it hands back: a request, its
-status while it is served, and its output when it ends (finished, or failed with its error).
+status while it is served, its output when it ends (finished, or failed with its error), and a
+run's report.
 
 Every field is checked where the request enters (here, and against the vocabulary in
 :meth:`Engine.add_request`), so a request is refused by name before any step, never lost in one.
@@ -9,13 +10,15 @@ from __future__ import annotations
 
 import enum
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .sampling import NonFiniteLogitsError, SamplingParams
+from ..plan import StepRecord
+from .sampling import SamplingParams
 
-__all__ = ["FinishReason", "NonFiniteLogitsError", "Request", "RequestOutput", "RequestStatus", "trace_requests"]
+__all__ = ["EngineReport", "FinishReason", "Request", "RequestOutput", "RequestStatus", "trace_requests"]
 
 #: Why a request ended: a stop token or EOS, ``max_tokens``, or an error (:attr:`RequestOutput.error`).
 FinishReason = Literal["stop", "length", "error"]
@@ -85,6 +88,51 @@ class RequestOutput:
         """Time per output token after the first (None for a one-token output)."""
         n = len(self.output_ids)
         return (self.finish_s - self.first_token_s) / (n - 1) if n > 1 else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineReport:
+    """One rank's replay of a trace: the outputs handed over by the run (every request that ended
+    in it, and any ended earlier and not taken yet), and its steps' records and times (the last
+    ``keep_records`` of them)."""
+
+    outputs: dict[int, RequestOutput]
+    records: tuple[StepRecord, ...]
+    step_s: tuple[float, ...]
+    makespan_s: float  # the run's start to the end of its last step
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(o.output_ids) for o in self.outputs.values())
+
+    @property
+    def failed(self) -> dict[int, RequestOutput]:
+        """The requests that ended by an error (their ``error`` says which)."""
+        return {rid: o for rid, o in self.outputs.items() if o.finish_reason == "error"}
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Output tokens over the run's wall time (its start to the last step's end)."""
+        return self.output_tokens / self.makespan_s if self.makespan_s > 0 else 0.0
+
+    @property
+    def mean_ttft_s(self) -> float:
+        return statistics.fmean(o.ttft_s for o in self.outputs.values()) if self.outputs else 0.0
+
+    @property
+    def mean_tpot_s(self) -> float:
+        tpots = [t for o in self.outputs.values() if (t := o.tpot_s) is not None]
+        return statistics.fmean(tpots) if tpots else 0.0
+
+    @property
+    def microbatched_steps(self) -> int:
+        return sum(rec.microbatched for rec in self.records)
+
+    def summary(self) -> str:
+        failed = f", {len(self.failed)} failed" if self.failed else ""
+        return (f"{len(self.outputs)} requests{failed}, {self.output_tokens} tokens in {len(self.records)} steps "
+                f"({self.microbatched_steps} microbatched), {self.tokens_per_s:.1f} tokens/s, "
+                f"TTFT {self.mean_ttft_s * 1e3:.1f} ms, TPOT {self.mean_tpot_s * 1e3:.1f} ms (means)")
 
 
 def trace_requests(prompts: Sequence[Sequence[int]], arrivals_s: Sequence[float],

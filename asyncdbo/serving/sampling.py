@@ -9,9 +9,10 @@ gives the same draws on every device.
 
 A row that holds NaN or ``+inf``, or only ``-inf``, is never sampled: :func:`sample_tokens` raises
 :class:`NonFiniteLogitsError` naming the rows (an argmax over NaN is token 0, silently), and the
-engine fails exactly those requests. Every finite temperature > 0 is representable: the row's
-maximum is subtracted before dividing by it, so a tiny temperature gives ``-inf`` for every token
-but the most likely (greedy in the limit) instead of ``inf - inf = NaN``.
+engine fails exactly those requests. Every finite temperature > 0 is accepted: the row's maximum is
+subtracted before dividing (so a small temperature sends every other token to ``-inf``, not the
+row to ``inf - inf = NaN``), and a temperature below :data:`MIN_TEMPERATURE` samples as that one
+(in float32 a smaller divisor rounds to 0): the most likely token, ties drawn among themselves.
 """
 
 # Shape legend: R = requests of a step, V = vocab, K = candidates kept by top-p.
@@ -26,6 +27,8 @@ import torch
 
 __all__ = ["NonFiniteLogitsError", "SamplingParams", "finite_rows", "sample_tokens"]
 
+#: The smallest temperature sampling divides by (a normal float32); below it, it samples as this.
+MIN_TEMPERATURE = 1e-30
 #: Seeds a ``torch.Generator`` takes: ``0 .. 2**64 - 1``.
 SEED_LIMIT = 2**64
 
@@ -115,7 +118,7 @@ def sample_finite(rows_RV: torch.Tensor, params: Sequence[SamplingParams],
         if gen is None:
             raise ValueError(f"request row {r} samples (temperature {p.temperature}) but has no generator")
         row_V = rows_RV[r]
-        probs_V = torch.softmax((row_V - row_V.max()) / p.temperature, dim=-1)
+        probs_V = torch.softmax((row_V - row_V.max()) / max(p.temperature, MIN_TEMPERATURE), dim=-1)
         if p.top_p < 1:
             sorted_K, order_K = probs_V.sort(descending=True, stable=True)
             before_K = sorted_K.cumsum(0) - sorted_K  # mass of the more likely tokens

@@ -21,6 +21,7 @@ from asyncdbo.models.hf.reference import tiny_hf_model  # noqa: E402
 from asyncdbo.plan import PlanReason, ThresholdConfig  # noqa: E402
 from asyncdbo.serving import (  # noqa: E402
     BatchBuilder,
+    NonFiniteLogitsError,
     DBORunner,
     Engine,
     Request,
@@ -213,3 +214,131 @@ async def test_bad_requests_are_refused_before_any_step(hf_models: dict[str, Any
     builder.build([(0, [1])])
     with pytest.raises(ValueError, match=r"the builder already holds requests \[0\]; give the engine a fresh"):
         Engine(eng.runner, builder)
+
+
+# -------------------------------------------------------------- never a wrong token (issue 45)
+
+
+def _poison(eng: Engine, request_id: int, at_step: int, value: float) -> None:
+    """Make ``request_id``'s last logits row of engine step ``at_step`` hold ``value`` in one
+    entry (as a model that overflowed or read unwritten memory would)."""
+    step = eng.runner.step
+
+    async def poisoned(batch: Any, **kw: Any) -> Any:
+        result = await step(batch, **kw)
+        if eng.num_steps == at_step:
+            rows = batch.attn.query_start_loc_cpu[1:].tolist()
+            rids = [rid for rid, _ in eng._running.items()]  # the step's order: running first
+            last = rows[rids.index(request_id)] - 1
+            result.logits_TV[last, 7] = value
+        return result
+    eng.runner.step = poisoned  # type: ignore[method-assign]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+async def test_a_non_finite_logits_row_fails_its_request_by_name_and_the_others_get_the_clean_tokens(
+        hf_models: dict[str, Any], value: float) -> None:
+    hf = hf_models["qwen3-moe"]
+    ps = prompts(5, 8, 3, seed=4)
+    params = [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, temperature=0.7, seed=3),
+              SamplingParams(max_tokens=4)]
+    runs = {}
+    for label in ("clean", "poisoned"):
+        eng = engine(from_hf_model(hf, block_size=4, num_kv_blocks=32, max_ubatches=2), enabled=True)
+        if label == "poisoned":
+            _poison(eng, request_id=1, at_step=2, value=value)
+        runs[label] = await eng.run(trace_requests(ps, [0.0] * 3, params))
+    clean, bad = runs["clean"].outputs, runs["poisoned"].outputs
+    assert bad[0].output_ids == clean[0].output_ids and bad[2].output_ids == clean[2].output_ids
+    assert bad[1].finish_reason == "error" and bad[1].status is RequestStatus.FAILED
+    assert bad[1].output_ids == clean[1].output_ids[:2]  # the tokens of the steps before
+    assert bad[1].error == (
+        "NonFiniteLogitsError: request 1: its logits at step 2 hold NaN or +inf, or only -inf "
+        f"({int(value != value)} NaN, {int(value == float('inf'))} inf of 96); no token was sampled from them")
+    assert list(runs["poisoned"].failed) == [1] and "3 requests, 1 failed" in runs["poisoned"].summary()
+
+
+def test_sample_tokens_refuses_a_row_it_cannot_draw_from_and_minus_inf_rules_a_token_out() -> None:
+    greedy = [SamplingParams()] * 3
+    rows = torch.tensor([[0.0, 1.0], [float("nan"), 1.0], [float("-inf"), float("-inf")]])
+    with pytest.raises(NonFiniteLogitsError, match=r"logits rows \[1, 2\] hold NaN or \+inf \(or only -inf\)"):
+        sample_tokens(rows, greedy, [None] * 3)
+    ruled_out = torch.tensor([[2.0, float("-inf"), 1.0]])
+    hot = SamplingParams(temperature=50.0, seed=1)
+    draws = {sample_tokens(ruled_out, [hot], [torch.Generator().manual_seed(s)])[0] for s in range(200)}
+    assert draws == {0, 2}
+
+
+def test_a_tiny_temperature_samples_the_most_likely_token_instead_of_nan() -> None:
+    rows = torch.tensor([[0.1, 3.0, 2.9, -4.0]])
+    for t in (1e-300, 1e-30, 1e-6):
+        params = SamplingParams(temperature=t, seed=9)
+        assert sample_tokens(rows, [params], [torch.Generator().manual_seed(9)]) == [1]
+
+
+@pytest.mark.asyncio
+async def test_requests_are_refused_where_they_enter_naming_the_request_and_the_field(
+        hf_models: dict[str, Any]) -> None:
+    model = from_hf_model(hf_models["qwen3-moe"], block_size=4, num_kv_blocks=8, max_ubatches=2)
+    eng = engine(model, enabled=True)
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=rf"request 1: arrival_s must be a finite time >= 0 in seconds \(got {bad}\)"):
+            Request(request_id=1, prompt=(1,), arrival_s=bad)
+    with pytest.raises(ValueError, match=r"request 2: stop_token_ids/eos_token_id \[96, 500\] are outside the vocabulary "
+                                         r"of 96 \(0 .. 95\); such a token is never sampled, so it never stops"):
+        eng.add_request(Request(request_id=2, prompt=(1,), params=SamplingParams(stop_token_ids=(3, 96), eos_token_id=500)))
+    with pytest.raises(ValueError, match=r"Engine seed must be an int in \[0, 2\*\*64\) \(got -1\)"):
+        engine(model, enabled=True, seed=-1)
+    with pytest.raises(ValueError, match=r"Engine keep_records must be an int >= 1 \(got 0\)"):
+        engine(model, enabled=True, keep_records=0)
+    assert eng.num_unfinished == 0
+    with pytest.raises(KeyError, match=r"request 2 is not known to this engine"):
+        eng.status(2)
+
+
+@pytest.mark.asyncio
+async def test_run_yields_every_step_and_serves_a_request_another_task_adds_meanwhile(
+        hf_models: dict[str, Any]) -> None:
+    import asyncio
+
+    eng = engine(from_hf_model(hf_models["qwen3-moe"], block_size=4, num_kv_blocks=32, max_ubatches=2), enabled=True)
+    ticks: list[int] = []
+
+    async def ticker() -> None:
+        while True:
+            ticks.append(eng.num_steps)
+            if eng.num_steps == 2 and eng.num_unfinished:  # mid-run: add one more request
+                eng.add_request(Request(request_id=9, prompt=(4, 5, 6), params=SamplingParams(max_tokens=2)))
+                await asyncio.sleep(0)
+                break
+            await asyncio.sleep(0)
+
+    task = asyncio.ensure_future(ticker())
+    report = await eng.run([Request(request_id=0, prompt=(1, 2, 3), params=SamplingParams(max_tokens=6))])
+    await task
+    assert sorted(report.outputs) == [0, 9] and len(report.outputs[9].output_ids) == 2
+    assert {1, 2} <= set(ticks)  # the ticker ran after step 0 and after step 1
+
+
+@pytest.mark.asyncio
+async def test_records_and_statuses_are_kept_in_bounded_rings(hf_models: dict[str, Any]) -> None:
+    eng = engine(from_hf_model(hf_models["qwen3-moe"], block_size=4, num_kv_blocks=64, max_ubatches=2), enabled=True,
+                 keep_records=3)
+    report = await eng.run(trace_requests(prompts(3, 4, 5, 2), [0.0] * 4, SamplingParams(max_tokens=5)))
+    assert eng.num_steps == 5 and len(eng.records) == len(eng.step_s) == 3
+    assert len(report.records) == 3 and report.records == tuple(eng.records)
+    assert sorted(report.outputs) == [0, 1, 2, 3] and eng.outputs == {}  # handed over by run()
+    with pytest.raises(KeyError):
+        eng.status(0)  # ended before the last 3
+    assert [eng.status(r) for r in (1, 2, 3)] == [RequestStatus.FINISHED] * 3
+
+
+def test_an_auto_runner_is_refused_at_construction_for_a_model_built_for_fewer_ubatches(
+        hf_models: dict[str, Any]) -> None:
+    model = from_hf_model(hf_models["qwen3-moe"], block_size=4, num_kv_blocks=8, max_ubatches=2)
+    with pytest.raises(ValueError, match=r"tuning='auto' may run 4 ubatches \(AutoConfig.ubatch_counts \(2, 3, 4\)\) "
+                                         r"but the model's MoE layers were built for max_ubatches=2"):
+        DBORunner(model, RunnerConfig(tuning="auto"))
+    with pytest.raises(ValueError, match=r"num_ubatches \(3\) exceeds max_ubatches \(2\)"):
+        DBORunner(model, RunnerConfig(num_ubatches=3))
