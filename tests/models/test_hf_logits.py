@@ -55,3 +55,23 @@ def test_a_token_split_that_cuts_a_request_computes_the_serial_rows() -> None:
 def test_an_unknown_logits_choice_is_refused() -> None:
     with pytest.raises(ValueError, match=r"^HFMoEModel\(logits='first'\): use one of \('all', 'last'\)$"):
         from_hf_model(tiny_hf_model("mixtral"), logits="first")
+
+
+def test_greedy_generate_refuses_a_non_finite_row_instead_of_taking_token_0() -> None:
+    from asyncdbo.models.hf import from_hf_model
+    from asyncdbo.models.hf.generate import greedy_generate
+    from asyncdbo.models.hf.reference import tiny_hf_model
+    from asyncdbo.serving import BatchBuilder, DBORunner, NonFiniteLogitsError
+
+    model = from_hf_model(tiny_hf_model("qwen3-moe"), block_size=4, num_kv_blocks=16, max_ubatches=2)
+    runner = DBORunner(model)
+    step = runner.step
+
+    async def nan_step(batch: object, **kw: object) -> object:
+        res = await step(batch, **kw)  # type: ignore[arg-type]
+        res.logits_TV[-1, 3] = float("nan")  # request 8's last row
+        return res
+    runner.step = nan_step  # type: ignore[method-assign,assignment]
+    with pytest.raises(NonFiniteLogitsError, match=r"step 0 \(serial\): the last logits rows of requests \[8\] hold NaN"):
+        asyncio.run(greedy_generate([(runner, False)], BatchBuilder(model.kv_cache_config), {7: [1, 2], 8: [3]},
+                                    decode_steps=1))

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ...plan import StepRecord
+from ...serving.sampling import NonFiniteLogitsError, finite_rows
 
 __all__ = ["Generation", "Parity", "compare_with_hf", "greedy_generate"]
 
@@ -72,6 +73,12 @@ async def greedy_generate(runners: Sequence[tuple[Any, bool]], builder: Any, pro
             gen.step_s.append(time.perf_counter() - t0)
             gen.records.append(res.record)
             gen.switches.append(res.num_switches)
+            last_R = torch.tensor([len(toks) for _, toks in chunks]).cumsum(0) - 1
+            bad = (~finite_rows(res.logits_TV[last_R.to(res.logits_TV.device)].float())).nonzero().flatten().tolist()
+            if bad:  # an argmax over NaN is token 0: never a token
+                raise NonFiniteLogitsError(
+                    f"step {step} ({'serial' if not enabled else 'DBO'}): the last logits rows of requests "
+                    f"{[chunks[i][0] for i in bad]} hold NaN or +inf (or only -inf); no greedy token is taken from them")
             offset = 0
             for r, toks in chunks:
                 rows_SV = res.logits_TV[offset: offset + len(toks)]
