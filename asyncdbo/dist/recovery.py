@@ -163,11 +163,6 @@ class RunSync:
         except Exception as post_exc:  # a store that is gone: the peers fail by their own bounds
             log.warning("could not post the failed run to the store: %s", post_exc)
 
-    def has_notice(self) -> bool:
-        """Whether some rank posted a failure in this epoch (one store read): every rank that
-        asks before the next run's renewal gets the same answer."""
-        return bool(self.store.check([self._key()]))
-
     def _notice(self) -> tuple[str, int, int, str] | None:
         """The notice of this epoch: kind, rank, the number of its failed run, reason; or None."""
         key = self._key()

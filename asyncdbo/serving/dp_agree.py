@@ -11,9 +11,9 @@ the all-reduce without blocking the event loop and read that notice every
 
 An all-reduce that a rank left unfinished would pair with the next one a peer issues (gloo pairs
 collectives by their sequence number), so the agreements run on a clone of the DP group of their
-own, and every rank replaces that clone at its first agreement after a failure notice of the
-current recovery epoch: the notice is in the store before any rank learns of the failure, and the
-epoch moves on only in the runner's next run, after that agreement.
+own, and at the start of the step after a failed one every rank renews that clone with the
+per-ubatch groups and starts the next recovery epoch (:meth:`DPAgreement.recover`): from then on a
+notice read while waiting for an agreement can only be a new failure.
 """
 
 from __future__ import annotations
@@ -46,18 +46,34 @@ class DPAgreement:
         self.device = device or "cpu"
         self.world = 1 if group is None else torch.distributed.get_world_size(group)
         self._clone: Any = None
-        self._epoch = -1  # the recovery epoch whose notice the clone was renewed for
+        self._renew = False  # the last step raised: renew before the next agreement
+
+    def failed(self) -> None:
+        """This rank's step raised (its own failure, a peer's named in an agreement or by its
+        notice, or a cancellation): the next step renews first (:meth:`recover`)."""
+        self._renew = True
+
+    def recover(self) -> None:
+        """Before the first agreement of the step after a failed one: renew every per-ubatch
+        group and this clone and start the next recovery epoch. Every rank's step raised at the
+        same agreement (or, for a stopped rank, where it stopped, its peers at their next read of
+        its notice), so every rank renews at the same step; after it, a notice read while waiting
+        is a new failure. Not decided from the store: a peer that is ahead may already have posted
+        a failure of the step this rank is only starting."""
+        if not self._renew:
+            return
+        self._renew = False
+        sync = self.sync
+        if sync is None or self._clone is None:
+            return
+        sync.renew()
+        old = [self._clone]  # may hold an all-reduce a stopped peer never joined
+        self._clone = clone_group(self.group)
+        retire_groups(old)
 
     def _current(self) -> Any:
-        sync = self.sync
         if self._clone is None:
             self._clone = clone_group(self.group)
-            self._epoch = -1 if sync is None else sync.epoch
-        if sync is not None and sync.epoch != self._epoch and sync.run.has_notice():
-            old = [self._clone]  # may hold an all-reduce a failed peer never joined
-            self._clone = clone_group(self.group)  # every rank, at the same agreement
-            self._epoch = sync.epoch
-            retire_groups(old)
         return self._clone
 
     def post(self, exc: BaseException) -> None:

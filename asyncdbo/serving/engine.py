@@ -322,6 +322,7 @@ class Engine:
     async def _cycle(self, now: float) -> tuple[int, int, list[RequestOutput] | None]:
         """Agree on the group's requests left and ready and, if any is ready, run one step (module
         docstring). Returns (left, ready, the requests that ended: None when no step ran)."""
+        self._dp.recover()  # after a failed step: every rank renews its groups here
         self._arrive(now)
         left, ready = self.num_unfinished, len(self._waiting) + len(self._running)
         txn: _Txn | None = None
@@ -352,6 +353,7 @@ class Engine:
             (flag,) = await self._dp.agree([self._dp.flag(error is not None)])
             self._raise_if_failed(flag, error)
         except BaseException as exc:
+            self._dp.failed()
             if txn is not None:
                 self._undo(txn)
             if error is None and not isinstance(exc, Exception):  # cancelled here: tell the peers

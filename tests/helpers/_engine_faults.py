@@ -64,7 +64,17 @@ def trace(rank: int, n: int = 7) -> list[Request]:
 
 
 def _inject(eng: Engine, net: Any, fault: Fault, rank: int) -> None:
-    if fault.where == "none" or fault.rank != rank:
+    if fault.where == "none":
+        return
+    if fault.rank != rank:  # the peer starts the failing step late: the failure is posted before it starts
+        cycle, late = eng._cycle, [True]
+
+        async def late_cycle(now: float) -> Any:
+            if late[0] and eng.num_steps == fault.step:
+                late[0] = False
+                await asyncio.sleep(0.3)
+            return await cycle(now)
+        eng._cycle = late_cycle  # type: ignore[method-assign]
         return
     fired = [False]
 
@@ -121,7 +131,10 @@ async def serve(model: Any, rank: int, group: Any, fault: Fault) -> dict[str, An
             except Exception as exc:
                 pending = []
                 outcomes.append(f"{type(exc).__name__}: {exc}")
-                # nothing changed: every unfinished request is still there, none lost
+                if rank == fault.rank and group is not None:
+                    # Its peer waits in the retry's first agreement meanwhile, reading this rank's
+                    # failure notice: a failure already handled must not abort the retry too.
+                    await asyncio.sleep(0.3)
                 continue
             outputs.update((rid, o.output_ids) for rid, o in report.outputs.items())
             break
