@@ -597,8 +597,9 @@ step_throw_running(StepObject *s, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 step_throw(StepObject *s, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 1 || nargs > 3) {
-        PyErr_Format(PyExc_TypeError, "throw expected at least 1 argument, got %zd", nargs);
+    if (nargs < 1 || nargs > 3) { /* generator.throw's own two messages */
+        PyErr_Format(PyExc_TypeError, nargs < 1 ? "throw expected at least 1 argument, got %zd"
+                                                : "throw expected at most 3 arguments, got %zd", nargs);
         return NULL;
     }
     if (step_enter(s) < 0)

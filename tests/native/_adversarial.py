@@ -156,6 +156,17 @@ def by_hand(kind: str) -> Callable[[int], Awaitable[Any]]:
             except KeyError as exc:
                 return f"KeyError: {exc}"
             return "nothing"
+        if kind == "throw_arity":  # a role step's throw() given 0, 4 and 5 arguments, then awaited
+            out = []
+            for args in [(), (ValueError, None, None, None), (ValueError, None, None, None, None)]:
+                aw = asyncdbo.dbo_yield_and_switch_from_compute_to_comm("arity")
+                try:
+                    aw.throw(*args)  # type: ignore[attr-defined]
+                except TypeError as exc:
+                    out.append(f"TypeError: {exc}")
+                await aw
+                await asyncdbo.dbo_yield_and_switch_from_comm_to_compute("back")
+            return out
         if kind == "close_then_send":
             aw = asyncdbo.dbo_yield_and_switch_from_compute_to_comm("closed")
             aw.close()  # type: ignore[attr-defined]
@@ -233,6 +244,7 @@ def cases(group: str) -> dict[str, tuple[Callable[[int], Awaitable[Any]], dict[s
     elif group == "by_hand":
         for kind in ("send_value", "class_attribute", "replace_coro", "throw_into_fresh", "close_then_send"):
             out[kind] = (by_hand(kind), {"backend": "host"})
+        out["throw_arity"] = (by_hand("throw_arity"), {"backend": RecordingBackend([])})
     elif group == "site":
         for kind in ("kept", "freed_code", "untracked"):
             out[kind] = (site(kind), {"backend": "host"})

@@ -99,4 +99,7 @@ def test_the_reference_is_what_python_says(reference: dict[str, Any]) -> None:
     assert any("dbo_yield('by hand') in ubatch 0 was never awaited" in w for w in by_hand["send_value"]["warnings"])
     assert by_hand["class_attribute"]["result"] == repr(["<Model>", "<Model>"])
     assert by_hand["replace_coro"]["result"] == repr(["the original ran"] * 2)
+    assert by_hand["throw_arity"]["result"] == repr([["TypeError: throw expected at least 1 argument, got 0",
+                                                      "TypeError: throw expected at most 3 arguments, got 4",
+                                                      "TypeError: throw expected at most 3 arguments, got 5"]] * 2)
     assert reference["configure: after a failed configure"]["python"]["result"] == "[0, 1]"
