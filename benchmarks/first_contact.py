@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""First contact with a GPU: what asyncdbo's device path does on one, in about five minutes.
+"""First contact with a GPU: what asyncdbo's device path does on one, in two calls of 170 s and 460 s at most.
 
 Written for the lent machine (one NVIDIA H200, no network, Python 3.12 with torch + CUDA,
 transformers, uvloop, pytest, pytest-timeout and hypothesis; no pytest-asyncio; only files under
@@ -14,7 +14,8 @@ files: ``first_contact.jsonl``, ``steps.log`` (each step's stdout and stderr) an
 (the ``cuda`` tests). Most informative first; the plan and what each step settles is in
 benchmarks/README.md ("First contact").
 
-    python3 benchmarks/first_contact.py                 # on the GPU machine ($OUT or ./out/first_contact)
+    python3 benchmarks/first_contact.py --plan          # the two device calls and their timeout_s (budget_s)
+    python3 benchmarks/first_contact.py --only env,headline   # call 1 on the GPU machine ($OUT or ./out/first_contact)
     python3 benchmarks/first_contact.py --dry-run       # on a CPU: every step starts, under the fake device
     python3 benchmarks/first_contact.py --only headline,syncs
 
@@ -37,7 +38,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,17 +47,47 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 HELPERS = ROOT / "tests" / "helpers"
 
-#: (step, timeout in seconds), in the order they run: most informative first. The budgets add up
-#: to 7 minutes at worst; a step ends early when its work does (a whole run takes about 4).
+#: (step, limit in seconds), in the order they run: most informative first. What a call may take
+#: at its limits is :func:`budget_s`, the one place that sums them (``--plan`` prints it per call).
 STEPS: tuple[tuple[str, int], ...] = (
     ("env", 40),
-    ("headline", 100),
+    ("headline", 120),
     ("invariants", 70),
     ("syncs", 50),
     ("graph", 50),
     ("tests", 120),
     ("numerics", 60),
 )
+#: pip's limit for installing the carried wheels; only a call with the ``tests`` step installs them
+PIP_S = 60
+#: the driver's own share beside its steps' (its start, the carried C extensions put in place, the lines)
+DRIVER_S = 10
+#: The plan: two device calls, each on whatever machine it gets (a machine stays warm 30 s only),
+#: so each starts with ``env``. The first holds the headline and fits FIRST_CALL_MAX_S at its
+#: limits, leaving a 15-minute lease room for a fresh start (4 minutes) after a first call that
+#: ran to them; the second holds the rest.
+CALLS: tuple[tuple[str, ...], ...] = (("env", "headline"), ("env", "invariants", "syncs", "graph", "tests", "numerics"))
+FIRST_CALL_MAX_S = 300
+
+
+def budget_s(names: Iterable[str]) -> int:
+    """The most a run of the steps ``names`` takes on the GPU machine: their limits, pip's when
+    ``tests`` is among them, and the driver's share. The driver stops at this deadline whatever
+    its steps do, and it is the device call's ``timeout_s`` (``--plan``)."""
+    chosen = set(names)
+    limits = dict(STEPS)
+    return sum(limits[n] for n in chosen) + (PIP_S if "tests" in chosen else 0) + DRIVER_S
+
+
+def plan() -> str:
+    """The device calls of the plan with their budgets, as benchmarks/README.md quotes them."""
+    rows = [f"call {i}: python3 benchmarks/first_contact.py --only {','.join(names)}    timeout_s {budget_s(names)}"
+            for i, names in enumerate(CALLS, 1)]
+    rows.append(f"all steps in one call: timeout_s {budget_s(dict(STEPS))} (steps {sum(dict(STEPS).values())}, pip {PIP_S}, "
+                f"driver {DRIVER_S})")
+    return "\n".join(rows)
+
+
 SITE = Path(tempfile.gettempdir()) / "asyncdbo_first_contact_site"
 #: --dry-run runs on a CI machine's CPU, slower than the GPU machine's 16 cores: each limit times this.
 DRY_SLACK = 4
@@ -95,7 +126,7 @@ def _forked_step(name: str, result_path: str, out: Path, log: Any, limit: float,
     otherwise. Only on a CPU: a forked child must not inherit a CUDA context."""
     import multiprocessing as mp
 
-    proc = mp.get_context("fork").Process(target=_step_child, args=(name, result_path, str(out), log.fileno(), env),
+    proc = mp.get_context("fork").Process(target=_step_child, args=(name, result_path, str(out), log.fileno(), env, limit),
                                           name=f"first_contact-{name}")
     proc.start()
     proc.join(limit)
@@ -106,7 +137,7 @@ def _forked_step(name: str, result_path: str, out: Path, log: Any, limit: float,
     return proc.exitcode
 
 
-def _step_child(name: str, result_path: str, out: str, log_fd: int, env: dict[str, str]) -> None:
+def _step_child(name: str, result_path: str, out: str, log_fd: int, env: dict[str, str], limit: float) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(log_fd, 1)
@@ -117,7 +148,7 @@ def _step_child(name: str, result_path: str, out: str, log_fd: int, env: dict[st
     if str(HELPERS) not in sys.path:
         sys.path.insert(0, str(HELPERS))
     try:
-        rc = main(["--step", name, "--result", result_path, "--out", out, "--dry-run"])
+        rc = main(["--step", name, "--result", result_path, "--out", out, "--limit", str(limit), "--dry-run"])
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -131,18 +162,24 @@ def drive(out: Path, dry: bool, only: set[str] | None, wheels: Path) -> int:
     lines, log_path = out / "first_contact.jsonl", out / "steps.log"
     failed = 0
     with open(log_path, "a") as log, open(lines, "a") as jl:
-        wheel_info = {"wheels": [], "installed": False} if dry else _install_wheels(wheels, log)
+        selected = [name for name, _ in STEPS if only is None or name in only]
+        slack = DRY_SLACK if dry else 1
+        deadline = time.monotonic() + budget_s(selected) * slack  # the call's budget, enforced
+        needs_wheels = not dry and "tests" in selected
+        wheel_info = _install_wheels(wheels, log) if needs_wheels else {"wheels": [], "installed": False,
+                                                                        **({} if dry else {"skipped": "no tests step"})}
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         paths = [str(SITE)] if wheel_info["installed"] else []
         env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT), str(HELPERS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         for name, limit in STEPS:
-            limit *= DRY_SLACK if dry else 1
-            if only is not None and name not in only:
+            if name not in selected:
                 continue
+            # its own limit, or what is left of the call's budget (less the driver's share)
+            limit = max(1, min(limit * slack, int(deadline - time.monotonic() - DRIVER_S * slack)))
             with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as tmp:
                 result_path = tmp.name
             cmd = [sys.executable, str(Path(__file__).resolve()), "--step", name, "--result", result_path,
-                   "--out", str(out), *(["--dry-run"] if dry else [])]
+                   "--out", str(out), "--limit", str(limit), *(["--dry-run"] if dry else [])]
             log.write(f"\n===== {name} (timeout {limit} s) =====\n")
             log.flush()
             t0 = time.perf_counter()
@@ -186,8 +223,8 @@ def drive(out: Path, dry: bool, only: set[str] | None, wheels: Path) -> int:
 class Step:
     """A step's result, written to its file after every update (a killed step keeps its part)."""
 
-    def __init__(self, path: str, dry: bool, out: Path) -> None:
-        self.path, self.dry, self.out = path, dry, out
+    def __init__(self, path: str, dry: bool, out: Path, limit: float) -> None:
+        self.path, self.dry, self.out, self.limit = path, dry, out, limit  # limit: the driver's for this step
         self.data: dict[str, Any] = {"ok": False}
 
     def put(self, **items: Any) -> None:
@@ -652,8 +689,8 @@ def step_tests(st: Step) -> None:
         ini.write_text("[pytest]\nmarkers =\n    cuda: needs a CUDA device\n    slow: slow\n    timeout: per-test limit\n")
         cmd = [*base, "--noconftest", "-c", str(ini), "--rootdir", str(ROOT), "tests/backends/test_cuda.py"]
     st.put(command=" ".join(cmd[1:]), pytest_asyncio=have_asyncio)
-    # the step's own limit less 10 s to report (x DRY_SLACK on a CPU: 110 s ran out at load average 22)
-    limit = dict(STEPS)["tests"] * (DRY_SLACK if st.dry else 1) - 10
+    # the limit the driver gave this step less 10 s to report (x DRY_SLACK on a CPU: 110 s ran out at load average 22)
+    limit = max(1, st.limit - 10)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, cwd=ROOT)
     print(proc.stdout[-6000:], proc.stderr[-3000:])
     st.put(returncode=proc.returncode, summary=(proc.stdout.strip().splitlines() or ["?"])[-1],
@@ -719,9 +756,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="run every step on a CPU under the fake device")
     ap.add_argument("--only", help="comma-separated steps to run (default: all)")
     ap.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="carried wheels to install first (default: .whl)")
+    ap.add_argument("--plan", action="store_true", help="print the device calls and their timeout_s, then exit")
     ap.add_argument("--step", choices=list(STEP_FUNCS), help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--limit", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.plan:
+        print(plan())
+        return 0
     if args.step is None:
         only = None
         if args.only:
@@ -730,7 +772,8 @@ def main(argv: list[str] | None = None) -> int:
             if unknown:
                 ap.error(f"--only names unknown steps {unknown}; choose from {list(STEP_FUNCS)}")
         return drive(args.out, args.dry_run, only, args.wheels)
-    st = Step(args.result, args.dry_run, args.out)
+    limit = args.limit if args.limit is not None else dict(STEPS)[args.step] * (DRY_SLACK if args.dry_run else 1)
+    st = Step(args.result, args.dry_run, args.out, limit)
     st.put()
     try:
         STEP_FUNCS[args.step](st)

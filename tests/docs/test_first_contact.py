@@ -4,10 +4,12 @@ step writes its JSON line; without ``--dry-run`` and without CUDA it stops after
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -47,3 +49,49 @@ def test_without_cuda_it_stops_after_the_environment_with_status_2(tmp_path: Pat
     assert "first_contact: torch sees no CUDA device here; on a CPU run --dry-run" in proc.stderr
     (env,) = _lines(tmp_path)
     assert (env["step"], env["ok"], env["cuda_available"]) == ("env", False, False)
+
+
+def _script() -> Any:
+    spec = importlib.util.spec_from_file_location("first_contact", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_first_call_fits_300_s_at_its_limits_and_the_readme_quotes_the_plan() -> None:
+    """The budget is summed in one place (budget_s); here the sums are redone by hand."""
+    fc = _script()
+    limits = dict(fc.STEPS)
+    assert [s for s, _ in fc.STEPS] == STEPS
+    first, second = fc.CALLS
+    assert first == ("env", "headline")
+    assert sorted(set(first) | set(second)) == sorted(STEPS)  # every step runs in one of the calls
+    assert fc.budget_s(first) == limits["env"] + limits["headline"] + fc.DRIVER_S == 170
+    assert fc.budget_s(first) <= fc.FIRST_CALL_MAX_S == 300
+    assert fc.budget_s(second) == sum(limits[s] for s in second) + fc.PIP_S + fc.DRIVER_S == 460
+    assert fc.budget_s(second) <= 600  # the device tool's most for one command
+    assert fc.budget_s(limits) == sum(limits.values()) + fc.PIP_S + fc.DRIVER_S == 580
+    # a 15-minute lease: a first start (at most 2 minutes, assumed), the first call at its limits,
+    # and still the 4 minutes a fresh machine needs to start
+    assert 15 * 60 - 120 - fc.budget_s(first) >= 4 * 60
+    readme = (SCRIPT.parent / "README.md").read_text()
+    for row in fc.plan().splitlines()[:2]:
+        assert row in readme, row
+    assert "580 s (steps 510, pip 60, driver 10)" in readme and "All steps in one call" in readme
+    for name, limit in fc.STEPS:
+        assert f"| `{name}` | {limit} s |" in readme, name
+
+
+@pytest.mark.timeout(300)
+def test_a_dry_first_call_runs_only_its_steps_within_its_budget(tmp_path: Path) -> None:
+    fc = _script()
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", ",".join(fc.CALLS[0]), "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=280, check=False)
+    lines = _lines(tmp_path)
+    assert [(ln["step"], ln["ok"]) for ln in lines] == [("env", True), ("headline", True)], proc.stderr[-3000:]
+    assert proc.returncode == 0
+    # each step's limit is its own (x DRY_SLACK): the call's budget is never the tighter one here
+    assert [ln["timeout_s"] for ln in lines] == [fc.DRY_SLACK * dict(fc.STEPS)[s] for s in fc.CALLS[0]]
+    assert sum(ln["wall_s"] for ln in lines) < fc.budget_s(fc.CALLS[0]) * fc.DRY_SLACK
+    assert lines[0]["carried_wheels"] == {"wheels": [], "installed": False}
