@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """First contact with a GPU: what asyncdbo's device path does on one, in two calls of 170 s and 460 s at most.
 
-Written for the lent machine (one NVIDIA H200, no network, Python 3.12 with torch + CUDA,
-transformers, uvloop, pytest, pytest-timeout and hypothesis; no pytest-asyncio; only files under
-``$OUT`` come back, at most 8). Nothing is fetched: wheels it needs (pytest-asyncio, for the
-``cuda`` tests' conftest) are installed from a carried folder (``--wheels``, default ``.whl``)
-into a private target, and a missing one only narrows the last step.
+Written for the lent machine (one NVIDIA H100 or H200, no network, Python 3.12 with torch + CUDA;
+only files under ``$OUT`` come back, at most 8). Nothing is fetched: what it needs that the image
+may lack is in a carried folder (``--wheels``, default ``.whl``) that
+benchmarks/first_contact_prepare.py fills beforehand: the wheels of pytest-asyncio and
+pytest-timeout (installed into a private target, only by a call that runs ``tests``; a missing
+one only narrows that step), the C extensions built for Python 3.12 (put in place before any
+step) and the commit.
 
 Every step runs in a child process with its own timeout and writes one JSON line to
 ``$OUT/first_contact.jsonl`` as soon as it ends (a step that is killed still leaves what it had
@@ -109,6 +111,36 @@ def _install_wheels(wheels: Path, log: Any) -> dict[str, Any]:
             **({} if proc.returncode == 0 else {"error": proc.stderr[-2000:]})}
 
 
+def _place_native(carried: Path) -> dict[str, Any]:
+    """The C extensions built for this Python by benchmarks/first_contact_prepare.py, copied into
+    the tree (they are gitignored, so none travel otherwise) where none is there yet, and only if
+    they were built from these sources. Before any step imports asyncdbo."""
+    import hashlib
+    import shutil
+    import sysconfig
+
+    try:
+        prepared = json.loads((carried / "prepared.json").read_text())
+    except (OSError, ValueError) as exc:
+        return {"placed": [], "reason": f"no prepared.json in {carried}: {type(exc).__name__}"}
+    h = hashlib.sha256()
+    for rel in ("asyncdbo/_core/_spin.c", "asyncdbo/dbo/_speedups.c", "asyncdbo/_native/slots.h"):
+        h.update(rel.encode() + b"\0" + (ROOT / rel).read_bytes() + b"\0")  # first_contact_prepare.sources_sha256
+    if h.hexdigest() != prepared.get("sources_sha256"):
+        return {"placed": [], "reason": "built from other C sources than these (rerun first_contact_prepare.py)"}
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    placed, present = [], []
+    for so in sorted((carried / "native").rglob(f"*{suffix}")):
+        rel = so.relative_to(carried / "native")
+        dest = ROOT / rel
+        if dest.exists():
+            present.append(str(rel))
+        else:
+            shutil.copy2(so, dest)
+            placed.append(str(rel))
+    return {"placed": placed, "present": present, **({} if placed or present else {"reason": f"no {suffix} build"})}
+
+
 def _preload_for_forked_steps() -> None:
     """What every --dry-run step imports first: torch, and torch._dynamo, which a dispatch mode
     (the fake device, HostSyncs) imports on its first op. A fresh interpreter per step paid both
@@ -157,6 +189,7 @@ def _step_child(name: str, result_path: str, out: str, log_fd: int, env: dict[st
 
 def drive(out: Path, dry: bool, only: set[str] | None, wheels: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
+    native = _place_native(wheels)
     if dry:
         _preload_for_forked_steps()
     lines, log_path = out / "first_contact.jsonl", out / "steps.log"
@@ -168,7 +201,7 @@ def drive(out: Path, dry: bool, only: set[str] | None, wheels: Path) -> int:
         needs_wheels = not dry and "tests" in selected
         wheel_info = _install_wheels(wheels, log) if needs_wheels else {"wheels": [], "installed": False,
                                                                         **({} if dry else {"skipped": "no tests step"})}
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", FIRST_CONTACT_CARRIED=str(wheels))
         paths = [str(SITE)] if wheel_info["installed"] else []
         env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT), str(HELPERS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         for name, limit in STEPS:
@@ -205,7 +238,7 @@ def drive(out: Path, dry: bool, only: set[str] | None, wheels: Path) -> int:
             elif rc != 0 and "error" not in result:
                 result["error"] = f"exited with status {rc} (see steps.log)"
             if name == "env":
-                result["carried_wheels"] = wheel_info
+                result["carried_wheels"], result["carried_c_extensions"] = wheel_info, native
             line = {"step": name, "ok": ok, "dry_run": dry, "wall_s": wall, "timeout_s": limit, **result}
             line.pop("ok_", None)
             jl.write(json.dumps(line, default=str) + "\n")
@@ -289,11 +322,17 @@ def step_env(st: Step) -> None:
             info[dist] = metadata.version(dist)  # without importing it (transformers takes seconds)
         except metadata.PackageNotFoundError:
             info[dist] = None
-    try:
-        info["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
+    try:  # no .git travels to the GPU machine: there the commit is the one first_contact_prepare.py wrote
+        prepared = json.loads((Path(os.environ.get("FIRST_CONTACT_CARRIED", ROOT / ".whl")) / "prepared.json").read_text())
+        info["commit"], info["commit_dirty"] = prepared.get("commit"), prepared.get("dirty")
+    except (OSError, ValueError):
         info["commit"] = None
+    if (ROOT / ".git").exists():
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            info["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                                            text=True, timeout=10).stdout.strip() or info["commit"]
+            info["commit_dirty"] = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                                                       capture_output=True, text=True, timeout=10).stdout.strip())
     st.put(**info)
     if not st.dry:
         p = torch.cuda.get_device_properties(0)
@@ -672,26 +711,30 @@ def step_graph(st: Step) -> None:
 
 # ------------------------------------------------------------------------------------- 6. tests
 def step_tests(st: Step) -> None:
-    """The ``cuda`` tests with junit output. Without pytest-asyncio (the conftest needs it) only
-    tests/backends/test_cuda.py runs, without the conftest, under a minimal ini."""
-    try:
-        import pytest_asyncio  # noqa: F401
+    """The ``cuda`` tests with junit output, independent of the image's plugins: autoload off
+    (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``), the two the suite needs named (pytest-timeout and
+    pytest-asyncio, both carried as wheels), so the project's strict config and "warnings are
+    errors" meet only those. Without one of them only tests/backends/test_cuda.py runs, without
+    the conftest, under a minimal ini (``--strict-config`` would refuse ``timeout`` or the
+    ``asyncio_*`` keys)."""
+    import importlib.util
 
-        have_asyncio = True
-    except ImportError:
-        have_asyncio = False
+    have = {mod: importlib.util.find_spec(mod) is not None for mod in ("pytest_timeout", "pytest_asyncio")}
     junit = st.out / "junit.xml"
-    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", "-m", "cuda"]
-    if have_asyncio:
+    plugins = [arg for mod, name in (("pytest_timeout", "pytest_timeout"), ("pytest_asyncio", "pytest_asyncio.plugin"))
+               if have[mod] for arg in ("-p", name)]
+    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins, f"--junitxml={junit}", "-m", "cuda"]
+    if all(have.values()):
         cmd = [*base, "tests/backends/test_cuda.py", "tests/observe/test_trace.py"]
     else:
         ini = Path(tempfile.gettempdir()) / "asyncdbo_first_contact.ini"
         ini.write_text("[pytest]\nmarkers =\n    cuda: needs a CUDA device\n    slow: slow\n    timeout: per-test limit\n")
         cmd = [*base, "--noconftest", "-c", str(ini), "--rootdir", str(ROOT), "tests/backends/test_cuda.py"]
-    st.put(command=" ".join(cmd[1:]), pytest_asyncio=have_asyncio)
+    env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    st.put(command=" ".join(cmd[1:]), plugins=have, plugin_autoload=False)
     # the limit the driver gave this step less 10 s to report (x DRY_SLACK on a CPU: 110 s ran out at load average 22)
     limit = max(1, st.limit - 10)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, cwd=ROOT, env=env)
     print(proc.stdout[-6000:], proc.stderr[-3000:])
     st.put(returncode=proc.returncode, summary=(proc.stdout.strip().splitlines() or ["?"])[-1],
            ok=proc.returncode in (0, 5) if st.dry else proc.returncode == 0)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +97,63 @@ def test_a_dry_first_call_runs_only_its_steps_within_its_budget(tmp_path: Path) 
     assert [ln["timeout_s"] for ln in lines] == [fc.DRY_SLACK * dict(fc.STEPS)[s] for s in fc.CALLS[0]]
     assert sum(ln["wall_s"] for ln in lines) < fc.budget_s(fc.CALLS[0]) * fc.DRY_SLACK
     assert lines[0]["carried_wheels"] == {"wheels": [], "installed": False}
+
+
+def _python312() -> str | None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import first_contact_prepare
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return first_contact_prepare.default_python()  # type: ignore[no-any-return]
+
+
+@pytest.mark.timeout(300)
+def test_the_carried_cp312_extensions_are_put_in_place_and_load_under_python_3_12(tmp_path: Path) -> None:
+    """What the GPU machine does with the carried folder, rehearsed with this machine's Python 3.12
+    on a copy of the tree without any built extension (as the device gets it: *.so is gitignored).
+    torch is not needed: ``import asyncdbo`` and its C extensions take none."""
+    python = _python312()
+    if python is None:
+        pytest.skip("no Python 3.12 here")
+    root = SCRIPT.parents[1]
+    tree = tmp_path / "tree"
+    shutil.copytree(root / "asyncdbo", tree / "asyncdbo", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copytree(root / "benchmarks", tree / "benchmarks", ignore=shutil.ignore_patterns("results", "__pycache__"))
+    for name in ("setup.py", "pyproject.toml"):
+        shutil.copy2(root / name, tree / name)
+    carried = tree / ".whl"
+    subprocess.run([sys.executable, str(tree / "benchmarks/first_contact_prepare.py"), "--dest", str(carried),
+                    "--python", python, "--no-wheels"], check=True, capture_output=True, timeout=240)
+    prepared = json.loads((carried / "prepared.json").read_text())
+    assert prepared["native"]["built"] == ["asyncdbo/_core/_spin.cpython-312-x86_64-linux-gnu.so",
+                                           "asyncdbo/dbo/_speedups.cpython-312-x86_64-linux-gnu.so"]
+    probe = (f"import sys; sys.path.insert(0, {str(tree / 'benchmarks')!r}); import first_contact as fc; "
+             f"import json, pathlib; print(json.dumps(fc._place_native(pathlib.Path({str(carried)!r})))); "
+             "from asyncdbo._core import kernel; from asyncdbo.dbo import primitives; "
+             "print(kernel._spin is not None, primitives.FAST is not None, 'torch' in sys.modules)")
+    proc = subprocess.run([python, "-c", probe], cwd=tree, capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ASYNCDBO_PURE_PYTHON")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    placed, loaded = proc.stdout.splitlines()
+    assert json.loads(placed)["placed"] == prepared["native"]["built"]
+    assert loaded == "True True False"
+    # a change to the C sources makes the carried build stale: it is not placed
+    (tree / "asyncdbo/_native/slots.h").write_text((tree / "asyncdbo/_native/slots.h").read_text() + "\n")
+    for so in prepared["native"]["built"]:
+        (tree / so).unlink()
+    proc = subprocess.run([python, "-c", probe.split("; from asyncdbo")[0]], cwd=tree, capture_output=True, text=True,
+                          timeout=120)
+    assert json.loads(proc.stdout)["reason"].startswith("built from other C sources"), proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_the_tests_step_runs_with_plugin_autoload_off_and_its_plugins_named(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "tests", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=280, check=False)
+    (line,) = _lines(tmp_path)
+    assert line["ok"] and line["returncode"] == 0, (tmp_path / "steps.log").read_text()[-3000:]
+    assert line["plugin_autoload"] is False and line["plugins"] == {"pytest_timeout": True, "pytest_asyncio": True}
+    assert "-p pytest_timeout -p pytest_asyncio.plugin" in line["command"]
+    assert "tests/observe/test_trace.py" in line["command"] and "--noconftest" not in line["command"]
+    assert proc.returncode == 0
