@@ -39,6 +39,11 @@ def test_dry_run_starts_every_step_and_writes_its_line(tmp_path: Path) -> None:
     assert {p: r["ratio"] for p, r in by["headline"]["sleep_overlap_program"].items()} == {"role": 0.5, "ubatch": 0.5}
     assert all(c["equal"] and c["caller_stream_restored"] and not c["wrong_stream"] for c in by["invariants"]["cases"])
     assert by["graph"]["toy"]["captured"] is True
+    # the accelerator's settings, also on a CPU: the MoE layer's sync-free path, 0 host syncs
+    assert by["syncs"]["moe_config"] == {"sync_free": True, "deterministic": False}
+    assert [c["hostsyncs_count"] for c in by["syncs"]["cases"]] == [0, 0]
+    assert by["graph"]["moe_ht"] == {"captured": True, "host_syncs": [], "other_problems": []}
+    assert all(m["bitwise_equal"] is not None and not m["wrong_stream"] for m in by["invariants"]["moe_layer"])
     assert sorted(f.name for f in tmp_path.iterdir()) == ["first_contact.jsonl", "junit.xml", "steps.log"]
 
 
