@@ -300,17 +300,41 @@ def accelerator_moe(model: Any) -> Any:
     return model
 
 
-def device_ms(fn: Callable[[], Any], reps: int) -> list[float]:
-    """Device time of each of ``reps`` calls of ``fn`` in ms (CUDA events around it)."""
+#: the device sleep queued before each timed call's start event (:func:`device_ms`)
+LEAD_MS = 5.0
+_CYCLES_PER_MS: list[float] = []
+
+
+def cycles_per_ms() -> float:
+    """What ``torch.cuda._sleep`` counts in a millisecond here, measured once."""
+    import torch
+
+    if not _CYCLES_PER_MS:
+        probe = 10_000_000
+        (ms,) = device_ms(lambda: torch.cuda._sleep(probe), 1, lead_ms=0.0)
+        _CYCLES_PER_MS.append(probe / max(ms, 1e-6))
+    return _CYCLES_PER_MS[0]
+
+
+def device_ms(fn: Callable[[], None], reps: int, lead_ms: float = LEAD_MS) -> list[float]:
+    """Device time of each of ``reps`` calls of ``fn`` in ms, device work only: a ``lead_ms``
+    device sleep is queued before the start event, so the host sets the call up (``asyncdbo.run``'s
+    loop, the first launches) while the device is still busy, and the start event fires with work
+    already queued behind it (without it the host's set-up, about 80 us, was idle device time
+    inside the figure). ``fn`` returns nothing: what it made is not freed between the events."""
     import torch
 
     times = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if lead_ms:
+            torch.cuda._sleep(int(lead_ms * cycles_per_ms()))
         s.record()
-        fn()
+        returned = fn()
         e.record()
         e.synchronize()
+        if returned is not None:
+            raise TypeError(f"a timed call must return None (got {type(returned).__name__})")
         times.append(round(s.elapsed_time(e), 4))
     return times
 
@@ -369,9 +393,7 @@ def _sleep_concurrency(st: Step) -> None:
     """Two torch.cuda._sleep kernels (no memory traffic) on two streams: concurrent or not."""
     import torch
 
-    probe = 10_000_000
-    (ms,) = device_ms(lambda: torch.cuda._sleep(probe), 1)
-    cycles = int(probe * 10.0 / ms)  # about 10 ms
+    cycles = int(cycles_per_ms() * 10.0)  # about 10 ms
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
 
     def two_streams() -> None:
@@ -396,9 +418,7 @@ def _overlap_program(st: Step, be: Any) -> None:
 
     import asyncdbo
 
-    probe = 10_000_000
-    (ms,) = device_ms(lambda: torch.cuda._sleep(probe), 1)
-    cycles = int(probe * 20.0 / ms)
+    cycles = int(cycles_per_ms() * 20.0)
 
     def comm() -> None:
         torch.cuda._sleep(cycles)
@@ -410,17 +430,44 @@ def _overlap_program(st: Step, be: Any) -> None:
                                                        backend=be, stream_policy=policy))
 
         dbo()
-        serial = device_ms(lambda: (comm(), comm()), 3)
+        def serial_run() -> None:
+            comm()
+            comm()
+
+        serial = device_ms(serial_run, 3)
         overlapped = device_ms(dbo, 3)
         out[policy] = {"serial_ms": serial, "dbo_ms": overlapped, "ratio": round(_med(overlapped) / _med(serial), 3)}
     st.put(sleep_overlap_program=out)
 
 
-def _moe_like(st: Step, be: Any, dry: bool) -> None:
-    """A layer stack with a comm stand-in that uses no SMs (a pinned device->host->device copy on
-    the comm stream, the copy engines standing in for the NIC): serial (one ubatch), DBO (two),
-    and the compute-only and comm-only baselines, timed on the device; the tracer's comm-hidden
-    share of the DBO run is measured from device events."""
+def comm_hidden(c: float, m: float, d: float) -> float:
+    """The share of the hideable time that DBO hid: ``(c + m - d) / min(c, m)`` with ``c`` and
+    ``m`` the compute-only and comm-only runs and ``d`` the DBO run, all of the same two ubatches
+    (1: d = max(c, m), all hidden; 0: d = c + m, none)."""
+    return round((c + m - d) / max(min(c, m), 1e-9), 3)
+
+
+def _comm_backend(priority: int) -> Any:
+    """The cuda backend whose role-policy comm stream has ``priority`` (0 the default; -1 above
+    the compute stream's 0)."""
+    import torch
+
+    from asyncdbo.backends.accelerator import AcceleratorBackend
+
+    be = AcceleratorBackend("cuda")
+    be._comm = torch.cuda.Stream(priority=priority)  # what attach() would make, with a priority
+    return be
+
+
+def _moe_like(st: Step, dry: bool) -> None:
+    """A layer stack with a comm stand-in on the comm stream, two kinds: ``copy_engine``, a pinned
+    device->host->device copy that occupies no SMs (the copy engines standing in for the NIC: an
+    upper bound on what DBO hides), and ``sm_copy``, a dtype-converting copy there and back, a
+    kernel that occupies SMs as NCCL's does; each with the comm stream at the default priority (0)
+    and above compute (-1). Per case: serial (one ubatch), DBO (two), and the compute-only and
+    comm-only runs of two ubatches, timed on the device (:func:`device_ms`); the comm hidden is
+    ``(c + m - d) / min(c, m)`` of those 2-ubatch runs (1: all that could hide did, 0: nothing),
+    and the tracer's comm-hidden share of a DBO run is measured from device events."""
     import torch
 
     import asyncdbo
@@ -430,13 +477,14 @@ def _moe_like(st: Step, be: Any, dry: bool) -> None:
     dev = _dev(dry)
     layers, T, D = (4, 4096, 4096) if not dry else (2, 16, 8)
     dtype = torch.bfloat16 if not dry else torch.float32
+    wide = torch.float32 if not dry else torch.float64  # the SM copy's other dtype: a conversion kernel
     g = torch.Generator(device=dev).manual_seed(0)
     w_DD = torch.randn(D, D, device=dev, dtype=dtype, generator=g) / D**0.5
     x_TD = torch.randn(T, D, device=dev, dtype=dtype, generator=g)
-    pinned: dict[Any, torch.Tensor] = {}
-    reps = {"mm": 1}
+    bufs: dict[Any, torch.Tensor] = {}
+    reps = {"mm": 1, "copy": 1}
 
-    async def stack(x_TD: torch.Tensor, key: int, compute: bool, comm: bool) -> torch.Tensor:
+    async def stack(x_TD: torch.Tensor, key: int, compute: bool, comm: bool, kind: str) -> None:
         for layer in range(layers):
             h_TD = x_TD
             if compute:
@@ -445,41 +493,57 @@ def _moe_like(st: Step, be: Any, dry: bool) -> None:
             back_TD = torch.empty_like(h_TD)  # allocated on compute: the comm stream writes it
             await dbo_yield_and_switch_from_compute_to_comm(f"L{layer}:dispatch")
             if comm:
-                buf = pinned.get((key, h_TD.shape))
+                buf = bufs.get((kind, key, h_TD.shape))
                 if buf is None:
-                    buf = pinned[(key, h_TD.shape)] = torch.empty(h_TD.shape, dtype=dtype, pin_memory=not dry)
-                buf.copy_(h_TD, non_blocking=True)  # device -> host on the comm stream
-                back_TD.copy_(buf, non_blocking=True)  # host -> device
+                    buf = bufs[(kind, key, h_TD.shape)] = (
+                        torch.empty(h_TD.shape, dtype=dtype, pin_memory=not dry) if kind == "copy_engine"
+                        else torch.empty(h_TD.shape, dtype=wide, device=dev))
+                for _ in range(reps["copy"] if kind == "sm_copy" else 1):
+                    buf.copy_(h_TD, non_blocking=True)  # out: to the host, or widened on the SMs
+                    back_TD.copy_(buf, non_blocking=True)  # and back
             else:
                 back_TD.copy_(h_TD)
             await dbo_yield_and_switch_from_comm_to_compute(f"L{layer}:combine")
             x_TD = x_TD + back_TD
-        return x_TD
 
-    def run(n: int, compute: bool = True, comm: bool = True, instrument: Any = None) -> None:
-        parts = [(x_TD[k * T // n:(k + 1) * T // n], k, compute, comm) for k in range(n)]
+    def run(be: Any, n: int, kind: str, compute: bool = True, comm: bool = True, instrument: Any = None) -> None:
+        parts = [(x_TD[k * T // n:(k + 1) * T // n], k, compute, comm, kind) for k in range(n)]
         asyncdbo.run(lambda: asyncdbo.run_ubatches(stack, parts, backend=be, instrument=instrument))
 
-    run(2)
-    run(1)  # warm-up: cuBLAS, pinned buffers, streams
-    # one layer's compute about its comm: matmul repeats from the two one-ubatch baselines
-    c1, m1 = _med(device_ms(lambda: run(1, comm=False), 3)), _med(device_ms(lambda: run(1, compute=False), 3))
-    reps["mm"] = max(1, min(16, round(m1 / max(c1, 1e-6)))) if not dry else 1
-    st.put(moe_like={"layers": layers, "T": T, "D": D, "dtype": str(dtype), "matmuls_per_layer": reps["mm"],
-                     "calibration_ms": {"compute_1ub": c1, "comm_1ub": m1}})
-    res: dict[str, Any] = {}
-    for label, n, compute, comm in (("serial", 1, True, True), ("dbo", 2, True, True),
-                                    ("compute_only", 2, True, False), ("comm_only", 2, False, True)):
-        res[f"{label}_ms"] = device_ms(lambda n=n, c=compute, m=comm: run(n, c, m), 5 if not dry else 1)
-        st.put(moe_like={**st.data["moe_like"], **res})
-    s, d, c, m = (_med(res[f"{k}_ms"]) for k in ("serial", "dbo", "compute_only", "comm_only"))
-    tracer = Tracer()
-    run(2, instrument=tracer)
-    nums = tracer.numbers()
-    res.update(speedup=round(s / max(d, 1e-9), 3), saved_over_best_possible=round((s - d) / max(min(c, m), 1e-9), 3),
-               tracer_comm_s=nums.comm_s, tracer_compute_s=nums.compute_s, tracer_comm_hidden_share=round(nums.comm_hidden_share, 3),
-               tracer_comm_hidden_by_other_s=nums.comm_hidden_by_other_s)
-    st.put(moe_like={**st.data["moe_like"], **res})
+    out: dict[str, Any] = {"layers": layers, "T": T, "D": D, "dtype": str(dtype), "lead_ms": LEAD_MS}
+    st.put(moe_like=out)
+    for kind in ("copy_engine", "sm_copy"):
+        be0 = _comm_backend(0)
+        for n in (2, 1):
+            run(be0, n, kind)  # warm-up: cuBLAS, buffers, streams
+        # one layer's compute about its comm, calibrated on the one-ubatch runs
+        reps["mm"], reps["copy"] = (1, 1) if kind == "copy_engine" else (4, 1)
+        c1, m1 = _med(device_ms(lambda: run(be0, 1, kind, comm=False), 3)), _med(device_ms(lambda: run(be0, 1, kind, compute=False), 3))
+        if not dry and kind == "copy_engine":
+            reps["mm"] = max(1, min(16, round(m1 / max(c1, 1e-6))))
+        elif not dry:
+            reps["copy"] = max(1, min(64, round(c1 / max(m1, 1e-6))))
+        for priority in (0, -1):
+            be = be0 if priority == 0 else _comm_backend(priority)
+            run(be, 2, kind)
+            res: dict[str, Any] = {"comm_stream_priority": priority, "matmuls_per_layer": reps["mm"],
+                                   "copies_per_layer": reps["copy"], "calibration_ms": {"compute_1ub": c1, "comm_1ub": m1}}
+            for label, n, compute, comm in (("serial", 1, True, True), ("dbo", 2, True, True),
+                                            ("compute_only", 2, True, False), ("comm_only", 2, False, True)):
+                res[f"{label}_ms"] = device_ms(lambda n=n, c=compute, m=comm: run(be, n, kind, c, m), 5 if not dry else 1)
+                out[f"{kind}_prio{priority}"] = res
+                st.put(moe_like=out)
+            s_, d, c, m = (_med(res[f"{k}_ms"]) for k in ("serial", "dbo", "compute_only", "comm_only"))
+            tracer = Tracer()
+            run(be, 2, kind, instrument=tracer)
+            nums = tracer.numbers()
+            res.update(speedup_over_serial=round(s_ / max(d, 1e-9), 3),
+                       comm_hidden=comm_hidden(c, m, d),
+                       tracer_comm_s=nums.comm_s, tracer_compute_s=nums.compute_s,
+                       tracer_comm_hidden_share=round(nums.comm_hidden_share, 3),
+                       tracer_comm_hidden_by_other_s=nums.comm_hidden_by_other_s)
+            out[f"{kind}_prio{priority}"] = res
+            st.put(moe_like=out)
 
 
 def _switch_cost(st: Step, be: Any) -> None:
@@ -519,7 +583,7 @@ def step_headline(st: Step) -> None:
         be = AcceleratorBackend("cuda")
         _sleep_concurrency(st)
         _overlap_program(st, be)
-        _moe_like(st, be, st.dry)
+        _moe_like(st, st.dry)
         _switch_cost(st, be)
     st.put(ok=True)
 

@@ -162,3 +162,34 @@ def test_the_tests_step_runs_with_plugin_autoload_off_and_its_plugins_named(tmp_
     assert "-p pytest_timeout -p pytest_asyncio.plugin" in line["command"]
     assert "tests/observe/test_trace.py" in line["command"] and "--noconftest" not in line["command"]
     assert proc.returncode == 0
+
+
+def test_comm_hidden_is_taken_from_the_two_ubatch_runs() -> None:
+    fc = _script()
+    assert fc.comm_hidden(10.0, 6.0, 10.0) == 1.0  # d = max(c, m): all of the comm hid
+    assert fc.comm_hidden(10.0, 6.0, 16.0) == 0.0  # d = c + m: none
+    assert fc.comm_hidden(10.0, 6.0, 13.0) == 0.5
+
+
+def test_device_ms_times_device_work_after_a_lead_sleep_and_refuses_a_returned_value() -> None:
+    from asyncdbo.testing.fake_device import FakeDevice
+
+    fc = _script()
+    with FakeDevice() as dev:
+        fc._CYCLES_PER_MS.clear()
+        events: list[str] = []
+        real_sleep = torch.cuda._sleep
+
+        def sleep(cycles: int) -> None:
+            events.append(f"sleep {round(cycles / fc.cycles_per_ms(), 3)} ms" if fc._CYCLES_PER_MS else "probe")
+            real_sleep(cycles)
+
+        torch.cuda._sleep = sleep  # type: ignore[assignment]
+        try:
+            assert fc.device_ms(lambda: dev.kernel(3.0), 2) == [3.0, 3.0]  # the 5-ms lead is outside the figure
+        finally:
+            torch.cuda._sleep = real_sleep  # type: ignore[assignment]
+        assert events == ["probe", f"sleep {fc.LEAD_MS} ms", f"sleep {fc.LEAD_MS} ms"]
+        with pytest.raises(TypeError, match="a timed call must return None"):
+            fc.device_ms(lambda: [1], 1)
+    fc._CYCLES_PER_MS.clear()
