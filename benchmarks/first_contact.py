@@ -742,7 +742,8 @@ def step_syncs(st: Step) -> None:
 # ------------------------------------------------------------------------------------- 5. graph
 def step_graph(st: Step) -> None:
     """CUDA-graph capture of a two-ubatch step: a toy interleaved forward (must capture and replay
-    equal) and one DBO step of the MoE layer (captures only once its path is free of host syncs)."""
+    equal) and one DBO step of the MoE layer on its sync-free path (:data:`ACCEL_MOE`), which must
+    capture too (under --dry-run: no host sync seen)."""
     import torch
     from _device_scenarios import capture_forward
     from _moe_ranks import DEEPSEEK_LIKE
