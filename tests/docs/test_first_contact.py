@@ -193,3 +193,15 @@ def test_device_ms_times_device_work_after_a_lead_sleep_and_refuses_a_returned_v
         with pytest.raises(TypeError, match="a timed call must return None"):
             fc.device_ms(lambda: [1], 1)
     fc._CYCLES_PER_MS.clear()
+
+
+@pytest.mark.timeout(120)
+def test_the_driver_gives_a_step_no_more_than_what_is_left_of_its_calls_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call's budget is enforced, not only printed: with a budget of 12 s (x4 dry) the first
+    step gets what is left less the driver's share, whatever its own limit."""
+    fc = _script()
+    monkeypatch.setattr(fc, "budget_s", lambda names: 2 + fc.DRIVER_S)
+    assert fc.drive(tmp_path, True, {"env"}, tmp_path / "no-wheels") == 0
+    (line,) = _lines(tmp_path)
+    assert line["ok"] and line["timeout_s"] <= 2 * fc.DRY_SLACK < dict(fc.STEPS)["env"] * fc.DRY_SLACK
