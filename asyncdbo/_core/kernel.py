@@ -244,6 +244,12 @@ class DBORun(Endings):
         self._live = len(self.ubatches)
 
     # ------------------------------------------------------------------ services for the layer above
+    @property
+    def installed(self) -> object:
+        """What :meth:`install` made current last (None: nothing yet); a resume installs a
+        ubatch's ``resume_with`` only when it is not this (debug mode's stream check reads it)."""
+        return self._installed
+
     def install(self, obj: object) -> None:
         """Make ``obj`` current now (a role switch inside a step), as a resume would."""
         if obj is not self._installed:

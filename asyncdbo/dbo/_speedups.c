@@ -597,8 +597,9 @@ step_throw_running(StepObject *s, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 step_throw(StepObject *s, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 1 || nargs > 3) {
-        PyErr_Format(PyExc_TypeError, "throw expected at least 1 argument, got %zd", nargs);
+    if (nargs < 1 || nargs > 3) { /* generator.throw's own two messages */
+        PyErr_Format(PyExc_TypeError, nargs < 1 ? "throw expected at least 1 argument, got %zd"
+                                                : "throw expected at most 3 arguments, got %zd", nargs);
         return NULL;
     }
     if (step_enter(s) < 0)
@@ -880,22 +881,23 @@ static PyObject *
 primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"pyfunc", "kind", "tag", "src", "dst", "marks", NULL};
-    PyObject *pyfunc, *tag = Py_None, *src = Py_None, *dst = Py_None, *marks = Py_None;
-    const char *kind;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Os|OOOO:Primitive", kwlist, &pyfunc, &kind, &tag, &src, &dst, &marks))
+    PyObject *pyfunc, *kind, *tag = Py_None, *src = Py_None, *dst = Py_None, *marks = Py_None;
+    /* `kind` is read as the str object it came as, positional or keyword: the error below names it
+     * (reading it back from `args` read past the tuple when it came by keyword, issue 48). */
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OU|OOOO:Primitive", kwlist, &pyfunc, &kind, &tag, &src, &dst, &marks))
         return NULL;
     int k;
-    if (strcmp(kind, "yield") == 0)
+    /* length-checked (an embedded NUL does not match) and never fails */
+    if (PyUnicode_CompareWithASCIIString(kind, "yield") == 0)
         k = P_YIELD;
-    else if (strcmp(kind, "role") == 0)
+    else if (PyUnicode_CompareWithASCIIString(kind, "role") == 0)
         k = P_ROLE;
-    else if (strcmp(kind, "sync") == 0)
+    else if (PyUnicode_CompareWithASCIIString(kind, "sync") == 0)
         k = P_SYNC;
-    else if (strcmp(kind, "plain") == 0)
+    else if (PyUnicode_CompareWithASCIIString(kind, "plain") == 0)
         k = P_PLAIN;
     else
-        return PyErr_Format(PyExc_ValueError, "Primitive kind must be yield, role, sync or plain (got %R)",
-                            PyTuple_GET_ITEM(args, 1));
+        return PyErr_Format(PyExc_ValueError, "Primitive kind must be yield, role, sync or plain (got %R)", kind);
     if (!PyCallable_Check(pyfunc))
         return PyErr_Format(PyExc_TypeError, "Primitive needs a callable Python implementation (got %R)", pyfunc);
     if (k == P_ROLE && !PyDict_CheckExact(marks))

@@ -9,7 +9,9 @@
   before the second collective is issued (gloo would abort the process on the mismatch, from C++,
   where Python cannot catch it);
 * an async collective whose work a ubatch does not hand to ``dbo_submit`` before it next yields,
-  parks or returns (:class:`CommGuard`): an error naming the line that issued it.
+  parks or returns (:class:`CommGuard`): an error naming the line that issued it;
+* a stream context held across a yield (:class:`asyncdbo.dbo.stream_guard.StreamContextGuard`):
+  an error naming the line where the ubatch suspended with another stream current.
 
 Yield discipline: every ubatch of a step should pass the same yield points in the same order.
 
@@ -526,7 +528,9 @@ def debug_instruments(mode: DebugMode) -> list[Instrument]:
     """The instruments debug mode adds to a run (the first call in a process also pays the
     one-time set-up of :func:`prepare_dispatch_mode`, before the run starts)."""
     prepare_dispatch_mode()
-    insts: list[Instrument] = [CommGuard(), YieldChecker()]
+    from .stream_guard import StreamContextGuard
+
+    insts: list[Instrument] = [CommGuard(), YieldChecker(), StreamContextGuard()]
     if mode.blocking_s is not None:
         insts.append(BlockingDetector(mode.blocking_s))
     return insts

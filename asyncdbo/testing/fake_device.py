@@ -72,9 +72,9 @@ class StreamRuleError(AssertionError):
         super().__init__(f"{len(problems)} stream rule violation(s) a GPU would suffer:\n  " + "\n  ".join(shown) + more)
 
 
-def _place() -> str:
+def _place(depth: int = 2) -> str:
     """The innermost frame outside asyncdbo's machinery, torch and the standard library."""
-    f: FrameType | None = sys._getframe(2)
+    f: FrameType | None = sys._getframe(depth)
     while f is not None and f.f_code.co_filename.startswith(_SKIP):
         f = f.f_back
     if f is None:
@@ -303,6 +303,9 @@ class FakeDevice:
         self._side: dict[int, DBORun] = {}  # side stream id -> the run in progress that uses it
         self._stack = contextlib.ExitStack()
         self.default: FakeStream | None = None
+        #: per thread, the open ``torch.cuda.stream`` blocks: (stream, the ubatch that entered it, where)
+        self._contexts: dict[int, list[tuple[FakeStream, Any, str]]] = {}
+        self._seen_held: set[tuple[int, str, int]] = set()
 
     # ------------------------------------------------------------------ streams
     def current(self) -> FakeStream:
@@ -352,6 +355,15 @@ class FakeDevice:
             if stream is not ub.ext.stream:
                 self._problem(f"wrong stream: {name} from {_who()} at {_place()} ran on {stream.name}, "
                               f"not its own stream {ub.ext.stream.name}")
+                held = self._contexts.get(threading.get_ident())
+                if held and held[-1][0] is stream and held[-1][1] is not None and held[-1][1] is not ub \
+                        and (key := (stream.id, held[-1][2], ub.id)) not in self._seen_held:
+                    self._seen_held.add(key)  # once per block and ubatch: its first kernel there
+                    _, owner, where = held[-1]
+                    self._problem(f"stream context held across a yield: `with torch.cuda.stream({stream.name})` "
+                                  f"entered by ubatch {owner.id} of {owner.run.name!r} at {where} was still current "
+                                  f"when ubatch {ub.id} resumed, so its kernels went to {stream.name} (the first: "
+                                  f"{name} at {_place()}); leave the block before the yield (docs/troubleshooting.md)")
         elif ub is None and stream.id in self._side:
             self._problem(f"wrong stream: {name} issued outside ubatches at {_place()} ran on {stream.name}, a side "
                           f"stream of run {self._side[stream.id].name!r} in progress")
@@ -581,7 +593,12 @@ def _stream_context(stream: FakeStream | None) -> Iterator[FakeStream | None]:
         return
     prev = dev.current()
     dev.set_current(stream)
+    entry = (stream, get_ubatch(), _place(1))
+    held = dev._contexts.setdefault(threading.get_ident(), [])
+    held.append(entry)  # a block that spans a yield is found by the next ubatch's kernel (_check_side)
     try:
         yield stream
     finally:
+        if entry in held:
+            held.remove(entry)
         dev.set_current(prev)

@@ -156,6 +156,17 @@ def by_hand(kind: str) -> Callable[[int], Awaitable[Any]]:
             except KeyError as exc:
                 return f"KeyError: {exc}"
             return "nothing"
+        if kind == "throw_arity":  # a role step's throw() given 0, 4 and 5 arguments, then awaited
+            out = []
+            for args in [(), (ValueError, None, None, None), (ValueError, None, None, None, None)]:
+                aw = asyncdbo.dbo_yield_and_switch_from_compute_to_comm("arity")
+                try:
+                    aw.throw(*args)  # type: ignore[attr-defined]
+                except TypeError as exc:
+                    out.append(f"TypeError: {exc}")
+                await aw
+                await asyncdbo.dbo_yield_and_switch_from_comm_to_compute("back")
+            return out
         if kind == "close_then_send":
             aw = asyncdbo.dbo_yield_and_switch_from_compute_to_comm("closed")
             aw.close()  # type: ignore[attr-defined]
@@ -233,11 +244,14 @@ def cases(group: str) -> dict[str, tuple[Callable[[int], Awaitable[Any]], dict[s
     elif group == "by_hand":
         for kind in ("send_value", "class_attribute", "replace_coro", "throw_into_fresh", "close_then_send"):
             out[kind] = (by_hand(kind), {"backend": "host"})
+        out["throw_arity"] = (by_hand("throw_arity"), {"backend": RecordingBackend([])})
     elif group == "site":
         for kind in ("kept", "freed_code", "untracked"):
             out[kind] = (site(kind), {"backend": "host"})
     elif group == "configure":
         out["after a failed configure"] = (configure_misuse(), {"backend": RecordingBackend([])})
+    elif group == "primitive_new":
+        out["after refused constructions"] = (primitive_new_misuse(), {"backend": RecordingBackend([])})
     else:
         raise SystemExit(f"unknown group {group!r}")
     return out
@@ -281,6 +295,59 @@ def configure_misuse() -> Callable[[int], Awaitable[Any]]:
 
     async def program(i: int) -> int:
         for _ in range(3):
+            await asyncdbo.dbo_yield_and_switch_from_compute_to_comm("dispatch")
+            await asyncdbo.dbo_switch_to_compute_sync()
+            await asyncdbo.dbo_yield()
+        return i
+
+    return program
+
+
+#: (args, kwargs, what _speedups.Primitive(*args, **kwargs) raises): every argument by position and
+#: by keyword, missing, doubled, of the wrong type, and kinds that only look like a valid one. A
+#: keyword ``kind`` was read back from the positional tuple for the message and crashed (issue 48).
+PRIMITIVE_NEW_CASES: list[tuple[tuple[Any, ...], dict[str, Any], str]] = [
+    ((print, "bogus"), {}, "ValueError: Primitive kind must be yield, role, sync or plain (got 'bogus')"),
+    ((print,), {"kind": "bogus"}, "ValueError: Primitive kind must be yield, role, sync or plain (got 'bogus')"),
+    ((), {"pyfunc": print, "kind": "bogus"}, "ValueError: Primitive kind must be yield, role, sync or plain (got 'bogus')"),
+    ((print,), {"kind": "bogus", "tag": "t", "src": 1, "dst": 2, "marks": {}},
+     "ValueError: Primitive kind must be yield, role, sync or plain (got 'bogus')"),
+    ((print,), {"kind": "yield\x00"}, "ValueError: Primitive kind must be yield, role, sync or plain (got 'yield\\x00')"),
+    ((print,), {"kind": "yiel"}, "ValueError: Primitive kind must be yield, role, sync or plain (got 'yiel')"),
+    ((print,), {"kind": "\udcff"}, "ValueError: Primitive kind must be yield, role, sync or plain (got '\\udcff')"),
+    ((print,), {"kind": 3}, "TypeError: Primitive() argument 2 must be str, not int"),
+    ((print,), {"kind": b"yield"}, "TypeError: Primitive() argument 2 must be str, not bytes"),
+    ((print,), {}, "TypeError: Primitive() missing required argument 'kind' (pos 2)"),
+    ((), {}, "TypeError: Primitive() missing required argument 'pyfunc' (pos 1)"),
+    ((print, "yield"), {"kind": "yield"}, "TypeError: argument for Primitive() given by name ('kind') and position (2)"),
+    ((print, "yield", None, None, None, None, None), {}, "TypeError: Primitive() takes at most 6 arguments (7 given)"),
+    ((print,), {"kind": "yield", "bogus": 1}, "TypeError: 'bogus' is an invalid keyword argument for Primitive()"),
+    ((3,), {"kind": "yield"}, "TypeError: Primitive needs a callable Python implementation (got 3)"),
+    ((print,), {"kind": "role"}, "TypeError: a role primitive needs its marks dict (got None)"),
+    ((print,), {"kind": "role", "marks": []}, "TypeError: a role primitive needs its marks dict (got [])"),
+]
+
+
+def primitive_new_misuse() -> Callable[[int], Awaitable[Any]]:
+    """Every bad construction of the C primitive raises its TypeError or ValueError (never a crash)
+    and leaves the primitives working. The pure-Python primitives are functions: there the
+    program alone runs, the reference that the C run's outcome must equal."""
+    speedups = sys.modules.get("asyncdbo.dbo._speedups")
+    if speedups is not None:
+        got = []
+        for args, kwargs, _ in PRIMITIVE_NEW_CASES:
+            try:
+                speedups.Primitive(*args, **kwargs)
+                got.append("no error")
+            except (TypeError, ValueError) as exc:
+                got.append(f"{type(exc).__name__}: {exc}")
+        want = [w for _, _, w in PRIMITIVE_NEW_CASES]
+        assert got == want, [(g, w) for g, w in zip(got, want) if g != w]
+        made = speedups.Primitive(print, kind="yield", tag="t")  # all by keyword: accepted
+        assert made.__name__ == "print", made
+
+    async def program(i: int) -> int:
+        for _ in range(2):
             await asyncdbo.dbo_yield_and_switch_from_compute_to_comm("dispatch")
             await asyncdbo.dbo_switch_to_compute_sync()
             await asyncdbo.dbo_yield()

@@ -10,8 +10,9 @@ await; an awaitable re-entered from a backend's install and from the signal it w
 sent and exceptions thrown into it by hand; a primitive stored as a class attribute; a replaced
 ``ub.coro``; the recorded call site (``ub.unawaited_at``, refilled in place on C) kept by the
 program, freeing a code object whose weakref callback reads the ubatch, or untracked by the
-collector; and configure() of each extension given types without those slots or with another
-class's member descriptors.
+collector; configure() of each extension given types without those slots or with another
+class's member descriptors; and the C primitive's constructor given every argument by position and
+by keyword, missing, doubled or of the wrong type.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ GROUPS = (
     [f"ub.{f}" for f in UB_FIELDS]
     + [f"lane.{f}" for f in LANE_FIELDS]
     + [f"kernel.{f}" for f in KERNEL_FIELDS]
-    + ["reentry", "by_hand", "site", "configure"]
+    + ["reentry", "by_hand", "site", "configure", "primitive_new"]
 )
 #: one group's limit on the C extensions (its child's alarm); TIMEOUT_S bounds each driver process
 GROUP_LIMIT_S = 60
@@ -98,4 +99,7 @@ def test_the_reference_is_what_python_says(reference: dict[str, Any]) -> None:
     assert any("dbo_yield('by hand') in ubatch 0 was never awaited" in w for w in by_hand["send_value"]["warnings"])
     assert by_hand["class_attribute"]["result"] == repr(["<Model>", "<Model>"])
     assert by_hand["replace_coro"]["result"] == repr(["the original ran"] * 2)
+    assert by_hand["throw_arity"]["result"] == repr([["TypeError: throw expected at least 1 argument, got 0",
+                                                      "TypeError: throw expected at most 3 arguments, got 4",
+                                                      "TypeError: throw expected at most 3 arguments, got 5"]] * 2)
     assert reference["configure: after a failed configure"]["python"]["result"] == "[0, 1]"
