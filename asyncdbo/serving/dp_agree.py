@@ -47,6 +47,13 @@ class DPAgreement:
         self.world = 1 if group is None else torch.distributed.get_world_size(group)
         self._clone: Any = None
         self._renew = False  # the last step raised: renew before the next agreement
+        self._deferred: BaseException | None = None  # a cancellation that came during an agreement
+
+    def raise_deferred(self, instead_of: BaseException | None = None) -> None:
+        """Raise the cancellation that came during an agreement (at the step's end), if one did."""
+        exc, self._deferred = self._deferred, None
+        if exc is not None:
+            raise exc from instead_of
 
     def failed(self) -> None:
         """This rank's step raised (its own failure, a peer's named in an agreement or by its
@@ -89,7 +96,10 @@ class DPAgreement:
                                             async_op=True)
         wait, since_poll = _FIRST_WAIT_S, 0.0
         while not work.is_completed():
-            await asyncio.sleep(wait)
+            try:
+                await asyncio.sleep(wait)
+            except asyncio.CancelledError as exc:  # the peers wait for this all-reduce too: end it first
+                self._deferred = exc
             since_poll += wait
             wait = min(wait * 2, _MAX_WAIT_S)
             if since_poll >= POLL_S and self.sync is not None:

@@ -321,7 +321,12 @@ class Engine:
 
     async def _cycle(self, now: float) -> tuple[int, int, list[RequestOutput] | None]:
         """Agree on the group's requests left and ready and, if any is ready, run one step (module
-        docstring). Returns (left, ready, the requests that ended: None when no step ran)."""
+        docstring). Returns (left, ready, the requests that ended: None when no step ran).
+
+        A cancellation lands at the step's end, once its outcome is agreed (the peers wait for
+        this rank's part of every agreement), except inside the runner's run, which ends at once
+        and tells the peers (:mod:`asyncdbo.dist.recovery`); either way every rank takes the step
+        or undoes it alike."""
         self._dp.recover()  # after a failed step: every rank renews its groups here
         self._arrive(now)
         left, ready = self.num_unfinished, len(self._waiting) + len(self._running)
@@ -336,6 +341,7 @@ class Engine:
             left, ready, flag = await self._dp.agree([left, ready, self._dp.flag(error is not None)])
             self._raise_if_failed(flag, error)
             if not ready:
+                self._dp.raise_deferred()
                 return left, ready, None
             if txn is None:  # an idle rank steps with the group
                 txn = _Txn(chunks=[], admitted=[], seeds_state=None, batch=self.builder.build([]))
@@ -346,7 +352,7 @@ class Engine:
                 result = await self.runner.step(txn.batch, enabled=self.enabled)
                 if txn.chunks:
                     drawn = self._sample(txn, result.logits_TV)
-            except Exception as exc:  # the runner posted its own failures; this posts sampling's
+            except BaseException as exc:  # the runner posted its own failures; this posts sampling's
                 error = exc
                 self._dp.post(exc)
             step_s = time.perf_counter() - t_step
@@ -356,15 +362,18 @@ class Engine:
             self._dp.failed()
             if txn is not None:
                 self._undo(txn)
-            if error is None and not isinstance(exc, Exception):  # cancelled here: tell the peers
-                self._dp.post(exc)
             exc.add_note(f"asyncdbo: engine step {self.num_steps} did not take effect on this rank: every request "
                          "is as it was before it; call Engine.run() (or step()) again on every rank to go on")
+            self._dp.raise_deferred(exc)
             raise
         self.records.append(result.record)
         self.step_s.append(step_s)
         now = self._end_s = self._now()
-        return left, ready, self._commit(txn, drawn, now)
+        finished = self._commit(txn, drawn, now)
+        for out in finished:  # kept until handed over, also if a deferred cancellation ends the run now
+            self._finished[out.request_id] = out
+        self._dp.raise_deferred()
+        return left, ready, finished
 
     def _raise_if_failed(self, flag: int, error: BaseException | None) -> None:
         rank = self._dp.failed_rank(flag)
@@ -380,6 +389,8 @@ class Engine:
         if not self._started:
             self._t0, self._started = self.clock(), True
         _, _, finished = await self._cycle(self._now())
+        for out in finished or ():
+            self._finished.pop(out.request_id, None)  # handed over here
         return finished or []
 
     async def run(self, requests: Iterable[Request] = ()) -> EngineReport:
@@ -399,13 +410,16 @@ class Engine:
             left, ready, finished = await self._cycle(now)
             if not left:
                 break
-            if finished is None:  # nobody has an arrived request: wait for this rank's next one
-                nxt = self._pending[0].arrival_s - now if self._pending else 0.0
-                await self.sleep(max(nxt, 0.0))
-                continue
-            for out in finished:
-                self._finished[out.request_id] = out
-            await asyncio.sleep(0)  # let other tasks of the loop run (and add requests) between steps
+            try:
+                if finished is None:  # nobody has an arrived request: wait for this rank's next one
+                    nxt = self._pending[0].arrival_s - now if self._pending else 0.0
+                    await self.sleep(max(nxt, 0.0))
+                else:
+                    await asyncio.sleep(0)  # let other tasks of the loop run (and add requests) between steps
+            except BaseException as exc:  # cancelled between steps: the peers may wait in the next agreement
+                self._dp.post(exc)
+                self._dp.failed()
+                raise
         kept = min(self.num_steps - steps0, len(self.records))
         steps, times = list(self.records)[len(self.records) - kept:], list(self.step_s)[len(self.step_s) - kept:]
         return EngineReport(outputs=self.take_finished(), records=tuple(steps), step_s=tuple(times),

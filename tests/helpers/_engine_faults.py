@@ -84,7 +84,17 @@ def _inject(eng: Engine, net: Any, fault: Fault, rank: int) -> None:
             return True
         return False
 
-    if fault.where == "model":
+    if fault.where == "cancel-in-step":  # the run's task cancelled from inside the model: it lands in the run
+        forward = net.forward
+
+        async def cancelling_forward(*args: Any) -> Any:
+            if due():
+                task = asyncio.current_task()
+                assert task is not None
+                eng._test_run_task.cancel()  # type: ignore[attr-defined]
+            return await forward(*args)
+        net.forward = cancelling_forward
+    elif fault.where == "model":
         forward = net.forward
 
         async def failing_forward(*args: Any) -> Any:
@@ -92,6 +102,8 @@ def _inject(eng: Engine, net: Any, fault: Fault, rank: int) -> None:
                 raise RuntimeError(f"injected model failure at step {fault.step}")
             return await forward(*args)
         net.forward = failing_forward
+    elif fault.where == "cancel-between":
+        pass  # serve() cancels the run's task between steps
     elif fault.where == "admission":
         build = eng.builder.build
 
@@ -127,8 +139,13 @@ async def serve(model: Any, rank: int, group: Any, fault: Fault) -> dict[str, An
     try:
         for _ in range(4):
             try:
-                report = await eng.run(pending)
-            except Exception as exc:
+                task = eng._test_run_task = asyncio.ensure_future(eng.run(pending))  # type: ignore[attr-defined]
+                if fault.where == "cancel-between" and fault.rank == rank and not outcomes:
+                    while not task.done() and eng.num_steps < fault.step:
+                        await asyncio.sleep(0)  # run() yields between steps
+                    task.cancel()
+                report = await task
+            except (Exception, asyncio.CancelledError) as exc:
                 pending = []
                 outcomes.append(f"{type(exc).__name__}: {exc}")
                 if rank == fault.rank and group is not None:

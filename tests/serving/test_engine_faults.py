@@ -46,3 +46,19 @@ def test_two_ranks_the_peer_of_a_failing_rank_is_told_its_name_and_both_serve_th
     _check(r0, f"StepAborted: step aborted: rank 1 failed it (RuntimeError: {message}); "
                "the next step recovers on every rank")
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["cancel-in-step", "cancel-between"])
+def test_two_ranks_a_run_cancelled_on_one_rank_mid_step_or_between_steps_leaves_both_able_to_go_on(
+        pool: RankPool, where: str) -> None:
+    """Cancelled inside the runner's run, the step is undone on every rank and the peer is told;
+    cancelled between steps, the peer waiting in the next agreement is told; cancelled while an
+    agreement is in flight, the cancellation waits for the step's end. Every way, calling run()
+    again serves the clean run's tokens on both ranks."""
+    r0, r1 = pool.run(on_ranks, Fault(where, 3, rank=1), timeout_s=200.0)
+    _check(r1, "CancelledError: ")
+    peer = r0["faulty"]["outcomes"]
+    assert peer in ([], ["StepAborted: step aborted: rank 1 failed it (cancelled); the next step recovers on every "
+                         "rank"]), peer
+    _check(r0, peer[0] if peer else None)
