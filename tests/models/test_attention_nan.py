@@ -316,3 +316,23 @@ def test_issue_45_bf16_prefill_of_9_23_and_4_tokens(path: str, dtype: str) -> No
     softmaxed to NaN and a bf16 matmul spread them into real rows of the same requests."""
     layout = LAYOUTS[PATHS[path][0]]
     check_path(path, make_step(layout, DTYPES[dtype], [(0, 9), (0, 23), (0, 4)], block_size=4, seed=45))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", PATHS)
+def test_requests_with_no_new_tokens_change_no_other_request(path: str, dtype: str) -> None:
+    """A request with no new tokens in the step (the metadata allows it) beside a ragged prefill
+    and a decode token: one with no context at all, whose block-table row points at a block no
+    token wrote (NaN: a fast path reads its position 0 there for its padding rows), and one that
+    repeats request 1's context. Their rows are padding only; what they read stays out of every
+    real row."""
+    layout = LAYOUTS[PATHS[path][0]]
+    step = make_step(layout, DTYPES[dtype], [(0, 9), (5, 1), (0, 23), (0, 4)], block_size=4, seed=7)
+    attn, spare = step.attn, step.cache.cfg.num_blocks - 1  # make_step leaves the last blocks unwritten
+    assert step.cache.k_cache_LNZHK[LAYER][spare].isnan().all()
+    table = attn.block_table
+    rows = [table[0], torch.full_like(table[0], spare), table[1], table[2], table[1], table[3]]
+    step.attn = AttentionMetadata.from_lengths([9, 0, 1, 23, 0, 4], [9, 0, 6, 23, 6, 4], torch.stack(rows),
+                                               attn.slot_mapping)
+    check_path(path, step)
