@@ -172,6 +172,35 @@ async def _mixed_run(model: Any, v: Variant, steps: list[list[tuple[int, list[in
     return {r: torch.cat(rs) for r, rs in rows.items()}, records
 
 
+Logits = dict[int, torch.Tensor]  # request -> its rows, [tokens fed, V]
+
+
+def _mixed_serial_and_dbo(name: str, dtype: torch.dtype,
+                          **model_kw: Any) -> tuple[Any, dict[int, list[int]], dict[str, Logits]]:
+    """The transformers model, each request's fed tokens and the serial and DBO runs' logits of
+    :data:`MIXED_STEPS` (every DBO step microbatched), each run on its own NaN-filled cache."""
+    hf = tiny_hf_model(name, dtype=dtype)
+    v = VARIANTS[name]
+    g = torch.Generator().manual_seed(45)
+    steps = [[(r, torch.randint(0, 96, (n,), generator=g).tolist()) for r, n in chunks] for chunks in MIXED_STEPS]
+    fed: dict[int, list[int]] = {}
+    for chunks in steps:
+        for r, tokens in chunks:
+            fed.setdefault(r, []).extend(tokens)
+    model = from_hf_model(hf, schedule=v.schedule, max_ubatches=3, block_size=4, num_kv_blocks=64, dtype=dtype,
+                          **model_kw)
+    runs = {mode: asyncdbo.run(_mixed_run, net, v, steps, mode == "dbo")
+            for mode, net in (("serial", model), ("dbo", model.with_fresh_cache()))}
+    assert all(rec.microbatched for rec in runs["dbo"][1]) and not any(rec.microbatched for rec in runs["serial"][1])
+    logits = {mode: rows for mode, (rows, _) in runs.items()}
+    for mode, rows in logits.items():
+        for r in fed:
+            assert rows[r].dtype == dtype and rows[r].shape == (len(fed[r]), hf.config.vocab_size)
+            nan_rows = (~rows[r].isfinite()).any(1).nonzero().flatten().tolist()
+            assert not nan_rows, (mode, r, nan_rows)
+    return hf, fed, logits
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3-moe", "deepseek-v3"])
@@ -183,28 +212,37 @@ def test_mixed_prefill_and_decode_steps_over_a_nan_filled_cache_give_transformer
     promise of this module); in fp32 within the fp32 tolerances. Before the fix (fbb170b) the bf16
     rows of requests 0 and 2 were NaN from step 0 on."""
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    hf = tiny_hf_model(name, dtype=torch_dtype)
-    v = VARIANTS[name]
-    g = torch.Generator().manual_seed(45)
-    steps = [[(r, torch.randint(0, 96, (n,), generator=g).tolist()) for r, n in chunks] for chunks in MIXED_STEPS]
-    fed: dict[int, list[int]] = {}
-    for chunks in steps:
-        for r, tokens in chunks:
-            fed.setdefault(r, []).extend(tokens)
-    model = from_hf_model(hf, schedule=v.schedule, max_ubatches=3, block_size=4, num_kv_blocks=64, dtype=torch_dtype)
-    runs = {mode: asyncdbo.run(_mixed_run, net, v, steps, mode == "dbo")
-            for mode, net in (("serial", model), ("dbo", model.with_fresh_cache()))}
-    assert all(rec.microbatched for rec in runs["dbo"][1]) and not any(rec.microbatched for rec in runs["serial"][1])
+    hf, fed, runs = _mixed_serial_and_dbo(name, torch_dtype)
     for r, tokens in fed.items():
         ref_SV = hf_logits(hf, tokens)
-        for mode, (logits, _) in runs.items():
+        for mode, logits in runs.items():
             got_SV = logits[r]
-            assert got_SV.dtype == torch_dtype and got_SV.shape == ref_SV.shape
-            nan_rows = (~got_SV.isfinite()).any(1).nonzero().flatten().tolist()
-            assert not nan_rows, (mode, r, nan_rows)
             if dtype == "bf16":
                 assert torch.equal(got_SV.float(), ref_SV), (mode, r, (got_SV.float() - ref_SV).abs().max())
             else:
                 assert (got_SV - ref_SV).abs().max().item() <= FP32_HF_TOL, (mode, r)
         if dtype == "fp32":
-            assert (runs["serial"][0][r] - runs["dbo"][0][r]).abs().max().item() <= FP32_DBO_TOL, r
+            assert (runs["serial"][r] - runs["dbo"][r]).abs().max().item() <= FP32_DBO_TOL, r
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("name,mode", [("mixtral", "exact"), ("qwen3-moe", "exact"), ("deepseek-v3", "exact"),
+                                       ("deepseek-v3", "mla_absorb")])
+def test_exact_mode_and_absorbed_mla_over_a_nan_filled_cache(name: str, mode: str, dtype: str) -> None:
+    """The model's other attention paths on the same mixed steps over a NaN-filled cache: exact
+    mode (``deterministic=True``: the tiled attention, whose padding rows see no key) and DeepSeek's
+    absorbed decode (``mla_absorb=True``). Neither keeps transformers' bf16 rounding (module
+    docstring of :class:`~asyncdbo.models.hf.model.HFMoEModel`), so what they promise is checked:
+    every row finite; exact mode's DBO run gives the serial run's bits; in fp32, transformers'
+    logits within the fp32 tolerance."""
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    kw = {"deterministic": True} if mode == "exact" else {"mla_absorb": True}
+    hf, fed, runs = _mixed_serial_and_dbo(name, torch_dtype, **kw)
+    for r, tokens in fed.items():
+        if mode == "exact":
+            assert torch.equal(runs["dbo"][r], runs["serial"][r]), r
+        if dtype == "fp32":
+            ref_SV = hf_logits(hf, tokens)
+            for run in runs.values():
+                assert (run[r] - ref_SV).abs().max().item() <= FP32_HF_TOL, r
