@@ -336,3 +336,47 @@ def test_requests_with_no_new_tokens_change_no_other_request(path: str, dtype: s
     step.attn = AttentionMetadata.from_lengths([9, 0, 1, 23, 0, 4], [9, 0, 6, 23, 6, 4], torch.stack(rows),
                                                attn.slot_mapping)
     check_path(path, step)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_mini_model_in_bf16_gives_finite_logits_on_mixed_steps_over_a_nan_filled_cache(deterministic: bool) -> None:
+    """The mini model end to end (its attention is :func:`paged_causal_attention`): issue 45's
+    prefill of 9, 23 and 4 tokens, then decode tokens beside a chunked continuation and a new
+    prompt, then a decode step, serially and with DBO (every step microbatched), each run on a KV
+    cache that is NaN until a token writes it. Every logits row is finite; in deterministic mode
+    the DBO run gives the serial run's bits (its promise). There is no transformers reference for
+    this model: the HF models' parity with it is test_hf_bf16_parity.py's."""
+    from asyncdbo.models import MiniConfig, MiniModel
+    from asyncdbo.plan import ThresholdConfig
+    from asyncdbo.serving import DBORunner, RunnerConfig
+
+    cfg = MiniConfig(vocab_size=96, hidden_size=32, num_heads=4, head_dim=16, num_experts=4, top_k=2,
+                     moe_intermediate_size=32, block_size=4, num_kv_blocks=64, deterministic=deterministic)
+    g = torch.Generator().manual_seed(45)
+    steps = [[(r, torch.randint(0, 96, (n,), generator=g).tolist()) for r, n in chunks]
+             for chunks in ([(0, 9), (1, 23), (2, 4)], [(0, 1), (3, 13), (1, 1), (2, 5)], [(0, 1), (1, 1), (2, 1), (3, 1)])]
+
+    async def run(dbo: bool) -> list[torch.Tensor]:
+        model = MiniModel(cfg, dtype=torch.bfloat16, max_ubatches=3)
+        for t in (*model.kv_cache.k_cache_LNZHK, *model.kv_cache.v_cache_LNZHK):
+            t.fill_(NAN)
+        runner = DBORunner(model, RunnerConfig(thresholds=ThresholdConfig(prefill_threshold=1, decode_threshold=1)),
+                           dp_group=None)
+        builder, out = BatchBuilder(cfg.kv_cache_config), []
+        for chunks in steps:
+            res = await runner.step(builder.build(chunks), enabled=dbo)
+            assert res.record.microbatched == dbo
+            out.append(res.logits_TV)
+        return out
+
+    import asyncdbo
+
+    runs = {mode: asyncdbo.run(run, mode == "dbo") for mode in ("serial", "dbo")}
+    for mode, logits in runs.items():
+        for i, l_TV in enumerate(logits):
+            assert l_TV.dtype == torch.bfloat16 and l_TV.shape == (sum(len(t) for _, t in steps[i]), 96)
+            nan_rows = (~l_TV.isfinite()).any(1).nonzero().flatten().tolist()
+            assert not nan_rows, (mode, i, nan_rows)
+            if deterministic:
+                assert torch.equal(l_TV, runs["serial"][i]), (mode, i)
