@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,20 @@ from asyncdbo.serving import BatchBuilder, KVCacheConfig, PagedKVCache
 from asyncdbo.serving.kv_cache import slots_for
 
 NAN = float("nan")
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread (as test_hf_exact.py's in-process steps): the steps here are many small
+    ops, which two threads on a busy 2-core machine made several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 H, G, K = 4, 2, 16  # query heads, cached GQA heads, head dim
 LORA, ROPE, NOPE, VDIM = 12, 4, 8, 10  # MLA: latent rank, rotary dim, per-head key (no rope) and value dims
 LAYER = 1  # of two: layer 0 is never written (all NaN), so a read of the wrong layer shows
