@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,16 +62,7 @@ from asyncdbo.serving.kv_cache import slots_for
 NAN = float("nan")
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """One torch thread (as test_hf_exact.py's in-process steps): the steps here are many small
-    ops, which two threads on a busy 2-core machine made several times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # many small ops (conftest.py)
 
 
 H, G, K = 4, 2, 16  # query heads, cached GQA heads, head dim

@@ -201,6 +201,7 @@ def _mixed_serial_and_dbo(name: str, dtype: torch.dtype,
     return hf, fed, logits
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3-moe", "deepseek-v3"])
@@ -225,6 +226,7 @@ def test_mixed_prefill_and_decode_steps_over_a_nan_filled_cache_give_transformer
             assert (runs["serial"][r] - runs["dbo"][r]).abs().max().item() <= FP32_DBO_TOL, r
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("name,mode", [("mixtral", "exact"), ("qwen3-moe", "exact"), ("deepseek-v3", "exact"),
