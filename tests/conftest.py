@@ -91,6 +91,20 @@ class RankPools:
         self._pools.clear()
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One torch thread for the test, as the pools' ranks run: a test of many small ops in this
+    process ran several times slower on two threads beside a busy 2-core machine's load."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def rank_pools() -> Iterator[RankPools]:
     pools = RankPools()

@@ -226,7 +226,8 @@ async def _demo_rank_async(rank: int, world: int, cfg: DemoConfig, device: torch
                     f"asyncdbo demo: step {i + 1} of {cfg.warmup + cfg.steps} ({cfg.warmup} warm-up + {cfg.steps} "
                     f"timed), its DBO run (each step runs serial, then DBO)")
         diff = (results["serial"].logits_TV - results["dbo"].logits_TV).abs().max().item() if batch.num_tokens else 0.0
-        out["max_abs_diff"] = max(out["max_abs_diff"], diff)
+        # NaN stays NaN (max(0.0, nan) is 0.0: asyncdbo.models.hf.generate.worst_diff says why)
+        out["max_abs_diff"] = diff if math.isnan(diff) else max(out["max_abs_diff"], diff)
         out["bitwise"] &= torch.equal(results["serial"].logits_TV, results["dbo"].logits_TV)
     return out
 

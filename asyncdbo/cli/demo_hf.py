@@ -208,13 +208,11 @@ def threshold_hints(records_by_rank: list[list[Any]], *, prefill_threshold: int,
 
 def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], where: str,
             before_print: Callable[[], None] = lambda: None) -> int:
-    from ..models.hf.generate import compare_with_hf
+    from ..models.hf.generate import compare_with_hf, worst_diff
 
     hf = hf_model.config
-    diff = 0.0
-    for r in per_rank:
-        for req, rows in r["serial"].logits.items():
-            diff = max(diff, float((rows - r["dbo"].logits[req]).abs().max()))
+    diff = worst_diff(float((rows - r["dbo"].logits[req]).abs().max())
+                      for r in per_rank for req, rows in r["serial"].logits.items())
     parity = {mode: [compare_with_hf(hf_model, r[mode]) for r in per_rank] for mode in ("serial", "dbo")}
 
     def step_ms(mode: str, steps: slice) -> float:
@@ -260,10 +258,10 @@ def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], wh
     ok_dbo = diff <= MATCH_ATOL
     lines.append(f"outputs serial vs DBO: max |logits diff| = {diff:.3g} "
                  f"({'bitwise equal' if diff == 0 else 'match' if ok_dbo else 'MISMATCH'}, tolerance {MATCH_ATOL:g})")
-    worst = {mode: max(p.max_abs_diff for p in ps) for mode, ps in parity.items()}
+    worst = {mode: worst_diff(p.max_abs_diff for p in ps) for mode, ps in parity.items()}
     equal = sum(p.greedy_equal for ps in parity.values() for p in ps)
     total = sum(p.greedy_total for ps in parity.values() for p in ps)
-    ok_hf = max(worst.values()) <= MATCH_ATOL and equal == total
+    ok_hf = worst_diff(worst.values()) <= MATCH_ATOL and equal == total
     lines.append(f"vs transformers ({type(hf_model).__name__} forward, eager fp32, over each request's tokens): "
                  f"max |logits diff| = {worst['serial']:.3g} serial, {worst['dbo']:.3g} DBO; greedy tokens "
                  f"{equal}/{total} identical ({'match' if ok_hf else 'MISMATCH'}, tolerance {MATCH_ATOL:g})")

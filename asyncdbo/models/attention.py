@@ -42,7 +42,7 @@ from ..serving.kv_cache import PAD_SLOT_ID, KVCacheConfig, PagedKVCache, slots_f
 from .tiled_attention import tiled_causal_attention
 
 __all__ = ["LOGITS", "PAD_SLOT_ID", "KVCacheConfig", "PagedKVCache", "check_logits", "last_token_rows", "lm_head",
-           "paged_causal_attention", "slots_for", "wait_for_earlier_kv"]
+           "padded_causal_mask", "paged_causal_attention", "slots_for", "wait_for_earlier_kv"]
 
 #: What a model's ``logits=`` may ask for: the LM head on every token, or on each request's last.
 LOGITS = ("all", "last")
@@ -132,6 +132,22 @@ def paged_causal_attention(
     return out_THK
 
 
+def padded_causal_mask(positions_T: torch.Tensor, rows: torch.Tensor, real_RQ: torch.Tensor, S: int) -> torch.Tensor:
+    """``visible_RQS`` of a call padded to ``Q`` queries and ``S`` keys per request: key position
+    ``s`` is visible to a query at position ``p`` iff ``s <= p`` (causal by position). ``rows``
+    (``[R * Q]``, on the queries' device) are the token rows read for the padded queries,
+    ``real_RQ`` which of them are real queries.
+
+    A padding query row sees key position 0 (finite: its request's own) and the caller drops it.
+    A row that saw no key would softmax to NaN, and a bf16 CPU matmul spreads a NaN row of one
+    ``[Q, S]`` matrix into the real row packed beside it: before this, the shorter requests of a
+    mixed bf16 prefill got NaN logits (issue 45; tests/models/test_attention_nan.py)."""
+    dev = positions_T.device
+    R, Q = real_RQ.shape
+    qpos_RQ = positions_T[rows].view(R, Q).masked_fill(~real_RQ.to(dev), 0)
+    return torch.arange(S, device=dev)[None, None, :] <= qpos_RQ[:, :, None]
+
+
 def _batched_attention(out_THK: torch.Tensor, q_THK: torch.Tensor, positions_T: torch.Tensor, k_flat: torch.Tensor,
                        v_flat: torch.Tensor, attn: AttentionMetadata, block_size: int, scale: float) -> None:
     """Every request at once (a ragged prefill, chunked continuations, decode requests among
@@ -139,8 +155,8 @@ def _batched_attention(out_THK: torch.Tensor, q_THK: torch.Tensor, positions_T: 
     a Python loop over requests, whose few ops per request dominated a prefill step of many
     short requests on a CPU.  A context position past a request's ``seq_len`` reads its position
     0 (finite) and is masked: a query's position is below its request's ``seq_len``.  Padding
-    query rows see key position 0 and are dropped.  Shape legend here: Q = queries of one request
-    (padded), S = context (padded)."""
+    query rows see key position 0 and are dropped (:func:`padded_causal_mask`).  Shape legend
+    here: Q = queries of one request (padded), S = context (padded)."""
     dev = q_THK.device
     qsl_R1 = attn.query_start_loc_cpu[: attn.num_reqs + 1].long()
     start_R, qlen_R, seq_R = qsl_R1[:-1], qsl_R1[1:] - qsl_R1[:-1], attn.seq_lens_cpu.long()[: attn.num_reqs]
@@ -156,12 +172,7 @@ def _batched_attention(out_THK: torch.Tensor, q_THK: torch.Tensor, positions_T: 
     rows = rows_RQ.flatten().to(dev)
     R, H, K = qlen_R.numel(), q_THK.shape[1], q_THK.shape[2]
     q_RQHK = q_THK[rows].view(R, Q, H, K)
-    # Causal by position: key position s is visible to a query at position p iff s <= p.
-    # A padding query row sees key position 0 (finite, its request's own) and is dropped below.
-    # A row that saw no key would softmax to NaN, and a bf16 CPU matmul spreads a NaN row of
-    # one [Q, S] matrix into the real rows beside it (tests/models/test_attention_nan.py).
-    qpos_RQ = positions_T[rows].view(R, Q).masked_fill(~real_RQ.to(dev), 0)
-    visible_RQS = pos_S.to(dev)[None, None, :] <= qpos_RQ[:, :, None]
+    visible_RQS = padded_causal_mask(positions_T, rows, real_RQ, S)
     scores_RHQS = torch.einsum("rqhk,rshk->rhqs", q_RQHK, k_RSHK) * scale
     probs_RHQS = scores_RHQS.masked_fill(~visible_RQS[:, None], float("-inf")).softmax(-1)
     o_RQHK = torch.einsum("rhqs,rshk->rqhk", probs_RHQS, v_RSHK)

@@ -113,7 +113,13 @@ class MiniConfig:
 
 
 def _rms_norm(x_TD: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
-    return x_TD * torch.rsqrt(x_TD.pow(2).mean(-1, keepdim=True) + eps) * w_D
+    """RMSNorm, normalised in float32 then rounded (float32 input: the same bits as in its own
+    dtype). In bfloat16 a CPU ``rsqrt`` gives an element other bits in a vector lane than in the
+    scalar remainder of the loop, so a token's norm depended on how many tokens shared the call,
+    and deterministic mode's DBO step differed from the serial one; float32's ``rsqrt`` does not
+    (:mod:`asyncdbo.moe.batch_invariant`)."""
+    x32_TD = x_TD.float()
+    return (x32_TD * torch.rsqrt(x32_TD.pow(2).mean(-1, keepdim=True) + eps)).to(x_TD.dtype) * w_D
 
 
 def _matmul(x_TD: torch.Tensor, w_DF: torch.Tensor, tile: int | None) -> torch.Tensor:

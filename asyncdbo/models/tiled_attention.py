@@ -159,7 +159,9 @@ def _attend_chunk(out_THK: torch.Tensor, q_THK: torch.Tensor, positions_T: torch
                 torch.bmm(q_IQHK[b:b + m, :, h], k_GSHK[skip:, j * C:(j + 1) * C, h].transpose(1, 2),
                           out=s_HJXC[h, j, b * Q:(b + m) * Q].view(m, Q, C))
     rows_X, real_X = rows_IQ.flatten().to(dev), real_IQ.flatten().to(dev)
-    qpos_X = positions_T[rows_X].masked_fill(~real_X, -1)  # padding rows see no key
+    # Padding rows see no key (unlike the fast paths' padded_causal_mask): their max is set to 0
+    # and their sum to 1 below, so they give exact zeros, never NaN, in any dtype.
+    qpos_X = positions_T[rows_X].masked_fill(~real_X, -1)
     seq_X = _seq_of(attn, req_I).repeat_interleave(Q).to(dev)
     kpos_JC = torch.arange(S, device=dev).view(J, C)
     visible_JXC = (kpos_JC[:, None, :] <= qpos_X[None, :, None]) & (kpos_JC[:, None, :] < seq_X[None, :, None])

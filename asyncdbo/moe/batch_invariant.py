@@ -15,7 +15,8 @@ torch 2.13 (MKL, AVX-512, 1 and 2 threads; ``benchmarks/deterministic.py`` rerun
   the other rows hold, including each entry of a ``bmm`` over equal tiles;
 * ``silu`` and ``sigmoid`` run vector lanes and the scalar remainder of an elementwise loop with
   different ``exp`` code, so an element's bits depend on its index in the call (48 to 54 of 116
-  cuts differed); ``exp``, ``sin``, ``cos`` and ``rsqrt`` did not (0 of 116).
+  cuts differed); ``exp``, ``sin``, ``cos`` and ``rsqrt`` did not (0 of 116). In bfloat16
+  ``rsqrt`` does too (the models' RMSNorms normalise in float32).
 
 So in deterministic mode every GEMM is issued in tiles of a fixed number of rows (the last tile
 zero-padded, all tiles in one ``bmm``), and ``silu``/``sigmoid`` are composed from ``exp``, ``+``

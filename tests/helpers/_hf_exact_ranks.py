@@ -23,6 +23,7 @@ import torch
 
 import asyncdbo
 from asyncdbo.models.hf import from_hf_model
+from asyncdbo.models.hf.generate import worst_diff
 from asyncdbo.models.hf.reference import tiny_hf_model
 from asyncdbo.plan import ThresholdConfig
 from asyncdbo.serving import BatchBuilder, DBORunner, RunnerConfig
@@ -107,7 +108,7 @@ async def _exact_combo(rank: int, combo: Combo, deterministic: bool) -> dict[str
         out["equal"].append(torch.equal(s.logits_TV, d.logits_TV))
         if batch.num_tokens:
             diff = (s.logits_TV.float() - d.logits_TV.float()).abs().max().item()
-            out["max_abs_diff"] = max(out["max_abs_diff"], diff)
+            out["max_abs_diff"] = worst_diff([out["max_abs_diff"], diff])
         out["cuts"].append(d.record.ubatch_num_tokens)
         out["microbatched"].append(d.record.microbatched and not s.record.microbatched)
     caches = (model.kv_cache, twin.kv_cache)

@@ -18,6 +18,7 @@ import torch
 import asyncdbo
 from asyncdbo.backends import LinkSpec
 from asyncdbo.models import MiniConfig, MiniModel
+from asyncdbo.models.hf.generate import worst_diff
 from asyncdbo.plan import ThresholdConfig
 from asyncdbo.serving import BatchBuilder, DBORunner, RunnerConfig
 
@@ -58,7 +59,7 @@ async def _serial_vs_dbo(rank: int, case: Case) -> dict[str, Any]:
         assert s.logits_TV.shape == d.logits_TV.shape == (batch.num_tokens, case.model.vocab_size)
         out["bitwise"] &= torch.equal(s.logits_TV, d.logits_TV)
         if batch.num_tokens:
-            out["max_abs_diff"] = max(out["max_abs_diff"], (s.logits_TV - d.logits_TV).abs().max().item())
+            out["max_abs_diff"] = worst_diff([out["max_abs_diff"], (s.logits_TV - d.logits_TV).abs().max().item()])
         out["records"].append(d.record)
         out["serial_records"].append(s.record)
         out["num_tokens"].append(batch.num_tokens)

@@ -13,10 +13,7 @@ with ``torch.equal`` and both caches after the last one.  With the mode off the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
@@ -44,17 +41,6 @@ def assert_bitwise(results: dict[Combo, dict]) -> None:
         assert r["equal"] == [True] * 3, (combo, r)
         assert r["kv_equal"] and r["kv_nonzero"], (combo, r)
         assert all(r["microbatched"]), (combo, r)
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """One torch thread, as the pool's ranks run (the in-process steps are many small ops)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.timeout(300)

@@ -14,6 +14,7 @@ and 2 and 3 ubatches between them (``_hf_model_ranks.VARIANTS``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -105,3 +106,35 @@ def test_four_ranks_with_an_idle_rank_match_transformers(pool4: RankPool, hf_mod
                 assert results[name]["dbo"].fed == {} and len(results[name]["dbo"].records) == DECODE_STEPS + 1
                 continue
             assert_matches_hf(hf_models[name], results[name], prompts=prompts_for(rank))
+
+
+def test_a_nan_logits_row_makes_the_worst_difference_nan() -> None:
+    """A NaN row (issue 45: NaN logits of the shorter requests of a bf16 prefill) must not vanish
+    from :func:`compare_with_hf`'s worst difference: Python's ``max(0.0, nan)`` is 0.0, which made
+    a check ``max_abs_diff <= tol`` pass on NaN logits. Here every row is transformers' own but one
+    row of the second request, and the greedy tokens agree, so only the difference can tell."""
+    from asyncdbo.models.hf.generate import Generation
+    from asyncdbo.models.hf.reference import hf_logits
+
+    hf = tiny_hf_model("mixtral")
+    prompts = prompts_for(0)
+    gen = Generation()
+    for r, prompt in prompts.items():
+        gen.fed[r] = list(prompt)
+        gen.logits[r] = hf_logits(hf, prompt).clone()
+        gen.greedy[r] = [int(gen.logits[r][-1].argmax())]
+    assert compare_with_hf(hf, gen).max_abs_diff == 0.0 and compare_with_hf(hf, gen).tokens_identical
+    gen.logits[1][0] = float("nan")
+    parity = compare_with_hf(hf, gen)
+    assert parity.tokens_identical
+    assert math.isnan(parity.max_abs_diff), parity
+    assert not parity.max_abs_diff <= HF_TOL
+
+
+def test_worst_diff_keeps_a_nan_wherever_it_comes() -> None:
+    from asyncdbo.models.hf.generate import worst_diff
+
+    assert worst_diff([]) == 0.0 and worst_diff([1.0, 3.0, 2.0]) == 3.0 and worst_diff(iter([0.5])) == 0.5
+    for diffs in ([0.1, math.nan, 5.0], [math.nan, 1.0], [1.0, math.nan]):
+        assert math.isnan(worst_diff(diffs)), diffs
+    assert max(0.0, math.nan) == 0.0  # what it replaces

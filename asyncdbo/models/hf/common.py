@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ...moe import batch_invariant
 from ...plan.metadata import AttentionMetadata
-from ..attention import PagedKVCache, slots_for
+from ..attention import PagedKVCache, padded_causal_mask, slots_for
 from ..tiled_attention import tiled_causal_attention
 
 __all__ = ["Rope", "WeightSlots", "apply_rope", "attend", "paged_attention", "per_request_attention", "rms_norm",
@@ -186,7 +186,8 @@ def _attend_requests(out_THV: torch.Tensor, q_THK: torch.Tensor, positions_T: to
     """Requests ``reqs_R`` in one call, padded to the most queries (Q) and context (S) among them:
     the cached rows of every request are read through one ``[R, S]`` slot table (a position past
     a request's context reads its position 0: finite, and masked), expanded by ``context`` in one
-    call, and attended as ``R x H`` batches; padding query rows are dropped. Shape legend here:
+    call, and attended as ``R x H`` batches; padding query rows see key position 0 and are dropped
+    (:func:`~asyncdbo.models.attention.padded_causal_mask`). Shape legend here:
     Q = queries of one request (padded), S = context (padded), G = cached heads, X = R * H."""
     dev = q_THK.device
     qsl_R1 = attn.query_start_loc_cpu.long()
@@ -212,11 +213,7 @@ def _attend_requests(out_THV: torch.Tensor, q_THK: torch.Tensor, positions_T: to
     k_XSK = k_HXK.view(H, R, S, K).transpose(0, 1).reshape(R * H, S, K)
     v_XSV = v_HXV.view(H, R, S, V).transpose(0, 1).reshape(R * H, S, V)
     q_XQK = q_THK[rows].view(R, Q, H, -1).permute(0, 2, 1, 3).reshape(R * H, Q, -1)
-    # A padding query row sees key position 0 (finite, its request's own) and is dropped below.
-    # A row that saw no key would softmax to NaN, and a bf16 CPU matmul spreads a NaN row of
-    # one [Q, S] matrix into the real rows beside it (tests/models/test_attention_nan.py).
-    qpos_RQ = positions_T[rows].view(R, Q).masked_fill(~real_RQ.to(dev), 0)
-    visible_RQS = pos_S.to(dev)[None, None, :] <= qpos_RQ[:, :, None]
+    visible_RQS = padded_causal_mask(positions_T, rows, real_RQ, S)  # padding rows see key 0
     visible_XQS = visible_RQS[:, None].expand(R, H, Q, S).reshape(R * H, Q, S)
     o_RQHV = attend_fn(q_XQK, k_XSK, v_XSV, visible_XQS, scale).view(R, H, Q, V).transpose(1, 2)
     real = real_RQ.flatten().to(dev)

@@ -16,8 +16,9 @@ fed tokens: the largest logits difference and how many greedy tokens agree.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 from ...plan import StepRecord
 from ...serving.sampling import NonFiniteLogitsError, finite_rows
 
-__all__ = ["Generation", "Parity", "compare_with_hf", "greedy_generate"]
+__all__ = ["Generation", "Parity", "compare_with_hf", "greedy_generate", "worst_diff"]
 
 
 @dataclass(frozen=True)
@@ -93,10 +94,24 @@ async def greedy_generate(runners: Sequence[tuple[Any, bool]], builder: Any, pro
     return gens
 
 
+def worst_diff(diffs: Iterable[float]) -> float:
+    """The largest of ``diffs`` (0.0 for none), NaN if any is NaN. Python's ``max`` is not that:
+    a comparison with NaN is false, so ``max(0.0, nan)`` is 0.0, and a NaN logits row reduced
+    with it vanished from the worst difference (a check ``worst <= tol`` then passed on NaN
+    logits, issue 45)."""
+    worst = 0.0
+    for d in diffs:
+        if math.isnan(d):
+            return math.nan
+        worst = max(worst, d)
+    return worst
+
+
 @dataclass(frozen=True)
 class Parity:
     """A generation against the transformers forward: the largest ``|logits diff|`` over every
-    fed token, and the greedy tokens that agree out of all compared."""
+    fed token (NaN if a row of either side is NaN: :func:`worst_diff`), and the greedy tokens that
+    agree out of all compared."""
 
     max_abs_diff: float
     greedy_equal: int
@@ -112,12 +127,13 @@ def compare_with_hf(hf_model: Any, gen: Generation) -> Parity:
     """Score ``gen`` against ``hf_model``'s forward over each request's fed tokens (module doc)."""
     from .reference import hf_logits
 
-    worst, equal, total = 0.0, 0, 0
+    diffs: list[float] = []
+    equal, total = 0, 0
     for r, fed in gen.fed.items():
         ref_SV = hf_logits(hf_model, fed)
-        worst = max(worst, float((ref_SV - gen.logits[r]).abs().max()))
+        diffs.append(float((ref_SV - gen.logits[r]).abs().max()))  # a NaN element gives NaN
         prompt_len = len(fed) - (len(gen.greedy[r]) - 1)
         ref_greedy = ref_SV[prompt_len - 1:].argmax(-1).tolist()
         equal += sum(int(a == b) for a, b in zip(ref_greedy, gen.greedy[r]))
         total += len(gen.greedy[r])
-    return Parity(max_abs_diff=worst, greedy_equal=equal, greedy_total=total)
+    return Parity(max_abs_diff=worst_diff(diffs), greedy_equal=equal, greedy_total=total)
