@@ -72,7 +72,7 @@ async def _serve(model: Any, group: Any, rank: int, steps: int, every: int, warm
     from asyncdbo.serving import BatchBuilder, DBORunner, Engine, Request, RunnerConfig, SamplingParams
 
     net = model.with_fresh_cache()
-    runner = DBORunner(net, RunnerConfig(num_ubatches=2, thresholds=ThresholdConfig(decode_threshold=1,
+    runner = DBORunner(net, RunnerConfig(num_ubatches=2, watchdog_s=None, thresholds=ThresholdConfig(decode_threshold=1,
                                                                                      prefill_threshold=1)),
                        dp_group=group)
     builder = BatchBuilder(net.kv_cache_config, vocab_size=VOCAB)

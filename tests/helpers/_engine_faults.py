@@ -5,7 +5,8 @@ Every request arrives at 0 and ``max_num_seqs`` admits three at a time, so reque
 leave and the schedule does not depend on the clock; a run that fails is called again until the
 trace is served. Greedy requests, seeded ones and ones the engine seeds itself (its generator
 drawn at admission) are mixed, so a retried step must restore every generator to draw the clean
-run's tokens.
+run's tokens. The watchdog is off: a peer learns of a failure from the engine's agreements and the
+failure notice alone, and a hang would end the test by its timeout.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def _inject(eng: Engine, net: Any, fault: Fault, rank: int) -> None:
 
 async def serve(model: Any, rank: int, group: Any, fault: Fault) -> dict[str, Any]:
     net = model.with_fresh_cache()
-    runner = DBORunner(net, RunnerConfig(num_ubatches=2, thresholds=ALWAYS), dp_group=group)
+    runner = DBORunner(net, RunnerConfig(num_ubatches=2, thresholds=ALWAYS, watchdog_s=None), dp_group=group)
     builder = BatchBuilder(net.kv_cache_config, vocab_size=VOCAB)
     clock = Counter()
     eng = Engine(runner, builder, enabled=True, max_num_seqs=3, clock=clock, sleep=clock.sleep, seed=5)
