@@ -74,7 +74,7 @@ async def greedy_generate(runners: Sequence[tuple[Any, bool]], builder: Any, pro
             gen.step_s.append(time.perf_counter() - t0)
             gen.records.append(res.record)
             gen.switches.append(res.num_switches)
-            last_R = torch.tensor([len(toks) for _, toks in chunks]).cumsum(0) - 1
+            last_R = torch.tensor([len(toks) for _, toks in chunks], dtype=torch.int64).cumsum(0) - 1
             bad = (~finite_rows(res.logits_TV[last_R.to(res.logits_TV.device)].float())).nonzero().flatten().tolist()
             if bad:  # an argmax over NaN is token 0: never a token
                 raise NonFiniteLogitsError(
