@@ -12,12 +12,13 @@ an in-memory state dict is cut to them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..hf.common import WeightSlots
 
-__all__ = ["Shard", "ShardedSlots", "kv_head_range", "shard_range"]
+__all__ = ["Shard", "ShardedSlots", "check_tp_size", "kv_head_range", "shard_range"]
 
 
 def shard_range(n: int, size: int, rank: int, what: str) -> tuple[int, int]:
@@ -89,3 +90,14 @@ class ShardedSlots(WeightSlots):
         if shape != full:
             raise ValueError(f"{origin}: tensor {name!r} has shape {shape}, but the model built from the config "
                              f"expects {full}; the checkpoint does not match its config.json")
+
+
+def check_tp_size(hf_config: object, size: int) -> None:
+    """Raise the ValueError a rank would raise building the model on ``size`` TP ranks (before
+    any rank starts)."""
+    hf: Any = hf_config
+    heads, kv_heads = int(hf.num_attention_heads), int(hf.num_key_value_heads)
+    shard_range(heads, size, 0, "num_attention_heads")
+    kv_head_range(kv_heads, heads, size, 0)
+    shard_range(int(hf.intermediate_size), size, 0, "intermediate_size")
+    shard_range(int(hf.vocab_size), size, 0, "vocab_size")
