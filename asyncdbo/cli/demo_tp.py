@@ -97,7 +97,7 @@ async def _rank_async(rank: int, world: int, cfg: TPDemoConfig, ckpt: str) -> di
                       thresholds=ThresholdConfig(prefill_threshold=cfg.prefill_threshold,
                                                  decode_threshold=cfg.decode_threshold),
                       backend="host" if cfg.link else "auto", link=cfg.link_spec())
-    prompts = _prompts(cfg, 0, model.hf.vocab_size)  # every TP rank runs the same requests
+    prompts = _prompts(cfg, 0, model.hf.vocab_size)  # type: ignore[arg-type]  # every TP rank: the same requests
     barrier = dist.barrier if group is not None else None
     gens = []
     for i in range(cfg.warmup + cfg.repeats):
@@ -210,7 +210,7 @@ def main_tp(args: argparse.Namespace) -> int:
         from ..models.tp.shards import check_tp_size
 
         hf_model = tiny_hf_model(cfg.model, seed=cfg.seed) if cfg.weights is None else None
-        check_tp_size(hf_model.config if hf_model is not None else read_config(cfg.weights), cfg.tp)
+        check_tp_size(hf_model.config if hf_model is not None else read_config(str(cfg.weights)), cfg.tp)
     except ValueError as exc:
         print(f"asyncdbo demo: error: {exc}", file=sys.stderr)
         return 2
