@@ -116,3 +116,41 @@ def tp_loaded(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
     model, report = load_tp_checkpoint(ckpt, tp_group=_group())
     return {"shapes": {name: tuple(model.slots._slots[name].shape) for name in model.slots.names()},
             "read": report.tensors_read, "vocab_start": model.vocab_start}
+
+
+async def _serving(case: Case) -> dict[str, Any]:
+    """The runner's ``tuning="auto"``, :func:`~asyncdbo.serving.exact_check` and the Engine on a TP
+    model, unchanged: every rank of the group votes in the runner's DP group (the TP group)."""
+    from asyncdbo.serving import Engine, Request, SamplingParams, exact_check
+
+    group = _group()
+    model = tp_from_hf_model(case.hf_model(), tp_group=group, max_ubatches=4, block_size=4, num_kv_blocks=256,
+                             deterministic=True)
+    out: dict[str, Any] = {}
+    auto = DBORunner(model.with_fresh_cache(), RunnerConfig(tuning="auto", thresholds=ALWAYS), dp_group=group)
+    builder = BatchBuilder(model.kv_cache_config)
+    out["auto_arms"] = []
+    for i in range(6):  # prefill, then decode steps: the policy explores its arms
+        chunks = [(r, _tokens(40 if i == 0 else 1, 50 + 10 * i + r)) for r in range(3)]
+        res = await auto.step(builder.build(chunks))
+        out["auto_arms"].append(res.record.ubatch_num_tokens)
+    out["auto_logits"] = res.logits_TV
+    check_builder = BatchBuilder(model.kv_cache_config)
+    runner = DBORunner(model.with_fresh_cache(), case.runner_config(), dp_group=group)
+    out["exact"] = str(await exact_check(runner, check_builder.build(STEPS[0])))
+    outputs = {}
+    for enabled in (False, True):
+        net = model.with_fresh_cache()
+        eng = Engine(DBORunner(net, case.runner_config(), dp_group=group), BatchBuilder(net.kv_cache_config, vocab_size=VOCAB),
+                     enabled=enabled, max_num_seqs=3, seed=5)
+        reqs = [Request(request_id=i, prompt=tuple(_tokens(3 + 5 * i, 70 + i)), params=SamplingParams(max_tokens=4))
+                for i in range(5)]
+        report = await eng.run(reqs)
+        outputs[enabled] = {rid: o.output_ids for rid, o in report.outputs.items()}
+    out["engine"] = outputs
+    return out
+
+
+def tp_serving(rank: int, world_size: int, case: Case) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return asyncdbo.run(_serving, case)  # type: ignore[arg-type]

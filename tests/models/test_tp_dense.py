@@ -29,7 +29,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _tp_ranks import PROMPTS, Case, tp_exact, tp_generate, tp_loaded  # noqa: E402
+from _tp_ranks import PROMPTS, Case, tp_exact, tp_generate, tp_loaded, tp_serving  # noqa: E402
 
 from asyncdbo.models.hf.reference import hf_logits  # noqa: E402
 from asyncdbo.models.tp import TPDenseModel, dense_architecture, load_tp_checkpoint, tp_from_hf_model  # noqa: E402
@@ -197,3 +197,12 @@ def test_an_in_memory_model_is_cut_to_the_same_blocks_a_checkpoint_gives(tmp_pat
         assert torch.equal(a.slots._slots[name], b.slots._slots[name]), name
     assert math.isclose(sum(t.numel() for t in a.slots._slots.values()),
                         sum(p.numel() for p in hf.parameters()))
+
+
+@pytest.mark.timeout(120)
+def test_auto_tuning_exact_check_and_the_engine_run_a_tp_model_unchanged(pool: RankPool) -> None:
+    a, b = pool.run(tp_serving, Case(model="qwen3"))
+    assert torch.equal(a["auto_logits"], b["auto_logits"]) and a["auto_arms"] == b["auto_arms"]
+    assert a["exact"].startswith("exact: the DBO step (2 ubatches) equals the serial step bit for bit"), a["exact"]
+    assert a["engine"][True] == a["engine"][False] == b["engine"][True], a["engine"]
+    assert len(a["engine"][True]) == 5 and all(len(ids) == 4 for ids in a["engine"][True].values())

@@ -216,21 +216,27 @@ class TPDenseModel:
         e_TD = self.embed_WD[local_T.where(mine_T, 0)] * mine_T[:, None].to(self.embed_WD.dtype)
         x_TD = e_TD if self.tp_comm.size == 1 else await self._reduce(e_TD, "embed")
         rope_TK = self.rope.tables(positions_T, x_TD.dtype)
+        # exact_check compares a tap's rows by token; under sequence parallelism a rank holds T / P
+        # padded rows of the residual stream, so nothing is tapped there
+        tap = _untapped if self.sequence_parallel else exact_tap
         h_TD = rms_norm(x_TD, self.layers[0]["attn_norm_D"], eps)
         for i, layer in enumerate(self.layers):
             h_TD = await self._full(h_TD, T, "attn_gather")
             a_TD = await self._reduce(await layer["attention"].forward(self, i, h_TD, positions_T, rope_TK, attn),
                                       "attn_reduce")
             bo_D = layer["attention"].bo_D
-            a_TD = exact_tap("attn", a_TD if bo_D is None else a_TD + bo_D, layer=i)
+            a_TD = tap("attn", a_TD if bo_D is None else a_TD + bo_D, layer=i)
             x_TD, h_TD = residual_norm(x_TD, a_TD, layer["ffn_norm_D"], eps)
             h_TD = await self._full(h_TD, T, "mlp_gather")
             f_TD = swiglu(h_TD, layer["gate_ID"], layer["up_ID"], layer["down_DI"], tile)
-            f_TD = exact_tap("mlp", await self._reduce(f_TD, "mlp_reduce"), layer=i)
+            f_TD = tap("mlp", await self._reduce(f_TD, "mlp_reduce"), layer=i)
             next_norm_D = self.layers[i + 1]["attn_norm_D"] if i + 1 < len(self.layers) else self.final_norm_D
             x_TD, h_TD = residual_norm(x_TD, f_TD, next_norm_D, eps)
-            exact_tap("residual", x_TD, layer=i)
+            tap("residual", x_TD, layer=i)
         h_TD = await self._full(h_TD, T, "head_gather")
         logits_TW = linear(h_TD, self.lm_head_WD, None, tile)
         return await tp_all_gather(logits_TW, self.tp_comm, dim=1, what="logits")
 
+
+def _untapped(name: str, x: torch.Tensor, **_: Any) -> torch.Tensor:
+    return x
