@@ -43,6 +43,7 @@ from ...serving import check_token_ids, exact_tap
 from ..attention import KVCacheConfig, PagedKVCache, check_logits, wait_for_earlier_kv
 from ..hf.common import attend, linear, paged_attention, residual_norm, rms_norm
 from ..hf.gqa import gqa_qkv
+from ..hf.model import Segments
 from .arch import DenseArchitecture
 from .shards import ShardedSlots, kv_head_range, shard_range
 
@@ -87,6 +88,11 @@ class TPAttention:
         if arch.qk_norm:
             self.q_norm_K = slots.new(f"{prefix}.q_norm.weight", K, dtype=dtype, device=device)
             self.k_norm_K = slots.new(f"{prefix}.k_norm.weight", K, dtype=dtype, device=device)
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int, int | None]:
+        """``(heads, head_dim, v_head_dim)`` of this rank's cache: its KV heads."""
+        return self.num_kv_heads, self.head_dim, None
 
     def _context(self, k_SGK: torch.Tensor, v_SGK: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         assert v_SGK is not None
@@ -138,32 +144,48 @@ class TPDenseModel:
         self.tile: int | None = ROW_TILE if deterministic else None
         self.eps = float(hf.rms_norm_eps)
         self.attend = attend
-        D, V, I = int(hf.hidden_size), int(hf.vocab_size), int(hf.intermediate_size)
+        #: The synchronous pieces the attention classes call (eager; MLA's too).
+        self.segments, self.mla_absorb = Segments(), False
+        self.dtype, self.device = dtype, device
+        D, V = int(hf.hidden_size), int(hf.vocab_size)
         new, shard = self.slots.new, self.slots.new_shard
         self.vocab_start, W = shard_range(V, P, r, "vocab_size")
         self.vocab_size = V
         self.embed_WD = shard("model.embed_tokens.weight", (V, D), 0, self.vocab_start, W, dtype=dtype, device=device)
-        i0, Ir = shard_range(I, P, r, "intermediate_size")
         self.layers: list[dict[str, Any]] = []
         for i in range(hf.num_hidden_layers):
             p = f"model.layers.{i}"
             self.layers.append(dict(
                 attn_norm_D=new(f"{p}.input_layernorm.weight", D, dtype=dtype, device=device),
-                attention=TPAttention(arch, f"{p}.self_attn", self.slots, size=P, rank=r, dtype=dtype, device=device),
+                attention=self._attention(f"{p}.self_attn"),
                 ffn_norm_D=new(f"{p}.post_attention_layernorm.weight", D, dtype=dtype, device=device),
-                gate_ID=shard(f"{p}.mlp.gate_proj.weight", (I, D), 0, i0, Ir, dtype=dtype, device=device),
-                up_ID=shard(f"{p}.mlp.up_proj.weight", (I, D), 0, i0, Ir, dtype=dtype, device=device),
-                down_DI=shard(f"{p}.mlp.down_proj.weight", (D, I), 1, i0, Ir, dtype=dtype, device=device),
+                **self._ffn(i, f"{p}.mlp"),
             ))
         self.final_norm_D = new("model.norm.weight", D, dtype=dtype, device=device)
         tied = bool(getattr(hf, "tie_word_embeddings", False))
         self.lm_head_WD = self.embed_WD if tied else shard("lm_head.weight", (V, D), 0, self.vocab_start, W,
                                                              dtype=dtype, device=device)
         self.rope = arch.rope()
-        att = self.layers[0]["attention"]
+        heads, head_dim, v_head_dim = self.layers[0]["attention"].kv_cache_dims
         self.kv_cache_config = KVCacheConfig(num_layers=len(self.layers), num_blocks=num_kv_blocks,
-                                             block_size=block_size, num_heads=att.num_kv_heads, head_dim=att.head_dim)
+                                             block_size=block_size, num_heads=heads, head_dim=head_dim,
+                                             v_head_dim=v_head_dim)
         self.kv_cache = PagedKVCache(self.kv_cache_config, dtype=dtype, device=device)
+
+    def _attention(self, prefix: str) -> Any:
+        """One layer's attention over this rank's heads (a subclass may build another kind)."""
+        return TPAttention(self.arch, prefix, self.slots, size=self.tp_comm.size, rank=self.tp_comm.rank,
+                           dtype=self.dtype, device=self.device)
+
+    def _ffn(self, layer: int, prefix: str) -> dict[str, Any]:
+        """One layer's feed-forward weights: this rank's block of a dense SwiGLU MLP."""
+        D, I = int(self.hf.hidden_size), int(self.hf.intermediate_size)
+        i0, Ir = shard_range(I, self.tp_comm.size, self.tp_comm.rank, "intermediate_size")
+        kw: dict[str, Any] = dict(dtype=self.dtype, device=self.device)
+        shard = self.slots.new_shard
+        return dict(gate_ID=shard(f"{prefix}.gate_proj.weight", (I, D), 0, i0, Ir, **kw),
+                    up_ID=shard(f"{prefix}.up_proj.weight", (I, D), 0, i0, Ir, **kw),
+                    down_DI=shard(f"{prefix}.down_proj.weight", (D, I), 1, i0, Ir, **kw))
 
     def check_loaded(self, where: str) -> None:
         """Raise a ValueError naming the first tensors this rank needs that no loader filled."""
@@ -199,6 +221,12 @@ class TPDenseModel:
             return (await tp_all_gather(h_SD, self.tp_comm, what=what))[:T]
         return h_SD
 
+    async def _feed_forward(self, layer: dict[str, Any], h_TD: torch.Tensor, T: int) -> torch.Tensor:
+        """The dense MLP: column-parallel gate/up, row-parallel down, then the reduction."""
+        h_TD = await self._full(h_TD, T, "mlp_gather")
+        f_TD = swiglu(h_TD, layer["gate_ID"], layer["up_ID"], layer["down_DI"], self.tile)
+        return await self._reduce(f_TD, "mlp_reduce")
+
     async def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor,
                       attn: AttentionMetadata) -> torch.Tensor:
         """Logits ``[T, V]`` (the same on every rank of the group); rows past
@@ -227,9 +255,7 @@ class TPDenseModel:
             bo_D = layer["attention"].bo_D
             a_TD = tap("attn", a_TD if bo_D is None else a_TD + bo_D, layer=i)
             x_TD, h_TD = residual_norm(x_TD, a_TD, layer["ffn_norm_D"], eps)
-            h_TD = await self._full(h_TD, T, "mlp_gather")
-            f_TD = swiglu(h_TD, layer["gate_ID"], layer["up_ID"], layer["down_DI"], tile)
-            f_TD = tap("mlp", await self._reduce(f_TD, "mlp_reduce"), layer=i)
+            f_TD = tap("mlp", await self._feed_forward(layer, h_TD, T), layer=i)
             next_norm_D = self.layers[i + 1]["attn_norm_D"] if i + 1 < len(self.layers) else self.final_norm_D
             x_TD, h_TD = residual_norm(x_TD, f_TD, next_norm_D, eps)
             tap("residual", x_TD, layer=i)
