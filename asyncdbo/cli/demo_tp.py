@@ -148,7 +148,8 @@ def _report(cfg: TPDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], wh
         f"{cfg.tokens} prompt tokens + {cfg.steps} decode steps, x{cfg.repeats} after {cfg.warmup} warm-up, "
         f"stream policy {cfg.stream_policy}, {cfg.ubatches} ubatches",
         f"weights: {where}; each rank read its block of {per_rank[0]['read']} tensors from {per_rank[0]['shards']} "
-        f"shard(s), keeping {per_rank[0]['kept']:,} of the model's values",
+        f"shard(s), keeping {per_rank[0]['kept']:,} of the model's {sum(p.numel() for p in hf_model.parameters()):,} "
+        "values",
         ("comm: real gloo all-reduce over loopback (it shares the CPU with compute)" if cfg.link is None else
          f"comm: MODELED LINK {cfg.link} x{cfg.link_scale:g} (the real all-reduce runs, its completion is released "
          "on the modeled link)"),

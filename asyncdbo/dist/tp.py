@@ -23,8 +23,9 @@ in another rank order, and where the chunks fall depends on the buffer's size: w
 ranks a row's sum would depend on how many rows the call holds (a ubatch or the whole step). With
 ``exact=True`` the all-reduce is an all-gather and a sum in rank order, ``((x0 + x1) + x2) + ...``,
 which gives a row the same bits whatever the call holds (and every rank the same bits); the
-reduce-scatter likewise. With two ranks both orders give ``x0 + x1`` (addition commutes), but the
-exact path is taken all the same: one rule for every size.
+reduce-scatter likewise (on gloo always: its reduce-scatter work gives the host backend no future
+to wait on, so it is an all-to-all and a rank-ordered sum there). With two ranks both orders give
+``x0 + x1`` (addition commutes), but the exact path is taken all the same: one rule for every size.
 """
 
 from __future__ import annotations
@@ -116,7 +117,9 @@ async def tp_reduce_scatter(x_TD: torch.Tensor, comm: EPComm, *, exact: bool = F
     if in_run:
         await dbo_switch_to_comm_sync()
     x_PSD = x_TD.contiguous().view(P, T // P, *x_TD.shape[1:])
-    if exact:  # every rank's block p goes to rank p, which adds them in rank order
+    # gloo's reduce-scatter work has no future (the host backend waits through one): there, as in
+    # exact mode, every rank's block p goes to rank p, which adds them in rank order
+    if exact or dist.get_backend(group) == "gloo":
         recv_PSD = torch.empty_like(x_PSD)
         work = dist.all_to_all_single(recv_PSD, x_PSD, group=group, async_op=True)
         await _issue(work, nbytes * (P - 1) // P, what, in_run)
