@@ -154,3 +154,24 @@ async def _serving(case: Case) -> dict[str, Any]:
 def tp_serving(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     torch.set_num_threads(1)
     return asyncdbo.run(_serving, case)  # type: ignore[arg-type]
+
+
+async def _hidden(case: Case) -> list[Any]:
+    """Prefill steps with DBO on the modeled ib400 link: each step's measured timing."""
+    from asyncdbo.backends.links import link_spec
+
+    group = _group()
+    model = tp_from_hf_model(case.hf_model(), tp_group=group, max_ubatches=2, block_size=4, num_kv_blocks=256)
+    cfg = RunnerConfig(thresholds=ALWAYS, backend="host", link=link_spec("ib400", latency_s=2e-4, bandwidth_Bps=50e6))
+    runner = DBORunner(model, cfg, dp_group=group)
+    builder = BatchBuilder(model.kv_cache_config)
+    timings = []
+    for i in range(3):
+        res = await runner.step(builder.build([(10 * i + r, _tokens(128, 90 + 10 * i + r)) for r in range(2)]))
+        timings.append(res.record.timing)
+    return timings
+
+
+def tp_hidden(rank: int, world_size: int, case: Case) -> list[Any]:
+    torch.set_num_threads(1)
+    return asyncdbo.run(_hidden, case)  # type: ignore[arg-type]
