@@ -35,6 +35,7 @@ MODULES: list[tuple[str, str]] = [
     ("asyncdbo.observe", "Observing runs."),
     ("asyncdbo.sim", "The simulated device."),
     ("asyncdbo.sim.backend", "The simulated-device backend."),
+    ("asyncdbo.sim.dense_tp", "A first analytical prediction of dense tensor-parallel DBO."),
     ("asyncdbo.testing", "Test helpers."),
 ]
 
