@@ -35,3 +35,15 @@ def test_bad_sizes_are_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match=r"requests >= 2"):
         predict_dense_tp("llama-3-8b", tp=2, requests=1, length=16, decode=False)
     assert set(DENSE_SHAPES) == {"llama-3-8b", "llama-3-70b", "qwen3-32b"}
+
+
+def test_check_predicts_a_dense_model_under_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncdbo.cli import main
+
+    assert main(["check", "--model", "qwen3-32b", "--tp", "4", "--link", "nvlink", "--shape", "prefill",
+                 "--tokens", "1024,16384"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("asyncdbo check: qwen3-32b tensor-parallel over 4 ranks on h200 over nvlink, prefill")
+    assert len(out) == 4 and out[2].split()[0] == "1024" and out[3].split()[3].endswith("x")
+    assert main(["check", "--model", "llama-3-70b", "--tp", "3"]) == 2
+    assert "do not divide over TP 3" in capsys.readouterr().err
