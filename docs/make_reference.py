@@ -20,6 +20,7 @@ MODULES: list[tuple[str, str]] = [
     ("asyncdbo.backends.syncs", "Host syncs: the ops that would make the host wait for an accelerator."),
     ("asyncdbo.dist", "torch.distributed for DBO."),
     ("asyncdbo.dist.ep", "Expert-parallel all-to-all through the stream backend."),
+    ("asyncdbo.dist.tp", "Tensor-parallel all-reduce, all-gather and reduce-scatter through the stream backend."),
     ("asyncdbo.plan", "Planning a step: thresholds, DP vote, splits, metadata, records."),
     ("asyncdbo.moe", "The MoE layer."),
     ("asyncdbo.moe.hf", "Hugging Face MoE blocks as asyncdbo layers."),
@@ -30,9 +31,11 @@ MODULES: list[tuple[str, str]] = [
     ("asyncdbo.models.hf.generate", "Greedy generation and parity with transformers."),
     ("asyncdbo.models.hf.real_dims", "The architectures at their released width, and random Hub-layout checkpoints."),
     ("asyncdbo.models.hf.memory", "A rank's memory, estimated from the config before loading."),
+    ("asyncdbo.models.tp", "Dense Hugging Face architectures (Llama, Qwen3), tensor-parallel under DBO."),
     ("asyncdbo.observe", "Observing runs."),
     ("asyncdbo.sim", "The simulated device."),
     ("asyncdbo.sim.backend", "The simulated-device backend."),
+    ("asyncdbo.sim.dense_tp", "A first analytical prediction of dense tensor-parallel DBO."),
     ("asyncdbo.testing", "Test helpers."),
 ]
 

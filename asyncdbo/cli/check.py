@@ -66,10 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..plan import ThresholdConfig
     from ..sim.comm import COMMS
     from ..sim.host import HOSTS
+    from ..sim.dense_tp import DENSE_SHAPES
     from ..sim.models import REAL_CONFIGS
 
-    p.add_argument("--model", choices=sorted(REAL_CONFIGS), default="deepseek-v3",
-                   help="architecture, sized and routed by its published config (default deepseek-v3)")
+    p.add_argument("--model", choices=sorted(REAL_CONFIGS) + sorted(DENSE_SHAPES), default="deepseek-v3",
+                   help="architecture, sized and routed by its published config (default deepseek-v3); the dense "
+                        "ones (with --tp) are predicted by asyncdbo.sim.dense_tp")
+    p.add_argument("--tp", type=int, default=None, help="dense models: tensor-parallel ranks (default 2)")
     p.add_argument("--device", choices=sorted(DEVICES), default="h200", help="modeled accelerator (default h200)")
     p.add_argument("--link", choices=sorted(LINKS), default="ib400", help="modeled EP interconnect (default ib400)")
     p.add_argument("--comm", choices=sorted(COMMS), default="deepep",
@@ -236,6 +239,10 @@ def main(args: argparse.Namespace) -> int:
     if args.stream_policy is None:  # the policies a check needs: a skipped KV wait shows only on ubatch streams
         args.stream_policy = "both" if getattr(args, "paged_kv", False) else "role"
     try:
+        if args.model in ("llama-3-8b", "llama-3-70b", "qwen3-32b"):
+            from .check_dense import main_dense
+
+            return main_dense(args)
         if getattr(args, "paged_kv", False):
             return _paged_kv(args)
         model, dep = _setup(args)

@@ -421,13 +421,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="local: start --ranks processes here; env: this process is one rank of torchrun [%(default)s]")
     p.add_argument("--timeout", type=float, default=d.timeout_s,
                    help="seconds before a stuck rank or collective fails (each wait, not the whole run) [%(default)s]")
-    p.add_argument("--model", choices=("mini", "mixtral", "qwen3-moe", "deepseek-v3"), default="mini",
+    p.add_argument("--model", choices=("mini", "mixtral", "qwen3-moe", "deepseek-v3", "llama", "qwen3"), default="mini",
                    help="mini: the small reference model; or a Hugging Face architecture, checked against "
                         "transformers (see asyncdbo.cli.demo_hf; --layers/--experts/--top-k/--hidden come from its config) [%(default)s]")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress lines (they are only written to a terminal anyway)")
     p.add_argument("--weights", metavar="DIR", default=None,
                    help="--model: a local checkpoint directory (config.json + safetensors); default: a tiny random model")
+    # dense tensor-parallel models (asyncdbo.cli.demo_tp)
+    p.add_argument("--tp", type=int, default=None, help="--model llama|qwen3: tensor-parallel ranks [2]")
+    p.add_argument("--repeats", type=int, default=3, help="--model llama|qwen3: timed generations [%(default)s]")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="--model llama|qwen3: reduce-scatter + all-gather instead of all-reduce")
 
 
 def _config_from_args(args: argparse.Namespace, ranks: int | None = None) -> DemoConfig:
@@ -476,6 +481,10 @@ def error_line(details: str) -> str:
 def main(args: argparse.Namespace) -> int:
     from ..testing.ranks import RankError, RankPool
 
+    if args.model in ("llama", "qwen3"):
+        from .demo_tp import main_tp
+
+        return main_tp(args)
     if args.model != "mini" or args.weights is not None:
         from .demo_hf import main_hf
 

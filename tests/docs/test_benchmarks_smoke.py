@@ -401,3 +401,16 @@ def test_memory_estimate_check_rows_set_the_cli_estimate_against_a_measured_peak
     assert cells[:2] == ["decode", "16"]
     assert cells[3] == f"{check_bytes(ModelShape.of('deepseek-v3'), 16) / 2**20:.0f}"
     assert float(cells[2]) > 0
+
+
+@pytest.mark.timeout(120)
+def test_tp_dense_quick() -> None:
+    """Two gloo ranks run the dense TP demo's measurement on one small Llama, loopback and ib400."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "tp_dense.py"), "--quick"], capture_output=True, text=True, timeout=110, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for link in ("loopback", "ib400"):
+        for phase in ("prefill", "decode"):
+            assert f"| llama | 2 | {link} | {phase} |" in proc.stdout, proc.stdout

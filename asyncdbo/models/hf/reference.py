@@ -23,14 +23,18 @@ __all__ = ["hf_logits", "tiny_hf_model"]
 
 
 def tiny_hf_model(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
-    """A tiny random transformers causal LM of architecture ``name`` (see the module docstring);
-    ``overrides`` change fields of :meth:`Architecture.tiny_config`.  ``dtype`` builds it the
+    """A tiny random transformers causal LM of architecture ``name`` (see the module docstring;
+    the dense ``llama`` and ``qwen3`` of :mod:`asyncdbo.models.tp` too); ``overrides`` change
+    fields of :meth:`Architecture.tiny_config`.  ``dtype`` builds it the
     way ``from_pretrained(..., dtype=...)`` does (the float32 weights of the same seed, rounded;
     what transformers keeps in float32, such as DeepSeek-V3's router and the RoPE frequencies,
     stays float32, which ``model.to(dtype)`` would not do)."""
     from transformers import AutoModelForCausalLM
 
-    config = architecture(name).tiny_config(**overrides)
+    from ..tp.arch import DENSE_ARCHITECTURES
+
+    arch = DENSE_ARCHITECTURES[name] if name in DENSE_ARCHITECTURES else architecture(name)
+    config = arch.tiny_config(**overrides)
     config._experts_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
     gen = torch.Generator().manual_seed(seed)
