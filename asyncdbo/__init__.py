@@ -46,19 +46,14 @@ from .dbo import (
     dbo_record_event,
     dbo_register_recv_hook,
     dbo_submit,
-    dbo_switch_to_comm,
-    dbo_switch_to_comm_sync,
-    dbo_switch_to_compute,
-    dbo_switch_to_compute_sync,
     dbo_wait_event,
-    dbo_yield,
-    dbo_yield_and_switch_from_comm_to_compute,
-    dbo_yield_and_switch_from_compute_to_comm,
     prepare_run,
     run,
     run_ubatches,
     run_ubatches_with_stats,
 )
+from .dbo.kinds import TABLE as _TABLE
+from .dbo.table import *  # noqa: F403  (the yield and switch primitives, exported by their rows)
 from .dist.groups import ubatch_group, ubatch_groups
 from .observe.stacks import dump_stacks
 
@@ -90,14 +85,7 @@ __all__ = [
     "dbo_record_event",
     "dbo_register_recv_hook",
     "dbo_submit",
-    "dbo_switch_to_comm",
-    "dbo_switch_to_comm_sync",
-    "dbo_switch_to_compute",
-    "dbo_switch_to_compute_sync",
     "dbo_wait_event",
-    "dbo_yield",
-    "dbo_yield_and_switch_from_comm_to_compute",
-    "dbo_yield_and_switch_from_compute_to_comm",
     "dump_stacks",
     "prepare_run",
     "run",
@@ -106,3 +94,5 @@ __all__ = [
     "ubatch_group",
     "ubatch_groups",
 ]
+__all__ += _TABLE  # the yield and switch primitives, by their rows
+__all__.sort()

@@ -1,4 +1,5 @@
-/* C fast paths of the DBO yield and switch primitives (asyncdbo/dbo/primitives.py).
+/* C fast paths of the four kinds of DBO yield and switch primitive (asyncdbo/dbo/kinds.py; the
+ * primitives themselves are rows of asyncdbo/dbo/table.py, each a Primitive object of its kind).
  *
  * Why: a yield primitive in Python is a call, a generator object and two frames per yield; the
  * `ht` layer calls six of them for its three yields. Here each primitive is a vectorcall object
@@ -707,7 +708,7 @@ typedef struct {
     PyObject *pyfunc; /* the Python implementation: the reference, and every uncommon case */
     PyObject *deftag; /* the tag when none is given (P_YIELD, P_ROLE) */
     PyObject *src, *dst;
-    PyObject *marks; /* P_ROLE: the shared marks by tag (a dict); P_SYNC: the mark itself */
+    PyObject *marks; /* P_YIELD, P_ROLE: the shared marks by tag (a dict); P_SYNC: the mark itself */
     Py_ssize_t fallbacks; /* calls that the Python version handled */
     State *st; /* its module's state, read once: it outlives the object (as StepObject's) */
 } PrimitiveObject;
@@ -818,14 +819,23 @@ primitive_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *
     Py_INCREF(tag); /* the caller's, but held like everything else used across a call out */
 
     switch (self->kind) {
-    case P_YIELD: /* Python: ub.unawaited = tag; ub.tag = tag; return switch(ub) */
+    case P_YIELD: { /* Python: ub.unawaited = marks[tag]; ...; ub.tag = tag; return switch(ub) */
         if (!fast_ub(st, ub, 1))
             goto fallback_tag;
-        if (mark(st, ub, tag) < 0)
+        PyObject *m = PyDict_GetItemWithError(self->marks, tag);
+        if (m == NULL) { /* not made yet (or unhashable): Python makes it (or raises) */
+            PyErr_Clear();
+            goto fallback_tag;
+        }
+        Py_INCREF(m);
+        int ok = mark(st, ub, m) == 0;
+        Py_DECREF(m);
+        if (!ok)
             break;
         adb_slot_set(ub, st->ub[UB_TAG], tag);
         result = step_new(st, K_SWITCH, ub, NULL, NULL, NULL, NULL, NULL);
         break;
+    }
     case P_ROLE: {
         if ((lane = fast_lane(st, ub, 1)) == NULL)
             goto fallback_tag;
@@ -900,8 +910,9 @@ primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return PyErr_Format(PyExc_ValueError, "Primitive kind must be yield, role, sync or plain (got %R)", kind);
     if (!PyCallable_Check(pyfunc))
         return PyErr_Format(PyExc_TypeError, "Primitive needs a callable Python implementation (got %R)", pyfunc);
-    if (k == P_ROLE && !PyDict_CheckExact(marks))
-        return PyErr_Format(PyExc_TypeError, "a role primitive needs its marks dict (got %R)", marks);
+    if ((k == P_YIELD || k == P_ROLE) && !PyDict_CheckExact(marks))
+        return PyErr_Format(PyExc_TypeError, "a %s primitive needs its marks dict (got %R)",
+                            k == P_YIELD ? "yield" : "role", marks);
     State *st = state_of_type(type);
     if (st == NULL)
         return NULL;

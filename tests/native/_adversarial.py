@@ -323,6 +323,7 @@ PRIMITIVE_NEW_CASES: list[tuple[tuple[Any, ...], dict[str, Any], str]] = [
     ((print, "yield", None, None, None, None, None), {}, "TypeError: Primitive() takes at most 6 arguments (7 given)"),
     ((print,), {"kind": "yield", "bogus": 1}, "TypeError: 'bogus' is an invalid keyword argument for Primitive()"),
     ((3,), {"kind": "yield"}, "TypeError: Primitive needs a callable Python implementation (got 3)"),
+    ((print,), {"kind": "yield"}, "TypeError: a yield primitive needs its marks dict (got None)"),
     ((print,), {"kind": "role"}, "TypeError: a role primitive needs its marks dict (got None)"),
     ((print,), {"kind": "role", "marks": []}, "TypeError: a role primitive needs its marks dict (got [])"),
 ]
@@ -343,7 +344,7 @@ def primitive_new_misuse() -> Callable[[int], Awaitable[Any]]:
                 got.append(f"{type(exc).__name__}: {exc}")
         want = [w for _, _, w in PRIMITIVE_NEW_CASES]
         assert got == want, [(g, w) for g, w in zip(got, want) if g != w]
-        made = speedups.Primitive(print, kind="yield", tag="t")  # all by keyword: accepted
+        made = speedups.Primitive(print, kind="yield", tag="t", marks={})  # all by keyword: accepted
         assert made.__name__ == "print", made
 
     async def program(i: int) -> int:
