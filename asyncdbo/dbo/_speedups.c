@@ -709,6 +709,8 @@ typedef struct {
     PyObject *deftag; /* the tag when none is given (P_YIELD, P_ROLE) */
     PyObject *src, *dst;
     PyObject *marks; /* P_YIELD, P_ROLE: the shared marks by tag (a dict); P_SYNC: the mark itself */
+    PyObject *last_tag, *last_mark; /* P_YIELD: the last tag looked up in marks and its mark (a loop
+                                     * passes one tag object again and again: no dict lookup then) */
     Py_ssize_t fallbacks; /* calls that the Python version handled */
     State *st; /* its module's state, read once: it outlives the object (as StepObject's) */
 } PrimitiveObject;
@@ -822,12 +824,16 @@ primitive_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *
     case P_YIELD: { /* Python: ub.unawaited = marks[tag]; ...; ub.tag = tag; return switch(ub) */
         if (!fast_ub(st, ub, 1))
             goto fallback_tag;
-        PyObject *m = PyDict_GetItemWithError(self->marks, tag);
+        PyObject *m = tag == self->last_tag ? self->last_mark : PyDict_GetItemWithError(self->marks, tag);
         if (m == NULL) { /* not made yet (or unhashable): Python makes it (or raises) */
             PyErr_Clear();
             goto fallback_tag;
         }
         Py_INCREF(m);
+        if (tag != self->last_tag) { /* marks are never replaced once made: the pair stays right */
+            Py_XSETREF(self->last_mark, Py_NewRef(m));
+            Py_XSETREF(self->last_tag, Py_NewRef(tag));
+        }
         int ok = mark(st, ub, m) == 0;
         Py_DECREF(m);
         if (!ok)
@@ -929,6 +935,7 @@ primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     p->src = Py_NewRef(src);
     p->dst = Py_NewRef(dst);
     p->marks = Py_NewRef(marks);
+    p->last_tag = p->last_mark = NULL;
     p->fallbacks = 0;
     return (PyObject *)p;
 }
@@ -942,6 +949,8 @@ primitive_traverse(PrimitiveObject *p, visitproc visit, void *arg)
     Py_VISIT(p->src);
     Py_VISIT(p->dst);
     Py_VISIT(p->marks);
+    Py_VISIT(p->last_tag);
+    Py_VISIT(p->last_mark);
     return 0;
 }
 
@@ -953,6 +962,8 @@ primitive_clear(PrimitiveObject *p)
     Py_CLEAR(p->src);
     Py_CLEAR(p->dst);
     Py_CLEAR(p->marks);
+    Py_CLEAR(p->last_tag);
+    Py_CLEAR(p->last_mark);
     return 0;
 }
 
