@@ -10,6 +10,7 @@ and the errors. Everything else lives in its subpackage (imports point down this
 =================  ================================================================================
 ``_core``          the kernel: round-robin driver, traps, per-ubatch record, clock, errors
 ``backends``       stream backends (host, accelerator) and their typed per-ubatch state
+``syncs``          the host-sync detector: the torch ops that would make the host wait
 ``dbo``            the primitives, named events, recv hooks, ``run``/``run_ubatches``
 ``dist``           per-ubatch process groups, the expert-parallel all-to-all
 ``plan``           when and where to cut a batch into ubatches, across DP ranks
@@ -30,6 +31,7 @@ from typing import Any
 from . import _compat
 from ._core import (
     AsyncDBOError,
+    AsyncDBOException,
     DBOUsageError,
     DeadlockError,
     NoOverlapWarning,
@@ -46,20 +48,29 @@ from .dbo import (
     dbo_record_event,
     dbo_register_recv_hook,
     dbo_submit,
+    dbo_switch_to_comm,
+    dbo_switch_to_comm_sync,
+    dbo_switch_to_compute,
+    dbo_switch_to_compute_sync,
     dbo_wait_event,
+    dbo_yield,
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
     prepare_run,
     run,
     run_ubatches,
     run_ubatches_with_stats,
 )
-from .dbo.kinds import TABLE as _TABLE
-from .dbo.table import *  # noqa: F403  (the yield and switch primitives, exported by their rows)
+from .backends.registry import register_backend as _register_backend
 from .dist.groups import ubatch_group, ubatch_groups
 from .observe.stacks import dump_stacks
 
 __version__ = "0.2.0"
 
 _compat.install()
+# The simulated device lives above the backends, so the top level (which sees every room) names it
+# for get_backend("sim"); it is imported only when chosen.
+_register_backend("sim", "asyncdbo.sim.backend:SimBackend")
 
 
 def __getattr__(name: str) -> Any:
@@ -71,6 +82,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AsyncDBOError",
+    "AsyncDBOException",
     "DBOOptions",
     "DBOUsageError",
     "DeadlockError",
@@ -85,7 +97,14 @@ __all__ = [
     "dbo_record_event",
     "dbo_register_recv_hook",
     "dbo_submit",
+    "dbo_switch_to_comm",
+    "dbo_switch_to_comm_sync",
+    "dbo_switch_to_compute",
+    "dbo_switch_to_compute_sync",
     "dbo_wait_event",
+    "dbo_yield",
+    "dbo_yield_and_switch_from_comm_to_compute",
+    "dbo_yield_and_switch_from_compute_to_comm",
     "dump_stacks",
     "prepare_run",
     "run",
@@ -94,5 +113,3 @@ __all__ = [
     "ubatch_group",
     "ubatch_groups",
 ]
-__all__ += _TABLE  # the yield and switch primitives, by their rows
-__all__.sort()

@@ -17,7 +17,7 @@ MODULES: list[tuple[str, str]] = [
     ("asyncdbo.backends", "Stream backends."),
     ("asyncdbo.backends.host", "The CPU backend."),
     ("asyncdbo.backends.accelerator", "CUDA / NPU / XPU backend."),
-    ("asyncdbo.backends.syncs", "Host syncs: the ops that would make the host wait for an accelerator."),
+    ("asyncdbo.syncs", "Host syncs: the ops that would make the host wait for an accelerator."),
     ("asyncdbo.dist", "torch.distributed for DBO."),
     ("asyncdbo.dist.ep", "Expert-parallel all-to-all through the stream backend."),
     ("asyncdbo.plan", "Planning a step: thresholds, DP vote, splits, metadata, records."),

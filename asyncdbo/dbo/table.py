@@ -3,8 +3,8 @@
 A row gives the name, the kind (:data:`asyncdbo.dbo.kinds.Kind`), the stream move (``src`` ->
 ``dst``), the default tag, what a dropped ``await`` risks and the docstring. From it
 :func:`~asyncdbo.dbo.kinds.declare` makes the Python reference and the C fast path, and the rows
-drive the exports (``asyncdbo.dbo`` and ``asyncdbo`` star-import this module, which defines no
-other public name), the missing-await wording and the differential tests' list. Adding a primitive
+drive the exports (``asyncdbo.dbo`` star-imports this module, which defines no other public
+name; the top level keeps vLLM's seven, by name), the missing-await wording and the differential tests' list. Adding a primitive
 of an existing kind is one row here and its test (docs/maintaining.md).
 
 Outside a DBO run every primitive is a no-op: it returns a done awaitable at once.

@@ -43,7 +43,7 @@ import torch
 from .._core import SWITCH, Instrument, get_ubatch
 from .._core.stacks import await_chain
 from ..backends import LinkSpec, RunStreams, StreamBackend, UBatchStreams, link_spec
-from ..backends.syncs import HostSyncs, SyncRecord
+from ..syncs import HostSyncs, SyncRecord
 from ..dbo.hooks import run_pending_hook
 from .clock import Engine, Span, Timeline, VEvent, VStream
 from .comm import CommSpec, comm_spec
@@ -295,7 +295,7 @@ class SimBackend(Transfers, StreamBackend):
         self._mode = SimMode(self)
         self._mode.__enter__()
         # Entered after the sim's mode, so it sees each op first, lets the sim price it, then
-        # charges the host's wait once the op is on its stream (asyncdbo.backends.syncs).
+        # charges the host's wait once the op is on its stream (asyncdbo.syncs).
         self._syncs = HostSyncs(on_sync=self._on_sync)
         self._syncs.__enter__()
 
@@ -491,7 +491,7 @@ class SimBackend(Transfers, StreamBackend):
                 self._clocks.report("read-before-await", self._site(ub, stream, str(func.name())), h.site, stream.id)
 
     def _on_sync(self, record: SyncRecord, args: tuple[Any, ...]) -> None:
-        """An op that makes the host wait (:mod:`asyncdbo.backends.syncs`: a read to the host, or
+        """An op that makes the host wait (:mod:`asyncdbo.syncs`: a read to the host, or
         an output sized by the data): the CPU waits for the end of the work queued on the stream
         it reads, and later work on every stream follows it."""
         ub = get_ubatch()

@@ -26,7 +26,7 @@ What fails the ``with`` block (:class:`StreamRuleError`, every problem with its 
   stream that allocated it; a block freed while another stream's use of it is not ordered before
   that stream's next kernel (and not declared with ``Tensor.record_stream``) is reported there;
 * **host syncs** (``capturable=True``): anything that makes the CPU wait for the device
-  (``synchronize``, ``query``, and every op :class:`asyncdbo.backends.syncs.HostSyncs` counts:
+  (``synchronize``, ``query``, and every op :class:`asyncdbo.syncs.HostSyncs` counts:
   ``.item()``, ``.tolist()``, ``nonzero``, ``bincount``, ...), which a CUDA graph capture
   forbids; without ``capturable`` they are only listed in ``host_syncs``.
 
@@ -52,8 +52,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._core import DBORun, get_ubatch
-from ..backends.syncs import HostSyncs
+from .._core import AsyncDBOException, DBORun, get_ubatch
+from ..syncs import HostSyncs
 
 __all__ = ["FakeDevice", "FakeEvent", "FakeStream", "StreamDiscipline", "StreamRuleError"]
 
@@ -62,7 +62,7 @@ _SKIP = tuple(os.path.join(_PKG, d) for d in ("_core", "dbo", "backends", "testi
     os.path.dirname(os.path.abspath(str(torch.__file__))), os.path.dirname(str(os.__file__)), "<")
 
 
-class StreamRuleError(AssertionError):
+class StreamRuleError(AsyncDBOException, AssertionError):
     """What the fake device found; ``problems`` lists them, one string each."""
 
     def __init__(self, problems: list[str]) -> None:
