@@ -324,7 +324,7 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
 def _workload(args: argparse.Namespace, model: Any, dep: Any) -> int:
     from .check_workload import run
 
-    return run(args, model, dep, _header, _fail_on(args))
+    return run(args, model, dep, _header, _fail_on(args), rank_tokens_check(model))
 
 
 def _paged_kv(args: argparse.Namespace) -> int:
