@@ -65,7 +65,7 @@ def generate_reference() -> str:
         "",
         "Every public name, with its signature and the first paragraph of its docstring (generated from the",
         "code with `inspect` by `python docs/make_reference.py`; the docstrings hold the rest).",
-        "`tests/test_docs_examples.py` checks that it is up to date.",
+        "`tests/docs/test_docs_examples.py` checks that it is up to date.",
         "",
         "Modules: " + ", ".join(f"[`{m}`](#{m.replace('.', '')})" for m, _ in MODULES) + ".",
         "",
