@@ -824,19 +824,22 @@ primitive_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *
     case P_YIELD: { /* Python: ub.unawaited = marks[tag]; ...; ub.tag = tag; return switch(ub) */
         if (!fast_ub(st, ub, 1))
             goto fallback_tag;
-        PyObject *m = tag == self->last_tag ? self->last_mark : PyDict_GetItemWithError(self->marks, tag);
-        if (m == NULL) { /* not made yet (or unhashable): Python makes it (or raises) */
-            PyErr_Clear();
-            goto fallback_tag;
+        if (tag != self->last_tag) { /* a tag other than the last one: look its mark up, keep the pair */
+            PyObject *m = PyDict_GetItemWithError(self->marks, tag);
+            if (m == NULL) { /* not made yet (or unhashable): Python makes it (or raises) */
+                PyErr_Clear();
+                goto fallback_tag;
+            }
+            PyObject *old_tag = self->last_tag, *old_mark = self->last_mark;
+            self->last_tag = Py_NewRef(tag); /* marks are never replaced once made: the pair stays right */
+            self->last_mark = Py_NewRef(m);
+            Py_XDECREF(old_tag); /* may run code (a str subclass's finalizer)... */
+            Py_XDECREF(old_mark);
+            if (self->last_tag != tag) /* ...that called this primitive: nothing changed here yet */
+                goto fallback_tag;
         }
-        Py_INCREF(m);
-        if (tag != self->last_tag) { /* marks are never replaced once made: the pair stays right */
-            Py_XSETREF(self->last_mark, Py_NewRef(m));
-            Py_XSETREF(self->last_tag, Py_NewRef(tag));
-        }
-        int ok = mark(st, ub, m) == 0;
-        Py_DECREF(m);
-        if (!ok)
+        /* the cache holds the mark and nothing runs until mark() stored it (it replaces None) */
+        if (mark(st, ub, self->last_mark) < 0)
             break;
         adb_slot_set(ub, st->ub[UB_TAG], tag);
         result = step_new(st, K_SWITCH, ub, NULL, NULL, NULL, NULL, NULL);
