@@ -10,6 +10,7 @@ and the errors. Everything else lives in its subpackage (imports point down this
 =================  ================================================================================
 ``_core``          the kernel: round-robin driver, traps, per-ubatch record, clock, errors
 ``backends``       stream backends (host, accelerator) and their typed per-ubatch state
+``syncs``          the host-sync detector: the torch ops that would make the host wait
 ``dbo``            the primitives, named events, recv hooks, ``run``/``run_ubatches``
 ``dist``           per-ubatch process groups, the expert-parallel all-to-all
 ``plan``           when and where to cut a batch into ubatches, across DP ranks
@@ -30,6 +31,7 @@ from typing import Any
 from . import _compat
 from ._core import (
     AsyncDBOError,
+    AsyncDBOException,
     DBOUsageError,
     DeadlockError,
     NoOverlapWarning,
@@ -59,12 +61,16 @@ from .dbo import (
     run_ubatches,
     run_ubatches_with_stats,
 )
+from .backends.registry import register_backend as _register_backend
 from .dist.groups import ubatch_group, ubatch_groups
 from .observe.stacks import dump_stacks
 
 __version__ = "0.2.0"
 
 _compat.install()
+# The simulated device lives above the backends, so the top level (which sees every room) names it
+# for get_backend("sim"); it is imported only when chosen.
+_register_backend("sim", "asyncdbo.sim.backend:SimBackend")
 
 
 def __getattr__(name: str) -> Any:
@@ -76,6 +82,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AsyncDBOError",
+    "AsyncDBOException",
     "DBOOptions",
     "DBOUsageError",
     "DeadlockError",

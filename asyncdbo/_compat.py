@@ -41,6 +41,7 @@ MOVED_MODULES: dict[str, str] = {
     "asyncdbo.trace_cli": "asyncdbo.cli.trace",
     "asyncdbo.sim.check": "asyncdbo.cli.check",
     "asyncdbo.hf": "asyncdbo.moe.hf",
+    "asyncdbo.backends.syncs": "asyncdbo.syncs",  # a sync detector, not a backend: a room of its own
 }
 
 #: top-level name that left ``asyncdbo`` -> the module that exports it now

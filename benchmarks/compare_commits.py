@@ -115,14 +115,22 @@ def main(argv: list[str] | None = None) -> int:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "asyncdbo"], cwd=ROOT, capture_output=True, text=True).stdout)
     import asyncdbo
+    import asyncdbo.dbo.primitives
 
     with tempfile.TemporaryDirectory() as tmp:
-        base = export_base(rev, Path(tmp))
+        # the base with its own C extensions, built from its own sources (the working tree runs its
+        # built ones): comparing a C path against a pure-Python one would measure the extensions
+        src = Path(tmp) / "src"
+        src.mkdir()
+        built = tuple((src / "asyncdbo").rglob("*.so")) if build_rev(rev, src) else ()
+        base = export_base(rev, Path(tmp), built=built, built_in=src / "asyncdbo")
+        c_paths = {"base": bool(built), "now": asyncdbo.dbo.primitives.FAST is not None}
         pkgs = {f"base {rev}": base, f"now {head}{'+changes' if dirty else ''}": asyncdbo}
         command = f"python benchmarks/compare_commits.py --base {args.base}{' --quick' if args.quick else ''}"
         lines, info = results_preamble(f"Switch cost: {rev} vs the working tree, same run", command)
         lines.append(f"ns per switch through `run_ubatches` (host backend, uvloop), {switches} switches per run, "
-                     f"medians of {rounds} interleaved rounds [min..max].\n")
+                     f"medians of {rounds} interleaved rounds [min..max]. C extensions built: base "
+                     f"{c_paths['base']}, now {c_paths['now']}.\n")
         lines.append("| N | depth | " + " | ".join(pkgs) + " | now / base |")
         lines.append("|---:|---:|" + "---:|" * (len(pkgs) + 1))
         _progress.start(args.quiet, "cells (N x depth), both packages each", 1 if args.quick else 9)

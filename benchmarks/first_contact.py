@@ -703,7 +703,7 @@ def step_syncs(st: Step) -> None:
 
     import asyncdbo
     from asyncdbo.backends.accelerator import AcceleratorBackend
-    from asyncdbo.backends.syncs import HostSyncs
+    from asyncdbo.syncs import HostSyncs
     from asyncdbo.moe import MoEConfig, MoELayer
 
     dev = _dev(st.dry)

@@ -8,7 +8,7 @@ alternating order, every round times one DBO step (``asyncdbo.run_ubatches`` on 
 * step wall time and process CPU time (medians over rounds; CPU time moves less with other jobs'
   load on a shared machine);
 * host syncs per step (ops that would make the host wait on an accelerator, counted by
-  :class:`asyncdbo.backends.syncs.HostSyncs`) and torch ops dispatched per step (what a device
+  :class:`asyncdbo.syncs.HostSyncs`) and torch ops dispatched per step (what a device
   would launch);
 * expert MLP rows per step: the rows that went through the experts' GEMMs (the sync-free path
   reads a fixed window of rows per expert, so it computes padding rows);
@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import asyncdbo
-from asyncdbo.backends.syncs import HostSyncs
+from asyncdbo.syncs import HostSyncs
 from asyncdbo.moe import MoEConfig, MoELayer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

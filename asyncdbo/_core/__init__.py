@@ -8,6 +8,7 @@ asyncdbo is built on this package's names (curio's rule: new features go outside
 from .clock import Clock, MonotonicClock, VirtualClock
 from .errors import (
     AsyncDBOError,
+    AsyncDBOException,
     DBOUsageError,
     DeadlockError,
     DuplicateEventError,
@@ -31,6 +32,7 @@ __all__ = [
     "LOOP_POLL_S",
     "SWITCH",
     "AsyncDBOError",
+    "AsyncDBOException",
     "Clock",
     "DBORun",
     "DBOUsageError",

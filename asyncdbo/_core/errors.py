@@ -1,4 +1,11 @@
-"""Errors raised by the DBO loop.
+"""Errors raised by the DBO loop, and the root of every asyncdbo exception.
+
+:class:`AsyncDBOException` is the one root: every exception class asyncdbo defines derives from
+it (tests/layout/test_error_root.py checks each), and each keeps the builtin base it had before it
+had that root (a usage error is a ``RuntimeError``, a non-finite logit an ``ArithmeticError``), so
+``except RuntimeError`` keeps working. Under it, :class:`AsyncDBOError` means "the run failed"
+for a reason other than the code, :class:`DBOUsageError` "the code used a primitive wrongly".
+Warnings derive from the builtin warning categories only.
 
 User mistakes are ``ValueError``/``TypeError`` with the bad value and the fix in the message where
 they can be checked at the call. A mistake that only shows while the ubatches run (a primitive not
@@ -7,13 +14,14 @@ lost; in debug mode, two ubatches issuing collectives on one process group, or a
 not handed to ``dbo_submit``) is a :class:`DBOUsageError` (its kinds are public in ``asyncdbo.dbo``): a ``RuntimeError``, which is what
 these were before they had names, so existing ``except RuntimeError`` keeps working. Failures of a run (deadlock, watchdog, a
 crashed ubatch) are :class:`AsyncDBOError` subclasses so a serving loop can catch "the DBO step
-failed" in one ``except``.
+failed" in one ``except``; ``except AsyncDBOException`` catches anything asyncdbo raised of its own.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "AsyncDBOError",
+    "AsyncDBOException",
     "DBOUsageError",
     "DeadlockError",
     "DuplicateEventError",
@@ -27,7 +35,13 @@ __all__ = [
 ]
 
 
-class AsyncDBOError(Exception):
+class AsyncDBOException(Exception):
+    """The root of every exception asyncdbo defines: failures of a DBO run (:class:`AsyncDBOError`),
+    usage errors (:class:`DBOUsageError`, also a ``RuntimeError``), and the errors of the layers
+    above (a step aborted for a peer's failure, a host sync, a rank's error...)."""
+
+
+class AsyncDBOError(AsyncDBOException):
     """Base class for failures of a DBO run."""
 
 
@@ -50,7 +64,7 @@ class YieldMismatchError(AsyncDBOError):
     """The ubatches of one run passed different sequences of yield tags (checked in debug mode)."""
 
 
-class DBOUsageError(RuntimeError):
+class DBOUsageError(AsyncDBOException, RuntimeError):
     """A ubatch used a DBO primitive the wrong way; the message names the ubatch, the place and the fix."""
 
 
@@ -83,7 +97,7 @@ class NoOverlapWarning(RuntimeWarning):
 
 # Tracebacks and reprs name the path users import (``asyncdbo.DeadlockError``), not this private
 # module: the class's module is what Python prints before the message.
-for _cls in (AsyncDBOError, DeadlockError, WatchdogTimeout, YieldMismatchError, NoOverlapWarning, DBOUsageError):
+for _cls in (AsyncDBOException, AsyncDBOError, DeadlockError, WatchdogTimeout, YieldMismatchError, NoOverlapWarning, DBOUsageError):
     _cls.__module__ = "asyncdbo"
 # The kinds of DBOUsageError are public in the DBO layer, where the primitives that raise them live
 # (the top level stays small: tests/layout/test_old_paths.py).

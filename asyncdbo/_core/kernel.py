@@ -40,15 +40,12 @@ Invariants (each has a test in tests/core/):
     ubatch, by ``asyncio.run``'s Ctrl-C handler), or before it and not delivered yet, is raised
     from the run once its ubatches finished.
 
-The fast path of a yield (``SWITCH``) never touches the event loop: it is one ``ctx.run(send)``, a deque pop
-and push, and a counter. Where the optional C extension was built (``asyncdbo/_core/_spin.c``) that loop runs
-in C while no instrument or event-loop wait is involved, and hands everything else back to the Python loop
-below, which stays the reference (``ASYNCDBO_PURE_PYTHON=1`` runs it alone). See benchmarks/switch_cost.py.
-
-Parking, waking, cancelling one ubatch, the loop poll and the run's sleep (invariants 3, 4 and 7) live in
-:mod:`asyncdbo._core.parking`; the endings of a ubatch and a run (invariants 5 and 8) in
-:mod:`asyncdbo._core.endings`, the base classes of :class:`DBORun`; cancellation at a suspension point
-(invariant 5) in :mod:`asyncdbo._core.cancel`.
+A yield (``SWITCH``) never touches the event loop: one ``ctx.run(send)``, a deque pop and push, a counter;
+where ``asyncdbo/_core/_spin.c`` was built that loop runs in C while no instrument or loop wait is involved,
+and hands the rest to the Python loop below, the reference (``ASYNCDBO_PURE_PYTHON=1`` runs it alone).
+Parking, waking, the loop poll and the run's sleep (invariants 3, 4, 7) live in :mod:`asyncdbo._core.parking`;
+the endings of a ubatch and a run (5, 8) in :mod:`asyncdbo._core.endings`, the bases of :class:`DBORun`;
+cancellation at a suspension point (5) in :mod:`asyncdbo._core.cancel`.
 """
 
 from __future__ import annotations
@@ -124,9 +121,8 @@ class DBORun(Endings):
         loop_poll_s: float = LOOP_POLL_S,
         name: str | None = None,
     ) -> None:
-        """``install(obj)`` makes a ubatch's ``resume_with`` current before it resumes (None: the
-        layer above has nothing to install). ``before_park(ub)`` runs when ``ub`` is about to park,
-        ``at_exit(ub)`` when it returned; either may raise, which fails that ubatch."""
+        """``install(obj)`` makes a ubatch's ``resume_with`` current before it resumes (None: nothing to
+        install); ``before_park(ub)`` runs as ``ub`` parks, ``at_exit(ub)`` as it returns (either may raise)."""
         self.ubatches = [UBatch(i, self, c) for i, c in enumerate(coros)]
         self.ext: Any = None  # the layer above's per-run state; the kernel never reads it
         self._ready = deque(self.ubatches)
@@ -148,8 +144,7 @@ class DBORun(Endings):
 
     @classmethod
     def released(cls, n: int) -> DBORun:
-        """A run of ``n`` ubatch records holding no coroutine yet, as a finished run holds none:
-        :meth:`restart` gives it its first ones (``asyncdbo.dbo``'s run shells are built so)."""
+        """``n`` ubatch records holding no coroutine yet, as a finished run: :meth:`restart` fills them."""
         coros = [_nothing() for _ in range(n)]
         for coro in coros:
             coro.close()  # closed before its first step: no "never awaited" warning
@@ -172,8 +167,7 @@ class DBORun(Endings):
     ) -> None:
         """Make this run, driven to its end, a new one: ``coros`` (as many as it had ubatches) in its
         records, each with a fresh copy of the caller's context, every counter and option as
-        ``__init__`` sets them; ``ext`` stays. Building the records is most of what a short run
-        costs (benchmarks/run_setup.py); ``asyncdbo.dbo``'s run shells run one shape again and again."""
+        ``__init__`` sets them; ``ext`` stays (``asyncdbo.dbo``'s run shells reuse runs so)."""
         self._refill(coros)
         self._arm(install, before_park, at_exit, instrument, watchdog_s, clock, loop_poll_s, name)
 
@@ -246,8 +240,7 @@ class DBORun(Endings):
     # ------------------------------------------------------------------ services for the layer above
     @property
     def installed(self) -> object:
-        """What :meth:`install` made current last (None: nothing yet); a resume installs a
-        ubatch's ``resume_with`` only when it is not this (debug mode's stream check reads it)."""
+        """What :meth:`install` made current last (None: nothing yet; a resume installs only another)."""
         return self._installed
 
     def install(self, obj: object) -> None:

@@ -21,8 +21,7 @@ _REGISTRY: dict[str, str | Callable[..., StreamBackend]] = {
     "npu": "asyncdbo.backends.accelerator:npu_backend",
     "xpu": "asyncdbo.backends.accelerator:xpu_backend",
     "accelerator": "asyncdbo.backends.accelerator:AcceleratorBackend",
-    "sim": "asyncdbo.sim.backend:SimBackend",
-}
+}  # "sim" is registered by asyncdbo/__init__.py: the sim package is above this one
 
 
 # Names whose factory, called without options, returns the process's one backend of that kind

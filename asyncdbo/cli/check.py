@@ -61,6 +61,20 @@ def _tokens(text: str) -> list[int]:
     return values
 
 
+_FLAGS = {"true": True, "on": True, "false": False, "off": False, "none": None, "auto": None}
+
+
+def _moe_option(text: str) -> tuple[str, bool | None]:
+    """``--moe NAME=VALUE``: one MoE layer option (``asyncdbo.sim.shapes.MOE_OPTIONS``) for every layer."""
+    from ..sim.shapes import MOE_OPTIONS
+
+    name, eq, value = text.partition("=")
+    if not eq or name not in MOE_OPTIONS or value.lower() not in _FLAGS:
+        raise argparse.ArgumentTypeError(f"--moe takes NAME=VALUE with NAME one of {', '.join(MOE_OPTIONS)} and VALUE "
+                                         f"true, false or none (got {text!r})")
+    return name, _FLAGS[value.lower()]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..backends.links import LINKS
     from ..plan import ThresholdConfig
@@ -97,6 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--imbalance", type=float, default=1.0,
                    help="the busiest EP rank's expert work over this rank's (default 1.0: balanced)")
     p.add_argument("--layers", type=int, default=None, help="MoE layers simulated (default 3; the middle one is timed)")
+    p.add_argument("--moe", type=_moe_option, action="append", default=[], metavar="NAME=VALUE",
+                   help="a MoE layer option for every layer, repeatable, e.g. yield_after_route=true (a schedule "
+                        "step added as a layer option is race-checked so: docs/maintaining.md)")
     for name, help_ in (("hidden", "hidden size"), ("intermediate", "expert intermediate size"), ("experts", "routed experts"),
                         ("top-k", "experts per token"), ("shared-experts", "shared experts"), ("heads", "attention heads")):
         p.add_argument(f"--{name}", type=int, default=None, help=f"override the model's {help_}")
@@ -169,7 +186,8 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ValueError(f"{model.name}: experts ({model.experts}) must be divisible by ep ({args.ep}); "
                          "change --ep or --experts")
     dep = Deployment(device=args.device, link=args.link, comm=args.comm, host=args.host, ep=args.ep,
-                     gpus_per_node=args.gpus_per_node, schedule=args.schedule, imbalance=args.imbalance)
+                     gpus_per_node=args.gpus_per_node, schedule=args.schedule, imbalance=args.imbalance,
+                     moe=dict(getattr(args, "moe", [])))
     if args.trace:
         check_output_dir("--trace", args.trace)
     _check_memory(model, max(args.tokens))
@@ -269,7 +287,8 @@ def _header(args: argparse.Namespace, model: Any, dep: Any, shape: str | None) -
     print(f"asyncdbo check: {model.describe()}")
     print(f"deployment: {d.device.name} + {d.link.name} ({d.link.latency_s * 1e6:g} us, {d.link.bandwidth_Bps / 1e9:g} GB/s), "
           f"EP {d.ep} ({d.gpus_per_node} per node), {d.comm.name} comm, {run}, "
-          f"{args.ubatches} ubatches{', imbalance %g' % d.imbalance if d.imbalance != 1 else ''}")
+          f"{args.ubatches} ubatches{', imbalance %g' % d.imbalance if d.imbalance != 1 else ''}"
+          f"{''.join(f', moe {k}={v}' for k, v in d.moe)}")
     print(f"checks: {'races, dead waits and lost overlap' if args.check_races else 'none (--no-check-races)'}"
           f"{'; lost overlap is reported, not failed (--allow-lost-overlap)' if _allow(args) else ''}")
 
@@ -331,7 +350,7 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
 def _workload(args: argparse.Namespace, model: Any, dep: Any) -> int:
     from .check_workload import run
 
-    return run(args, model, dep, _header, _fail_on(args))
+    return run(args, model, dep, _header, _fail_on(args), rank_tokens_check(model))
 
 
 def _paged_kv(args: argparse.Namespace) -> int:

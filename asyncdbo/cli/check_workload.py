@@ -12,6 +12,7 @@ below break-even.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from .progress import Progress, wants_progress
@@ -48,19 +49,20 @@ def _thresholds(args: argparse.Namespace) -> Any:
                            num_spec_tokens=spec)
 
 
-def run(args: argparse.Namespace, model: Any, dep: Any, header: Any, fail_on: list[str]) -> int:
+def run(args: argparse.Namespace, model: Any, dep: Any, header: Any, fail_on: list[str],
+        check_rank: Callable[[int], str | None] | None = None) -> int:
     """The workload mode of ``asyncdbo check`` (``header(args, model, dep, None)`` prints the
-    deployment lines)."""
+    deployment lines; ``check_rank`` refuses a rank the memory cannot simulate as the trace is
+    read: ``asyncdbo.cli.check.rank_tokens_check``, handed down by the command)."""
     from ..sim.tuning import SIM_AUTO, below_break_even, replay_auto
     from ..sim.workload import StepSims, load_workload, replay, synthetic_workload
-    from .check import rank_tokens_check
 
     policies = parse_policies(args.policy)
     if args.repeat < 1:
         raise ValueError(f"--repeat must be >= 1 (got {args.repeat}): how many times to replay the trace in a row")
     thresholds = _thresholds(args)
     trace = (synthetic_workload(spec_tokens=thresholds.num_spec_tokens) if args.workload == "synthetic"
-             else load_workload(args.workload, check_rank=rank_tokens_check(model)))
+             else load_workload(args.workload, check_rank=check_rank))
     steps = list(trace) * args.repeat
     streams = ["role", "ubatch"] if args.stream_policy == "both" else [args.stream_policy]
     header(args, model, dep, None)

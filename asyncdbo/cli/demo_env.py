@@ -41,7 +41,9 @@ def main_env(args: argparse.Namespace) -> int:
 
     from ..dist import destroy_process_groups
     from ..testing.process import exit_with_parent
-    from .demo import _config_from_args, _report, check_memory, demo_rank, passed, summarize
+    from .demo_config import _config_from_args
+    from .demo_memory import check_memory
+    from .demo_run import _report, demo_rank, passed, summarize
     from .inputs import check_output_dir
 
     missing = [v for v in TORCHRUN_ENV if v not in os.environ]

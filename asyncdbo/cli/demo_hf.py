@@ -77,7 +77,7 @@ class HFDemoConfig:
         self.link_spec()  # an unknown link or a bad scale: the mini demo's messages
 
     def link_spec(self) -> Any:
-        from .demo import DemoConfig
+        from .demo_config import DemoConfig
 
         return DemoConfig(link=self.link, link_scale=self.link_scale).link_spec()
 
@@ -279,7 +279,7 @@ def microbatched(per_rank: list[dict[str, Any]], steps: slice) -> tuple[int, int
 def main_hf(args: argparse.Namespace) -> int:
     """``asyncdbo demo --model ...``: start the ranks here, load, run, compare, print."""
     from ..testing.ranks import RankError, RankPool
-    from .demo import START_TIMEOUT_S
+    from .demo_config import START_TIMEOUT_S
     from .inputs import check_timeout
 
     try:
@@ -352,7 +352,7 @@ MINI_ONLY = ("layers", "experts", "top_k", "hidden", "shape", "context", "trace"
 
 
 def _refuse_mini_only_flags(args: argparse.Namespace) -> None:
-    from .demo import DemoConfig
+    from .demo_config import DemoConfig
 
     defaults = DemoConfig()
     for name in MINI_ONLY:

@@ -16,7 +16,7 @@ from . import inputs
 from .inputs import PROCESS_BASE_BYTES, human_bytes, largest_fitting
 
 if TYPE_CHECKING:
-    from .demo import DemoConfig
+    from .demo_config import DemoConfig
 
 __all__ = ["check_memory", "rank_bytes"]
 

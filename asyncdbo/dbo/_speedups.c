@@ -1,4 +1,5 @@
-/* C fast paths of the DBO yield and switch primitives (asyncdbo/dbo/primitives.py).
+/* C fast paths of the four kinds of DBO yield and switch primitive (asyncdbo/dbo/kinds.py; the
+ * primitives themselves are rows of asyncdbo/dbo/table.py, each a Primitive object of its kind).
  *
  * Why: a yield primitive in Python is a call, a generator object and two frames per yield; the
  * `ht` layer calls six of them for its three yields. Here each primitive is a vectorcall object
@@ -707,7 +708,9 @@ typedef struct {
     PyObject *pyfunc; /* the Python implementation: the reference, and every uncommon case */
     PyObject *deftag; /* the tag when none is given (P_YIELD, P_ROLE) */
     PyObject *src, *dst;
-    PyObject *marks; /* P_ROLE: the shared marks by tag (a dict); P_SYNC: the mark itself */
+    PyObject *marks; /* P_YIELD, P_ROLE: the shared marks by tag (a dict); P_SYNC: the mark itself */
+    PyObject *last_tag, *last_mark; /* P_YIELD: the last tag looked up in marks and its mark (a loop
+                                     * passes one tag object again and again: no dict lookup then) */
     Py_ssize_t fallbacks; /* calls that the Python version handled */
     State *st; /* its module's state, read once: it outlives the object (as StepObject's) */
 } PrimitiveObject;
@@ -818,14 +821,30 @@ primitive_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *
     Py_INCREF(tag); /* the caller's, but held like everything else used across a call out */
 
     switch (self->kind) {
-    case P_YIELD: /* Python: ub.unawaited = tag; ub.tag = tag; return switch(ub) */
+    case P_YIELD: { /* Python: ub.unawaited = marks[tag]; ...; ub.tag = tag; return switch(ub) */
         if (!fast_ub(st, ub, 1))
             goto fallback_tag;
-        if (mark(st, ub, tag) < 0)
+        if (tag != self->last_tag) { /* a tag other than the last one: look its mark up, keep the pair */
+            PyObject *m = PyDict_GetItemWithError(self->marks, tag);
+            if (m == NULL) { /* not made yet (or unhashable): Python makes it (or raises) */
+                PyErr_Clear();
+                goto fallback_tag;
+            }
+            PyObject *old_tag = self->last_tag, *old_mark = self->last_mark;
+            self->last_tag = Py_NewRef(tag); /* marks are never replaced once made: the pair stays right */
+            self->last_mark = Py_NewRef(m);
+            Py_XDECREF(old_tag); /* may run code (a str subclass's finalizer)... */
+            Py_XDECREF(old_mark);
+            if (self->last_tag != tag) /* ...that called this primitive: nothing changed here yet */
+                goto fallback_tag;
+        }
+        /* the cache holds the mark and nothing runs until mark() stored it (it replaces None) */
+        if (mark(st, ub, self->last_mark) < 0)
             break;
         adb_slot_set(ub, st->ub[UB_TAG], tag);
         result = step_new(st, K_SWITCH, ub, NULL, NULL, NULL, NULL, NULL);
         break;
+    }
     case P_ROLE: {
         if ((lane = fast_lane(st, ub, 1)) == NULL)
             goto fallback_tag;
@@ -900,8 +919,9 @@ primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return PyErr_Format(PyExc_ValueError, "Primitive kind must be yield, role, sync or plain (got %R)", kind);
     if (!PyCallable_Check(pyfunc))
         return PyErr_Format(PyExc_TypeError, "Primitive needs a callable Python implementation (got %R)", pyfunc);
-    if (k == P_ROLE && !PyDict_CheckExact(marks))
-        return PyErr_Format(PyExc_TypeError, "a role primitive needs its marks dict (got %R)", marks);
+    if ((k == P_YIELD || k == P_ROLE) && !PyDict_CheckExact(marks))
+        return PyErr_Format(PyExc_TypeError, "a %s primitive needs its marks dict (got %R)",
+                            k == P_YIELD ? "yield" : "role", marks);
     State *st = state_of_type(type);
     if (st == NULL)
         return NULL;
@@ -918,6 +938,7 @@ primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     p->src = Py_NewRef(src);
     p->dst = Py_NewRef(dst);
     p->marks = Py_NewRef(marks);
+    p->last_tag = p->last_mark = NULL;
     p->fallbacks = 0;
     return (PyObject *)p;
 }
@@ -931,6 +952,8 @@ primitive_traverse(PrimitiveObject *p, visitproc visit, void *arg)
     Py_VISIT(p->src);
     Py_VISIT(p->dst);
     Py_VISIT(p->marks);
+    Py_VISIT(p->last_tag);
+    Py_VISIT(p->last_mark);
     return 0;
 }
 
@@ -942,6 +965,8 @@ primitive_clear(PrimitiveObject *p)
     Py_CLEAR(p->src);
     Py_CLEAR(p->dst);
     Py_CLEAR(p->marks);
+    Py_CLEAR(p->last_tag);
+    Py_CLEAR(p->last_mark);
     return 0;
 }
 

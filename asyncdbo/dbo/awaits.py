@@ -95,13 +95,15 @@ def site_of(at: object) -> str | None:
     return f"{code.co_filename}:{line if line is not None else code.co_firstlineno} in {code.co_qualname}"
 
 
-def check_unawaited(ub: UBatch) -> None:
-    """Report the awaitable ``ub`` left unawaited, if any (see the module docstring)."""
+def check_unawaited(ub: UBatch, stacklevel: int = 4) -> None:
+    """Report the awaitable ``ub`` left unawaited, if any (see the module docstring). A warning
+    names the line ``stacklevel`` frames up (4: the caller of a primitive that calls a helper that
+    calls this)."""
     pending = ub.unawaited
     if pending is None:
         return
     ub.unawaited = None
-    record = pending if isinstance(pending, Unawaited) else Unawaited("dbo_yield", str(pending), hazard=False)
+    record = pending if isinstance(pending, Unawaited) else Unawaited("a DBO primitive", repr(pending), hazard=False)
     if record.site is None:
         site = site_of(ub.unawaited_at)
         if site is not None:
@@ -109,7 +111,7 @@ def check_unawaited(ub: UBatch) -> None:
     message = record.describe(ub.id)
     if record.hazard or ub.debug is not None:
         raise MissingAwaitError(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
 # Outside debug mode a mark has no call site, so one record per primitive and tag serves every

@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 from .._core import Instrument
 from ..backends import StreamBackend, get_backend
 from . import shell
-from .run import DBOOptions, RunStats, _options, _run, check_instrument, entry_error
+from .options import DBOOptions, _options, check_instrument
+from .run import RunStats, _run, entry_error
 
 __all__ = ["PreparedRun", "prepare_run"]
 

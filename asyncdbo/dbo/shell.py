@@ -40,7 +40,7 @@ from .hooks import on_exit, run_pending_hook
 from .state import Lane, RunState
 
 if TYPE_CHECKING:
-    from .run import DBOOptions
+    from .options import DBOOptions
 
 __all__ = ["MAX_IDLE", "MAX_UBATCHES", "Shell", "give_back", "take"]
 

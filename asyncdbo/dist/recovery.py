@@ -56,7 +56,7 @@ import logging
 import time
 from typing import Any
 
-from .._core import WatchdogTimeout
+from .._core import AsyncDBOException, WatchdogTimeout
 from ..dbo.hooks import set_run_guard
 from .groups import _CLONES, _base, clone_group, on_destroy, renew_ubatch_groups
 
@@ -74,7 +74,7 @@ _FAILED = "F"  # notice kinds: a rank's run failed (raised, was cancelled)
 _TIMEOUT = "T"  # a rank's wait bound ran out: a roll call names the silent ranks
 
 
-class StepAborted(RuntimeError):
+class StepAborted(AsyncDBOException, RuntimeError):
     """This rank's step was ended because rank ``rank`` failed the same step (``reason``: its
     exception line, ``cancelled``, or why it is silent). Call the next step (``run_ubatches`` or
     ``DBORunner.step()``) on every rank: the ranks recover first."""

@@ -44,6 +44,14 @@ class MoEConfig:
     where nothing waits for a sync and the exact sizes compute fewer rows; True or False force it
     (True under EP > 1 without the bound is an error). The numbers are the same either way in
     deterministic mode.
+
+    ``yield_after_route`` (``ht``, ``ubatch`` streams) hands over once more, after routing and
+    before the dispatch's counts go out: the router and the dispatch's first step run as two steps
+    (benchmarks/extra_yield.py asks the same of attention). The numbers are the same either way.
+    Under ``role`` streams the step is not taken: a yield inside a compute phase lets the other
+    ubatch queue compute that the next compute-done event would then cover, so the ubatches would
+    serialize (the race checker reports it as lost overlap: ``asyncdbo check --moe
+    yield_after_route=true``, docs/maintaining.md).
     """
 
     hidden_size: int
@@ -60,6 +68,7 @@ class MoEConfig:
     schedule: Schedule = "ht"
     deterministic: bool | None = None
     sync_free: bool | None = None
+    yield_after_route: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "n_group", "topk_group"):
@@ -89,6 +98,8 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.sync_free must be True, False or None (on for accelerator inputs) (got {self.sync_free!r})"
             )
+        if not isinstance(self.yield_after_route, bool):
+            raise ValueError(f"MoEConfig.yield_after_route must be True or False (got {self.yield_after_route!r})")
         if self.num_experts % self.n_group != 0:
             raise ValueError(
                 f"MoEConfig.n_group ({self.n_group}) must divide num_experts ({self.num_experts}) "

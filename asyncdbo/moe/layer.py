@@ -396,6 +396,8 @@ class MoELayer(nn.Module):
         # The counts go out before the yield, so they travel while the other ubatch computes; the
         # read of the peers' counts (the CPU wait) comes after it. (Fused: the rows go with them.)
         counts = plan.start_counts()
+        if self.cfg.yield_after_route and st is not None:  # MoEConfig.yield_after_route: ubatch streams only
+            await dbo_yield("routed")
         await _to_comm(st, "dispatch", after="routed")
         await counts  # host: parks until every peer's counts arrived
         recv_x_RD, dispatched = plan.start_tokens(x_TD)

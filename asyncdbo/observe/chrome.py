@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .spans import Span
 
 if TYPE_CHECKING:
-    from .tracer import StepRecorder
+    from .recorder import StepRecorder
 
 __all__ = ["chrome_trace", "merge_traces", "write_traces"]
 

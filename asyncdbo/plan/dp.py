@@ -38,6 +38,7 @@ from typing import Any, Union
 
 import torch
 
+from .._core import AsyncDBOException
 from ._checks import check_config, check_int
 from .records import PlanReason, RankVote
 from .slices import as_query_start_loc
@@ -232,7 +233,7 @@ def decide_from_votes(
 Device = Union[torch.device, str, None]
 
 
-class RecoveryVote(Exception):
+class RecoveryVote(AsyncDBOException):
     """Raised on every rank of a DP vote in which some rank voted *recover* (``agree_across_dp(...,
     recover=True)``): its previous step failed, so every rank of the vote must replace the
     per-ubatch groups before the next step, and the ranks that voted a plan vote again.

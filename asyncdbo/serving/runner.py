@@ -53,7 +53,7 @@ import torch
 
 from .._core import Clock, Instrument, MonotonicClock
 from ..dbo import PreparedRun, prepare_run
-from ..dbo.run import check_instrument
+from ..dbo.options import check_instrument
 from ..dist.fused import DispatchMode, dispatch_options
 from ..dist.recovery import StepSync, step_sync
 from ..plan import (

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._core import AsyncDBOException
+
 __all__ = ["NonFiniteLogitsError", "SamplingParams", "finite_rows", "sample_tokens"]
 
 #: The smallest temperature sampling divides by (a normal float32); below it, it samples as this.
@@ -33,7 +35,7 @@ MIN_TEMPERATURE = 1e-30
 SEED_LIMIT = 2**64
 
 
-class NonFiniteLogitsError(ArithmeticError):
+class NonFiniteLogitsError(AsyncDBOException, ArithmeticError):
     """A request's logits row held NaN or Inf at the step that would have sampled from it: the
     request fails with this error (the engine's :attr:`RequestOutput.error`), never with a token
     drawn from garbage (a greedy argmax over NaN is token 0)."""

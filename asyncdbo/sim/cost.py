@@ -31,7 +31,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from .devices import DeviceSpec
-from .kernels import KERNEL_COSTS
+from . import kernels as _kernels  # noqa: F401  (registers the ops KERNEL_COSTS prices, below)
 from .ops import storage_key
 
 __all__ = ["CostModel", "OpCost"]
@@ -177,3 +177,33 @@ class CostModel:
         tile = self.device.min_tile
         m, n = out_MN.shape[-2], out_MN.shape[-1]
         return (math.ceil(m / tile) * tile / m) * (math.ceil(n / tile) * tile / n)
+
+
+# ------------------------------------------------------------------ the sim kernels' cost formulas
+def _attention_cost(cm: CostModel, args: tuple[Any, ...], out: torch.Tensor) -> OpCost:
+    q, k, v, causal = args
+    B, H, Tq, Dq = q.shape
+    Tk, Dv = k.shape[2], v.shape[-1]
+    keys = Tk - (Tq - 1) / 2 if causal and Tq <= Tk else Tk
+    flops = 2.0 * B * H * Tq * keys * (Dq + Dv)
+    return cm.priced(flops, cm.distinct_bytes([q, k, v]) + cm.nbytes(out), kernels=1)
+
+
+def _grouped_cost(cm: CostModel, args: tuple[Any, ...], out: torch.Tensor) -> OpCost:
+    x, ids, gate, up, down = args
+    L, Fi, D = gate.shape
+    counts = torch.bincount(ids, minlength=L).tolist() if ids.device.type != "meta" else [x.shape[0] // max(L, 1)] * L
+    tile = cm.device.min_tile
+    rows = sum(math.ceil(m / tile) * tile for m in counts if m)
+    used = sum(1 for m in counts if m)
+    flops = 2.0 * rows * D * Fi * 3
+    act = cm.nbytes(x) + cm.nbytes(out) + 3 * x.shape[0] * Fi * cm.device.dtype_bytes
+    weights = used * 3 * Fi * D * cm.bytes_per_weight([gate, up, down])
+    return cm.priced(flops, act + weights, kernels=2, weights=(gate, up, down))
+
+
+#: Cost formulas of asyncdbo.sim.kernels' ops, by op (see :meth:`asyncdbo.sim.cost.CostModel.op_cost`).
+KERNEL_COSTS: dict[Any, Any] = {
+    torch.ops.asyncdbo_sim.attention.default: _attention_cost,
+    torch.ops.asyncdbo_sim.grouped_swiglu.default: _grouped_cost,
+}

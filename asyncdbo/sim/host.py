@@ -3,7 +3,7 @@
 A device op cannot start before the CPU has launched it. All ubatches share one CPU thread, so the
 sim keeps one host clock ``t``: every kernel launch advances it by ``launch_s`` and the op becomes
 ready no earlier than the launch ends; every collective by ``comm_launch_s``; every ubatch switch
-by ``switch_s``. A blocking sync (every op :mod:`asyncdbo.backends.syncs` counts: a read to the
+by ``switch_s``. A blocking sync (every op :mod:`asyncdbo.syncs` counts: a read to the
 host such as ``.item()``, ``int(t)`` or ``.tolist()``, or an op whose output size depends on the
 data such as ``nonzero``, ``unique`` or ``repeat_interleave`` without ``output_size``; e.g. the
 receive counts of a dispatch) moves the host clock to the end of the work queued on the

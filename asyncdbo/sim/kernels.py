@@ -23,15 +23,11 @@ result (plain math); the sim prices each as one kernel:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from .cost import CostModel, OpCost
-
-__all__ = ["KERNEL_COSTS", "attention", "grouped_swiglu"]
+__all__ = ["attention", "grouped_swiglu"]  # their cost formulas: asyncdbo.sim.cost.KERNEL_COSTS
 
 
 @torch.library.custom_op("asyncdbo_sim::attention", mutates_args=())
@@ -69,32 +65,3 @@ def grouped_swiglu(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: t
 @grouped_swiglu.register_fake
 def _(x: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
-
-
-def _attention_cost(cm: CostModel, args: tuple[Any, ...], out: torch.Tensor) -> OpCost:
-    q, k, v, causal = args
-    B, H, Tq, Dq = q.shape
-    Tk, Dv = k.shape[2], v.shape[-1]
-    keys = Tk - (Tq - 1) / 2 if causal and Tq <= Tk else Tk
-    flops = 2.0 * B * H * Tq * keys * (Dq + Dv)
-    return cm.priced(flops, cm.distinct_bytes([q, k, v]) + cm.nbytes(out), kernels=1)
-
-
-def _grouped_cost(cm: CostModel, args: tuple[Any, ...], out: torch.Tensor) -> OpCost:
-    x, ids, gate, up, down = args
-    L, Fi, D = gate.shape
-    counts = torch.bincount(ids, minlength=L).tolist() if ids.device.type != "meta" else [x.shape[0] // max(L, 1)] * L
-    tile = cm.device.min_tile
-    rows = sum(math.ceil(m / tile) * tile for m in counts if m)
-    used = sum(1 for m in counts if m)
-    flops = 2.0 * rows * D * Fi * 3
-    act = cm.nbytes(x) + cm.nbytes(out) + 3 * x.shape[0] * Fi * cm.device.dtype_bytes
-    weights = used * 3 * Fi * D * cm.bytes_per_weight([gate, up, down])
-    return cm.priced(flops, act + weights, kernels=2, weights=(gate, up, down))
-
-
-#: Cost formulas of the kernels above, by op (see :meth:`asyncdbo.sim.cost.CostModel.op_cost`).
-KERNEL_COSTS: dict[Any, Any] = {
-    torch.ops.asyncdbo_sim.attention.default: _attention_cost,
-    torch.ops.asyncdbo_sim.grouped_swiglu.default: _grouped_cost,
-}

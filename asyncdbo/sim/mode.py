@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .._core import get_ubatch
 
 if TYPE_CHECKING:
-    from .backend import SimBackend
+    from .accounting import OpAccounting
 
 __all__ = ["SimMode"]
 
@@ -55,7 +55,7 @@ def _mixed_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
 class SimMode(TorchDispatchMode):
     """Executes each op, then reports it to the backend if a ubatch of its run issued it."""
 
-    def __init__(self, backend: SimBackend) -> None:
+    def __init__(self, backend: OpAccounting) -> None:  # a SimBackend: what of it takes the ops
         super().__init__()
         self.backend = backend
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .._core import get_ubatch
 from .kernels import attention, grouped_swiglu
-from .shapes import ModelShape, Request, Shape
+from .shapes import ModelShape, MoEOptions, Request, Shape
 
 __all__ = ["DECODE_QUERIES", "AttentionGroup", "ModelLayer", "chunks", "attention_groups", "default_requests",
            "fake_ep_group", "is_decode",
@@ -87,7 +87,7 @@ class ModelLayer:
     """One layer on meta weights: production-form attention and the library's MoE layer."""
 
     def __init__(self, m: ModelShape, index: int, schedule: str, group: Any, ubatches: int, tokens: int,
-                 gen: torch.Generator) -> None:
+                 gen: torch.Generator, moe_options: MoEOptions = ()) -> None:
         from ..moe import MoELayer
         from ..moe.router import route
 
@@ -103,7 +103,7 @@ class ModelLayer:
         else:
             self.w = {"q": meta(H * m.head_dim, D), "k": meta(m.kv_heads * m.head_dim, D),
                       "v": meta(m.kv_heads * m.head_dim, D), "o": meta(D, H * m.head_dim)}
-        cfg = m.moe_config(schedule)
+        cfg = m.moe_config(schedule, moe_options)
         with torch.device("meta"):
             self.moe = MoELayer(cfg, ep_group=group, seed=index, max_ubatches=max(2, ubatches), init_weights=False)
         # One routing table per layer for the step's tokens: the library's routing rule on random

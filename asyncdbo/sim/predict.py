@@ -134,7 +134,7 @@ async def simulate(
     most = max(len(parts) for parts in splits)
     out = []
     with torch.no_grad(), fake_ep_group(d.ep) as group:
-        layers = [ModelLayer(m, i, str(d.schedule), group, most, tokens, gen) for i in range(m.layers)]
+        layers = [ModelLayer(m, i, str(d.schedule), group, most, tokens, gen, d.moe) for i in range(m.layers)]
         dedup = node_dedup(layers[0].table[1], m.experts // d.ep, d.ep, d.gpus_per_node, scale) if scale_out else 1.0
         weights = [t for layer in layers for t in layer.weights()]
         x_TD = meta(tokens, m.hidden)

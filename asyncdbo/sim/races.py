@@ -47,7 +47,7 @@ __all__ = [
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIP: tuple[str, ...] = tuple(
-    os.path.join(_PKG, d) for d in ("_core", "dbo", "backends", "sim", "dist")
+    os.path.join(_PKG, d) for d in ("_core", "dbo", "backends", "syncs.py", "sim", "dist")
 ) + (os.path.dirname(os.path.abspath(str(__import__("torch").__file__))), os.path.dirname(str(os.__file__)))
 
 #: How many of the user's frames a finding shows.

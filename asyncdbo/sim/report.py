@@ -28,7 +28,7 @@ class SimReport:
     parks: int = 0
     comm_bytes: int = 0
     host_blocked_s: float = 0.0  # time the modeled CPU waited in blocking syncs
-    host_syncs: int = 0  # ops that made the modeled CPU wait (asyncdbo.backends.syncs)
+    host_syncs: int = 0  # ops that made the modeled CPU wait (asyncdbo.syncs)
     host_sync_ops: dict[str, int] = field(default_factory=dict)  # those ops by name
     fail_on: tuple[str, ...] = ()  # findings besides races and dead waits that count as problems
     races: list[Race] = field(default_factory=list)

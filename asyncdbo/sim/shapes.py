@@ -4,13 +4,19 @@ config) and where it runs (:class:`Deployment`). See :mod:`asyncdbo.sim.predict`
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, Literal, Union
 
 from ..backends import LinkSpec, link_spec
 from .comm import CommSpec, comm_spec
 from .devices import DeviceSpec, device_spec
 from .host import HostSpec, host_spec
 from .models import architecture_config
+
+#: The MoEConfig fields a Deployment may set on every MoE layer (``Deployment.moe``).
+MOE_OPTIONS = ("deterministic", "sync_free", "yield_after_route")
+#: ``Deployment.moe``: a mapping, or (name, value) pairs (what it keeps: sorted pairs, hashable).
+MoEOptions = Union[Mapping[str, Any], tuple[tuple[str, Any], ...]]
 
 __all__ = ["WEIGHT_BYTES", "Deployment", "ModelShape", "Request", "Shape"]
 
@@ -81,12 +87,13 @@ class ModelShape:
             r.update(n_group=1, topk_group=1)
         return replace(new, routing=r)
 
-    def moe_config(self, schedule: str) -> Any:
+    def moe_config(self, schedule: str, options: MoEOptions = ()) -> Any:
+        """The MoEConfig of one layer of this shape, with ``options`` (``Deployment.moe``) set."""
         from ..moe import MoEConfig
 
         return MoEConfig(hidden_size=self.hidden, intermediate_size=self.intermediate, num_experts=self.experts,
                          top_k=self.top_k, num_shared_experts=self.shared_experts, schedule=schedule,  # type: ignore[arg-type]
-                         **self.routing)
+                         **self.routing, **dict(options))
 
     def describe(self) -> str:
         att = (f"MLA {self.heads} heads (latent {self.kv_lora_rank}+{self.rope_dim})" if self.attention == "mla"
@@ -100,7 +107,10 @@ class Deployment:
     """Where the model runs. ``schedule``/``host`` None: what deployments use for the shape
     (decode: ``ll`` with CUDA-graph replay; prefill: ``ht``, eager). ``comm``: ``deepep`` (the
     kernels the published numbers used) or ``a2a`` (plain collectives, what the library issues).
-    ``imbalance``: the busiest EP rank's expert work over the mean (1.0: balanced)."""
+    ``imbalance``: the busiest EP rank's expert work over the mean (1.0: balanced). ``moe``:
+    options of every MoE layer (:class:`~asyncdbo.moe.MoEConfig` fields other than its shape,
+    routing and schedule, e.g. ``{"yield_after_route": True}``), so a schedule step added as a
+    layer option is race-checked as it is (``asyncdbo check --moe NAME=VALUE``)."""
 
     device: str | DeviceSpec = "h200"
     link: str | LinkSpec = "ib400"
@@ -111,12 +121,20 @@ class Deployment:
     schedule: str | None = None
     imbalance: float = 1.0
     contention: bool = True
+    moe: MoEOptions = ()
+
 
     def __post_init__(self) -> None:
         if self.ep < 1 or self.gpus_per_node < 1:
             raise ValueError(f"Deployment: ep ({self.ep}) and gpus_per_node ({self.gpus_per_node}) must be >= 1")
         if self.schedule not in (None, "ht", "ll"):
             raise ValueError(f"Deployment.schedule must be 'ht' or 'll' (got {self.schedule!r})")
+        options = dict(self.moe)  # a mapping or (name, value) pairs; kept as sorted pairs (hashable)
+        unknown = sorted(set(options) - set(MOE_OPTIONS))
+        if unknown:
+            raise ValueError(f"Deployment.moe: {unknown[0]!r} is not a MoE layer option; choose from {MOE_OPTIONS} "
+                             "(the shape and routing come from the model, the schedule from Deployment.schedule)")
+        object.__setattr__(self, "moe", tuple(sorted(options.items())))
 
     def resolved(self, shape: Shape) -> Deployment:
         return replace(

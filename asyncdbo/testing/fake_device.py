@@ -26,7 +26,7 @@ What fails the ``with`` block (:class:`StreamRuleError`, every problem with its 
   stream that allocated it; a block freed while another stream's use of it is not ordered before
   that stream's next kernel (and not declared with ``Tensor.record_stream``) is reported there;
 * **host syncs** (``capturable=True``): anything that makes the CPU wait for the device
-  (``synchronize``, ``query``, and every op :class:`asyncdbo.backends.syncs.HostSyncs` counts:
+  (``synchronize``, ``query``, and every op :class:`asyncdbo.syncs.HostSyncs` counts:
   ``.item()``, ``.tolist()``, ``nonzero``, ``bincount``, ...), which a CUDA graph capture
   forbids; without ``capturable`` they are only listed in ``host_syncs``.
 
@@ -52,17 +52,20 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._core import DBORun, get_ubatch
-from ..backends.syncs import HostSyncs
+from .._core import AsyncDBOException, DBORun, get_ubatch
+from ..syncs import HostSyncs
+from .fake_streams import (
+    _ACTIVE, FakeEvent, FakeStream, StreamDiscipline, _active_device, _rows_of, _storage, _tensors, _who,
+)
 
 __all__ = ["FakeDevice", "FakeEvent", "FakeStream", "StreamDiscipline", "StreamRuleError"]
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SKIP = tuple(os.path.join(_PKG, d) for d in ("_core", "dbo", "backends", "testing")) + (
+_SKIP = tuple(os.path.join(_PKG, d) for d in ("_core", "dbo", "backends", "syncs.py", "testing")) + (
     os.path.dirname(os.path.abspath(str(torch.__file__))), os.path.dirname(str(os.__file__)), "<")
 
 
-class StreamRuleError(AssertionError):
+class StreamRuleError(AsyncDBOException, AssertionError):
     """What the fake device found; ``problems`` lists them, one string each."""
 
     def __init__(self, problems: list[str]) -> None:
@@ -80,101 +83,6 @@ def _place(depth: int = 2) -> str:
     if f is None:
         return "?"
     return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
-
-
-def _who() -> str:
-    ub = get_ubatch()
-    if ub is None:
-        return "outside ubatches"
-    return f"ubatch {ub.id} of {ub.run.name!r} after {ub.tag!r}" if ub.tag else f"ubatch {ub.id} of {ub.run.name!r} at its start"
-
-
-class FakeStream:
-    """A FIFO stream: ``seq`` counts its kernels, ``vc`` is its vector clock (stream id -> the
-    last kernel of that stream known complete before this stream's next one), ``t`` the virtual
-    time (ms) its queued work ends."""
-
-    _ids = iter(range(1 << 62))
-
-    def __init__(self, device: Any = None, priority: int = 0, *, name: str | None = None) -> None:
-        dev = _active_device()
-        self.id = next(FakeStream._ids)
-        self.name = name or f"s{self.id}"
-        self.device = torch.device(dev.device_type, 0)
-        self.device_type = dev.device_type
-        self.device_index = 0
-        self.stream_id = self.id
-        self.seq = 0
-        self.vc: dict[int, int] = {}
-        self.t = 0.0
-        dev.streams.append(self)
-
-    def __repr__(self) -> str:
-        return f"<FakeStream {self.name}>"
-
-    def wait_event(self, event: FakeEvent) -> None:
-        if event.vc is None:
-            return  # CUDA: waiting on a never-recorded event does not wait
-        for k, v in event.vc.items():
-            if self.vc.get(k, 0) < v:
-                self.vc[k] = v
-        self.t = max(self.t, event.t)
-
-    def wait_stream(self, other: FakeStream) -> None:
-        self.wait_event(other.record_event())
-
-    def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
-        event = FakeEvent() if event is None else event
-        event.record(self)
-        return event
-
-    def query(self) -> bool:
-        _active_device().host_sync(f"stream {self.name}.query()")
-        return True
-
-    def synchronize(self) -> None:
-        _active_device().host_sync(f"stream {self.name}.synchronize()")
-
-    def __enter__(self) -> FakeStream:
-        dev = _active_device()
-        self._prev = dev.current()
-        dev.set_current(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _active_device().set_current(self._prev)
-
-
-class FakeEvent:
-    """An event: ``record`` copies the stream's clock and end time; a wait merges them."""
-
-    def __init__(self, device: Any = None, *, enable_timing: bool = False, blocking: bool = False,
-                 interprocess: bool = False) -> None:
-        self.vc: dict[int, int] | None = None
-        self.t = 0.0
-        self.stream: FakeStream | None = None
-
-    def record(self, stream: FakeStream | None = None) -> None:
-        stream = _active_device().current() if stream is None else stream
-        self.vc = dict(stream.vc)
-        self.t = stream.t
-        self.stream = stream
-
-    def wait(self, stream: FakeStream | None = None) -> None:
-        (_active_device().current() if stream is None else stream).wait_event(self)
-
-    def query(self) -> bool:
-        _active_device().host_sync("event.query()")
-        return True
-
-    def synchronize(self) -> None:
-        _active_device().host_sync("event.synchronize()")
-
-    def elapsed_time(self, end: FakeEvent) -> float:
-        """Virtual milliseconds from this event to ``end`` (as CUDA: both must be recorded)."""
-        if self.vc is None or end.vc is None:
-            raise RuntimeError("elapsed_time() needs both events recorded")
-        return end.t - self.t
 
 
 @dataclass
@@ -199,51 +107,6 @@ class _RunWatch:
     started: set[int] = field(default_factory=set)
 
 
-_ACTIVE: list[FakeDevice] = []
-
-
-def _active_device() -> FakeDevice:
-    if not _ACTIVE:
-        raise RuntimeError("a fake stream or event was used outside `with FakeDevice():`")
-    return _ACTIVE[-1]
-
-
-def _storage(t: torch.Tensor) -> Any:
-    return t.untyped_storage() if t.numel() else None
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-#: Ops that touch rows of their first argument picked by an index tensor along dim 0 (a paged KV
-#: cache's slots): tracked per row, so ubatches that write and read disjoint slots of one cache
-#: from their own streams are no race, while a read of a slot another stream wrote still is.
-_ROWS = {"aten::index_copy_": 2, "aten::index_select": 2, "aten::index.Tensor": 1}
-
-
-def _rows_of(func: Any, args: tuple[Any, ...]) -> list[int] | None:
-    """The rows of ``args[0]`` an index op touches (None: the whole tensor)."""
-    where = _ROWS.get(func._schema.name + ("." + func._overloadname if func._schema.name == "aten::index" else ""))
-    if where is None or len(args) <= where:
-        return None
-    if where == 2 and args[1] != 0:
-        return None
-    index = args[where]
-    if isinstance(index, (list, tuple)):
-        if len(index) != 1 or not isinstance(index[0], torch.Tensor):
-            return None
-        index = index[0]
-    if not isinstance(index, torch.Tensor) or index.dtype == torch.bool or index.device.type == "meta":
-        return None
-    base = args[0]
-    return sorted({base.storage_offset() + int(r) * base.stride(0) for r in index.flatten().tolist()})
-
-
 class _Kernels(TorchDispatchMode):
     """Places every op on the thread's current fake stream."""
 
@@ -255,27 +118,6 @@ class _Kernels(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.dev._on_op(func, args, kwargs, out)
-        return out
-
-
-class StreamDiscipline(TorchDispatchMode):
-    """The wrong-stream rule alone, on any device: every op a ubatch issues must go to its lane's
-    current stream (``torch.accelerator.current_stream()`` is ``ub.ext.stream``). On a GPU it
-    reads the real current stream; ``violations`` collects what it found."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.violations: list[str] = []
-        self.ops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        ub = get_ubatch()
-        if ub is not None and getattr(ub.ext, "stream", None) is not None:
-            self.ops += 1
-            cur = torch.accelerator.current_stream()
-            if cur != ub.ext.stream and len(self.violations) < 100:
-                self.violations.append(f"{func} from {_who()} ran on {cur}, not its stream {ub.ext.stream}")
         return out
 
 
@@ -588,6 +430,7 @@ class FakeDevice:
 def _stream_context(stream: FakeStream | None) -> Iterator[FakeStream | None]:
     """``torch.cuda.stream(s)``: current for the block, the previous one restored after."""
     dev = _active_device()
+    assert isinstance(dev, FakeDevice)
     if stream is None:
         yield None
         return

@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 import traceback
 
+from .._core import AsyncDBOException
+
 __all__ = ["RankError", "exception_line"]
 
 # Errors a rank raises because a peer failed or went silent, not because of anything it did.
@@ -37,7 +39,7 @@ def exception_line(exc: BaseException) -> str:
     return lines[0].strip() if lines else type(exc).__name__
 
 
-class RankError(RuntimeError):
+class RankError(AsyncDBOException, RuntimeError):
     """One or more ranks failed: raised, died, or did not answer in time.
 
     ``ranks`` lists the failing ranks in order; ``details`` maps each to its remote traceback text

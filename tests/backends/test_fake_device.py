@@ -100,7 +100,7 @@ def test_a_block_freed_while_another_stream_uses_it_is_found_unless_record_strea
 
 
 def test_capturable_mode_fails_every_host_sync() -> None:
-    """Host syncs come from asyncdbo.backends.syncs.HostSyncs (CPU tensors counted as device
+    """Host syncs come from asyncdbo.syncs.HostSyncs (CPU tensors counted as device
     ones) and from the fake's own synchronize/query."""
     with pytest.raises(StreamRuleError) as err:
         with FakeDevice(capturable=True):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import asyncdbo
-from asyncdbo.backends.syncs import HostSyncError, HostSyncs, SyncRecord
+from asyncdbo.syncs import HostSyncError, HostSyncs, SyncRecord
 
 X = torch.tensor([1, 0, 2, 2])
 M = X > 0

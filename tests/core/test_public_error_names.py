@@ -15,6 +15,7 @@ def test_errors_print_their_public_names() -> None:
               (asyncdbo.WatchdogTimeout, "asyncdbo.WatchdogTimeout"),
               (asyncdbo.YieldMismatchError, "asyncdbo.YieldMismatchError"),
               (asyncdbo.AsyncDBOError, "asyncdbo.AsyncDBOError"),
+              (asyncdbo.AsyncDBOException, "asyncdbo.AsyncDBOException"),
               (asyncdbo.NoOverlapWarning, "asyncdbo.NoOverlapWarning"),
               (asyncdbo.DBOUsageError, "asyncdbo.DBOUsageError"),
               (asyncdbo.dbo.MissingAwaitError, "asyncdbo.dbo.MissingAwaitError"),
@@ -46,11 +47,14 @@ def check(errors: list[tuple[type, str]]) -> None:
 def test_user_mistakes_inside_a_run_are_named_runtime_errors() -> None:
     """A mistake only the running ubatches reveal has a name of its own and stays a RuntimeError
     (what it was before it had a name), so ``except RuntimeError`` written earlier still catches it;
-    it is not an AsyncDBOError, which means "the step failed" for a reason other than the code."""
+    it is not an AsyncDBOError, which means "the step failed" for a reason other than the code. Both
+    derive from the one root, AsyncDBOException (issue 52)."""
     import asyncdbo
     from asyncdbo import dbo
 
     for cls in (dbo.MissingAwaitError, dbo.WrongStreamError, dbo.DuplicateEventError, dbo.RecvHookOverwriteError,
                 dbo.UnsubmittedCommError):
-        assert cls.__mro__[1:] == (asyncdbo.DBOUsageError, RuntimeError, Exception, BaseException, object)
+        assert cls.__mro__[1:] == (asyncdbo.DBOUsageError, asyncdbo.AsyncDBOException, RuntimeError, Exception,
+                                   BaseException, object)
+        assert not issubclass(cls, asyncdbo.AsyncDBOError)
         assert cls.__doc__

@@ -118,7 +118,7 @@ async def test_they_introspect_as_their_python_versions() -> None:
         pytest.skip("the C extension is not built here (or ASYNCDBO_PURE_PYTHON is set)")
     for name, fast in primitives.FAST.items():
         pure = primitives.PURE[name]
-        assert (fast.__name__, fast.__qualname__, fast.__module__) == (name, name, "asyncdbo.dbo.primitives")
+        assert (fast.__name__, fast.__qualname__, fast.__module__) == (name, name, "asyncdbo.dbo.table")
         assert fast.__doc__ == pure.__doc__
         assert inspect.signature(fast) == inspect.signature(pure)
 

@@ -376,7 +376,7 @@ def moe_sync_free_vs_exact(
     """This rank's whole batch serially on the exact path (CPU default), and its ubatches under DBO
     with ``sync_free=True`` inside ``dispatch_options(max_tokens, mode)`` under a forbidding
     :class:`HostSyncs`: whether the outputs are bitwise equal, the syncs seen, and the messages."""
-    from asyncdbo.backends.syncs import HostSyncs
+    from asyncdbo.syncs import HostSyncs
     from asyncdbo.dist import dispatch_options
 
     exact = MoELayer(MoEConfig(**cfg_kwargs), seed=7)

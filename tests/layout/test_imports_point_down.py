@@ -1,10 +1,12 @@
 """The package layout is the architecture: every import between asyncdbo's subpackages points down
 this table, and there is no cycle. A module's imports are read from its source (module level,
-functions and ``TYPE_CHECKING`` blocks alike), so a lazy import cannot hide an upward edge."""
+functions and ``TYPE_CHECKING`` blocks alike), so a lazy import cannot hide an upward edge; nor can
+a ``"module:attribute"`` string imported later (a backend factory)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import asyncdbo
@@ -17,20 +19,26 @@ ALLOWED: dict[str, set[str]] = {
     "_core": set(),
     "lowlevel": {"_core"},
     "backends": {"_core"},
+    "syncs": {"_core"},  # the host-sync detector: watches torch ops, knows no backend
     "dbo": {"_core", "backends"},
     "dist": {"_core", "backends", "dbo"},
-    "plan": set(),
+    "plan": {"_core"},  # its errors derive from the one root (asyncdbo._core.errors)
     "observe": {"_core", "backends", "dbo"},
     "moe": {"_core", "backends", "dbo", "dist"},
     "serving": {"_core", "backends", "dbo", "dist", "plan"},
     "models": {"_core", "backends", "dbo", "dist", "moe", "plan", "serving"},
-    "sim": {"_core", "backends", "dbo", "dist", "moe", "plan", "serving", "models", "observe"},
-    "testing": {"_core", "lowlevel", "backends", "dbo"},
-    "cli": {"_core", "lowlevel", "backends", "dbo", "dist", "plan", "observe", "moe", "serving", "models", "sim", "testing"},
+    "sim": {"_core", "backends", "syncs", "dbo", "dist", "moe", "plan", "serving", "models", "observe"},
+    "testing": {"_core", "lowlevel", "backends", "syncs", "dbo"},
+    "cli": {"_core", "lowlevel", "backends", "syncs", "dbo", "dist", "plan", "observe", "moe", "serving", "models", "sim",
+            "testing"},
     "_compat": set(),
-    "__init__": {"_core", "_compat", "dbo", "dist", "observe"},
+    "__init__": {"_core", "_compat", "backends", "dbo", "dist", "observe", "sim"},  # sim: registered by name
     "__main__": {"cli"},
 }
+
+
+#: a module named by string to be imported later (a backend factory's "module:attribute"): an edge too
+IMPORT_SPEC = re.compile(r"^asyncdbo(\.\w+)+:\w+$")
 
 
 def _unit(path: Path) -> str:
@@ -58,6 +66,8 @@ def _imported_units(path: Path) -> set[str]:
                         names = [f"asyncdbo.{'.'.join(mod)}.{a.name}" for a in node.names]
             else:
                 names = [node.module or ""]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and IMPORT_SPEC.match(node.value):
+            names = [node.value.partition(":")[0]]  # "module:attribute", imported on first use
         else:
             continue
         for name in names:

@@ -47,7 +47,7 @@ def test_an_old_top_level_name_warns_and_is_the_same_object(name: str) -> None:
 
 
 def test_the_top_level_is_the_small_public_api() -> None:
-    assert len(asyncdbo.__all__) <= 30
+    assert len(asyncdbo.__all__) <= 31  # 30, and the one error root (issue 52)
     assert set(asyncdbo.__all__).isdisjoint(MOVED_NAMES)
     for name in asyncdbo.__all__:
         getattr(asyncdbo, name)

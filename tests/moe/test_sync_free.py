@@ -1,6 +1,6 @@
 """The sync-free MoE path (``MoEConfig.sync_free``): counts, offsets and splits stay on the device,
 so one DBO step issues no host sync between its yields (checked on CPU tensors with
-:class:`asyncdbo.backends.syncs.HostSyncs` in its forbidding mode, which refuses every op that
+:class:`asyncdbo.syncs.HostSyncs` in its forbidding mode, which refuses every op that
 would make the host wait on an accelerator), and every output is bitwise the exact path's."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from _moe_ranks import DEEPSEEK_LIKE, MIXTRAL_LIKE, moe_sync_free_vs_exact, moe_sync_free_without_bound
 
 import asyncdbo
-from asyncdbo.backends.syncs import HostSyncs
+from asyncdbo.syncs import HostSyncs
 from asyncdbo.dist import dispatch_options
 from asyncdbo.dist.fused import padded_window
 from asyncdbo.moe import MoEConfig, MoELayer

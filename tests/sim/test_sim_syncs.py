@@ -1,4 +1,4 @@
-"""The sim charges every op that would make the host wait on a device (asyncdbo.backends.syncs),
+"""The sim charges every op that would make the host wait on a device (asyncdbo.syncs),
 not only ``.item()``: the exact MoE path's data-dependent sizes and host reads count as syncs, the
 sync-free path has none, and an ``.item()`` slipped in after the experts shows up as one sync per
 ubatch that blocks the modeled CPU."""

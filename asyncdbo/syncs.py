@@ -63,7 +63,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .._core import get_ubatch
+from ._core import AsyncDBOException, get_ubatch
 
 __all__ = ["HostSyncError", "HostSyncs", "SyncRecord", "dispatch_sync_reason", "method_sync_reason"]
 
@@ -202,7 +202,7 @@ class SyncRecord:
         return f"{self.op} at {self.where}{ub}: {self.reason}"
 
 
-class HostSyncError(RuntimeError):
+class HostSyncError(AsyncDBOException, RuntimeError):
     """An op that would make the host wait for the device ran under ``HostSyncs(forbid=True)``."""
 
     def __init__(self, record: SyncRecord) -> None:
