@@ -171,6 +171,8 @@ def _idle(shell: Shell) -> None:
             lane.submitted = 0
     # the backend keeps the lanes' streams and events for the next run, emptied, or they go
     if not state.backend.keep(state):
+        if state.kept is not None:  # what a backend kept of an earlier run is gone with the lanes' fields
+            state.kept = None
         for lane in state.lanes:
             if lane.streams:
                 lane.streams = {}

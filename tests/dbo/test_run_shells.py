@@ -351,3 +351,21 @@ async def test_plain_keyword_options_map_to_one_options_object_and_numbers_keep_
         run_mod._options({"debug": 1})
     inst = Instrument()
     assert run_mod._options({"instrument": inst}) is not run_mod._options({"instrument": inst})
+
+
+async def test_a_shell_a_run_of_another_backend_emptied_gives_the_host_streams_anew() -> None:
+    """host run, then a sim run on the same shell (the sim backend keeps nothing, so the lanes
+    are emptied), then a host run again: the host must build its streams and events again, not
+    take the emptied lanes for the ones it kept (it did: a KeyError 'compute' at the first switch,
+    seen when docs/maintaining.md's sim run came between two doc pages' host runs)."""
+    pytest.importorskip("torch", reason="the sim backend is torch's (CI runs tests/dbo on 3.12/3.13 without torch)")
+    from asyncdbo import dbo_switch_to_compute_sync, dbo_yield_and_switch_from_compute_to_comm
+
+    async def fwd(i: int) -> int:
+        await dbo_yield_and_switch_from_compute_to_comm("dispatch")
+        await dbo_switch_to_compute_sync()
+        return i
+
+    assert await run_ubatches(fwd, [(0,), (1,)], backend="host") == [0, 1]
+    assert await run_ubatches(fwd, [(0,), (1,)], backend="sim") == [0, 1]
+    assert await run_ubatches(fwd, [(0,), (1,)], backend="host") == [0, 1]
