@@ -75,7 +75,7 @@ class TPDemoConfig:
         self.link_spec()
 
     def link_spec(self) -> Any:
-        from .demo import DemoConfig
+        from .demo_config import DemoConfig
 
         return DemoConfig(link=self.link, link_scale=self.link_scale).link_spec()
 
@@ -189,7 +189,7 @@ def _report(cfg: TPDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], wh
 def main_tp(args: argparse.Namespace) -> int:
     """``asyncdbo demo --model llama|qwen3 --tp N``: start the ranks, load, run, compare, print."""
     from ..testing.ranks import RankError, RankPool
-    from .demo import START_TIMEOUT_S
+    from .demo_config import START_TIMEOUT_S
     from .demo_hf import _reference, _refuse_mini_only_flags
     from .inputs import check_timeout
 
