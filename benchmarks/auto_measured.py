@@ -27,7 +27,9 @@ is the step):
   ``--sweep-steps`` of each half, so there are two best fixed configurations (``best fixed`` for the
   fast link, ``best fixed after`` for the slow one); a table per change gives the steps from it to
   auto's re-exploration, the steps until auto's choice is within 3% of that regime's best by the
-  sweep's times, and that regime's best fixed configuration's time over auto's.
+  sweep's times, and that regime's best fixed configuration's time over auto's. Its steps are
+  long on the slow link (ib400 x1000: 2 rounds measured in 742 s; eth100 x1000 ran past the
+  default ``--timeout`` of 1800 s per pool call at 2 rounds: pass a larger one).
 
 **Configurations**: ``off`` (one batch, ``enabled=False``); ``fixed N=2 today`` (the runner's
 defaults: N = 2, token split, ``dispatch="auto"``, thresholds 32 decode / 512 prefill); ``auto``
