@@ -46,6 +46,22 @@ measured, and chooses the next step's configuration from them:
    separated at ``max_samples`` pairs is a tie, and ties go to the default. So DBO runs only where
    it is clearly faster than off, and a near-tie never flips a choice. After the schedule the
    choice stays; the incumbent keeps its last ``window`` samples.
+4. **Change detection** (issue 47). Once a bucket has settled (no trial left), its choice's first
+   ``reference`` steps set a reference: their median and robust relative sigma (or the exploration's
+   pooled pair noise over sqrt(2), or :data:`SIGMA_FLOOR`, whichever is largest). Every later step
+   of the choice adds its time, normalized to that reference in sigmas and capped at ±:data:`CLIP`,
+   to a two-sided CUSUM (Page's: ``up = max(0, up + z - detect_slack)``, ``down`` the same for
+   ``-z``). Where either exceeds ``detect`` the bucket explores again: the same schedule and bounds
+   as the first time, its choice the incumbent (warmed up), every other configuration's samples,
+   warm-ups and verdicts cleared. A change that makes the settled choice slower or faster is seen
+   in its own time; one that leaves it where it was but makes another configuration faster is
+   not, which is what **probing** is for (``probe_every``, off by default): one step in K runs a
+   runner-up of a near-tie (the configurations that lost to the choice with a ``tie`` verdict, in
+   turn), paired with the choice's next step; a one-sided CUSUM per runner-up on the pair's ratio
+   (``1 - margin - ratio`` in the ratio's sigma, sqrt(2) times the reference's, slack
+   ``detect_slack / 2``) explores again where it exceeds ``detect / 2``. A pair whose choice step is
+   beyond ``CLIP`` sigmas of its reference (a hiccup) is dropped. Every re-exploration is kept
+   (:attr:`AutoPolicy.reexplorations`), named in the bucket's evidence and in :meth:`AutoPolicy.summary`.
 
 Every input is shared by the DP group (the runner exchanges each rank's last step time in the one
 vote of the step and feeds the group's slowest), so every rank holds the same account and makes the
@@ -55,6 +71,7 @@ spreads, sample counts, the verdicts and the pairs each was decided on) go into 
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -69,8 +86,8 @@ from .measure import shape_bucket
 
 # Arm, AutoConfig and the comparisons live in asyncdbo.serving.auto_config and .compare; they are
 # named here too, where the policy's users have imported them from.
-__all__ = ["Arm", "AutoConfig", "AutoPolicy", "Comparison", "OFF", "choose_for_group", "compare", "compare_paired",
-           "decisive", "group_choice", "paired_sigma", "pooled_sigma", "relative_sigma", "splittable_mask",
+__all__ = ["Arm", "AutoConfig", "AutoPolicy", "Comparison", "OFF", "Reexploration", "choose_for_group", "compare",
+           "compare_paired", "decisive", "group_choice", "paired_sigma", "pooled_sigma", "relative_sigma", "splittable_mask",
            "threshold_prior"]
 
 
@@ -79,6 +96,49 @@ __all__ = ["Arm", "AutoConfig", "AutoPolicy", "Comparison", "OFF", "choose_for_g
 #: other's by more than the margin), ``"tie"`` (not separated, or faster by no more than the margin).
 #: Only a tie lets the climb go on from it (``AutoConfig.climb``).
 Verdict = Literal["slower", "behind", "tie"]
+
+
+#: A watched step's contribution to the change detection's CUSUM is capped at this many standard
+#: deviations either way, so that one host hiccup (a step 10x slower) adds at most this much.
+CLIP = 3.0
+#: The least relative sigma the change detection assumes for a settled choice (a noiseless
+#: injected clock would otherwise make any change, however small, an infinite one).
+SIGMA_FLOOR = 0.01
+
+
+@dataclass
+class _Watch:
+    """A settled bucket's change detection (``AutoConfig.reference``, ``detect``, ``probe_every``):
+    the reference its choice measured after settling, the CUSUM sums, and the probing of the
+    runners-up of near-ties."""
+
+    runners_up: list[Arm]  # the configurations that tied with the choice, lowest pairs' median ratio first
+    ref: list[float] = field(default_factory=list)  # the choice's first steps after settling
+    level: float = 0.0  # their median (seconds per token)
+    sigma: float = 0.0  # their robust sigma over the median, at least SIGMA_FLOOR
+    up: float = 0.0  # CUSUM of steps slower than the reference
+    down: float = 0.0  # CUSUM of steps faster than it
+    watched: int = 0  # steps compared with the reference
+    since_probe: int = 0  # the choice's steps since the last probe
+    turn: int = 0  # probes so far: runners_up[turn % len] is the next one probed
+    probe: tuple[Arm, float] | None = None  # a probe's sample, waiting for its pair
+    faster: dict[Arm, float] = field(default_factory=dict)  # per runner-up, the CUSUM of it being faster
+    last_ratio: dict[Arm, float] = field(default_factory=dict)  # per runner-up, its last probe pair's ratio
+
+    def next_probe(self) -> Arm | None:
+        return self.runners_up[self.turn % len(self.runners_up)] if self.runners_up else None
+
+
+@dataclass(frozen=True)
+class Reexploration:
+    """One time a settled bucket explored again: the bucket, its measured step that set it off
+    (``step``: the bucket's steps measured so far, counting from 1, that one included), the
+    configuration it had settled on, and why (the CUSUM that fired and what it had seen)."""
+
+    bucket: str
+    step: int
+    incumbent: Arm
+    why: str
 
 
 @dataclass
@@ -94,6 +154,9 @@ class _Bucket:
     # and the pairs' median ratio, loser / winner
     compared: dict[Arm, tuple[Arm, tuple[float, ...], tuple[float, ...], float]] = field(default_factory=dict)
     switches: int = 0
+    steps: int = 0  # steps measured (observe calls), every exploration and probe included
+    watch: _Watch | None = None  # set once the bucket has settled (no trial left)
+    explored_again: list[Reexploration] = field(default_factory=list)
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -111,6 +174,8 @@ class AutoPolicy:
         self.prior = prior
         self.buckets: dict[str, _Bucket] = {}
         self._pins = dict(cfg.pin)
+        #: every re-exploration so far, in order (:class:`Reexploration`)
+        self.reexplorations: list[Reexploration] = []
 
     def pinned(self, name: str) -> Arm | None:
         """The configuration ``AutoConfig.pin`` fixes for bucket ``name``, or None."""
@@ -176,6 +241,12 @@ class AutoPolicy:
             want, why = self._turn(b, arm)
             if feasible(want):
                 return want, f"{name}: exploring {b.schedule.index(arm) + 1}/{k} {why}; {self.evidence(name)}", None
+        w = b.watch
+        probe = w.next_probe() if w is not None else None
+        if (w is not None and probe is not None and cfg.probe_every is not None and w.probe is None
+                and w.level > 0 and w.since_probe >= cfg.probe_every - 1 and feasible(probe)):
+            return probe, (f"{name}: probing {probe.label}, a runner-up of a near-tie (1 step in "
+                           f"{cfg.probe_every}); {self.evidence(name)}"), None
         if not feasible(inc):  # off and the token split always can: inc is a request-aligned split
             return OFF, (f"{name}: {inc.label} cannot split this batch (a {inc.split} split leaves a ubatch without "
                          f"real tokens), off; {self.evidence(name)}"), inc
@@ -245,6 +316,7 @@ class AutoPolicy:
         b = self.bucket(name)
         inc = b.samples.get(b.incumbent)
         parts = [f"{b.incumbent.label} {_fmt(inc)} us/token ({len(inc)})" if inc
+                 else f"{b.incumbent.label} (the choice before, unmeasured since)" if b.explored_again
                  else f"{b.incumbent.label} (prior, unmeasured)"]
         for arm in b.schedule:
             xs = b.samples.get(arm)
@@ -263,7 +335,41 @@ class AutoPolicy:
             if r is not None:
                 parts.append(f"{arm.label} skipped ({self._base(b.schedule[0]).label} measured {r:.3f}x "
                              f"{b.incumbent.label}, above 1 + prune {self.cfg.prune})")
+        if b.explored_again:
+            last = b.explored_again[-1]
+            more = f" ({len(b.explored_again)} times)" if len(b.explored_again) > 1 else ""
+            parts.append(f"explored again{more}, last at the bucket's step {last.step}: {last.why}")
         return "best " + "; ".join(parts)
+
+    def watching(self, name: str) -> str:
+        """The change detection's state for a settled bucket, e.g. ``'watching N=2 token auto:
+        reference 41.20 us/token ±5.8% (64 steps), CUSUM up 1.3 down 0.0 of 10.0'``; '' where the
+        bucket is still exploring (or detection and probing are off)."""
+        b = self.buckets.get(name)
+        if b is None or b.watch is None:
+            return ""
+        w = b.watch
+        if w.level <= 0:
+            return f"watching {b.incumbent.label}: reference {len(w.ref)}/{self.cfg.reference} steps"
+        text = (f"watching {b.incumbent.label}: reference {w.level * 1e6:.2f} us/token ±{w.sigma:.1%} "
+                f"({self.cfg.reference} steps), CUSUM up {w.up:.1f} down {w.down:.1f} of {self.cfg.detect}")
+        if self.cfg.probe_every is not None:
+            text += "".join(f"; runner-up {a.label} last ratio {w.last_ratio[a]:.3f}, CUSUM faster {w.faster[a]:.1f}"
+                            for a in w.runners_up if a in w.last_ratio)
+        return text
+
+    def summary(self) -> str:
+        """The re-explorations so far, one clause per bucket (how many, the last one's step and
+        why), e.g. ``'explored again: decode 64-127 at its step 412 (off ran slower than its
+        reference 1.02 us/token ±5.8%: this step 1.55x, CUSUM slower 12.0 > 10.0 after 39 steps)'``;
+        '' where none."""
+        last: dict[str, tuple[int, Reexploration]] = {}
+        for r in self.reexplorations:
+            last[r.bucket] = (last.get(r.bucket, (0, r))[0] + 1, r)
+        if not last:
+            return ""
+        return "explored again: " + ", ".join(
+            f"{b} {'' if n == 1 else f'{n} times, last '}at its step {r.step} ({r.why})" for b, (n, r) in last.items())
 
     def observe(self, name: str, arm: Arm, seconds_per_token: float) -> None:
         """A step of bucket ``name`` ran ``arm`` and cost ``seconds_per_token`` (the group's). An
@@ -271,7 +377,11 @@ class AutoPolicy:
         if name in self._pins:
             return
         b = self.bucket(name)
+        b.steps += 1
         n = b.seen[arm] = b.seen.get(arm, 0) + 1
+        if b.watch is not None:
+            self._watch(name, b, arm, seconds_per_token)
+            return
         if n <= self.cfg.warmup:
             return
         if arm == b.incumbent:
@@ -319,6 +429,70 @@ class AutoPolicy:
             if winner != inc:
                 b.incumbent = winner
                 b.switches += 1
+        if (cfg.detect is not None or cfg.probe_every is not None) and not self._trials(b):
+            b.watch = _Watch(runners_up=self._runners_up(b))
+
+    def _runners_up(self, b: _Bucket) -> list[Arm]:
+        """The configurations that lost to the settled choice in a near-tie (verdict ``tie``: not
+        separated, and not more than ``behind`` back), lowest pairs' median ratio first."""
+        ties = sorted((c[3], b.schedule.index(a), a) for a, c in b.compared.items()
+                      if c[0] == b.incumbent and b.verdicts.get(a) == "tie")
+        return [a for _, _, a in ties]
+
+    def _watch(self, name: str, b: _Bucket, arm: Arm, x: float) -> None:
+        """A settled bucket's step: the reference's, or one the CUSUM compares with the reference,
+        or a probe of the runner-up or its pair (see :class:`AutoConfig`)."""
+        cfg, w = self.cfg, b.watch
+        assert w is not None
+        if arm == w.next_probe() and arm != b.incumbent:
+            w.probe, w.since_probe = (arm, x), 0
+            w.turn += 1
+            return
+        if arm != b.incumbent:
+            return  # not the choice's step (a pinned or refused one is never observed)
+        b.samples.setdefault(arm, deque(maxlen=cfg.window)).append(x)
+        if w.level <= 0:
+            w.ref.append(x)
+            if len(w.ref) >= cfg.reference:
+                # the reference's own spread, or the exploration's pairs' (pooled over every comparison: a
+                # ratio of two steps has sqrt(2) times one step's sigma), whichever is larger
+                pairs = [(ls, ws) for _, ls, ws, _ in b.compared.values()]
+                w.level = _median(w.ref)
+                w.sigma = max(relative_sigma(w.ref), paired_sigma(pairs) / math.sqrt(2.0), SIGMA_FLOOR)
+            return
+        w.since_probe += 1
+        w.watched += 1
+        raw = (x / w.level - 1.0) / w.sigma
+        z = max(-CLIP, min(CLIP, raw))
+        w.up = max(0.0, w.up + z - cfg.detect_slack)
+        w.down = max(0.0, w.down - z - cfg.detect_slack)
+        why = ""
+        if w.probe is not None and abs(raw) > CLIP:
+            w.probe = None  # the choice's step of the pair is an outlier (a hiccup): the ratio says nothing
+        if w.probe is not None:
+            (probed, y), w.probe = w.probe, None
+            ratio = w.last_ratio[probed] = y / x
+            zp = max(-CLIP, min(CLIP, (1.0 - cfg.margin - ratio) / (w.sigma * math.sqrt(2.0))))
+            g = w.faster[probed] = max(0.0, w.faster.get(probed, 0.0) + zp - cfg.detect_slack / 2)
+            if cfg.detect is not None and g > cfg.detect / 2:
+                why = (f"runner-up {probed.label} probed faster than {b.incumbent.label}: last pair's ratio "
+                       f"{ratio:.3f}, CUSUM faster {g:.1f} > {cfg.detect / 2:g} after {w.turn} probes")
+        if not why and cfg.detect is not None and max(w.up, w.down) > cfg.detect:
+            side = "slower" if w.up >= w.down else "faster"
+            why = (f"{b.incumbent.label} ran {side} than its reference {w.level * 1e6:.2f} us/token ±{w.sigma:.1%}: "
+                   f"this step {x / w.level:.2f}x, CUSUM {side} {max(w.up, w.down):.1f} > {cfg.detect} after "
+                   f"{w.watched} steps")
+        if why:
+            self._explore_again(name, b, why)
+
+    def _explore_again(self, name: str, b: _Bucket, why: str) -> None:
+        """Explore bucket ``name`` again: the same schedule, its choice the incumbent (warmed up,
+        without samples), every other configuration without samples, warm-up or verdict."""
+        r = Reexploration(name, b.steps, b.incumbent, why)
+        fresh = _Bucket(schedule=b.schedule, incumbent=b.incumbent, seen={b.incumbent: b.seen.get(b.incumbent, 0)},
+                        switches=b.switches, steps=b.steps, explored_again=[*b.explored_again, r])
+        self.buckets[name] = fresh
+        self.reexplorations.append(r)
 
 
 def _fmt(xs: Sequence[float]) -> str:

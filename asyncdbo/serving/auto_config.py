@@ -4,6 +4,7 @@ policy that chooses is :mod:`asyncdbo.serving.auto`."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -47,7 +48,10 @@ OFF = Arm(1)
 
 @dataclass(frozen=True, kw_only=True)
 class AutoConfig:
-    """The ``"auto"`` tuning's search space and guards (see the module docstring).
+    """The ``"auto"`` tuning's search space and guards (see the module docstring), and the change
+    detection that watches a bucket's choice after it settled (``reference``, ``detect``,
+    ``detect_slack``, ``probe_every``: explore again where the choice's step time moves, or where a
+    runner-up of a near-tie is probed faster; :mod:`asyncdbo.serving.auto`, step 4).
 
     ``ubatch_counts``, ``splits``, ``dispatches``: the configurations it may try, each a tuple
     naming each value once, the counts in increasing order (the climb's; the first split and
@@ -82,6 +86,18 @@ class AutoConfig:
     than this share, every ratio of the slower side's time to the faster's above ``1 + decisive``,
     before its first ``samples`` pairs; the slower side is separated as slower
     (:func:`decisive`). None runs every comparison to its first ``samples`` pairs.
+
+    After a bucket has settled (no trial left), its choice is watched (issue 47; see
+    :mod:`asyncdbo.serving.auto`). ``reference``: the settled choice's first steps after
+    settling that set its reference level (their median) and noise (their robust sigma, relative).
+    ``detect``: the threshold of a two-sided CUSUM on each later step's time, normalized to that
+    reference in standard deviations (each step's contribution capped at ±3); where either side
+    exceeds it the bucket explores again, the same bounded schedule with its choice as incumbent.
+    None: no change detection. ``detect_slack``: the CUSUM's allowance per step, in standard
+    deviations (a shift of less than about twice it is not accumulated). ``probe_every``: where the
+    settled choice won a near-tie (a ``tie`` verdict against it), run that runner-up one step in
+    this many, paired with the choice's next step, and explore again where a one-sided CUSUM on
+    the pairs' ratios says the runner-up is now faster by more than ``margin`` (None: no probing).
     """
 
     ubatch_counts: tuple[int, ...] = (2, 3, 4)
@@ -101,15 +117,22 @@ class AutoConfig:
     prune: float | None = 0.15
     step_over: int = 1
     decisive: float | None = 0.5
+    reference: int = 64
+    detect: float | None = 10.0
+    detect_slack: float = 1.0
+    probe_every: int | None = None
 
     def __post_init__(self) -> None:
         _check_counts(self.ubatch_counts)
         _check_names("splits", self.splits, SPLIT_POLICIES)
         _check_names("dispatches", self.dispatches, DISPATCH_MODES)
-        for name in ("samples", "max_samples", "warmup", "window", "max_arms", "step_over"):
+        for name in ("samples", "max_samples", "warmup", "window", "max_arms", "step_over", "reference"):
             check_int("AutoConfig.", name, getattr(self, name), _DEFAULTS[name])
-        for name in ("margin", "separation", "behind"):
+        for name in ("margin", "separation", "behind", "detect_slack"):
             check_number("AutoConfig.", name, getattr(self, name), _DEFAULTS[name])
+        check_number("AutoConfig.", "detect", self.detect, _DEFAULTS["detect"], none="no change detection")
+        if self.probe_every is not None:
+            check_int("AutoConfig.", "probe_every", self.probe_every, 16)
         check_number("AutoConfig.", "prune", self.prune, _DEFAULTS["prune"], none="no pruning")
         check_number("AutoConfig.", "decisive", self.decisive, _DEFAULTS["decisive"], none="no early end")
         check_bool("AutoConfig.", "climb", self.climb)
@@ -137,6 +160,21 @@ class AutoConfig:
         check_finite("prune", self.prune, "it would prune nothing", "use prune=None to try every variant")
         check_finite("decisive", self.decisive, "no comparison would be decisive",
                      "use decisive=None to turn decisive comparisons off")
+        if self.reference < 4:
+            raise ValueError(f"reference ({self.reference}) must be >= 4 (the settled steps whose median and spread "
+                             f"the change detection compares later steps with), e.g. reference=64, the default")
+        if self.detect is not None and not (self.detect > 0.0 and math.isfinite(self.detect)):
+            raise ValueError(f"detect ({self.detect}) must be a finite number > 0 (the CUSUM threshold, in standard "
+                             f"deviations), e.g. detect=10.0, the default; use detect=None to turn change detection off")
+        if not (self.detect_slack >= 0.0 and math.isfinite(self.detect_slack)):
+            raise ValueError(f"detect_slack ({self.detect_slack}) must be a finite number >= 0 (standard deviations "
+                             f"per step), e.g. detect_slack=1.0, the default")
+        if self.probe_every is not None and self.detect is None:
+            raise ValueError(f"probe_every ({self.probe_every}) needs detect, the threshold its CUSUM fires at: pass "
+                             f"detect=10.0 (the default), or probe_every=None")
+        if self.probe_every is not None and self.probe_every < 2:
+            raise ValueError(f"probe_every ({self.probe_every}) must be >= 2 (one step in probe_every runs the "
+                             f"runner-up), e.g. probe_every=16, or None for no probing")
         if self.max_arms < 0:
             raise ValueError(f"max_arms ({self.max_arms}) must be >= 0")
         if self.step_over < 0:

@@ -154,8 +154,10 @@ class DBORunner:
         """One line over the steps so far: per configuration the steps, time per real token, the
         comm exposed on the critical path and hidden by other ubatches; DBO's speed-up over the
         serial steps of the same shape where both ran; why steps fell out; how many steps failed
-        (:meth:`OverlapLedger.summary`)."""
-        return self.ledger.summary()
+        (:meth:`OverlapLedger.summary`); under ``tuning="auto"``, which buckets explored again after
+        settling, at which of their steps and why (:meth:`AutoPolicy.summary`)."""
+        again = self.auto.summary() if self.auto is not None else ""
+        return self.ledger.summary() + (f"; {again}" if again else "")
 
     async def step(self, batch: Batch, *, enabled: bool | None = None,
                    instrument: Instrument | Sequence[Instrument] | None = None) -> StepResult:

@@ -242,6 +242,20 @@ def test_compare_commits_quick_measures_both_packages_side_by_side() -> None:
     row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| 2 | 2 |"))
     assert float(row.rsplit("|", 2)[-2]) > 0
 
+    trace = auto_measured.regime_change(auto_measured.REGIME_MIN_STEPS, random.Random(0))
+    assert set(trace) == {((48, 0), (48, 0))} and auto_measured.REGIME_SLOWER == {"regime-change": 5.0}
+
+
+@pytest.mark.timeout(120)
+def test_auto_regime_runs_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    import auto_regime
+
+    assert auto_regime.main(["--quick", "--workloads", "link 5x slower: DBO starts to pay"]) == 0
+    out = capsys.readouterr().out
+    assert "| link 5x slower: DBO starts to pay | uniform | " in out and "| heavy | " in out
+    with pytest.raises(SystemExit, match="unknown workloads"):
+        auto_regime.main(["--quick", "--workloads", "link 6x slower"])
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)

@@ -103,3 +103,23 @@ async def _mismatched(rank: int, case: str) -> str:
 
 def mismatched(rank: int, world_size: int, case: str) -> str:
     return asyncdbo.run(_mismatched, rank, case)  # type: ignore[arg-type]
+
+
+async def _agree_change(rank: int, steps: int, change: int) -> dict[str, Any]:
+    # DBO loses on both ranks (off settles); at step ``change`` rank 1's link gets slower: its off
+    # steps 1.6x, N = 2 0.85x of that. The group's slowest time moves, so both ranks see the change.
+    clock = VirtualClock()
+    model = ClockedModel(clock, {1: 1.0e-3, 2: 1.3e-3, 3: 1.4e-3, 4: 1.5e-3}, jitter=0.05, seed=rank)
+    small = AutoConfig(splits=("token",), dispatches=("auto",))
+    cfg = RunnerConfig(tuning="auto", auto=small, thresholds=ThresholdConfig(decode_threshold=32))
+    runner = DBORunner(model, cfg, dp_group=torch.distributed.group.WORLD, clock=clock)
+    records = []
+    for i, batch in enumerate(decode_batches(BatchBuilder(CACHE), [64 + (i * 7 + rank * 13) % 60 for i in range(steps)])):
+        if i == change and rank == 1:
+            model.cost = {1: 1.6e-3, 2: 1.36e-3, 3: 1.5e-3, 4: 1.6e-3}
+        records.append((await runner.step(batch)).record)
+    return {"records": records, "report": runner.report()}
+
+
+def agree_change(rank: int, world_size: int, steps: int, change: int) -> dict[str, Any]:
+    return asyncdbo.run(_agree_change, rank, steps, change)  # type: ignore[arg-type]
