@@ -46,22 +46,9 @@ measured, and chooses the next step's configuration from them:
    separated at ``max_samples`` pairs is a tie, and ties go to the default. So DBO runs only where
    it is clearly faster than off, and a near-tie never flips a choice. After the schedule the
    choice stays; the incumbent keeps its last ``window`` samples.
-4. **Change detection** (issue 47). Once a bucket has settled (no trial left), its choice's first
-   ``reference`` steps set a reference: their median and robust relative sigma (or the exploration's
-   pooled pair noise over sqrt(2), or :data:`SIGMA_FLOOR`, whichever is largest). Every later step
-   of the choice adds its time, normalized to that reference in sigmas and capped at ±:data:`CLIP`,
-   to a two-sided CUSUM (Page's: ``up = max(0, up + z - detect_slack)``, ``down`` the same for
-   ``-z``). Where either exceeds ``detect`` the bucket explores again: the same schedule and bounds
-   as the first time, its choice the incumbent (warmed up), every other configuration's samples,
-   warm-ups and verdicts cleared. A change that makes the settled choice slower or faster is seen
-   in its own time; one that leaves it where it was but makes another configuration faster is
-   not, which is what **probing** is for (``probe_every``, off by default): one step in K runs a
-   runner-up of a near-tie (the configurations that lost to the choice with a ``tie`` verdict, in
-   turn), paired with the choice's next step; a one-sided CUSUM per runner-up on the pair's ratio
-   (``1 - margin - ratio`` in the ratio's sigma, sqrt(2) times the reference's, slack
-   ``detect_slack / 2``) explores again where it exceeds ``detect / 2``. A pair whose choice step is
-   beyond ``CLIP`` sigmas of its reference (a hiccup) is dropped. Every re-exploration is kept
-   (:attr:`AutoPolicy.reexplorations`), named in the bucket's evidence and in :meth:`AutoPolicy.summary`.
+4. **Change detection.** Once a bucket has settled, its choice's step times are watched (a
+   two-sided CUSUM against a reference, and optionally probes of near-tie runners-up); where they
+   move, the bucket explores again (:mod:`asyncdbo.serving.auto_watch`).
 
 Every input is shared by the DP group (the runner exchanges each rank's last step time in the one
 vote of the step and feeds the group's slowest), so every rank holds the same account and makes the
@@ -71,15 +58,15 @@ spreads, sample counts, the verdicts and the pairs each was decided on) go into 
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..plan import DPDecision, ThresholdConfig, plan_slices
-from .auto_config import OFF, Arm, AutoConfig
+from ..plan import DPDecision, plan_slices
+from .auto_config import OFF, Arm, AutoConfig, threshold_prior
+from .auto_watch import Reexploration, Watch, summarize
 from .compare import (Comparison, compare, compare_paired, decisive, interquartile_range, paired_sigma,
                       pooled_sigma, relative_sigma)
 from .measure import shape_bucket
@@ -98,49 +85,6 @@ __all__ = ["Arm", "AutoConfig", "AutoPolicy", "Comparison", "OFF", "Reexploratio
 Verdict = Literal["slower", "behind", "tie"]
 
 
-#: A watched step's contribution to the change detection's CUSUM is capped at this many standard
-#: deviations either way, so that one host hiccup (a step 10x slower) adds at most this much.
-CLIP = 3.0
-#: The least relative sigma the change detection assumes for a settled choice (a noiseless
-#: injected clock would otherwise make any change, however small, an infinite one).
-SIGMA_FLOOR = 0.01
-
-
-@dataclass
-class _Watch:
-    """A settled bucket's change detection (``AutoConfig.reference``, ``detect``, ``probe_every``):
-    the reference its choice measured after settling, the CUSUM sums, and the probing of the
-    runners-up of near-ties."""
-
-    runners_up: list[Arm]  # the configurations that tied with the choice, lowest pairs' median ratio first
-    ref: list[float] = field(default_factory=list)  # the choice's first steps after settling
-    level: float = 0.0  # their median (seconds per token)
-    sigma: float = 0.0  # their robust sigma over the median, at least SIGMA_FLOOR
-    up: float = 0.0  # CUSUM of steps slower than the reference
-    down: float = 0.0  # CUSUM of steps faster than it
-    watched: int = 0  # steps compared with the reference
-    since_probe: int = 0  # the choice's steps since the last probe
-    turn: int = 0  # probes so far: runners_up[turn % len] is the next one probed
-    probe: tuple[Arm, float] | None = None  # a probe's sample, waiting for its pair
-    faster: dict[Arm, float] = field(default_factory=dict)  # per runner-up, the CUSUM of it being faster
-    last_ratio: dict[Arm, float] = field(default_factory=dict)  # per runner-up, its last probe pair's ratio
-
-    def next_probe(self) -> Arm | None:
-        return self.runners_up[self.turn % len(self.runners_up)] if self.runners_up else None
-
-
-@dataclass(frozen=True)
-class Reexploration:
-    """One time a settled bucket explored again: the bucket, its measured step that set it off
-    (``step``: the bucket's steps measured so far, counting from 1, that one included), the
-    configuration it had settled on, and why (the CUSUM that fired and what it had seen)."""
-
-    bucket: str
-    step: int
-    incumbent: Arm
-    why: str
-
-
 @dataclass
 class _Bucket:
     schedule: list[Arm]
@@ -155,7 +99,7 @@ class _Bucket:
     compared: dict[Arm, tuple[Arm, tuple[float, ...], tuple[float, ...], float]] = field(default_factory=dict)
     switches: int = 0
     steps: int = 0  # steps measured (observe calls), every exploration and probe included
-    watch: _Watch | None = None  # set once the bucket has settled (no trial left)
+    watch: Watch | None = None  # set once the bucket has settled (no trial left)
     explored_again: list[Reexploration] = field(default_factory=list)
 
 
@@ -348,28 +292,14 @@ class AutoPolicy:
         b = self.buckets.get(name)
         if b is None or b.watch is None:
             return ""
-        w = b.watch
-        if w.level <= 0:
-            return f"watching {b.incumbent.label}: reference {len(w.ref)}/{self.cfg.reference} steps"
-        text = (f"watching {b.incumbent.label}: reference {w.level * 1e6:.2f} us/token ±{w.sigma:.1%} "
-                f"({self.cfg.reference} steps), CUSUM up {w.up:.1f} down {w.down:.1f} of {self.cfg.detect}")
-        if self.cfg.probe_every is not None:
-            text += "".join(f"; runner-up {a.label} last ratio {w.last_ratio[a]:.3f}, CUSUM faster {w.faster[a]:.1f}"
-                            for a in w.runners_up if a in w.last_ratio)
-        return text
+        return b.watch.describe(self.cfg, b.incumbent)
 
     def summary(self) -> str:
         """The re-explorations so far, one clause per bucket (how many, the last one's step and
         why), e.g. ``'explored again: decode 64-127 at its step 412 (off ran slower than its
         reference 1.02 us/token ±5.8%: this step 1.55x, CUSUM slower 12.0 > 10.0 after 39 steps)'``;
         '' where none."""
-        last: dict[str, tuple[int, Reexploration]] = {}
-        for r in self.reexplorations:
-            last[r.bucket] = (last.get(r.bucket, (0, r))[0] + 1, r)
-        if not last:
-            return ""
-        return "explored again: " + ", ".join(
-            f"{b} {'' if n == 1 else f'{n} times, last '}at its step {r.step} ({r.why})" for b, (n, r) in last.items())
+        return summarize(self.reexplorations)
 
     def observe(self, name: str, arm: Arm, seconds_per_token: float) -> None:
         """A step of bucket ``name`` ran ``arm`` and cost ``seconds_per_token`` (the group's). An
@@ -430,7 +360,7 @@ class AutoPolicy:
                 b.incumbent = winner
                 b.switches += 1
         if (cfg.detect is not None or cfg.probe_every is not None) and not self._trials(b):
-            b.watch = _Watch(runners_up=self._runners_up(b))
+            b.watch = Watch(runners_up=self._runners_up(b))
 
     def _runners_up(self, b: _Bucket) -> list[Arm]:
         """The configurations that lost to the settled choice in a near-tie (verdict ``tie``: not
@@ -441,47 +371,16 @@ class AutoPolicy:
 
     def _watch(self, name: str, b: _Bucket, arm: Arm, x: float) -> None:
         """A settled bucket's step: the reference's, or one the CUSUM compares with the reference,
-        or a probe of the runner-up or its pair (see :class:`AutoConfig`)."""
-        cfg, w = self.cfg, b.watch
+        or a probe of the runner-up or its pair (:mod:`asyncdbo.serving.auto_watch`)."""
+        w = b.watch
         assert w is not None
         if arm == w.next_probe() and arm != b.incumbent:
-            w.probe, w.since_probe = (arm, x), 0
-            w.turn += 1
+            w.take_probe(arm, x)
             return
         if arm != b.incumbent:
             return  # not the choice's step (a pinned or refused one is never observed)
-        b.samples.setdefault(arm, deque(maxlen=cfg.window)).append(x)
-        if w.level <= 0:
-            w.ref.append(x)
-            if len(w.ref) >= cfg.reference:
-                # the reference's own spread, or the exploration's pairs' (pooled over every comparison: a
-                # ratio of two steps has sqrt(2) times one step's sigma), whichever is larger
-                pairs = [(ls, ws) for _, ls, ws, _ in b.compared.values()]
-                w.level = _median(w.ref)
-                w.sigma = max(relative_sigma(w.ref), paired_sigma(pairs) / math.sqrt(2.0), SIGMA_FLOOR)
-            return
-        w.since_probe += 1
-        w.watched += 1
-        raw = (x / w.level - 1.0) / w.sigma
-        z = max(-CLIP, min(CLIP, raw))
-        w.up = max(0.0, w.up + z - cfg.detect_slack)
-        w.down = max(0.0, w.down - z - cfg.detect_slack)
-        why = ""
-        if w.probe is not None and abs(raw) > CLIP:
-            w.probe = None  # the choice's step of the pair is an outlier (a hiccup): the ratio says nothing
-        if w.probe is not None:
-            (probed, y), w.probe = w.probe, None
-            ratio = w.last_ratio[probed] = y / x
-            zp = max(-CLIP, min(CLIP, (1.0 - cfg.margin - ratio) / (w.sigma * math.sqrt(2.0))))
-            g = w.faster[probed] = max(0.0, w.faster.get(probed, 0.0) + zp - cfg.detect_slack / 2)
-            if cfg.detect is not None and g > cfg.detect / 2:
-                why = (f"runner-up {probed.label} probed faster than {b.incumbent.label}: last pair's ratio "
-                       f"{ratio:.3f}, CUSUM faster {g:.1f} > {cfg.detect / 2:g} after {w.turn} probes")
-        if not why and cfg.detect is not None and max(w.up, w.down) > cfg.detect:
-            side = "slower" if w.up >= w.down else "faster"
-            why = (f"{b.incumbent.label} ran {side} than its reference {w.level * 1e6:.2f} us/token ±{w.sigma:.1%}: "
-                   f"this step {x / w.level:.2f}x, CUSUM {side} {max(w.up, w.down):.1f} > {cfg.detect} after "
-                   f"{w.watched} steps")
+        b.samples.setdefault(arm, deque(maxlen=self.cfg.window)).append(x)
+        why = w.step(self.cfg, b.incumbent, x, lambda: [(ls, ws) for _, ls, ws, _ in b.compared.values()])
         if why:
             self._explore_again(name, b, why)
 
@@ -497,21 +396,6 @@ class AutoPolicy:
 
 def _fmt(xs: Sequence[float]) -> str:
     return f"{_median(xs) * 1e6:.2f}±{interquartile_range(xs) / 2 * 1e6:.2f}"
-
-
-def threshold_prior(thresholds: ThresholdConfig, cfg: AutoConfig) -> Callable[[str], Arm]:
-    """The prior of :class:`AutoPolicy` that both the runner and ``asyncdbo check --workload`` use:
-    a bucket starts from what the fixed ``thresholds`` would run for a step of that bucket's
-    smallest size (N = 2, the first split and dispatch of ``cfg``), or off."""
-
-    def prior(bucket: str) -> Arm:
-        kind, _, rng = bucket.partition(" ")
-        lo = int(rng.split("-")[0]) if rng else 0
-        if lo >= (thresholds.decode_threshold if kind == "decode" else thresholds.prefill_threshold):
-            return Arm(2 if 2 in cfg.ubatch_counts else cfg.ubatch_counts[0], cfg.splits[0], cfg.dispatches[0])
-        return OFF
-
-    return prior
 
 
 def splittable_mask(qsl: Sequence[int], arms: Sequence[Arm], min_share: float) -> int:

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from collections.abc import Callable
 from typing import Any
 
 from ..dist.fused import DISPATCH_MODES, DispatchMode
-from ..plan import SplitPolicy
+from ..plan import SplitPolicy, ThresholdConfig
 from ..plan._checks import check_bool, check_finite, check_int, check_number
 from ..plan.slices import SPLIT_POLICIES
 from .measure import close_shape_bucket, is_shape_bucket
 
-__all__ = ["OFF", "Arm", "AutoConfig"]
+__all__ = ["OFF", "Arm", "AutoConfig", "threshold_prior"]
 
 
 @dataclass(frozen=True, order=True)
@@ -307,3 +308,18 @@ def _checked_pin(pin: object) -> tuple[tuple[str, Arm], ...]:
             raise ValueError(f"AutoConfig.pin names bucket {name!r} twice; pin each bucket once")
         seen.add(name)
     return pin  # checked above: a tuple of (str, Arm) pairs
+
+
+def threshold_prior(thresholds: ThresholdConfig, cfg: AutoConfig) -> Callable[[str], Arm]:
+    """The prior of :class:`AutoPolicy` that both the runner and ``asyncdbo check --workload`` use:
+    a bucket starts from what the fixed ``thresholds`` would run for a step of that bucket's
+    smallest size (N = 2, the first split and dispatch of ``cfg``), or off."""
+
+    def prior(bucket: str) -> Arm:
+        kind, _, rng = bucket.partition(" ")
+        lo = int(rng.split("-")[0]) if rng else 0
+        if lo >= (thresholds.decode_threshold if kind == "decode" else thresholds.prefill_threshold):
+            return Arm(2 if 2 in cfg.ubatch_counts else cfg.ubatch_counts[0], cfg.splits[0], cfg.dispatches[0])
+        return OFF
+
+    return prior
