@@ -177,8 +177,9 @@ def _step_child(name: str, result_path: str, out: str, log_fd: int, env: dict[st
     os.chdir(ROOT)
     os.environ.clear()
     os.environ.update(env)  # what the step's own interpreter would get (the tests step passes it on)
-    if str(HELPERS) not in sys.path:
-        sys.path.insert(0, str(HELPERS))
+    # and its sys.path: PYTHONPATH's entries (the carried wheels' target, the tree, tests/helpers)
+    # first, as a fresh interpreter puts them, or the tests step would not see the carried plugins
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     try:
         rc = main(["--step", name, "--result", result_path, "--out", out, "--limit", str(limit), "--dry-run"])
     finally:
@@ -198,7 +199,9 @@ def drive(out: Path, dry: bool, only: set[str] | None, wheels: Path) -> int:
         selected = [name for name, _ in STEPS if only is None or name in only]
         slack = DRY_SLACK if dry else 1
         deadline = time.monotonic() + budget_s(selected) * slack  # the call's budget, enforced
-        needs_wheels = not dry and "tests" in selected
+        # the carried wheels, for a call that runs ``tests``, dry or not: a dry run of the device's
+        # calls under an image without pytest-asyncio then takes the device's path (both plugins)
+        needs_wheels = "tests" in selected
         wheel_info = _install_wheels(wheels, log) if needs_wheels else {"wheels": [], "installed": False,
                                                                         **({} if dry else {"skipped": "no tests step"})}
         env = dict(os.environ, PYTHONUNBUFFERED="1", FIRST_CONTACT_CARRIED=str(wheels))

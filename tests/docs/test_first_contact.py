@@ -205,3 +205,44 @@ def test_the_driver_gives_a_step_no_more_than_what_is_left_of_its_calls_budget(
     assert fc.drive(tmp_path, True, {"env"}, tmp_path / "no-wheels") == 0
     (line,) = _lines(tmp_path)
     assert line["ok"] and line["timeout_s"] <= 2 * fc.DRY_SLACK < dict(fc.STEPS)["env"] * fc.DRY_SLACK
+
+
+def _probe_wheel(folder: Path, module: str) -> Path:
+    """A pure-Python wheel of one module, written by hand (no index, no build backend)."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    dist = f"{module}-0.1.dist-info"
+    files = {f"{module}.py": "PROBE = True\n",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{dist}/RECORD"] = "".join(f"{name},,\n" for name in files) + f"{dist}/RECORD,,\n"
+    wheel = folder / f"{module}-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, text in files.items():
+            zf.writestr(name, text)
+    return wheel
+
+
+@pytest.mark.timeout(240)
+def test_a_dry_call_with_the_tests_step_installs_the_carried_wheels_and_its_steps_see_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on the device, a dry call that runs ``tests`` installs the carried wheels into the private
+    target, and a step (a forked child) finds them on its sys.path as a fresh interpreter would
+    through PYTHONPATH: under an image without pytest-asyncio the dry ``tests`` step then takes the
+    device's path (both plugins named, the conftest) instead of the narrowed one."""
+    fc = _script()
+    module = "first_contact_carried_probe"
+    carried = tmp_path / "carried"
+    wheel = _probe_wheel(carried, module)
+    monkeypatch.setattr(fc, "SITE", tmp_path / "site")
+
+    def probe(st: Any) -> None:
+        st.put(found=importlib.util.find_spec(module) is not None, ok=True)
+
+    monkeypatch.setattr(fc, "STEP_FUNCS", {**fc.STEP_FUNCS, "tests": probe})
+    assert fc.drive(tmp_path / "out", True, {"env", "tests"}, carried) == 0, (tmp_path / "out/steps.log").read_text()
+    env, tests = _lines(tmp_path / "out")
+    assert env["carried_wheels"] == {"wheels": [wheel.name], "installed": True}
+    assert tests["step"] == "tests" and tests["found"] is True
+    assert importlib.util.find_spec(module) is None  # only the step's sys.path held it
