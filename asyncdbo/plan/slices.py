@@ -129,11 +129,21 @@ class UBatchSlice:
         return self.num_tokens == 0
 
 
+class CheckedOffsets(tuple[int, ...]):
+    """``query_start_loc`` as :func:`as_query_start_loc` returned it, frozen: the planners take
+    it as it is (a tuple cannot change after the check), so a step checks its offsets once, not
+    once per function it calls (O(requests) each)."""
+
+    __slots__ = ()
+
+
 def as_query_start_loc(query_start_loc: QueryStartLoc) -> list[int]:
     """Validate ``query_start_loc`` and return it as a list of ints.
 
     A tensor is read with ``.tolist()``: pass the CPU mirror, a device tensor would sync.
     """
+    if type(query_start_loc) is CheckedOffsets:
+        return list(query_start_loc)  # checked when it was made
     if isinstance(query_start_loc, torch.Tensor):
         if query_start_loc.dim() != 1 or query_start_loc.is_floating_point():
             raise ValueError(
