@@ -310,6 +310,16 @@ def run(
     coro = async_fn(*args)
     if not inspect.iscoroutine(coro):
         raise _not_async_def_error("async_fn", async_fn, "*args", coro)
+    # The task returns None and the result travels in a box: asyncio's Runner (3.11, 3.12) looks up
+    # its SIGINT handler with signal.getsignal, whose enum lookup formats the handler, a partial
+    # holding the task, and with it repr(result), twice per run (CPython issue 112559): a tensor's
+    # repr costs 0.3-2 ms, a list of tensors more.
+    box: list[T] = []
     with asyncio.Runner(loop_factory=factory, debug=loop_debug) as runner:
-        result: T = runner.run(coro)
-        return result
+        runner.run(_into(box, coro))
+    return box[0]
+
+
+async def _into(box: list[T], coro: Awaitable[T]) -> None:
+    """Await ``coro`` and put its result in ``box`` (see :func:`run`)."""
+    box.append(await coro)

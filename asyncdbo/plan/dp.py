@@ -32,6 +32,8 @@ failed votes *recover* instead of a plan, and then every rank of the vote gets
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Union
@@ -105,7 +107,8 @@ def check_thresholds(where: str, th: object) -> None:
 def is_uniform_decode(qsl: Sequence[int], num_spec_tokens: int = 0) -> bool:
     """Every request has exactly ``1 + num_spec_tokens`` query tokens (and there is one)."""
     q = 1 + num_spec_tokens
-    return len(qsl) > 1 and all(qsl[r + 1] - qsl[r] == q for r in range(len(qsl) - 1))
+    lengths = map(operator.sub, itertools.islice(qsl, 1, None), qsl)  # at C speed: once per step or more
+    return len(qsl) > 1 and all(map(operator.eq, lengths, itertools.repeat(q)))
 
 
 def should_microbatch(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, Union
@@ -38,6 +39,12 @@ __all__ = [
     "split_attn_metadata",
     "split_extra",
 ]
+
+
+# Set (per thread) while split_checked builds a ubatch's metadata from metadata that was checked
+# when it was built, by slices check_slices passed: AttentionMetadata's own checks (O(requests))
+# then run once per batch, not again per ubatch; a subclass's own __post_init__ still runs.
+_TRUSTED = threading.local()
 
 
 class SplitKind(enum.Enum):
@@ -90,6 +97,8 @@ class AttentionMetadata:
     split_rules: ClassVar[Mapping[str, SplitKind]] = {}
 
     def __post_init__(self) -> None:
+        if getattr(_TRUSTED, "on", False):
+            return  # a ubatch's metadata cut from checked metadata by checked slices: valid by construction
         _check_int("query_start_loc", self.query_start_loc, 1)
         _check_int("query_start_loc_cpu", self.query_start_loc_cpu, 1)
         _check_int("seq_lens", self.seq_lens, 1)
@@ -198,16 +207,25 @@ def _split_one_meta(meta: M, s: UBatchSlice, truncated: bool) -> M:
     num_tokens = t1 - t0
     # Rebase to the ubatch's first token; clamping trims a continuation's head (below 0) and a
     # truncated tail (past the ubatch's last token).
-    qsl = meta.query_start_loc[r0 : r1 + 1].sub(t0).clamp_(0, num_tokens)
     qsl_cpu = meta.query_start_loc_cpu[r0 : r1 + 1].sub(t0).clamp_(0, num_tokens)
-    seq = meta.seq_lens[r0:r1]
     seq_cpu = meta.seq_lens_cpu[r0:r1]
     if truncated:
         # The truncated head sees only the tokens written so far: drop the ones after this ubatch.
         not_here = int(meta.query_start_loc_cpu[r1]) - t1
-        seq, seq_cpu = seq.clone(), seq_cpu.clone()
-        seq[-1] -= not_here
+        seq_cpu = seq_cpu.clone()
         seq_cpu[-1] -= not_here
+    # On a CPU batch the mirrors are the tensors themselves (BatchBuilder, from_lengths): cut once.
+    if meta.query_start_loc is meta.query_start_loc_cpu:
+        qsl = qsl_cpu
+    else:
+        qsl = meta.query_start_loc[r0 : r1 + 1].sub(t0).clamp_(0, num_tokens)
+    if meta.seq_lens is meta.seq_lens_cpu:
+        seq = seq_cpu
+    else:
+        seq = meta.seq_lens[r0:r1]
+        if truncated:
+            seq = seq.clone()
+            seq[-1] -= not_here
     qlens = (qsl_cpu[1:] - qsl_cpu[:-1]) if r1 > r0 else qsl_cpu[:0]
     changes: dict[str, Any] = dict(
         query_start_loc=qsl,
@@ -249,7 +267,11 @@ def split_checked(meta: M, slices: Sequence[UBatchSlice], flags: Sequence[tuple[
             f"{cls.__name__} has field(s) {unknown} with no split rule; declare one per field, "
             f"e.g. split_rules = {{{unknown[0]!r}: SplitKind.PER_TOKEN}} (or PER_REQUEST / SHARED)"
         )
-    return [_split_one_meta(meta, s, trunc) for s, (_, trunc) in zip(slices, flags)]
+    trusted, _TRUSTED.on = getattr(_TRUSTED, "on", False), True
+    try:
+        return [_split_one_meta(meta, s, trunc) for s, (_, trunc) in zip(slices, flags)]
+    finally:
+        _TRUSTED.on = trusted
 
 
 ExtraKind = Union[SplitKind, str]

@@ -44,6 +44,8 @@ the way to build slices by hand: it fills the request ranges and flags from ``qu
 from __future__ import annotations
 
 import bisect
+import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Union, get_args
@@ -127,25 +129,37 @@ class UBatchSlice:
         return self.num_tokens == 0
 
 
+class CheckedOffsets(tuple[int, ...]):
+    """``query_start_loc`` as :func:`as_query_start_loc` returned it, frozen: the planners take
+    it as it is (a tuple cannot change after the check), so a step checks its offsets once, not
+    once per function it calls (O(requests) each)."""
+
+    __slots__ = ()
+
+
 def as_query_start_loc(query_start_loc: QueryStartLoc) -> list[int]:
     """Validate ``query_start_loc`` and return it as a list of ints.
 
     A tensor is read with ``.tolist()``: pass the CPU mirror, a device tensor would sync.
     """
+    if type(query_start_loc) is CheckedOffsets:
+        return list(query_start_loc)  # checked when it was made
     if isinstance(query_start_loc, torch.Tensor):
         if query_start_loc.dim() != 1 or query_start_loc.is_floating_point():
             raise ValueError(
                 f"query_start_loc must be a 1-D integer tensor (got shape "
                 f"{tuple(query_start_loc.shape)}, dtype {query_start_loc.dtype})"
             )
-        qsl = [int(v) for v in query_start_loc.tolist()]
+        qsl = list(map(int, query_start_loc.tolist()))
     else:
-        qsl = [int(v) for v in query_start_loc]
+        qsl = list(map(int, query_start_loc))
     if not qsl or qsl[0] != 0:
         raise ValueError(
             f"query_start_loc must start at 0 (got {qsl[:4]}); it holds R+1 token offsets, "
             f"the first being 0"
         )
+    if all(map(operator.le, qsl, itertools.islice(qsl, 1, None))):  # the check at C speed; the loop names the entry
+        return qsl
     for r in range(len(qsl) - 1):
         if qsl[r + 1] < qsl[r]:
             raise ValueError(

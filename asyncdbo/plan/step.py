@@ -28,6 +28,7 @@ from .validate import check_slices
 from .records import PlanReason, PlanStats, RankVote, StepRecord, log_record
 from .slices import (
     SPLIT_POLICIES,
+    CheckedOffsets,
     SplitPolicy,
     UBatchSlice,
     as_query_start_loc,
@@ -69,7 +70,7 @@ class StepPlan:
 
 
 def _local_vote(
-    qsl: list[int],
+    qsl: Sequence[int],
     num_ubatches: int,
     policy: SplitPolicy,
     thresholds: ThresholdConfig,
@@ -139,6 +140,7 @@ def plan_step(
     check_bool("plan_step() ", "is_idle", is_idle)
     check_thresholds("plan_step() thresholds", thresholds)
     qsl = as_query_start_loc(query_start_loc)
+    offsets = CheckedOffsets(qsl)  # checked once: the planners below take it unchecked
     if num_ubatches < 1:
         raise ValueError(f"num_ubatches ({num_ubatches}) must be at least 1")
     check_max_ubatches(num_ubatches, max_ubatches)
@@ -154,7 +156,7 @@ def plan_step(
     if step is None:
         step = stats.num_steps if stats is not None else 0
 
-    local = _local_vote(qsl, num_ubatches, policy, thresholds, enabled, is_idle, num_tokens_padded, min_share)
+    local = _local_vote(offsets, num_ubatches, policy, thresholds, enabled, is_idle, num_tokens_padded, min_share)
     if decision is not None:
         microbatched, reason, detail = decision.should_ubatch and num_ubatches > 1, decision.reason, decision.detail
         padded = decision.num_tokens_padded if microbatched else local.padded
@@ -177,9 +179,9 @@ def plan_step(
         microbatched, reason, detail, padded = d.should_ubatch, d.reason, d.detail or local.detail, local.padded
 
     if microbatched:
-        slices = tuple(plan_slices(qsl, num_ubatches, policy, num_tokens_padded=padded, min_share=min_share))
+        slices = tuple(plan_slices(offsets, num_ubatches, policy, num_tokens_padded=padded, min_share=min_share))
     else:
-        slices = (whole_batch_slice(qsl, padded),)
+        slices = (whole_batch_slice(offsets, padded),)
     # The planners' slices must tile the batch (split_attn_metadata alone accepts any disjoint set).
     flags = check_slices(qsl, slices, tile=True) if microbatched else ()
     metas: tuple[AttentionMetadata, ...] = ()

@@ -78,3 +78,32 @@ def test_loop_debug_is_the_event_loops_flag_and_debug_is_its_deprecated_name() -
         "(for that pass debug=True to run_ubatches or DBOOptions); debug= stops working in the next release"
     ]
     assert record[0].filename == __file__  # points at the caller's line
+
+
+class _CountsRepr:
+    reprs = 0
+
+    def __repr__(self) -> str:
+        type(self).reprs += 1
+        return "_CountsRepr()"
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_run_returns_its_result_without_formatting_it(loop: str) -> None:
+    # asyncio's Runner formats its SIGINT handler, and with it the task's result, on the way out
+    # (CPython issue 112559): a tensor's repr costs milliseconds. asyncdbo.run's task returns None.
+    result = _CountsRepr()
+
+    async def give() -> _CountsRepr:
+        return result
+
+    assert asyncdbo.run(give, loop=loop) is result  # type: ignore[arg-type]
+    assert _CountsRepr.reprs == 0
+
+
+def test_run_raises_what_its_function_raises() -> None:
+    async def fail() -> None:
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        asyncdbo.run(fail)
