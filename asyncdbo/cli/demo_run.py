@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .demo_config import MATCH_ATOL, DemoConfig
+from .reasons import REASON_WORDS, plural
 
 __all__ = ["demo_rank", "error_line", "passed", "split_note", "summarize"]
 
@@ -164,6 +165,18 @@ def summarize(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]
     return summary
 
 
+def _reason_words(reason: str, cfg: DemoConfig) -> str:
+    """A fall-out reason in words, once; below a threshold with the threshold, its flag and the
+    value that would split the demo's batch (every rank has ``--tokens`` tokens)."""
+    if reason != "below_threshold":
+        return REASON_WORDS.get(reason, reason)
+    flag, threshold = (("--decode-threshold", cfg.decode_threshold) if cfg.shape == "decode" else
+                       ("--prefill-threshold", cfg.prefill_threshold))
+    return (f"every rank's batch was below the threshold: a rank splits a {cfg.shape} batch from "
+            f"{plural(threshold, 'token')} up ({flag} {threshold}), and each rank had {plural(cfg.tokens, 'token')}; "
+            f"{flag} {cfg.tokens} would split them")
+
+
 def split_note(s: dict[str, Any]) -> str:
     """What the DBO column summarizes, for the lines that show a speedup or an overlap share."""
     n, total = s["microbatched_steps"], s["dbo"]["steps"]
@@ -228,14 +241,14 @@ def _format(cfg: DemoConfig, s: dict[str, Any]) -> str:
     else:
         which = "any step" if not s["microbatched_steps"] else "some steps"
         why = f"DBO steps: NOT microbatched in {which}: " + "; ".join(
-            f"{r}" + (f" ({d})" if d else "") for r, d in fell_back)
+            _reason_words(r, cfg) for r in sorted({r for r, _ in fell_back}))
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [
-        (f"asyncdbo demo: {cfg.ranks} ranks x {cfg.tokens} tokens ({cfg.shape}), {cfg.layers} layers, "
-        f"{cfg.experts} experts top-{cfg.top_k}, hidden {cfg.hidden}, schedule {cfg.schedule}, "
-        f"stream policy {cfg.stream_policy}, {cfg.ubatches} ubatches, loop {cfg.loop}, "
-        f"{cfg.steps} steps after {cfg.warmup} warm-up"),
+        (f"asyncdbo demo: {plural(cfg.ranks, 'rank')} x {plural(cfg.tokens, 'token')} ({cfg.shape}), "
+        f"{plural(cfg.layers, 'layer')}, {plural(cfg.experts, 'expert')} top-{cfg.top_k}, hidden {cfg.hidden}, "
+        f"schedule {cfg.schedule}, stream policy {cfg.stream_policy}, {plural(cfg.ubatches, 'ubatch', 'ubatches')}, "
+        f"loop {cfg.loop}, {plural(cfg.steps, 'step')} after {cfg.warmup} warm-up"),
         comm,
         "",
         *(f"  {a:<{w0}}  {b:>{w1}}  {c:>{w1}}" + (f"  ({split_note(s)})" if a in _SPLIT_ROWS else "")

@@ -28,7 +28,7 @@ def test_demo_prints_the_table_on_a_modeled_link_and_writes_a_trace(capsys: pyte
     out = capsys.readouterr().out
     assert rc == 0, out
     assert out.startswith(
-        "asyncdbo demo: 2 ranks x 512 tokens (prefill), 1 layers, 4 experts top-2, hidden 64, schedule ll, "
+        "asyncdbo demo: 2 ranks x 512 tokens (prefill), 1 layer, 4 experts top-2, hidden 64, schedule ll, "
         "stream policy ubatch, 2 ubatches, loop asyncio, 2 steps after 1 warm-up\n"
         "comm: MODELED LINK ib400 x1000 (10000 us + 50 MB/s per message;"
     )
@@ -58,12 +58,13 @@ def test_demo_decode_on_three_ranks_says_why_it_did_not_microbatch(capsys: pytes
     rc = main(["demo", *SMALL, "--ranks", "3", "--experts", "6", "--tokens", "8", "--shape", "decode", "--context", "4"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert out.startswith("asyncdbo demo: 3 ranks x 8 tokens (decode), 1 layers, 6 experts top-2")
+    assert out.startswith("asyncdbo demo: 3 ranks x 8 tokens (decode), 1 layer, 6 experts top-2")
     assert "comm: real gloo all-to-all over loopback" in out
     assert "\nMoE dispatch: split (counts, then tokens); with no link model to price it, never fused\n" in out
     # every rank below its threshold: that is the reason (no rank kept another from overlapping)
-    assert ("DBO steps: NOT microbatched in any step: below_threshold "
-            "(rank 0: below_threshold; rank 1: below_threshold; rank 2: below_threshold)") in out
+    assert ("\nDBO steps: NOT microbatched in any step: every rank's batch was below the threshold: a rank splits a "
+            "decode batch from 32 tokens up (--decode-threshold 32), and each rank had 8 tokens; --decode-threshold 8 "
+            "would split them\n") in out
     # no step overlapped: no speedup is printed, and the line says why
     note = "(no speedup: none of the 2 DBO steps microbatched (see 'DBO steps' below), DBO ran serially)"
     assert re.search(rf"^  speedup +-  {re.escape(note)}$", out, re.MULTILINE), out

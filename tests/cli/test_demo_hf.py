@@ -131,14 +131,31 @@ def test_threshold_hints_name_the_steps_below_a_threshold_and_the_value_that_rea
                [rec(0, True, ok, (12, 12), *prefill), rec(1, False, PlanReason.RANK_DECLINED, (2,), *step1),
                 rec(2, False, PlanReason.RANK_DECLINED, (1,), *step2)]]
     assert threshold_hints(by_rank, prefill_threshold=16, decode_threshold=32) == [
-        "1 of 2 decode step(s) stayed serial below --decode-threshold 32 (busy ranks had 2-3 tokens); "
-        "--decode-threshold 2 puts them at the threshold. The defaults are vLLM's, for a real engine's batches: "
-        "measure where DBO pays before lowering them (docs/integration.md, section 5)"]
+        "1 of 2 decode steps ran unsplit, below the threshold: a rank splits a decode batch from 32 tokens up "
+        "(--decode-threshold 32), and the ranks with requests had 2 to 3 tokens; --decode-threshold 2 would split "
+        "them",
+        "(the thresholds' defaults are vLLM's, for a real engine's batches: measure where DBO pays before lowering "
+        "them, docs/integration.md, section 5)"]
     # One rank, no votes: its own records; the prefill of 48 tokens below 512 too.
     alone = [[rec(0, False, below, (48,)), rec(1, False, below, (3,)), rec(2, True, ok, (2, 1))]]
     hints = threshold_hints(alone, prefill_threshold=512, decode_threshold=32)
-    assert [h.split(";")[0] for h in hints] == [
-        "1 of 1 prefill step(s) stayed serial below --prefill-threshold 512 (busy ranks had 48 tokens)",
-        "1 of 2 decode step(s) stayed serial below --decode-threshold 32 (busy ranks had 3 tokens)"]
+    assert [h.split(";")[0] for h in hints[:-1]] == [
+        "1 of 1 prefill step ran unsplit, below the threshold: a rank splits a prefill batch from 512 tokens up "
+        "(--prefill-threshold 512), and the ranks with requests had 48 tokens",
+        "1 of 2 decode steps ran unsplit, below the threshold: a rank splits a decode batch from 32 tokens up "
+        "(--decode-threshold 32), and the ranks with requests had 3 tokens"]
     assert threshold_hints(alone, prefill_threshold=1, decode_threshold=1) != []  # the records decide, not the flags
     assert threshold_hints([[rec(0, True, ok, (2, 2))]], prefill_threshold=1, decode_threshold=1) == []
+
+
+def test_why_unsplit_says_each_reason_once_in_words_with_plurals() -> None:
+    from asyncdbo.cli.reasons import plural, why_unsplit
+    from asyncdbo.plan import PlanReason, StepRecord
+
+    recs = [StepRecord(step=i, microbatched=False, reason=r, ubatch_num_tokens=(3,))
+            for i, r in enumerate([PlanReason.IMBALANCE, PlanReason.IMBALANCE, PlanReason.AUTO_OFF])]
+    assert why_unsplit(recs) == [
+        '1 step: tuning="auto" measured (or, before measuring, its prior says) DBO is slower on this batch size',
+        "2 steps: the busy DP ranks' token counts differed more than the allowed ratio (max_imbalance)"]
+    assert why_unsplit(recs, skip=["imbalance", "auto_off"]) == []
+    assert (plural(1, "layer"), plural(2, "layer"), plural(0, "token")) == ("1 layer", "2 layers", "0 tokens")
