@@ -15,10 +15,9 @@ __all__ = ["REASON_WORDS", "plural", "why_unsplit"]
 REASON_WORDS: dict[str, str] = {
     "disabled": "microbatching was off for the step (DBO disabled by the caller)",
     "single_ubatch": "one ubatch configured (--ubatches 1): nothing to split",
-    "below_threshold": ("a batch below the threshold: a rank splits a prefill or mixed batch from "
-                        "--prefill-threshold tokens up, a decode batch from --decode-threshold tokens up"),
+    "below_threshold": "too few tokens to split (below ThresholdConfig's prefill_threshold or decode_threshold)",
     "policy_refused": "the split policy could not give every ubatch real tokens",
-    "rank_declined": "another DP rank could not split its batch, and the ranks split together or not at all",
+    "rank_declined": "another DP rank could not split, and the ranks split together or not at all",
     "imbalance": "the busy DP ranks' token counts differed more than the allowed ratio (max_imbalance)",
     "all_idle": "no rank had tokens",
     "auto_off": 'tuning="auto" measured (or, before measuring, its prior says) DBO is slower on this batch size',
