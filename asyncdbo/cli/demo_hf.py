@@ -158,6 +158,9 @@ def _reference(cfg: HFDemoConfig) -> Any:
     if cfg.weights is None:
         return tiny_hf_model(cfg.model, seed=cfg.seed)
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its loading bar is no part of the demo's output
 
     from ..models.hf.checkpoint import read_config
 
