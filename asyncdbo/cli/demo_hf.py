@@ -260,7 +260,12 @@ def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], wh
             note = f"(no speedup: {'the step did not microbatch' if total == 1 else f'none of the {total} steps microbatched'})"
         else:
             speedup = f"{s / d:.2f}x" if d else ""
-            note = "(microbatched)" if total == 1 else f"(microbatched: {'all' if split == total else split} of {total})"
+            per_step = [max(a) / max(b) for a, b in zip(zip(*(r["serial"].step_s[steps] for r in per_rank)),
+                                                          zip(*(r["dbo"].step_s[steps] for r in per_rank))) if max(b) > 0]
+            spread = ("one step: a single sample" if len(per_step) <= 1 else
+                      f"medians of {len(per_step)} steps, per-step speedups {min(per_step):.2f}-{max(per_step):.2f}x")
+            note = (f"(microbatched; {spread})" if total == 1 else
+                    f"(microbatched: {'all' if split == total else split} of {total}; {spread})")
         rows.append((label, f"{s:.2f} ms", f"{d:.2f} ms", speedup, note))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines += [f"  {a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {e:>{widths[3]}}  {n}".rstrip()

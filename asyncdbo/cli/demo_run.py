@@ -162,6 +162,11 @@ def summarize(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]
     # Over steps none of which microbatched it would compare two serial runs: noise, not a result.
     summary["speedup"] = (summary["serial"]["step_s"] / summary["dbo"]["step_s"]
                           if summary["dbo"]["step_s"] and summary["microbatched_steps"] else None)
+    # Its spread: step i serial against step i DBO (slowest rank each), over the steps that microbatched.
+    paired = [max(e["step_s"] for e in ser) / max(e["step_s"] for e in dbo)
+              for ser, dbo in zip(zip(*(r["serial"] for r in per_rank)), dbo_steps)
+              if all(e["reason"] == "microbatched" for e in dbo) and max(e["step_s"] for e in dbo) > 0]
+    summary["speedup_range"] = (min(paired), max(paired)) if paired else None
     return summary
 
 
@@ -183,6 +188,17 @@ def split_note(s: dict[str, Any]) -> str:
     if n == 0:
         return f"no speedup: none of the {total} DBO steps microbatched (see 'DBO steps' below), DBO ran serially"
     return f"DBO microbatched {'all' if n == total else n} of {total} steps"
+
+
+def spread_note(s: dict[str, Any]) -> str:
+    """The speedup's sample count and spread: one step is a single sample, more give the range of
+    the per-step speedups (serial step i / DBO step i) around the medians' ratio."""
+    rng, n = s.get("speedup_range"), s["microbatched_steps"]
+    if rng is None:
+        return ""
+    if n == 1:
+        return "; one step: a single sample"
+    return f"; medians of {n} steps, per-step speedups {rng[0]:.2f}-{rng[1]:.2f}x"
 
 
 def passed(s: dict[str, Any]) -> bool:
@@ -251,7 +267,8 @@ def _format(cfg: DemoConfig, s: dict[str, Any]) -> str:
         f"loop {cfg.loop}, {plural(cfg.steps, 'step')} after {cfg.warmup} warm-up"),
         comm,
         "",
-        *(f"  {a:<{w0}}  {b:>{w1}}  {c:>{w1}}" + (f"  ({split_note(s)})" if a in _SPLIT_ROWS else "")
+        *(f"  {a:<{w0}}  {b:>{w1}}  {c:>{w1}}" + (f"  ({split_note(s)}{spread_note(s) if a == 'speedup' else ''})"
+                                                   if a in _SPLIT_ROWS else "")
           for a, b, c in rows),
         "",
         "speedup = serial step time / DBO step time (above 1x: DBO is faster)",

@@ -37,7 +37,8 @@ def test_demo_prints_the_table_on_a_modeled_link_and_writes_a_trace(capsys: pyte
         assert re.search(rf"^  {re.escape(row)} ", out, re.MULTILINE), row
     # serial has no other ubatch: none of its comm can be hidden by one
     assert re.search(r"^    by the other ubatch +0% +\d+%  \(DBO microbatched all of 2 steps\)$", out, re.MULTILINE), out
-    assert re.search(r"^  speedup +\d+\.\d\dx  \(DBO microbatched all of 2 steps\)$", out, re.MULTILINE), out
+    assert re.search(r"^  speedup +\d+\.\d\dx  \(DBO microbatched all of 2 steps; medians of 2 steps, per-step "
+                     r"speedups \d+\.\d\d-\d+\.\d\dx\)$", out, re.MULTILINE), out
     assert "\nspeedup = serial step time / DBO step time (above 1x: DBO is faster)\n" in out
     assert "DBO steps: microbatched, every step on every rank (real tokens per ubatch by rank: [256, 256] [256, 256])" in out
     assert "\noutputs serial vs DBO: max |logits diff| = 0 (bitwise equal; deterministic mode)\n" in out
@@ -83,8 +84,8 @@ def rank_steps(reasons: list[str], serial_s: float, dbo_s: float) -> dict[str, o
 @pytest.mark.parametrize(
     ("reasons", "speedup", "note"),
     [
-        (["microbatched"] * 3, "1.25x", "(DBO microbatched all of 3 steps)"),
-        (["microbatched", "rank_declined", "microbatched"], "1.25x", "(DBO microbatched 2 of 3 steps)"),
+        (["microbatched"] * 3, "1.25x", "(DBO microbatched all of 3 steps{})"),
+        (["microbatched", "rank_declined", "microbatched"], "1.25x", "(DBO microbatched 2 of 3 steps{})"),
         (["rank_declined"] * 3, "-",
          "(no speedup: none of the 3 DBO steps microbatched (see 'DBO steps' below), DBO ran serially)"),
     ],
@@ -95,8 +96,10 @@ def test_the_speedup_line_says_how_many_steps_microbatched(reasons: list[str], s
     cfg = DemoConfig(steps=3)
     summary = summarize(cfg, [rank_steps(reasons, 0.125, 0.1), rank_steps(reasons, 0.125, 0.1)])
     out = _format(cfg, summary)
-    assert re.search(rf"^  speedup +{re.escape(speedup)}  {re.escape(note)}$", out, re.MULTILINE), out
-    assert re.search(rf"^    by the other ubatch +40% +40%  {re.escape(note)}$", out, re.MULTILINE), out
+    n = reasons.count("microbatched")
+    spread = f"; medians of {n} steps, per-step speedups 1.25-1.25x" if n else ""
+    assert re.search(rf"^  speedup +{re.escape(speedup)}  {re.escape(note.format(spread))}$", out, re.MULTILINE), out
+    assert re.search(rf"^    by the other ubatch +40% +40%  {re.escape(note.format(''))}$", out, re.MULTILINE), out
     assert summary["microbatched_steps"] == reasons.count("microbatched")
     assert summary["speedup"] == (None if speedup == "-" else 1.25)
 

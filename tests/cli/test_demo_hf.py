@@ -40,8 +40,10 @@ def test_demo_runs_a_tiny_random_deepseek_v3_and_matches_transformers(capsys: py
                           "x 48 prompt tokens + 2 decode steps after 0 warm-up, schedule ll, stream policy role")
     assert "weights: a tiny random DeepseekV3ForCausalLM (seed 0) saved to a temporary checkpoint; each rank read" in out
     assert "routed experts by rank: 0-3 4-7" in out
-    assert re.search(r"^  prefill step +\S+ ms +\S+ ms +\S+x  \(microbatched\)$", out, re.MULTILINE), out
-    assert re.search(r"^  decode step \(median\) +\S+ ms +\S+ ms +\S+x  \(microbatched: all of 2\)$", out, re.MULTILINE), out
+    assert re.search(r"^  prefill step +\S+ ms +\S+ ms +\S+x  \(microbatched; one step: a single sample\)$", out,
+                     re.MULTILINE), out
+    assert re.search(r"^  decode step \(median\) +\S+ ms +\S+ ms +\S+x  \(microbatched: all of 2; medians of 2 steps, "
+                     r"per-step speedups \d+\.\d\d-\d+\.\d\dx\)$", out, re.MULTILINE), out
     assert "DBO steps: microbatched, every step on every rank" in out
     assert re.search(r"^outputs serial vs DBO: max \|logits diff\| = \S+ \((bitwise equal|match), tolerance 0.0001\)$",
                      out, re.MULTILINE)
