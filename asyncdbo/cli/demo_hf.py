@@ -341,6 +341,11 @@ def main_hf(args: argparse.Namespace) -> int:
         if experts % cfg.ranks:
             raise ValueError(f"the model's {experts} routed experts do not divide over --ranks {cfg.ranks}: "
                              f"each rank owns an equal share; use a divisor of {experts}")
+        if cfg.weights is not None:  # before any rank starts (the tiny random models are small)
+            from .demo_memory import check_memory_hf
+
+            check_memory_hf(config, model=cfg.model, ranks=cfg.ranks, tokens=cfg.tokens, steps=cfg.steps,
+                            reference=True)
     except ValueError as exc:
         print(f"asyncdbo demo: error: {exc}", file=sys.stderr)
         return 2

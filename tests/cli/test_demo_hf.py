@@ -161,3 +161,28 @@ def test_why_unsplit_says_each_reason_once_in_words_with_plurals() -> None:
         "2 steps: the busy DP ranks' token counts differed more than the allowed ratio (max_imbalance)"]
     assert why_unsplit(recs, skip=["imbalance", "auto_off"]) == []
     assert (plural(1, "layer"), plural(2, "layer"), plural(0, "token")) == ("1 layer", "2 layers", "0 tokens")
+
+
+def test_weights_too_large_for_the_memory_are_refused_before_any_rank_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-30B-A3B at its released width, 2 layers: only its config.json is written (the check
+    reads nothing else), and 8 GiB is all this machine has."""
+    from asyncdbo.cli import inputs
+    from asyncdbo.models.hf.real_dims import real_config
+
+    real_config("qwen3-moe", layers=2).save_pretrained(tmp_path)
+    monkeypatch.setattr(inputs, "available_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(inputs, "process_limits", lambda: [])
+    assert main(["demo", "--model", "qwen3-moe", "--weights", str(tmp_path), "--tokens", "512", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asyncdbo demo: error: --model qwen3-moe with these weights on 2 rank(s) at --tokens 512 "
+                          "needs about 12.3 GiB (estimated from its config.json before any rank starts: 2 rank(s) x "
+                          "6.14 GiB = 12.27 GiB (per rank: weights 4.71 GiB, "), err
+    assert err.endswith("after the ranks, 7.0 GiB for transformers' float32 reference model in this process), but "
+                        "8.0 GiB is available; no --tokens fits, the weights dominate: use more --ranks (each holds "
+                        "fewer experts), a machine with more memory, or a checkpoint with fewer layers "
+                        "(asyncdbo.models.hf.real_dims.real_config(..., layers=N) and write_random_checkpoint)\n"), err
+    # where the tokens are what does not fit, the largest --tokens that does
+    monkeypatch.setattr(inputs, "available_bytes", lambda: 13 * 2**30)
+    assert main(["demo", "--model", "qwen3-moe", "--weights", str(tmp_path), "--tokens", "8192", "-q"]) == 2
+    assert re.search(r"but 13\.0 GiB is available; use --tokens \d+ or fewer\n$", capsys.readouterr().err)
