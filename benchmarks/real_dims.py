@@ -516,11 +516,12 @@ def render_run(run: dict[str, Any]) -> list[str]:
                      f"{_mib(est['per_rank'])} |")
     lines += ["", "Medians over the timed steps, per rank (ms): wall, main-thread CPU, inside torch ops, in comm "
               "calls, idle (every ubatch parked), host (the rest: Python, and waiting for a core); comm hidden: "
-              "share of comm time during which some ubatch computed (by another ubatch in brackets); speedup: serial "
-              "wall / DBO wall, above 1x DBO is faster.", "",
-              "| link | shape | rank | tokens | mode | wall | CPU | torch | comm calls | idle | host | host share "
+              "share of comm time during which some ubatch computed (by another ubatch in brackets); tokens/s: the "
+              "rank's tokens per step over its median wall; speedup: serial wall / DBO wall, above 1x DBO is "
+              "faster.", "",
+              "| link | shape | rank | tokens | mode | wall | tokens/s | CPU | torch | comm calls | idle | host | host share "
               "| comm | comm hidden | speedup (serial / DBO wall) | microbatched |",
-              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     links = list(dict.fromkeys(row["link"] for row in per_rank[0]["rows"]))
     for link in links:
         for shape in SHAPES:
@@ -541,6 +542,7 @@ def render_run(run: dict[str, Any]) -> list[str]:
                     mb = f"{m['split']:.0f}/{m['n']:.0f}" + (f" ({m['reasons']})" if m["reasons"] else "")
                     lines.append(
                         f"| {link} | {shape} | {pr['rank']} | {m['tokens']:.0f} | {mode} | {_ms(m['wall_s'])} | "
+                        f"{m['tokens'] / m['wall_s']:.0f} | "
                         f"{_ms(m['cpu_s'])} | {_ms(m['torch_s'])} | {_ms(m['comm_call_s'])} | {_ms(m['idle_s'])} | "
                         f"{_ms(m['host_s'])} | {m['host_s'] / m['wall_s']:.0%} | {_ms(m['comm_s'])} | "
                         f"{m['hidden']:.0%} ({m['hidden_by_other']:.0%}) | {ratio} | {mb} |")

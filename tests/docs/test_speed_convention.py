@@ -46,5 +46,6 @@ def test_real_dims_prints_the_speedup_as_serial_over_dbo() -> None:
            "config": "c"}
     text = "\n".join(bench.render_run(run))
     assert "speedup: serial wall / DBO wall, above 1x DBO is faster." in text
+    assert "| none | prefill | 0 | 64 | dbo | 200.0 | 320 | 100.0 |" in text  # 64 tokens in 200 ms
     assert "| comm | comm hidden | speedup (serial / DBO wall) | microbatched |" in text
     assert "| 50% (40%) | 1.50x | 1/1 |" in text  # serial 300 ms, DBO 200 ms
