@@ -69,7 +69,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+# Other libraries' noise out of this script's output, in the ranks too (they inherit the
+# environment): torch.profiler's kineto "USDT: profiler_start/stop" lines (6: none below an
+# error) and transformers' / huggingface_hub's progress bars.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+import torch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = ("qwen3-moe", "mixtral", "deepseek-v3")
@@ -322,8 +329,9 @@ def check_memory(planned: list[tuple[str, Any, Any]], available: int | None, arg
     if available is None:
         return
     for name, _, est in planned:
+        experts = "fewer --deepseek-experts, " if name == "deepseek-v3" else ""
         check_fits(est, available, what=f"{name} ({args.layers} layers, {args.dtype}) on 2 ranks",
-                   fix="use fewer --layers, fewer --deepseek-experts or fewer tokens, or run it on a machine with more "
+                   fix=f"use fewer --layers, {experts}or fewer tokens, or run it on a machine with more "
                        "memory (--memory-limit sets the limit checked against)")
 
 
@@ -508,10 +516,12 @@ def render_run(run: dict[str, Any]) -> list[str]:
                      f"{_mib(est['per_rank'])} |")
     lines += ["", "Medians over the timed steps, per rank (ms): wall, main-thread CPU, inside torch ops, in comm "
               "calls, idle (every ubatch parked), host (the rest: Python, and waiting for a core); comm hidden: "
-              "share of comm time during which some ubatch computed (by another ubatch in brackets).", "",
-              "| link | shape | rank | tokens | mode | wall | CPU | torch | comm calls | idle | host | host share "
-              "| comm | comm hidden | DBO / serial wall | microbatched |",
-              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "share of comm time during which some ubatch computed (by another ubatch in brackets); tokens/s: the "
+              "rank's tokens per step over its median wall; speedup: serial wall / DBO wall, above 1x DBO is "
+              "faster.", "",
+              "| link | shape | rank | tokens | mode | wall | tokens/s | CPU | torch | comm calls | idle | host | host share "
+              "| comm | comm hidden | speedup (serial / DBO wall) | microbatched |",
+              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     links = list(dict.fromkeys(row["link"] for row in per_rank[0]["rows"]))
     for link in links:
         for shape in SHAPES:
@@ -528,10 +538,11 @@ def render_run(run: dict[str, Any]) -> list[str]:
                     med[mode]["n"] = len(rs)
                     med[mode]["reasons"] = ", ".join(sorted({x["reason"] for x in rs if not x["microbatched"]}))
                 for mode, m in med.items():
-                    ratio = f"{m['wall_s'] / med['serial']['wall_s']:.2f}" if mode == "dbo" else ""
+                    ratio = f"{med['serial']['wall_s'] / m['wall_s']:.2f}x" if mode == "dbo" else ""
                     mb = f"{m['split']:.0f}/{m['n']:.0f}" + (f" ({m['reasons']})" if m["reasons"] else "")
                     lines.append(
                         f"| {link} | {shape} | {pr['rank']} | {m['tokens']:.0f} | {mode} | {_ms(m['wall_s'])} | "
+                        f"{m['tokens'] / m['wall_s']:.0f} | "
                         f"{_ms(m['cpu_s'])} | {_ms(m['torch_s'])} | {_ms(m['comm_call_s'])} | {_ms(m['idle_s'])} | "
                         f"{_ms(m['host_s'])} | {m['host_s'] / m['wall_s']:.0%} | {_ms(m['comm_s'])} | "
                         f"{m['hidden']:.0%} ({m['hidden_by_other']:.0%}) | {ratio} | {mb} |")

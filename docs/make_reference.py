@@ -54,7 +54,23 @@ def _sig(name: str, obj: object) -> str:
         s = re.sub(r" at 0x[0-9a-f]+", "", str(inspect.signature(obj)))  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return name
-    return f"{name}{s[:157] + '...)' if len(s) > 160 else s}"
+    return f"{name}{s}"
+
+
+def _sig_lines(name: str, obj: object) -> list[str]:
+    """The whole signature, one parameter a line (for those too long for one line)."""
+    import inspect
+
+    sig = inspect.signature(obj)  # type: ignore[arg-type]
+    params, seen_kw = [], False
+    for p in sig.parameters.values():
+        if p.kind is p.KEYWORD_ONLY and not seen_kw:
+            params.append("*")
+        seen_kw = seen_kw or p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL)
+        params.append(re.sub(r" at 0x[0-9a-f]+", "", str(p)))
+    ret = "" if sig.return_annotation is sig.empty or inspect.isclass(obj) else " -> " + re.sub(
+        r" at 0x[0-9a-f]+", "", inspect.formatannotation(sig.return_annotation))
+    return [f"{name}(", *(f"    {p}," for p in params), f"){ret}"]
 
 
 def generate_reference() -> str:
@@ -86,7 +102,10 @@ def generate_reference() -> str:
             else:
                 r = re.sub(r" at 0x[0-9a-f]+", "", repr(obj))  # no memory addresses in the docs
                 kind, header = "constant", n + (" = " + r if len(r) < 80 else "")
-            out += [f"### `{modname}.{n}`", "", f"{kind}: `{header}`", ""]
+            if len(header) > 100 and kind != "constant":
+                out += [f"### `{modname}.{n}`", "", f"{kind}:", "", "```", *_sig_lines(n, obj), "```", ""]
+            else:
+                out += [f"### `{modname}.{n}`", "", f"{kind}: `{header}`", ""]
             para = _first_para(obj) if kind != "constant" else ""
             if para:
                 out += [para, ""]

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from asyncdbo.cli.reasons import REASON_WORDS
 from asyncdbo.models.hf.checkpoint import load_checkpoint
 from asyncdbo.models.hf.reference import hf_logits, tiny_hf_model
 from asyncdbo.plan import StepRecord, ThresholdConfig
@@ -79,9 +80,20 @@ class ModelRunner:
         self.loop.close()
 
 
-def describe(records: list[StepRecord]) -> list[str]:
-    return [f"{sum(rec.ubatch_num_tokens)} tokens -> ubatches {list(rec.ubatch_num_tokens)}"
-            + (f" ({rec.reason.value}: {rec.detail})" if rec.detail else "") for rec in records]
+def describe(records: list[StepRecord], *, serial: bool = False) -> list[str]:
+    """A line per step: the rank's tokens and their ubatches, or why the step ran unsplit (left out
+    for a serial run, where every step is unsplit by choice); a rank with no requests says so."""
+    lines = []
+    for rec in records:
+        n = sum(rec.ubatch_num_tokens)
+        if n == 0:
+            lines.append("no requests on this rank (it still joins the step's vote and collectives)")
+            continue
+        line = f"{n} token{'s' if n != 1 else ''} -> ubatches {list(rec.ubatch_num_tokens)}"
+        if not rec.microbatched and not serial:
+            line += f", unsplit: {REASON_WORDS.get(rec.reason.value, rec.reason.value)}"
+        lines.append(line)
+    return lines
 
 
 def serve_trace(model: Any, rank: int, group: Any) -> dict[str, Any]:
@@ -102,7 +114,7 @@ def serve_trace(model: Any, rank: int, group: Any) -> dict[str, Any]:
             builder = BatchBuilder(net.kv_cache_config, vocab_size=96)
             report = asyncio.run(Engine(runner, builder, enabled=enabled).run(trace))
             assert builder.num_free_blocks == net.kv_cache_config.num_blocks  # every block came back
-            out[mode] = {"summary": report.summary(), "steps": describe(list(report.records)),
+            out[mode] = {"summary": report.summary(), "steps": describe(list(report.records), serial=not enabled),
                          "outputs": {i: list(o.output_ids) for i, o in report.outputs.items()}}
     out["trace"] = [(list(r.prompt), r.params) for r in trace]
     return out
@@ -147,6 +159,11 @@ def report(hf_model: Any, results: list[dict[str, Any]]) -> None:
             print(f"rank {rank}, replayed trace, {mode}: {served[mode]['summary']}")
             for i, line in enumerate(served[mode]["steps"]):
                 print(f"  step {i}: {line}")
+        counts = [len(served[mode]["steps"]) for mode in ("serial", "dbo")]
+        if counts[0] != counts[1]:
+            print(f"  (serial and DBO ran {counts[0]} and {counts[1]} steps: the engine steps on the arrival clock, so "
+                  "when steps take longer more requests arrive per step and fewer steps batch them; each mode's "
+                  "tokens/s and times are one run, a single sample)")
         assert served["serial"]["outputs"] == served["dbo"]["outputs"], rank
         for i, (prompt, params) in enumerate(served["trace"]):
             if params.temperature:

@@ -319,6 +319,7 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
     print(head)
     print("-" * len(head))
     lost: dict[str, int] = {}
+    slower: list[str] = []
     for t_i, tokens in enumerate(args.tokens):
         row = f"{tokens:>11}"
         for i, pol in enumerate(policies):
@@ -335,6 +336,8 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
             if i == 0:
                 row += f" {pred.serial_layer_s * 1e6:>10.1f}"
             row += f" | {pred.dbo_layer_s * 1e6:>14.1f} {1 + pred.gain:>6.2f}x {pred.hidden_comm_share * 100:>10.0f}%"
+            if pred.gain < 0 and pred.hidden_comm_share >= 0.5:
+                slower.append(slower_note(tokens, pol, pred))
             if args.trace:
                 _write(args.trace, f"sim_{args.shape}_{tokens}_serial.json", sim_trace(pred.serial, label="serial"))
                 _write(args.trace, f"sim_{args.shape}_{tokens}_dbo_{pol}.json", sim_trace(pred.dbo, label=f"DBO {pol} streams"))
@@ -342,9 +345,28 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
         print(row)
     progress.done()
     print("speedup: serial time / DBO time per MoE layer (above 1x: DBO is faster). See docs/sim.md for the model.")
+    if slower:
+        print("comm hidden: share of DBO's comm time during which some ubatch computed. Hiding comm saves at most "
+              "the comm the serial run exposed; where DBO computes more than that saves, it is slower however much "
+              "it hides:")
+        for line in slower:
+            print("  " + line)
     for text, n in lost.items():
         print(f"\n{'warning' if _allow(args) else 'note'} ({n} run(s)): {text}")
     return 0
+
+
+def slower_note(tokens: int, policy: str, pred: Any) -> str:
+    """Why a DBO run that hides most of its comm is still slower: what its time is made of next
+    to the serial run's (the whole simulated runs, whose ratios the per-layer times share)."""
+    ser, dbo = pred.serial, pred.dbo
+    return (f"{tokens} tokens/rank, {policy} streams, the whole simulated run: serial {ser.makespan_s * 1e6:.1f} us = "
+            f"{ser.compute_busy_s * 1e6:.1f} us compute + {ser.exposed_comm_s * 1e6:.1f} us exposed comm "
+            f"(+ {max(0.0, ser.makespan_s - ser.compute_busy_s - ser.exposed_comm_s) * 1e6:.1f} us other); DBO "
+            f"{dbo.makespan_s * 1e6:.1f} us, its compute {dbo.compute_busy_s * 1e6:.1f} us "
+            f"({dbo.compute_busy_s / ser.compute_busy_s if ser.compute_busy_s else 0:.2f}x serial's: every ubatch's "
+            f"GEMMs read the same weights, and kernels share the device with comm), {dbo.exposed_comm_s * 1e6:.1f} us "
+            "comm still exposed")
 
 
 def _workload(args: argparse.Namespace, model: Any, dep: Any) -> int:

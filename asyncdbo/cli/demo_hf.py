@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .progress import Progress, wants_progress
+from .reasons import plural, why_unsplit
 
 __all__ = ["HFDemoConfig", "hf_demo_rank", "main_hf", "threshold_hints"]
 
@@ -157,6 +158,9 @@ def _reference(cfg: HFDemoConfig) -> Any:
     if cfg.weights is None:
         return tiny_hf_model(cfg.model, seed=cfg.seed)
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its loading bar is no part of the demo's output
 
     from ..models.hf.checkpoint import read_config
 
@@ -168,7 +172,7 @@ def _reference(cfg: HFDemoConfig) -> Any:
 
 def threshold_hints(records_by_rank: list[list[Any]], *, prefill_threshold: int, decode_threshold: int) -> list[str]:
     """Lines for the DBO steps that stayed serial because a rank fell below a threshold: how many,
-    the busy ranks' token counts, and the flag value that puts those steps at the threshold.
+    the token counts of the ranks with requests, and the flag value that would split those steps.
 
     ``records_by_rank[r]`` are rank ``r``'s :class:`~asyncdbo.plan.StepRecord` of the DBO run, step
     0 the prefill and the rest decode steps (the demo's order). A rank's token count comes from
@@ -199,11 +203,23 @@ def threshold_hints(records_by_rank: list[list[Any]], *, prefill_threshold: int,
         if not fell:
             continue
         lo, hi = min(counts), max(counts)
-        lines.append(f"{fell} of {len(per_step)} {kind} step(s) stayed serial below {flag} {current} (busy ranks had "
-                     f"{lo}{f'-{hi}' if hi != lo else ''} tokens); {flag} {lo} puts them at the threshold. The "
-                     "defaults are vLLM's, for a real engine's batches: measure where DBO pays before lowering "
-                     "them (docs/integration.md, section 5)")
+        lines.append(f"{fell} of {plural(len(per_step), kind + ' step')} ran unsplit, below the threshold: a rank "
+                     f"splits a {kind} batch from {plural(current, 'token')} up ({flag} {current}), and the ranks "
+                     f"with requests had {f'{lo} to {hi}' if hi != lo else lo} tokens; {flag} {lo} would split "
+                     "them")
+    if lines:
+        lines.append("(the thresholds' defaults are vLLM's, for a real engine's batches: measure where DBO pays "
+                     "before lowering them, docs/integration.md, section 5)")
     return lines
+
+
+def _below_threshold(recs: tuple[Any, ...]) -> bool:
+    """Whether a step that did not microbatch (its record on every rank) fell below a threshold
+    somewhere: what :func:`threshold_hints` explains."""
+    from ..plan import PlanReason
+
+    below = PlanReason.BELOW_THRESHOLD
+    return any(rec.reason is below or any(v.reason is below for v in rec.ranks) for rec in recs)
 
 
 def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], where: str,
@@ -221,9 +237,10 @@ def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], wh
         return statistics.median(values) * 1e3 if values else 0.0
 
     lines = [
-        f"asyncdbo demo: {cfg.model} ({type(hf_model).__name__}: {hf.num_hidden_layers} layers, hidden "
-        f"{hf.hidden_size}, vocab {hf.vocab_size}), {cfg.ranks} ranks x {cfg.tokens} prompt tokens + {cfg.steps} "
-        f"decode steps after {cfg.warmup} warm-up, schedule {cfg.schedule}, stream policy {cfg.stream_policy}, {cfg.ubatches} ubatches, "
+        f"asyncdbo demo: {cfg.model} ({type(hf_model).__name__}: {plural(hf.num_hidden_layers, 'layer')}, hidden "
+        f"{hf.hidden_size}, vocab {hf.vocab_size}), {plural(cfg.ranks, 'rank')} x {plural(cfg.tokens, 'prompt token')} + "
+        f"{plural(cfg.steps, 'decode step')} after {cfg.warmup} warm-up, schedule {cfg.schedule}, stream policy "
+        f"{cfg.stream_policy}, {plural(cfg.ubatches, 'ubatch', 'ubatches')}, "
         f"loop {cfg.loop}",
         f"weights: {where}; each rank read {per_rank[0]['read']} tensors from {per_rank[0]['shards']} shard(s), "
         "routed experts by rank: " + " ".join(f"{a}-{b}" for a, b in (r["experts"] for r in per_rank)),
@@ -243,18 +260,28 @@ def _report(cfg: HFDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], wh
             note = f"(no speedup: {'the step did not microbatch' if total == 1 else f'none of the {total} steps microbatched'})"
         else:
             speedup = f"{s / d:.2f}x" if d else ""
-            note = "(microbatched)" if total == 1 else f"(microbatched: {'all' if split == total else split} of {total})"
+            per_step = [max(a) / max(b) for a, b in zip(zip(*(r["serial"].step_s[steps] for r in per_rank)),
+                                                          zip(*(r["dbo"].step_s[steps] for r in per_rank))) if max(b) > 0]
+            spread = ("one step: a single sample" if len(per_step) <= 1 else
+                      f"medians of {len(per_step)} steps, per-step speedups {min(per_step):.2f}-{max(per_step):.2f}x")
+            note = (f"(microbatched; {spread})" if total == 1 else
+                    f"(microbatched: {'all' if split == total else split} of {total}; {spread})")
         rows.append((label, f"{s:.2f} ms", f"{d:.2f} ms", speedup, note))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines += [f"  {a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {e:>{widths[3]}}  {n}".rstrip()
               for a, b, c, e, n in rows]
-    reasons = sorted({(rec.reason.value, rec.detail) for r in per_rank for rec in r["dbo"].records
-                      if not rec.microbatched})
-    lines += ["", "speedup = serial step time / DBO step time (above 1x: DBO is faster)",
-              "DBO steps: microbatched, every step on every rank" if not reasons else
-              "DBO steps: NOT microbatched in some steps: " + "; ".join(f"{a} ({b})" if b else a for a, b in reasons)]
-    lines += threshold_hints([r["dbo"].records for r in per_rank], prefill_threshold=cfg.prefill_threshold,
-                             decode_threshold=cfg.decode_threshold)
+    lines += ["", "speedup = serial step time / DBO step time (above 1x: DBO is faster)"]
+    per_step = [recs for recs in zip(*(r["dbo"].records for r in per_rank))]
+    unsplit = [recs for recs in per_step if not any(rec.microbatched for rec in recs)]
+    if not unsplit:
+        lines.append("DBO steps: microbatched, every step on every rank")
+    else:
+        lines.append(f"DBO steps: {len(unsplit)} of {plural(len(per_step), 'step')} ran unsplit (one batch per rank, "
+                     "as in the serial run):")
+        lines += ["  " + h for h in threshold_hints([r["dbo"].records for r in per_rank],
+                                                     prefill_threshold=cfg.prefill_threshold,
+                                                     decode_threshold=cfg.decode_threshold)]
+        lines += ["  " + w for w in why_unsplit(recs[0] for recs in unsplit if not _below_threshold(recs))]
     ok_dbo = diff <= MATCH_ATOL
     lines.append(f"outputs serial vs DBO: max |logits diff| = {diff:.3g} "
                  f"({'bitwise equal' if diff == 0 else 'match' if ok_dbo else 'MISMATCH'}, tolerance {MATCH_ATOL:g})")
@@ -314,6 +341,11 @@ def main_hf(args: argparse.Namespace) -> int:
         if experts % cfg.ranks:
             raise ValueError(f"the model's {experts} routed experts do not divide over --ranks {cfg.ranks}: "
                              f"each rank owns an equal share; use a divisor of {experts}")
+        if cfg.weights is not None:  # before any rank starts (the tiny random models are small)
+            from .demo_memory import check_memory_hf
+
+            check_memory_hf(config, model=cfg.model, ranks=cfg.ranks, tokens=cfg.tokens, steps=cfg.steps,
+                            reference=True)
     except ValueError as exc:
         print(f"asyncdbo demo: error: {exc}", file=sys.stderr)
         return 2

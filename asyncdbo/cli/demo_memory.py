@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import inputs
 from .inputs import PROCESS_BASE_BYTES, human_bytes, largest_fitting
@@ -18,7 +18,7 @@ from .inputs import PROCESS_BASE_BYTES, human_bytes, largest_fitting
 if TYPE_CHECKING:
     from .demo_config import DemoConfig
 
-__all__ = ["check_memory", "rank_bytes"]
+__all__ = ["check_memory", "check_memory_hf", "rank_bytes"]
 
 
 def rank_bytes(cfg: DemoConfig) -> float:
@@ -87,3 +87,59 @@ def _refuse(cfg: DemoConfig, need: Callable[[int], float], bound: int, whose: st
 
 def _with_tokens(cfg: DemoConfig, tokens: int) -> DemoConfig:
     return replace(cfg, tokens=tokens)
+
+
+def check_memory_hf(config: Any, *, model: str, ranks: int, tokens: int, steps: int, reference: bool,
+                    available: int | None = None, limits: Sequence[inputs.ProcessLimit] | None = None) -> None:
+    """``demo --model`` (``--weights``): refuse (ValueError) a run that would not fit, before any
+    rank starts, with the estimate and the largest ``--tokens`` that fits, or, where the weights
+    alone do not fit, what to change. Each rank holds its share of the checkpoint in float32 (the
+    routed experts split over ``ranks``, the rest whole: :func:`~asyncdbo.models.hf.memory.estimate_memory`),
+    its KV cache and a step's activations; with ``reference`` this process then (after the ranks
+    have ended) holds transformers' whole model in float32 to compare with. ``available`` and ``limits``: the
+    machine's and the process's (default: read now); ``ulimit -d`` bounds each process alone."""
+    import torch
+
+    from ..models.hf.memory import estimate_memory
+
+    ckpt_dtype = getattr(config, "dtype", None) or torch.bfloat16  # transformers 5 names it dtype
+    if isinstance(ckpt_dtype, str):
+        ckpt_dtype = getattr(torch, ckpt_dtype, torch.bfloat16)
+
+    def est(ranks_: int, t: int) -> Any:
+        blocks = (t + 4 * (steps + 1)) // 16 + 8  # as demo_hf's ranks size their cache
+        return estimate_memory(config, ranks=ranks_, dtype=torch.float32, num_kv_blocks=blocks, block_size=16,
+                               step_tokens=t, longest_context=t + steps + 1, checkpoint_dtype=ckpt_dtype,
+                               base=PROCESS_BASE_BYTES)
+
+    ref = est(1, 1).weights if reference else 0  # transformers' model: every tensor, float32
+
+    def total(t: int) -> float:  # the ranks, then the reference: never both at once
+        return max(est(ranks, t).total, ref + PROCESS_BASE_BYTES)
+
+    what = f"--model {model} with these weights on {ranks} rank(s) at --tokens {tokens}"
+    parts = (f"{est(ranks, tokens).describe()}" + (f"; after the ranks, {human_bytes(ref)} for transformers' float32 "
+                                                    "reference model in this process" if ref else ""))
+    avail = inputs.available_bytes() if available is None else available
+    if avail is not None and total(tokens) > avail:
+        _refuse_hf(what, parts, total, tokens, avail, f"{human_bytes(avail)} is available")
+    for lim in inputs.process_limits() if limits is None else limits:
+        if lim.name != "RLIMIT_DATA":
+            continue
+        left = f"{human_bytes(lim.left)} is left under each process's {lim.what} limit ({lim.describe()})"
+        if est(ranks, tokens).per_rank > lim.left:
+            _refuse_hf(what, parts, lambda t: est(ranks, t).per_rank, tokens, lim.left, left + " per rank")
+        if ref + PROCESS_BASE_BYTES > lim.left:
+            raise ValueError(f"{what} needs about {human_bytes(ref + PROCESS_BASE_BYTES)} in this process for "
+                             f"transformers' float32 reference model, but {left}; raise the limit or use a "
+                             "checkpoint with fewer layers")
+
+
+def _refuse_hf(what: str, parts: str, need: Callable[[int], float], tokens: int, bound: int, left: str) -> NoReturn:
+    best = largest_fitting(need, 1, tokens, bound)
+    fix = (f"use --tokens {best} or fewer" if best else
+           "no --tokens fits, the weights dominate: use more --ranks (each holds fewer experts), a machine with more "
+           "memory, or a checkpoint with fewer layers (asyncdbo.models.hf.real_dims.real_config(..., layers=N) and "
+           "write_random_checkpoint)")
+    raise ValueError(f"{what} needs about {human_bytes(need(tokens))} (estimated from its config.json before any "
+                     f"rank starts: {parts}), but {left}; {fix}")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .demo_config import MATCH_ATOL, DemoConfig
+from .reasons import REASON_WORDS, plural
 
 __all__ = ["demo_rank", "error_line", "passed", "split_note", "summarize"]
 
@@ -161,7 +162,24 @@ def summarize(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]
     # Over steps none of which microbatched it would compare two serial runs: noise, not a result.
     summary["speedup"] = (summary["serial"]["step_s"] / summary["dbo"]["step_s"]
                           if summary["dbo"]["step_s"] and summary["microbatched_steps"] else None)
+    # Its spread: step i serial against step i DBO (slowest rank each), over the steps that microbatched.
+    paired = [max(e["step_s"] for e in ser) / max(e["step_s"] for e in dbo)
+              for ser, dbo in zip(zip(*(r["serial"] for r in per_rank)), dbo_steps)
+              if all(e["reason"] == "microbatched" for e in dbo) and max(e["step_s"] for e in dbo) > 0]
+    summary["speedup_range"] = (min(paired), max(paired)) if paired else None
     return summary
+
+
+def _reason_words(reason: str, cfg: DemoConfig) -> str:
+    """A fall-out reason in words, once; below a threshold with the threshold, its flag and the
+    value that would split the demo's batch (every rank has ``--tokens`` tokens)."""
+    if reason != "below_threshold":
+        return REASON_WORDS.get(reason, reason)
+    flag, threshold = (("--decode-threshold", cfg.decode_threshold) if cfg.shape == "decode" else
+                       ("--prefill-threshold", cfg.prefill_threshold))
+    return (f"every rank's batch was below the threshold: a rank splits a {cfg.shape} batch from "
+            f"{plural(threshold, 'token')} up ({flag} {threshold}), and each rank had {plural(cfg.tokens, 'token')}; "
+            f"{flag} {cfg.tokens} would split them")
 
 
 def split_note(s: dict[str, Any]) -> str:
@@ -170,6 +188,17 @@ def split_note(s: dict[str, Any]) -> str:
     if n == 0:
         return f"no speedup: none of the {total} DBO steps microbatched (see 'DBO steps' below), DBO ran serially"
     return f"DBO microbatched {'all' if n == total else n} of {total} steps"
+
+
+def spread_note(s: dict[str, Any]) -> str:
+    """The speedup's sample count and spread: one step is a single sample, more give the range of
+    the per-step speedups (serial step i / DBO step i) around the medians' ratio."""
+    rng, n = s.get("speedup_range"), s["microbatched_steps"]
+    if rng is None:
+        return ""
+    if n == 1:
+        return "; one step: a single sample"
+    return f"; medians of {n} steps, per-step speedups {rng[0]:.2f}-{rng[1]:.2f}x"
 
 
 def passed(s: dict[str, Any]) -> bool:
@@ -228,17 +257,18 @@ def _format(cfg: DemoConfig, s: dict[str, Any]) -> str:
     else:
         which = "any step" if not s["microbatched_steps"] else "some steps"
         why = f"DBO steps: NOT microbatched in {which}: " + "; ".join(
-            f"{r}" + (f" ({d})" if d else "") for r, d in fell_back)
+            _reason_words(r, cfg) for r in sorted({r for r, _ in fell_back}))
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [
-        (f"asyncdbo demo: {cfg.ranks} ranks x {cfg.tokens} tokens ({cfg.shape}), {cfg.layers} layers, "
-        f"{cfg.experts} experts top-{cfg.top_k}, hidden {cfg.hidden}, schedule {cfg.schedule}, "
-        f"stream policy {cfg.stream_policy}, {cfg.ubatches} ubatches, loop {cfg.loop}, "
-        f"{cfg.steps} steps after {cfg.warmup} warm-up"),
+        (f"asyncdbo demo: {plural(cfg.ranks, 'rank')} x {plural(cfg.tokens, 'token')} ({cfg.shape}), "
+        f"{plural(cfg.layers, 'layer')}, {plural(cfg.experts, 'expert')} top-{cfg.top_k}, hidden {cfg.hidden}, "
+        f"schedule {cfg.schedule}, stream policy {cfg.stream_policy}, {plural(cfg.ubatches, 'ubatch', 'ubatches')}, "
+        f"loop {cfg.loop}, {plural(cfg.steps, 'step')} after {cfg.warmup} warm-up"),
         comm,
         "",
-        *(f"  {a:<{w0}}  {b:>{w1}}  {c:>{w1}}" + (f"  ({split_note(s)})" if a in _SPLIT_ROWS else "")
+        *(f"  {a:<{w0}}  {b:>{w1}}  {c:>{w1}}" + (f"  ({split_note(s)}{spread_note(s) if a == 'speedup' else ''})"
+                                                   if a in _SPLIT_ROWS else "")
           for a, b, c in rows),
         "",
         "speedup = serial step time / DBO step time (above 1x: DBO is faster)",

@@ -76,7 +76,9 @@ class DebugMode:
 class BlockingStep:
     """A step that blocked the CPU: ubatch, the yield points before and after it with where the
     user's code stood at each, its wall time and how long the CPU was blocked in it, and its span
-    ``[t0, t1]`` on the run's clock (for traces)."""
+    ``[t0, t1]`` on the run's clock (for traces). ``cpu_s``: CPU time the thread used in it;
+    ``runq_s``: time it waited for a free core; ``host``: on the host backend (where the CPU is
+    the compute stream, so a host sync waits for nothing)."""
 
     ub: int
     from_tag: str | None
@@ -87,12 +89,27 @@ class BlockingStep:
     blocked_s: float
     t0: float
     t1: float
+    cpu_s: float = 0.0
+    runq_s: float = 0.0
+    host: bool = True
 
     def describe(self) -> str:
+        where = (f"between yield points {self.from_tag!r} ({self.from_where}) and {self.to_tag!r} "
+                 f"({self.to_where}); no other ubatch could run meanwhile")
+        if self.host:
+            return (
+                f"asyncdbo: ubatch {self.ub} was off the CPU for {self.blocked_s * 1e3:.1f} ms {where}. Measured: "
+                f"{self.wall_s * 1e3:.1f} ms wall = {self.cpu_s * 1e3:.1f} ms computing on this thread + "
+                f"{self.runq_s * 1e3:.1f} ms waiting for a free core + {self.blocked_s * 1e3:.1f} ms neither. "
+                "On the CPU backend a host sync (.item(), .tolist()) waits for nothing, so it is not one: look for a "
+                "time.sleep, a lock or a blocking wait (work.wait()); on a loaded machine, torch's intra-op threads "
+                "that this thread waits for count here too (torch.set_num_threads(1) rules them out)."
+            )
         return (
-            f"asyncdbo: ubatch {self.ub} blocked the CPU for {self.blocked_s * 1e3:.1f} ms between yield points "
-            f"{self.from_tag!r} ({self.from_where}) and {self.to_tag!r} ({self.to_where}); nothing else could run "
-            "meanwhile. Look for a time.sleep, a lock, or a host sync (.item(), .tolist(), .cpu()) in that stretch."
+            f"asyncdbo: ubatch {self.ub} blocked the CPU for {self.blocked_s * 1e3:.1f} ms {where}. Measured: "
+            f"{self.wall_s * 1e3:.1f} ms wall, less {self.runq_s * 1e3:.1f} ms waiting for a free core. On a device "
+            "backend the CPU only launches work, so look for a host sync (.item(), .tolist(), .cpu(); "
+            "asyncdbo.syncs.HostSyncs names each one and its line), a time.sleep or a lock in that stretch."
         )
 
 
@@ -234,7 +251,8 @@ class BlockingDetector(Instrument):
         blocked = wall - (runq - runq0) - ((cpu - cpu0) if self._host else 0.0)
         if blocked > self.threshold_s:
             step = BlockingStep(ub.id, from_tag, ub.tag if request is not None else "exit", from_where,
-                                _where(ub) if request is not None else "exit", wall, blocked, t0, self._clock.now())
+                                _where(ub) if request is not None else "exit", wall, blocked, t0, self._clock.now(),
+                                cpu - cpu0, runq - runq0, self._host)
             self.found.append(step)
             ub.run.ext.blocking.append(step)  # now: a tracer reads them when the run finishes
             log.warning("%s", step.describe())

@@ -70,6 +70,17 @@ SPLIT_POLICIES: tuple[str, ...] = get_args(SplitPolicy)
 QueryStartLoc = Union[Sequence[int], torch.Tensor]
 
 
+def _integral_bounds(sl: object) -> tuple[int, int] | None:
+    """``(start, stop)`` as Python ints when ``sl`` is a slice with integral bounds of any integer
+    type (int, numpy or 0-d torch integers: anything with ``__index__``), else None."""
+    if not isinstance(sl, slice):
+        return None
+    try:
+        return operator.index(sl.start), operator.index(sl.stop)
+    except TypeError:
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class UBatchSlice:
     """One ubatch's share of the batch.
@@ -95,11 +106,14 @@ class UBatchSlice:
     def __post_init__(self) -> None:
         for name in ("request_slice", "token_slice", "padded_token_slice"):
             sl = getattr(self, name)
-            if not isinstance(sl, slice) or not isinstance(sl.start, int) or not isinstance(sl.stop, int) \
-                    or sl.step not in (None, 1) or not 0 <= sl.start <= sl.stop:
+            bounds = _integral_bounds(sl)
+            if bounds is None or sl.step not in (None, 1) or not 0 <= bounds[0] <= bounds[1]:
                 raise ValueError(
                     f"UBatchSlice.{name} must be a slice(start, stop) with 0 <= start <= stop and no step (got {sl!r})"
                 )
+            if type(sl.start) is not int or type(sl.stop) is not int:
+                # vLLM's own maybe_create_ubatch_slices returns slice(36, np.int32(72)): keep plain ints
+                object.__setattr__(self, name, slice(*bounds))
         if self.num_tokens_padded < self.num_tokens:
             raise ValueError(
                 f"UBatchSlice.padded_token_slice {self.padded_token_slice.start}:{self.padded_token_slice.stop} is "

@@ -102,6 +102,29 @@ def shape_bucket(num_tokens: int, uniform_decode: bool) -> str:
     return f"{'decode' if uniform_decode else 'mixed'} {lo}-{2 * lo - 1}"
 
 
+def _bucket_words(bucket: str) -> str:
+    """A :func:`shape_bucket` in words: ``'decode 1-1'`` -> ``'decode steps of 1 token'``,
+    ``'mixed 64-127'`` -> ``'mixed steps of 64-127 tokens'``."""
+    kind, _, span = bucket.partition(" ")
+    if not span:
+        return f"{bucket} steps"
+    lo, _, hi = span.partition("-")
+    return f"{kind} steps of {lo} token" if lo == hi == "1" else f"{kind} steps of {lo if lo == hi else span} tokens"
+
+
+#: Why a step ran unsplit, in words (the :class:`~asyncdbo.plan.PlanReason` value follows in brackets).
+_REASON_WORDS = {
+    "disabled": "with DBO off",
+    "single_ubatch": "with one ubatch configured",
+    "below_threshold": "below the token threshold",
+    "policy_refused": "that the split policy could not split",
+    "rank_declined": "that another DP rank could not split",
+    "imbalance": "with the DP ranks too unequal",
+    "all_idle": "with no tokens on any rank",
+    "auto_off": 'where tuning="auto" measured or expected DBO slower',
+}
+
+
 def is_shape_bucket(name: object) -> bool:
     """Whether ``name`` is a bucket :func:`shape_bucket` gives for some step: ``'idle'``, or
     ``'decode LO-HI'`` / ``'mixed LO-HI'`` with ``LO`` a power of two and ``HI = 2 * LO - 1``
@@ -182,7 +205,8 @@ class OverlapLedger:
         by other ubatches; DBO's speed-up over ``off`` in each bucket where both ran; why steps
         fell out. E.g. ``'12 steps: N=2 token 8 steps 41.2 us/token, comm 0.52 ms/step 30% exposed
         61% hidden by other ubatches; off 4 steps 48.0 us/token, comm 0.50 ms/step 92% exposed 0%
-        hidden by other ubatches; vs off: decode 64-127 N=2 token 1.12x; fell out: auto_off=4'``, ending
+        hidden by other ubatches; speedup vs off (...): decode steps of 64-127 tokens, N=2 token 1.12x (8 vs 4 off
+        steps); ran unsplit: 4 steps where tuning="auto" measured or expected DBO slower (auto_off)'``, ending
         ``'; 2 failed step(s) not counted'`` where ``failed`` steps raised."""
         failed = f"; {self.failed} failed step(s) not counted" if self.failed else ""
         if not self.num_steps:
@@ -199,7 +223,10 @@ class OverlapLedger:
         line = f"{self.num_steps} steps: " + "; ".join(parts)
         wins = self.speedups()
         if wins:
-            line += "; vs off: " + ", ".join(f"{b} {k} {x:.2f}x" for b, k, x in wins)
+            line += ("; speedup vs off (off's time per token / DBO's, each summed over its steps): " + ", ".join(
+                f"{_bucket_words(b)}, {k} {x:.2f}x ({self.accounts[(b, k)].steps} vs "
+                f"{self.accounts[(b, 'off')].steps} off steps)" for b, k, x in wins))
         if self.fell_out:
-            line += "; fell out: " + ", ".join(f"{k}={n}" for k, n in sorted(self.fell_out.items()))
+            line += "; ran unsplit: " + ", ".join(
+                f"{n} step{'s' if n != 1 else ''} {_REASON_WORDS.get(k, k)} ({k})" for k, n in sorted(self.fell_out.items()))
         return line + failed

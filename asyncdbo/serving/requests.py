@@ -130,9 +130,12 @@ class EngineReport:
 
     def summary(self) -> str:
         failed = f", {len(self.failed)} failed" if self.failed else ""
-        return (f"{len(self.outputs)} requests{failed}, {self.output_tokens} tokens in {len(self.records)} steps "
+        n = len(self.records)
+        return (f"{len(self.outputs)} request{'s' if len(self.outputs) != 1 else ''}{failed}, {self.output_tokens} "
+                f"token{'s' if self.output_tokens != 1 else ''} in {n} step{'s' if n != 1 else ''} "
                 f"({self.microbatched_steps} microbatched), {self.tokens_per_s:.1f} tokens/s, "
-                f"TTFT {self.mean_ttft_s * 1e3:.1f} ms, TPOT {self.mean_tpot_s * 1e3:.1f} ms (means)")
+                f"TTFT {self.mean_ttft_s * 1e3:.1f} ms, TPOT {self.mean_tpot_s * 1e3:.1f} ms (means over the "
+                "requests of one run: a single sample of the engine's speed)")
 
 
 def trace_requests(prompts: Sequence[Sequence[int]], arrivals_s: Sequence[float],

@@ -28,7 +28,7 @@ def test_demo_prints_the_table_on_a_modeled_link_and_writes_a_trace(capsys: pyte
     out = capsys.readouterr().out
     assert rc == 0, out
     assert out.startswith(
-        "asyncdbo demo: 2 ranks x 512 tokens (prefill), 1 layers, 4 experts top-2, hidden 64, schedule ll, "
+        "asyncdbo demo: 2 ranks x 512 tokens (prefill), 1 layer, 4 experts top-2, hidden 64, schedule ll, "
         "stream policy ubatch, 2 ubatches, loop asyncio, 2 steps after 1 warm-up\n"
         "comm: MODELED LINK ib400 x1000 (10000 us + 50 MB/s per message;"
     )
@@ -37,7 +37,8 @@ def test_demo_prints_the_table_on_a_modeled_link_and_writes_a_trace(capsys: pyte
         assert re.search(rf"^  {re.escape(row)} ", out, re.MULTILINE), row
     # serial has no other ubatch: none of its comm can be hidden by one
     assert re.search(r"^    by the other ubatch +0% +\d+%  \(DBO microbatched all of 2 steps\)$", out, re.MULTILINE), out
-    assert re.search(r"^  speedup +\d+\.\d\dx  \(DBO microbatched all of 2 steps\)$", out, re.MULTILINE), out
+    assert re.search(r"^  speedup +\d+\.\d\dx  \(DBO microbatched all of 2 steps; medians of 2 steps, per-step "
+                     r"speedups \d+\.\d\d-\d+\.\d\dx\)$", out, re.MULTILINE), out
     assert "\nspeedup = serial step time / DBO step time (above 1x: DBO is faster)\n" in out
     assert "DBO steps: microbatched, every step on every rank (real tokens per ubatch by rank: [256, 256] [256, 256])" in out
     assert "\noutputs serial vs DBO: max |logits diff| = 0 (bitwise equal; deterministic mode)\n" in out
@@ -58,12 +59,13 @@ def test_demo_decode_on_three_ranks_says_why_it_did_not_microbatch(capsys: pytes
     rc = main(["demo", *SMALL, "--ranks", "3", "--experts", "6", "--tokens", "8", "--shape", "decode", "--context", "4"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert out.startswith("asyncdbo demo: 3 ranks x 8 tokens (decode), 1 layers, 6 experts top-2")
+    assert out.startswith("asyncdbo demo: 3 ranks x 8 tokens (decode), 1 layer, 6 experts top-2")
     assert "comm: real gloo all-to-all over loopback" in out
     assert "\nMoE dispatch: split (counts, then tokens); with no link model to price it, never fused\n" in out
     # every rank below its threshold: that is the reason (no rank kept another from overlapping)
-    assert ("DBO steps: NOT microbatched in any step: below_threshold "
-            "(rank 0: below_threshold; rank 1: below_threshold; rank 2: below_threshold)") in out
+    assert ("\nDBO steps: NOT microbatched in any step: every rank's batch was below the threshold: a rank splits a "
+            "decode batch from 32 tokens up (--decode-threshold 32), and each rank had 8 tokens; --decode-threshold 8 "
+            "would split them\n") in out
     # no step overlapped: no speedup is printed, and the line says why
     note = "(no speedup: none of the 2 DBO steps microbatched (see 'DBO steps' below), DBO ran serially)"
     assert re.search(rf"^  speedup +-  {re.escape(note)}$", out, re.MULTILINE), out
@@ -82,8 +84,8 @@ def rank_steps(reasons: list[str], serial_s: float, dbo_s: float) -> dict[str, o
 @pytest.mark.parametrize(
     ("reasons", "speedup", "note"),
     [
-        (["microbatched"] * 3, "1.25x", "(DBO microbatched all of 3 steps)"),
-        (["microbatched", "rank_declined", "microbatched"], "1.25x", "(DBO microbatched 2 of 3 steps)"),
+        (["microbatched"] * 3, "1.25x", "(DBO microbatched all of 3 steps{})"),
+        (["microbatched", "rank_declined", "microbatched"], "1.25x", "(DBO microbatched 2 of 3 steps{})"),
         (["rank_declined"] * 3, "-",
          "(no speedup: none of the 3 DBO steps microbatched (see 'DBO steps' below), DBO ran serially)"),
     ],
@@ -94,8 +96,10 @@ def test_the_speedup_line_says_how_many_steps_microbatched(reasons: list[str], s
     cfg = DemoConfig(steps=3)
     summary = summarize(cfg, [rank_steps(reasons, 0.125, 0.1), rank_steps(reasons, 0.125, 0.1)])
     out = _format(cfg, summary)
-    assert re.search(rf"^  speedup +{re.escape(speedup)}  {re.escape(note)}$", out, re.MULTILINE), out
-    assert re.search(rf"^    by the other ubatch +40% +40%  {re.escape(note)}$", out, re.MULTILINE), out
+    n = reasons.count("microbatched")
+    spread = f"; medians of {n} steps, per-step speedups 1.25-1.25x" if n else ""
+    assert re.search(rf"^  speedup +{re.escape(speedup)}  {re.escape(note.format(spread))}$", out, re.MULTILINE), out
+    assert re.search(rf"^    by the other ubatch +40% +40%  {re.escape(note.format(''))}$", out, re.MULTILINE), out
     assert summary["microbatched_steps"] == reasons.count("microbatched")
     assert summary["speedup"] == (None if speedup == "-" else 1.25)
 

@@ -40,8 +40,10 @@ def test_demo_runs_a_tiny_random_deepseek_v3_and_matches_transformers(capsys: py
                           "x 48 prompt tokens + 2 decode steps after 0 warm-up, schedule ll, stream policy role")
     assert "weights: a tiny random DeepseekV3ForCausalLM (seed 0) saved to a temporary checkpoint; each rank read" in out
     assert "routed experts by rank: 0-3 4-7" in out
-    assert re.search(r"^  prefill step +\S+ ms +\S+ ms +\S+x  \(microbatched\)$", out, re.MULTILINE), out
-    assert re.search(r"^  decode step \(median\) +\S+ ms +\S+ ms +\S+x  \(microbatched: all of 2\)$", out, re.MULTILINE), out
+    assert re.search(r"^  prefill step +\S+ ms +\S+ ms +\S+x  \(microbatched; one step: a single sample\)$", out,
+                     re.MULTILINE), out
+    assert re.search(r"^  decode step \(median\) +\S+ ms +\S+ ms +\S+x  \(microbatched: all of 2; medians of 2 steps, "
+                     r"per-step speedups \d+\.\d\d-\d+\.\d\dx\)$", out, re.MULTILINE), out
     assert "DBO steps: microbatched, every step on every rank" in out
     assert re.search(r"^outputs serial vs DBO: max \|logits diff\| = \S+ \((bitwise equal|match), tolerance 0.0001\)$",
                      out, re.MULTILINE)
@@ -131,14 +133,56 @@ def test_threshold_hints_name_the_steps_below_a_threshold_and_the_value_that_rea
                [rec(0, True, ok, (12, 12), *prefill), rec(1, False, PlanReason.RANK_DECLINED, (2,), *step1),
                 rec(2, False, PlanReason.RANK_DECLINED, (1,), *step2)]]
     assert threshold_hints(by_rank, prefill_threshold=16, decode_threshold=32) == [
-        "1 of 2 decode step(s) stayed serial below --decode-threshold 32 (busy ranks had 2-3 tokens); "
-        "--decode-threshold 2 puts them at the threshold. The defaults are vLLM's, for a real engine's batches: "
-        "measure where DBO pays before lowering them (docs/integration.md, section 5)"]
+        "1 of 2 decode steps ran unsplit, below the threshold: a rank splits a decode batch from 32 tokens up "
+        "(--decode-threshold 32), and the ranks with requests had 2 to 3 tokens; --decode-threshold 2 would split "
+        "them",
+        "(the thresholds' defaults are vLLM's, for a real engine's batches: measure where DBO pays before lowering "
+        "them, docs/integration.md, section 5)"]
     # One rank, no votes: its own records; the prefill of 48 tokens below 512 too.
     alone = [[rec(0, False, below, (48,)), rec(1, False, below, (3,)), rec(2, True, ok, (2, 1))]]
     hints = threshold_hints(alone, prefill_threshold=512, decode_threshold=32)
-    assert [h.split(";")[0] for h in hints] == [
-        "1 of 1 prefill step(s) stayed serial below --prefill-threshold 512 (busy ranks had 48 tokens)",
-        "1 of 2 decode step(s) stayed serial below --decode-threshold 32 (busy ranks had 3 tokens)"]
+    assert [h.split(";")[0] for h in hints[:-1]] == [
+        "1 of 1 prefill step ran unsplit, below the threshold: a rank splits a prefill batch from 512 tokens up "
+        "(--prefill-threshold 512), and the ranks with requests had 48 tokens",
+        "1 of 2 decode steps ran unsplit, below the threshold: a rank splits a decode batch from 32 tokens up "
+        "(--decode-threshold 32), and the ranks with requests had 3 tokens"]
     assert threshold_hints(alone, prefill_threshold=1, decode_threshold=1) != []  # the records decide, not the flags
     assert threshold_hints([[rec(0, True, ok, (2, 2))]], prefill_threshold=1, decode_threshold=1) == []
+
+
+def test_why_unsplit_says_each_reason_once_in_words_with_plurals() -> None:
+    from asyncdbo.cli.reasons import plural, why_unsplit
+    from asyncdbo.plan import PlanReason, StepRecord
+
+    recs = [StepRecord(step=i, microbatched=False, reason=r, ubatch_num_tokens=(3,))
+            for i, r in enumerate([PlanReason.IMBALANCE, PlanReason.IMBALANCE, PlanReason.AUTO_OFF])]
+    assert why_unsplit(recs) == [
+        '1 step: tuning="auto" measured (or, before measuring, its prior says) DBO is slower on this batch size',
+        "2 steps: the busy DP ranks' token counts differed more than the allowed ratio (max_imbalance)"]
+    assert why_unsplit(recs, skip=["imbalance", "auto_off"]) == []
+    assert (plural(1, "layer"), plural(2, "layer"), plural(0, "token")) == ("1 layer", "2 layers", "0 tokens")
+
+
+def test_weights_too_large_for_the_memory_are_refused_before_any_rank_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-30B-A3B at its released width, 2 layers: only its config.json is written (the check
+    reads nothing else), and 8 GiB is all this machine has."""
+    from asyncdbo.cli import inputs
+    from asyncdbo.models.hf.real_dims import real_config
+
+    real_config("qwen3-moe", layers=2).save_pretrained(tmp_path)
+    monkeypatch.setattr(inputs, "available_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(inputs, "process_limits", lambda: [])
+    assert main(["demo", "--model", "qwen3-moe", "--weights", str(tmp_path), "--tokens", "512", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asyncdbo demo: error: --model qwen3-moe with these weights on 2 rank(s) at --tokens 512 "
+                          "needs about 12.3 GiB (estimated from its config.json before any rank starts: 2 rank(s) x "
+                          "6.14 GiB = 12.27 GiB (per rank: weights 4.71 GiB, "), err
+    assert err.endswith("after the ranks, 7.0 GiB for transformers' float32 reference model in this process), but "
+                        "8.0 GiB is available; no --tokens fits, the weights dominate: use more --ranks (each holds "
+                        "fewer experts), a machine with more memory, or a checkpoint with fewer layers "
+                        "(asyncdbo.models.hf.real_dims.real_config(..., layers=N) and write_random_checkpoint)\n"), err
+    # where the tokens are what does not fit, the largest --tokens that does
+    monkeypatch.setattr(inputs, "available_bytes", lambda: 13 * 2**30)
+    assert main(["demo", "--model", "qwen3-moe", "--weights", str(tmp_path), "--tokens", "8192", "-q"]) == 2
+    assert re.search(r"but 13\.0 GiB is available; use --tokens \d+ or fewer\n$", capsys.readouterr().err)

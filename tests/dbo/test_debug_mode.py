@@ -123,7 +123,26 @@ async def test_debug_mode_reports_a_step_that_blocks_with_its_yield_points_and_l
     assert (step.ub, step.from_tag, step.to_tag) == (1, "attn", "moe")
     assert step.to_where.endswith(f"tests/dbo/test_debug_mode.py:{line} in test_debug_mode_reports_a_step_that_blocks_with_its_yield_points_and_lines.<locals>.forward")
     assert step.blocked_s == pytest.approx(0.038)
-    assert step.describe().startswith("asyncdbo: ubatch 1 blocked the CPU for 38.0 ms between yield points 'attn'")
+    assert (step.cpu_s, step.runq_s, step.host) == (pytest.approx(0.005), pytest.approx(0.007), True)
+    text = step.describe()
+    assert text.startswith("asyncdbo: ubatch 1 was off the CPU for 38.0 ms between yield points 'attn'")
+    assert text.endswith(
+        "no other ubatch could run meanwhile. Measured: 50.0 ms wall = 5.0 ms computing on this thread + 7.0 ms "
+        "waiting for a free core + 38.0 ms neither. On the CPU backend a host sync (.item(), .tolist()) waits for "
+        "nothing, so it is not one: look for a time.sleep, a lock or a blocking wait (work.wait()); on a loaded "
+        "machine, torch's intra-op threads that this thread waits for count here too (torch.set_num_threads(1) "
+        "rules them out).")
+
+
+def test_on_a_device_backend_the_blocking_warning_suggests_a_host_sync() -> None:
+    from asyncdbo.dbo.debug import BlockingStep
+
+    step = BlockingStep(0, "attn", "moe", "f.py:1", "f.py:2", 0.030, 0.025, 0.0, 0.030, 0.0, 0.005, False)
+    assert step.describe() == (
+        "asyncdbo: ubatch 0 blocked the CPU for 25.0 ms between yield points 'attn' (f.py:1) and 'moe' (f.py:2); "
+        "no other ubatch could run meanwhile. Measured: 30.0 ms wall, less 5.0 ms waiting for a free core. On a "
+        "device backend the CPU only launches work, so look for a host sync (.item(), .tolist(), .cpu(); "
+        "asyncdbo.syncs.HostSyncs names each one and its line), a time.sleep or a lock in that stretch.")
 
 
 @pytest.mark.asyncio

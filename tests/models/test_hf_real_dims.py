@@ -160,7 +160,8 @@ def test_the_benchmark_refuses_before_writing_or_starting_a_rank(tmp_path: Path,
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("real_dims: error: mixtral (2 layers, bf16) on 2 ranks needs about 2 rank(s) x ")
-    assert "(per rank: weights " in err and "but 0.10 GiB is available; use fewer --layers" in err
+    assert "(per rank: weights " in err and "but 0.10 GiB is available; use fewer --layers, or fewer tokens" in err
+    assert "--deepseek-experts" not in err  # a flag of DeepSeek-V3's only
     assert not ckpt.exists()  # nothing written; the ranks start after the checkpoint is
     # the same estimate the message gives, for the same run
     quick = bench.plan(bench.argparse.Namespace(model=["mixtral"], quick=True, layers=2, deepseek_experts=32,

@@ -175,3 +175,15 @@ def test_bad_arguments_are_named_with_the_fix() -> None:
         plan_slices(QSL, 2, "sequence")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"must be a 1-D integer tensor \(got shape \(2, 2\), dtype torch.int64\)"):
         split_tokens(torch.zeros(2, 2, dtype=torch.int64), 2)
+
+
+def test_integral_bounds_of_any_integer_type_become_ints() -> None:
+    # vLLM 0.32's maybe_create_ubatch_slices returns slice(36, np.int32(72)); a 0-d torch integer
+    # (what indexing a query_start_loc tensor gives) has __index__ too.
+    np = pytest.importorskip("numpy")
+    s = UBatchSlice(slice(0, np.int64(2)), slice(36, np.int32(72)), slice(torch.tensor(36), 72))
+    assert s.token_slice == slice(36, 72) and type(s.token_slice.stop) is int
+    assert type(s.request_slice.stop) is int and type(s.padded_token_slice.start) is int
+    assert s.num_tokens == 36
+    with pytest.raises(ValueError, match=r"^UBatchSlice\.token_slice must be a slice\(start, stop\) "):
+        UBatchSlice(slice(0, 1), slice(0, 1.0), slice(0, 1))

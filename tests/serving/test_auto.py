@@ -475,7 +475,7 @@ async def test_runner_converges_to_what_its_steps_measured_and_records_the_evide
     off = records[4]
     assert off.reason is PlanReason.AUTO_OFF and off.detail.startswith("decode 64-127: exploring 2/4")
     assert runner.report().startswith("24 steps: N=3 token auto 9 steps")
-    assert runner.report().endswith("fell out: auto_off=4")
+    assert runner.report().endswith('ran unsplit: 4 steps where tuning="auto" measured or expected DBO slower (auto_off)')
 
 
 @pytest.mark.asyncio

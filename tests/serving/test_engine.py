@@ -159,6 +159,7 @@ async def test_a_replayed_trace_reports_ttft_tpot_and_tokens_per_second(hf_model
     assert report.makespan_s == 12.0 and report.output_tokens == 5
     assert report.tokens_per_s == 5 / 12.0 and report.mean_ttft_s == 1.0 and report.mean_tpot_s == 1.0
     assert len(report.records) == 5 and "5 tokens in 5 steps (5 microbatched)" in report.summary()
+    assert report.summary().endswith(" ms (means over the requests of one run: a single sample of the engine's speed)")
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p_and_a_seed_repeats_its_draws() -> None:

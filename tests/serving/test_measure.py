@@ -80,7 +80,16 @@ def test_ledger_says_in_one_line_what_dbo_paid_and_why_steps_fell_out() -> None:
     assert ledger.summary() == (
         "4 steps: N=2 token auto 2 steps 100.0 us/token, comm 4.00 ms/step 25% exposed 75% hidden by other ubatches; "
         "off 2 steps 127.3 us/token, comm 2.50 ms/step 100% exposed 0% hidden by other ubatches; "
-        "vs off: decode 64-127 N=2 token auto 1.20x; fell out: below_threshold=1, disabled=1")
+        "speedup vs off (off's time per token / DBO's, each summed over its steps): decode steps of 64-127 tokens, "
+        "N=2 token auto 1.20x (2 vs 1 off steps); ran unsplit: 1 step below the token threshold (below_threshold), "
+        "1 step with DBO off (disabled)")
+
+
+def test_bucket_words() -> None:
+    from asyncdbo.serving.measure import _bucket_words
+
+    assert [_bucket_words(b) for b in ("decode 1-1", "mixed 64-127", "idle")] == [
+        "decode steps of 1 token", "mixed steps of 64-127 tokens", "idle steps"]
 
 
 @pytest.mark.slow
@@ -103,4 +112,4 @@ def test_runner_records_what_each_step_exposed_and_hid_on_a_modeled_link(pool: R
             assert rec.timing.hidden_by_others_s == 0.0  # one ubatch: nobody else to hide it
         assert r["report"].startswith("4 steps: ")
         assert "N=2 token split 2 steps" in r["report"] and "off 2 steps" in r["report"]
-        assert r["report"].endswith("fell out: disabled=2")  # disabled on every rank: the vote says so
+        assert r["report"].endswith("ran unsplit: 2 steps with DBO off (disabled)")  # disabled on every rank: the vote says so

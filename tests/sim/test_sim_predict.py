@@ -113,8 +113,17 @@ def test_check_with_defaults_checks_races_and_prints_the_band(capsys: pytest.Cap
     assert re.fullmatch(row.format(32), out[6]) and re.fullmatch(row.format(64), out[7]), out
     assert out[-1].startswith("error band: calibrated on SGLang's H100+IB decode curve (residual <= ")
     assert "held-out errors in points of speedup (1 point = 0.01x): SGLang prefill 4096 " in out[-1]
-    assert out[-2] == ("speedup: serial time / DBO time per MoE layer (above 1x: DBO is faster). "
-                       "See docs/sim.md for the model.")
+    assert out[8] == ("speedup: serial time / DBO time per MoE layer (above 1x: DBO is faster). "
+                      "See docs/sim.md for the model.")
+    # at 32 and 64 tokens DBO hides most of its comm and is still slower: what its time is made of, under the table
+    assert out[9] == ("comm hidden: share of DBO's comm time during which some ubatch computed. Hiding comm saves at "
+                      "most the comm the serial run exposed; where DBO computes more than that saves, it is slower "
+                      "however much it hides:")
+    note = (r"  {} tokens/rank, {} streams, the whole simulated run: serial [\d.]+ us = [\d.]+ us compute \+ [\d.]+ us "
+            r"exposed comm \(\+ [\d.]+ us other\); DBO [\d.]+ us, its compute [\d.]+ us \([\d.]+x serial's: every "
+            r"ubatch's GEMMs read the same weights, and kernels share the device with comm\), [\d.]+ us comm still exposed")
+    assert [re.fullmatch(note.format(t, pol), line) is not None for line, (t, pol) in
+            zip(out[10:14], [(32, "role"), (32, "ubatch"), (64, "role"), (64, "ubatch")])] == [True] * 4, out
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"sim_decode_{t}_{kind}.json" for t in (32, 64) for kind in ("dbo_role", "dbo_ubatch", "serial")
     ]
