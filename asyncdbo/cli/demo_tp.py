@@ -31,12 +31,10 @@ from typing import Any
 
 import torch
 
+from .demo_hf import MATCH_ATOL
 from .progress import Progress, wants_progress
 
 __all__ = ["TPDemoConfig", "main_tp", "speedup_samples", "tp_demo_rank"]
-
-#: Max |logits diff| accepted as a match (serial vs DBO, and against transformers; fp32 CPU).
-MATCH_ATOL = 1e-4
 
 
 @dataclass(frozen=True, kw_only=True)

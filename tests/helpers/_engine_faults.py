@@ -37,8 +37,9 @@ class Fault:
     rank: int = 0
 
 
-class Counter:
-    """An injected clock: every read advances it 0.5 s."""
+class StepClock:
+    """An injected clock that advances 0.5 s at every read: the engine reads it twice per step
+    (admission, after sampling), so every step lasts exactly 1 s; an idle wait adds its own time."""
 
     def __init__(self) -> None:
         self.t = 0.0
@@ -130,7 +131,7 @@ async def serve(model: Any, rank: int, group: Any, fault: Fault) -> dict[str, An
     net = model.with_fresh_cache()
     runner = DBORunner(net, RunnerConfig(num_ubatches=2, thresholds=ALWAYS, watchdog_s=None), dp_group=group)
     builder = BatchBuilder(net.kv_cache_config, vocab_size=VOCAB)
-    clock = Counter()
+    clock = StepClock()
     eng = Engine(runner, builder, enabled=True, max_num_seqs=3, clock=clock, sleep=clock.sleep, seed=5)
     original = engine_module.sample_finite
     _inject(eng, net, fault, rank)

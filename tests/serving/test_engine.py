@@ -16,6 +16,8 @@ import torch
 
 pytest.importorskip("transformers")
 
+from _engine_faults import StepClock  # noqa: E402
+
 from asyncdbo.models.hf import from_hf_model  # noqa: E402
 from asyncdbo.models.hf.reference import tiny_hf_model  # noqa: E402
 from asyncdbo.plan import PlanReason, ThresholdConfig  # noqa: E402
@@ -35,21 +37,6 @@ from asyncdbo.serving import (  # noqa: E402
 pytestmark = pytest.mark.timeout(180)
 
 ALWAYS = ThresholdConfig(decode_threshold=1, prefill_threshold=1)
-
-
-class StepClock:
-    """Advances 0.5 s at every read: the engine reads it twice per step (admission, after
-    sampling), so every step lasts exactly 1 s; an idle wait adds its own time."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        self.t += 0.5
-        return self.t
-
-    async def sleep(self, dt: float) -> None:
-        self.t += dt
 
 
 @pytest.fixture(scope="module")
