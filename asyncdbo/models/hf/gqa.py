@@ -23,7 +23,17 @@ from ...plan.metadata import AttentionMetadata
 from ..attention import wait_for_earlier_kv
 from .common import WeightSlots, apply_rope, linear, paged_attention, rms_norm
 
-__all__ = ["GQAttention", "gqa_qkv"]
+__all__ = ["GQAttention", "gqa_context", "gqa_qkv"]
+
+
+def gqa_context(num_heads: int, num_kv_heads: int, k_SGK: torch.Tensor,
+                v_SGK: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached keys and values ``[S, G, K]`` as ``[H, S, K]``: each of the ``G`` KV heads repeated
+    for the ``H / G`` query heads that read it."""
+    assert v_SGK is not None
+    rep = num_heads // num_kv_heads
+    return (k_SGK.transpose(0, 1).repeat_interleave(rep, dim=0),
+            v_SGK.transpose(0, 1).repeat_interleave(rep, dim=0))
 
 
 def gqa_qkv(h_TD: torch.Tensor, wq_FD: torch.Tensor, bq_F: torch.Tensor | None, wk_FD: torch.Tensor,
@@ -75,10 +85,7 @@ class GQAttention:
         return self.num_kv_heads, self.head_dim, None
 
     def _context(self, k_SGK: torch.Tensor, v_SGK: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        assert v_SGK is not None
-        rep = self.num_heads // self.num_kv_heads
-        return (k_SGK.transpose(0, 1).repeat_interleave(rep, dim=0),
-                v_SGK.transpose(0, 1).repeat_interleave(rep, dim=0))
+        return gqa_context(self.num_heads, self.num_kv_heads, k_SGK, v_SGK)
 
     async def forward(self, model: Any, layer: int, h_TD: torch.Tensor, positions_T: torch.Tensor,
                       rope_TK: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata) -> torch.Tensor:

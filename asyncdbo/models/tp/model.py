@@ -42,7 +42,7 @@ from ...plan.metadata import AttentionMetadata
 from ...serving import check_token_ids, exact_tap
 from ..attention import KVCacheConfig, PagedKVCache, check_logits, wait_for_earlier_kv
 from ..hf.common import attend, linear, paged_attention, residual_norm, rms_norm
-from ..hf.gqa import gqa_qkv
+from ..hf.gqa import gqa_context, gqa_qkv
 from ..hf.model import Segments
 from .arch import DenseArchitecture
 from .shards import ShardedSlots, kv_head_range, shard_range
@@ -95,10 +95,7 @@ class TPAttention:
         return self.num_kv_heads, self.head_dim, None
 
     def _context(self, k_SGK: torch.Tensor, v_SGK: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        assert v_SGK is not None
-        rep = self.num_heads // self.num_kv_heads
-        return (k_SGK.transpose(0, 1).repeat_interleave(rep, dim=0),
-                v_SGK.transpose(0, 1).repeat_interleave(rep, dim=0))
+        return gqa_context(self.num_heads, self.num_kv_heads, k_SGK, v_SGK)
 
     async def forward(self, model: TPDenseModel, layer: int, h_TD: torch.Tensor, positions_T: torch.Tensor,
                       rope_TK: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata) -> torch.Tensor:
