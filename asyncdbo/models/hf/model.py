@@ -235,20 +235,7 @@ class HFMoEModel:
             cfg = dataclasses.replace(cfg, deterministic=self.deterministic)
         layer = MoELayer(cfg, ep_group=ep_group, dtype=dtype, max_ubatches=max_ubatches,
                          name=prefix, init_weights=False).to(device)
-        add = self.slots.add
-        add(f"{prefix}.gate.weight", layer.router_ED.data)
-        if layer.bias_E is not None:
-            add(f"{prefix}.gate.e_score_correction_bias", layer.bias_E)
-        g, u, d = arch.expert_names
-        for local, expert in enumerate(range(layer.first_expert, layer.first_expert + layer.experts_per_rank)):
-            add(f"{prefix}.experts.{expert}.{g}.weight", layer.gate_LFD.data[local])
-            add(f"{prefix}.experts.{expert}.{u}.weight", layer.up_LFD.data[local])
-            add(f"{prefix}.experts.{expert}.{d}.weight", layer.down_LDF.data[local])
-        if layer.shared_gate_SD is not None:
-            assert layer.shared_up_SD is not None and layer.shared_down_DS is not None
-            add(f"{prefix}.shared_experts.gate_proj.weight", layer.shared_gate_SD.data)
-            add(f"{prefix}.shared_experts.up_proj.weight", layer.shared_up_SD.data)
-            add(f"{prefix}.shared_experts.down_proj.weight", layer.shared_down_DS.data)
+        add_moe_slots(self.slots, prefix, layer, arch.expert_names)
         return layer
 
     # -- weights ---------------------------------------------------------------------------------
@@ -320,6 +307,26 @@ class HFMoEModel:
 
 #: A fused expert tensor's name (transformers 5's in-memory layout).
 FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<which>gate_up_proj|down_proj)$")
+
+
+def add_moe_slots(slots: WeightSlots, prefix: str, layer: MoELayer, expert_names: tuple[str, str, str]) -> None:
+    """Slots for a MoE layer's checkpoint tensors under ``prefix``: the router, its correction
+    bias, this rank's experts only (``expert_names``: the gate, up and down projections' names)
+    and the shared experts."""
+    add = slots.add
+    add(f"{prefix}.gate.weight", layer.router_ED.data)
+    if layer.bias_E is not None:
+        add(f"{prefix}.gate.e_score_correction_bias", layer.bias_E)
+    g, u, d = expert_names
+    for local, expert in enumerate(range(layer.first_expert, layer.first_expert + layer.experts_per_rank)):
+        add(f"{prefix}.experts.{expert}.{g}.weight", layer.gate_LFD.data[local])
+        add(f"{prefix}.experts.{expert}.{u}.weight", layer.up_LFD.data[local])
+        add(f"{prefix}.experts.{expert}.{d}.weight", layer.down_LDF.data[local])
+    if layer.shared_gate_SD is not None:
+        assert layer.shared_up_SD is not None and layer.shared_down_DS is not None
+        add(f"{prefix}.shared_experts.gate_proj.weight", layer.shared_gate_SD.data)
+        add(f"{prefix}.shared_experts.up_proj.weight", layer.shared_up_SD.data)
+        add(f"{prefix}.shared_experts.down_proj.weight", layer.shared_down_DS.data)
 
 
 def hub_layout(arch: Architecture, state_dict: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

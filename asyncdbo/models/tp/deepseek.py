@@ -28,6 +28,7 @@ from ...moe import MoELayer
 from ...moe.config import Schedule
 from ..hf.deepseek_v3 import DeepseekV3
 from ..hf.mla import MLAttention
+from ..hf.model import add_moe_slots
 from .model import TPDenseModel
 from .shards import ShardedSlots, shard_range
 
@@ -86,19 +87,7 @@ class TPDeepseekV3(TPDenseModel):
         cfg = dataclasses.replace(cfg, deterministic=self.deterministic)
         moe = MoELayer(cfg, ep_group=self.tp_comm.group, dtype=self.dtype, max_ubatches=self.max_ubatches,
                        name=prefix, init_weights=False).to(self.device)
-        add = self.slots.add
-        add(f"{prefix}.gate.weight", moe.router_ED.data)
-        if moe.bias_E is not None:
-            add(f"{prefix}.gate.e_score_correction_bias", moe.bias_E)
-        for local, expert in enumerate(range(moe.first_expert, moe.first_expert + moe.experts_per_rank)):
-            add(f"{prefix}.experts.{expert}.gate_proj.weight", moe.gate_LFD.data[local])
-            add(f"{prefix}.experts.{expert}.up_proj.weight", moe.up_LFD.data[local])
-            add(f"{prefix}.experts.{expert}.down_proj.weight", moe.down_LDF.data[local])
-        if moe.shared_gate_SD is not None:
-            assert moe.shared_up_SD is not None and moe.shared_down_DS is not None
-            add(f"{prefix}.shared_experts.gate_proj.weight", moe.shared_gate_SD.data)
-            add(f"{prefix}.shared_experts.up_proj.weight", moe.shared_up_SD.data)
-            add(f"{prefix}.shared_experts.down_proj.weight", moe.shared_down_DS.data)
+        add_moe_slots(self.slots, prefix, moe, DeepseekV3.expert_names)
         return {"moe": moe}
 
     async def _feed_forward(self, layer: dict[str, Any], h_SD: torch.Tensor, T: int) -> torch.Tensor:
