@@ -130,6 +130,7 @@ class Engine:
         self._t0 = self._end_s = 0.0
         self._started = False
         self._finished: dict[int, RequestOutput] = {}  # ended, not handed over yet
+        self._live: set[int] = set()  # the ids of the unfinished requests: pending, waiting, running
         self._ended: OrderedDict[int, RequestStatus] = OrderedDict()  # the last keep_records
         self.records: deque[StepRecord] = deque(maxlen=keep_records)
         self.step_s: deque[float] = deque(maxlen=keep_records)
@@ -156,7 +157,7 @@ class Engine:
         if not isinstance(req, Request):
             raise ValueError(f"add_request takes an asyncdbo.serving.Request (got {type(req).__name__})")
         rid = req.request_id
-        if rid in self._ended or self._status_live(rid) is not None:
+        if rid in self._live or rid in self._ended:
             raise ValueError(f"request {rid} was added already; request ids must be unique")
         cfg = self.builder.cache_cfg
         if self._blocks_for(req) > cfg.num_blocks:
@@ -178,12 +179,15 @@ class Engine:
                                  "the request")
         at = next((i for i, p in enumerate(self._pending) if p.arrival_s > req.arrival_s), len(self._pending))
         self._pending.insert(at, req)
+        self._live.add(rid)
 
     @property
     def num_unfinished(self) -> int:
         return len(self._pending) + len(self._waiting) + len(self._running)
 
     def _status_live(self, rid: int) -> RequestStatus | None:
+        if rid not in self._live:
+            return None
         if rid in self._running:
             return RequestStatus.RUNNING
         if any(r.request_id == rid for r in self._waiting):
@@ -310,6 +314,7 @@ class Engine:
             self.builder.free(rid)
             self._reserved -= run.blocks
             del self._running[rid]
+            self._live.discard(rid)
             out = RequestOutput(request_id=rid, prompt=run.req.prompt, output_ids=tuple(run.output),
                                 finish_reason=reason, arrival_s=run.req.arrival_s,
                                 first_token_s=run.first_token_s if run.output else now, finish_s=now, error=error)
