@@ -154,7 +154,7 @@ def _reset_peak() -> bool:
 def _param_bytes(model: Any) -> int:
     seen: dict[int, int] = {}
     for name in model.slots.names():
-        t = model.slots._slots[name]
+        t = model.slots[name]
         seen[t.data_ptr()] = t.numel() * t.element_size()
     return sum(seen.values())
 

@@ -107,7 +107,7 @@ async def _rank_async(rank: int, world: int, cfg: TPDemoConfig, ckpt: str) -> di
             gens.append(gen)
     first = {"serial": gens[0][0], "dbo": gens[0][1]}
     return {**first, "times": [(g[0].step_s, g[1].step_s) for g in gens], "read": len(report.tensors_read),
-            "shards": len(report.shards), "kept": sum(t.numel() for t in model.slots._slots.values()),
+            "shards": len(report.shards), "kept": model.slots.numel(),
             "heads": model.layers[0]["attention"].num_heads}
 
 

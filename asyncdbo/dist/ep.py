@@ -66,6 +66,9 @@ class EPComm:
     rank: int
     group: Any  # ProcessGroup | None (None: the default group, or no distributed at all)
     max_ubatches: int = 0  # per-ubatch clones this layer uses (0 for a single-rank EP)
+    #: What the group carries, for messages: "EP" (expert all-to-alls) or "TP" (tensor-parallel
+    #: all-reduces, :mod:`asyncdbo.dist.tp`), which share this type and its clones.
+    kind: str = "EP"
 
     @property
     def ubatch_groups(self) -> tuple[Any, ...]:
@@ -79,9 +82,10 @@ class EPComm:
         if ub_id is None or self.size == 1:
             return self.group
         if ub_id >= self.max_ubatches:
+            layer = "an expert-parallel MoE layer" if self.kind == "EP" else "a tensor-parallel model"
             raise ValueError(
-                f"ubatch {ub_id} ran an expert-parallel MoE layer built for at most {self.max_ubatches} "
-                f"ubatches; build the layer with max_ubatches >= {ub_id + 1}"
+                f"ubatch {ub_id} ran {layer} built for at most {self.max_ubatches} "
+                f"ubatches; build the {'layer' if self.kind == 'EP' else 'model'} with max_ubatches >= {ub_id + 1}"
             )
         return current_clones(self.group)[ub_id]
 

@@ -158,21 +158,22 @@ def check_ep_group(model: Any, dp_group: Any, cfg: RunnerConfig) -> None:
     if torch.distributed.get_backend(ep_group) == "fake":
         return  # one process plays every rank (asyncdbo.sim): there is no peer to disagree with
     ep_ranks = torch.distributed.get_process_group_ranks(ep_group)
+    k, ops = comm.kind, ("all-to-alls" if comm.kind == "EP" else "collectives")
     if dp_group is None:
         sep, problem = " ", (
-            f"with an EP group of {comm.size} ranks {ep_ranks} needs dp_group: without it each rank "
+            f"with {'an' if k == 'EP' else 'a'} {k} group of {comm.size} ranks {ep_ranks} needs dp_group: without it each rank "
             f"{'chooses its configuration from its own step times' if cfg.tuning == 'auto' else 'plans from its own batch'}, "
-            "and EP peers that choose different ubatch counts issue different all-to-alls; pass "
-            "dp_group= a group holding every EP rank (e.g. the EP group itself)")
+            f"and {k} peers that choose different ubatch counts issue different {ops}; pass "
+            f"dp_group= a group holding every {k} rank (e.g. the {k} group itself)")
     else:
         dp_ranks = torch.distributed.get_process_group_ranks(dp_group)
         outside = sorted(set(ep_ranks) - set(dp_ranks))
         if not outside:
             return
         sep, problem = ": ", (
-            f"EP ranks {outside} (EP group {ep_ranks}) are not in dp_group (ranks {sorted(dp_ranks)}), so they "
-            "would choose their configuration from other votes and issue different all-to-alls; pass a dp_group "
-            "that holds every EP rank")
+            f"{k} ranks {outside} ({k} group {ep_ranks}) are not in dp_group (ranks {sorted(dp_ranks)}), so they "
+            f"would choose their configuration from other votes and issue different {ops}; pass a dp_group "
+            f"that holds every {k} rank")
     if cfg.tuning == "auto":
         raise ValueError(f"tuning='auto'{sep}{problem}" + (", or use tuning='fixed'" if dp_group is None else ""))
     warnings.warn(f"DBORunner{sep}{problem}; this will raise ValueError in the next release", DeprecationWarning,

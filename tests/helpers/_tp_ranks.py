@@ -114,7 +114,7 @@ def tp_exact(rank: int, world_size: int, cases: list[Case], deterministic: bool 
 def tp_loaded(rank: int, world_size: int, ckpt: str) -> dict[str, Any]:
     """What this rank's load of ``ckpt`` kept: each slot's shape and the tensors it read."""
     model, report = load_tp_checkpoint(ckpt, tp_group=_group())
-    return {"shapes": {name: tuple(model.slots._slots[name].shape) for name in model.slots.names()},
+    return {"shapes": {name: tuple(model.slots[name].shape) for name in model.slots.names()},
             "read": report.tensors_read, "vocab_start": model.vocab_start}
 
 
@@ -127,6 +127,10 @@ async def _serving(case: Case) -> dict[str, Any]:
     model = tp_from_hf_model(case.hf_model(), tp_group=group, max_ubatches=4, block_size=4, num_kv_blocks=256,
                              deterministic=True)
     out: dict[str, Any] = {}
+    try:  # without the TP group in its vote, each rank would choose its own ubatch count
+        DBORunner(model, RunnerConfig(tuning="auto", thresholds=ALWAYS))
+    except ValueError as e:
+        out["refusal"] = str(e)
     auto = DBORunner(model.with_fresh_cache(), RunnerConfig(tuning="auto", thresholds=ALWAYS), dp_group=group)
     builder = BatchBuilder(model.kv_cache_config)
     out["auto_arms"] = []

@@ -40,7 +40,7 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def _weights(model: Any) -> dict[str, torch.Tensor]:
-    return {name: model.slots._slots[name] for name in model.slots.names()}
+    return {name: model.slots[name] for name in model.slots.names()}
 
 
 def test_a_sharded_checkpoint_loads_shard_by_shard_into_the_models_weights(qwen: Any, sharded: Path) -> None:

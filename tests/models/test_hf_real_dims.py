@@ -95,7 +95,7 @@ def test_a_written_sharded_checkpoint_loads_into_exactly_what_is_on_disk(name: s
             for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 on_disk = f.get_tensor(key)
                 assert torch.isfinite(on_disk.float()).all(), key
-                held = model.slots._slots[architecture_for(config).hub_name(key)]
+                held = model.slots[architecture_for(config).hub_name(key)]
                 assert torch.equal(held, on_disk.to(held.dtype)), key
                 if key.endswith("norm.weight"):
                     assert torch.equal(on_disk, torch.ones_like(on_disk)), key
@@ -124,7 +124,7 @@ def test_the_checkpoint_is_the_seeds_and_large_tensors_come_from_the_pool(tmp_pa
 def test_the_estimate_has_the_models_parameter_and_kv_cache_bytes(name: str, dtype: torch.dtype) -> None:
     config = small_config(name)
     model = HFMoEModel(architecture_for(config), dtype=dtype, block_size=16, num_kv_blocks=5)
-    held = {t.data_ptr(): t.numel() * t.element_size() for t in (model.slots._slots[n] for n in model.slots.names())}
+    held = {t.data_ptr(): t.numel() * t.element_size() for t in (model.slots[n] for n in model.slots.names())}
     cache = model.kv_cache
     est = estimate_memory(config, ranks=1, dtype=dtype, num_kv_blocks=5, block_size=16, step_tokens=8, longest_context=8)
     assert est.weights == sum(held.values())

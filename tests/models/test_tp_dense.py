@@ -202,14 +202,18 @@ def test_an_in_memory_model_is_cut_to_the_same_blocks_a_checkpoint_gives(tmp_pat
     b, _ = load_tp_checkpoint(tmp_path, model="llama")
     assert a.lm_head_WD is a.embed_WD
     for name in a.slots.names():
-        assert torch.equal(a.slots._slots[name], b.slots._slots[name]), name
-    assert math.isclose(sum(t.numel() for t in a.slots._slots.values()),
+        assert torch.equal(a.slots[name], b.slots[name]), name
+    assert math.isclose(a.slots.numel(),
                         sum(p.numel() for p in hf.parameters()))
 
 
 @pytest.mark.timeout(120)
 def test_auto_tuning_exact_check_and_the_engine_run_a_tp_model_unchanged(pool: RankPool) -> None:
     a, b = pool.run(tp_serving, Case(model="qwen3"))
+    assert a["refusal"] == (  # the TP group named as such, and its collectives as what would differ
+        "tuning='auto' with a TP group of 2 ranks [0, 1] needs dp_group: without it each rank chooses its "
+        "configuration from its own step times, and TP peers that choose different ubatch counts issue different "
+        "collectives; pass dp_group= a group holding every TP rank (e.g. the TP group itself), or use tuning='fixed'")
     assert torch.equal(a["auto_logits"], b["auto_logits"]) and a["auto_arms"] == b["auto_arms"]
     assert a["exact"].startswith("exact: the DBO step (2 ubatches) equals the serial step bit for bit"), a["exact"]
     assert a["engine"][True] == a["engine"][False] == b["engine"][True], a["engine"]

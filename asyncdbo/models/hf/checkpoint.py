@@ -120,7 +120,7 @@ def load_checkpoint(directory: str | Path, *, model: str | None = None, **kwargs
                         net.slots.fill_rows(hub, shape, _rows_of(tensor_slice), origin=str(path / file),
                                             block_rows=READ_BLOCK_BYTES // max(1, row_bytes))
                     taken.append(name)
-                elif FUSED_EXPERTS.match(hub) and _read_fused(net, arch, hub, f.get_slice(name), origin=str(path / file)):
+                elif FUSED_EXPERTS.match(hub) and read_fused_experts(net, arch, hub, f.get_slice(name), origin=str(path / file)):
                     taken.append(name)
         read[file] = tuple(taken)
     net.check_loaded(str(path / (INDEX if (path / INDEX).is_file() else SINGLE)))
@@ -132,8 +132,9 @@ def _rows_of(tensor_slice: Any) -> Callable[[int, int], Any]:
     return lambda a, b: tensor_slice[a:b]
 
 
-def _read_fused(net: HFMoEModel, arch: Any, hub: str, tensor_slice: Any, *, origin: str) -> bool:
-    """Fill this rank's experts from a fused expert tensor, reading only their rows."""
+def read_fused_experts(net: HFMoEModel, arch: Any, hub: str, tensor_slice: Any, *, origin: str) -> bool:
+    """Fill this rank's experts from a fused expert tensor, reading only their rows (the MoE and the
+    TP loaders share it: False when this rank owns none of the tensor's experts)."""
     m = FUSED_EXPERTS.match(hub)
     assert m is not None
     g, u, d = arch.expert_names

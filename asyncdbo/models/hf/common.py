@@ -275,6 +275,14 @@ class WeightSlots:
     def names(self) -> list[str]:
         return list(self._slots)
 
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """The tensor registered for ``name`` (KeyError if this rank has no slot for it)."""
+        return self._slots[name]
+
+    def numel(self) -> int:
+        """Elements this rank holds for the checkpoint (what it kept of the full model)."""
+        return sum(t.numel() for t in self._slots.values())
+
     @torch.no_grad()
     def fill(self, name: str, value: torch.Tensor, *, origin: str) -> bool:
         """Copy ``value`` into the slot ``name`` (cast to its dtype); False if there is no slot.

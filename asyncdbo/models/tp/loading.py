@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ..hf.checkpoint import INDEX, SINGLE, LoadReport, _read_fused, read_config, shard_map
+from ..hf.checkpoint import INDEX, SINGLE, LoadReport, read_fused_experts, read_config, shard_map
 from ..hf.deepseek_v3 import DeepseekV3
 from ..hf.model import FUSED_EXPERTS, hub_layout
 from .arch import dense_architecture_for
@@ -69,7 +69,7 @@ def load_tp_checkpoint(directory: str | Path, *, model: str | None = None,
             for name in per_shard[file]:
                 name_in_file, name = name, arch.hub_name(name) if isinstance(arch, DeepseekV3) else name
                 if not slots.wants(name):
-                    if FUSED_EXPERTS.match(name) and _read_fused(net, arch, name, f.get_slice(name_in_file),  # type: ignore[arg-type]
+                    if FUSED_EXPERTS.match(name) and read_fused_experts(net, arch, name, f.get_slice(name_in_file),  # type: ignore[arg-type]
                                                                  origin=origin):
                         taken.append(name_in_file)
                     continue

@@ -30,6 +30,7 @@ position and every reduction in rank order (:func:`~asyncdbo.dist.tp.tp_all_redu
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -133,7 +134,7 @@ class TPDenseModel:
         self.sequence_parallel = sequence_parallel
         #: The TP group and its per-ubatch clones; named ``ep_comm`` too, so that a DBORunner checks
         #: its DP vote holds every TP rank (every rank of the group must run the same ubatches).
-        self.tp_comm: EPComm = ep_comm(tp_group, max_ubatches=max_ubatches)
+        self.tp_comm: EPComm = dataclasses.replace(ep_comm(tp_group, max_ubatches=max_ubatches), kind="TP")
         self.ep_comm = self.tp_comm
         P, r = self.tp_comm.size, self.tp_comm.rank
         hf = self.hf = arch.hf
