@@ -41,6 +41,7 @@ from collections.abc import Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import _vllm_ubatch
 from asyncdbo import dbo_yield
 from asyncdbo.backends.host import HostBackend
 from asyncdbo.dbo.hooks import on_exit, run_pending_hook
@@ -336,6 +337,11 @@ DESIGNS: dict[str, Design] = {
         Design(name="work_only", fn=bench_work_only, cost="fast", label="no handoff (the work alone)"),
     )
 }
+
+
+if _vllm_ubatch.available():  # vLLM's own UBatchContext beside the re-implementation (_vllm_ubatch.py)
+    DESIGNS["vllm"] = Design(name="vllm", fn=_vllm_ubatch.bench_vllm_yield, cost="threads",
+                             label=f"vLLM {_vllm_ubatch.version()} `UBatchContext` (its own code, CUDA calls stubbed)")
 
 
 def check_round_robin(N: int = 3, K: int = 4, depth: int = 2) -> dict[str, list[int]]:

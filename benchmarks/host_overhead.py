@@ -28,6 +28,9 @@ interleaved in every round:
   the same code without DBO: what the DBO layer adds to the kernel, before any stream work. The
   gap from here to ``asyncdbo`` is the ``ht`` sequence's own work (4 event records and waits,
   4 stream switches, the role checks and missing-await marks of 6 primitive calls);
+* ``vllm`` (only where ``vllm`` is importable): vLLM's own ``UBatchContext`` threads making the
+  calls of its DeepEP ``ht`` path (``benchmarks/_vllm_ubatch.py``), over the same calls with DBO
+  off (``vllm no-DBO``);
 * ``threads`` / ``threads pinned``: the ubatches driven by ``benchmarks/_thread_baton.py``,
   ``moe_step.py``'s driver (vLLM's ``UBatchWrapper`` control flow: one OS thread per ubatch, a
   ``threading.Event`` baton each), the same primitives, streams and events; ``pinned`` runs
@@ -76,6 +79,7 @@ from types import ModuleType
 from typing import Any
 
 import _progress
+import _vllm_ubatch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -208,7 +212,8 @@ def ladder_designs(layers: int, N: int) -> dict[str, Design]:
     }
 
 
-BASELINES = {"floor": "floor no-switch", "kernel": "kernel no-switch", "dbo_yield": "dbo_yield no-switch"}
+BASELINES = {"floor": "floor no-switch", "kernel": "kernel no-switch", "dbo_yield": "dbo_yield no-switch",
+             "vllm": "vllm no-DBO"}
 
 
 def _times(design: Design, repeat: int, runner: asyncio.Runner) -> tuple[float, float]:
@@ -264,6 +269,9 @@ def designs(pkgs: dict[str, Any], layers: int, N: int) -> dict[str, Design]:
             os.sched_setaffinity(0, cpus)
 
     out["threads pinned"] = pinned
+    if _vllm_ubatch.available():  # vLLM's own UBatchContext, over its own code with DBO off
+        out["vllm"] = lambda: _vllm_ubatch.vllm_ht_step(layers, N)
+        out["vllm no-DBO"] = lambda: _vllm_ubatch.vllm_ht_serial(layers, N)
     return out
 
 
@@ -279,7 +287,9 @@ def measure(pkgs: dict[str, Any], layers: int, N: int, rounds: int, runner: asyn
     # Repeat each step so that one sample lasts ~60,000 yields of asyncdbo time; threads get fewer.
     yields = layers * YIELDS_PER_LAYER * N
     reps = {name: max(1, 60_000 // yields) for name in ds}
-    reps["threads"] = reps["threads pinned"] = max(1, reps["threads"] // 20)
+    for slow in ("threads", "threads pinned", "vllm", "vllm no-DBO"):
+        if slow in reps:
+            reps[slow] = max(1, reps[slow] // 20)
     for name, fn in ds.items():  # warm-up
         _times(fn, 1, runner)
     bases = {"no DBO", *BASELINES.values()}
@@ -380,6 +390,11 @@ def main(argv: list[str] | None = None) -> int:
         title = "Host overhead per yield: an eager ht step of primitives, no comm, no parking"
         lines, info = results_preamble(title, command)
         names = ["floor", "kernel", "dbo_yield", *pkgs, "threads", "threads pinned"]
+        if _vllm_ubatch.available():
+            names.append("vllm")
+            lines.append(f"`vllm`: vLLM {_vllm_ubatch.version()}'s own `UBatchContext` threads making the calls of its "
+                         "DeepEP `ht` prepare/finalize (benchmarks/_vllm_ubatch.py: only the CUDA stream and event calls "
+                         "stubbed), over the same calls with DBO off. `threads`: the re-implemented baton.\n")
         lines.append(
             f"ns of host time per yield over the same code without DBO, medians of {rounds} interleaved rounds "
             "[min..max] (each design's sample minus its baseline's, measured right before it in the same round); wall time, then the process's CPU "

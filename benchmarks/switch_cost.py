@@ -33,7 +33,7 @@ from _switch_bench import DESIGNS, check_round_robin, measure, median_table
 RESULTS = Path(__file__).resolve().parent / "results"
 SWITCH_DESIGNS = [
     "tramp", "tramp_ctx", "asyncdbo", "asyncdbo_aio", "asyncdbo_inst", "asyncdbo_nohooks", "threads", "aio_fut", "aio_fut_uv",
-]
+] + (["vllm"] if "vllm" in DESIGNS else [])  # vLLM's own code where it is installed (benchmarks/_vllm_ubatch.py)
 
 FULL = {
     "rounds": 7,
@@ -105,8 +105,9 @@ def run(cfg: dict, log: list[str]) -> None:
     log.append(
         "| N | depth | asyncdbo / tramp (goal <= 1.5) | asyncdbo / tramp_ctx | threads / asyncdbo (goal >= 30 at N=2) "
         "| disabled tracing: asyncdbo / no-branch loop (goal <= 1.05) | empty Instrument / none |"
+        + (" vLLM's own code / asyncdbo | vLLM's own code / the re-implementation |" if "vllm" in SWITCH_DESIGNS else "")
     )
-    log.append("|---:|---:|---:|---:|---:|---:|---:|")
+    log.append("|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if "vllm" in SWITCH_DESIGNS else ""))
     for (N, depth), m in sorted(med.items()):
         r = m["asyncdbo"] / m["tramp"]
         sp = m["threads"] / m["asyncdbo"]
@@ -115,6 +116,7 @@ def run(cfg: dict, log: list[str]) -> None:
         log.append(
             f"| {N} | {depth} | {r:.2f} ({_goal(r <= 1.5)}) | {m['asyncdbo'] / m['tramp_ctx']:.2f} | {sp_txt} | "
             f"{off:.3f} ({_goal(off <= 1.05)}) | {m['asyncdbo_inst'] / m['asyncdbo']:.2f} |"
+            + (f" {m['vllm'] / m['asyncdbo']:.0f} | {m['vllm'] / m['threads']:.2f} |" if "vllm" in m else "")
         )
     log.append(
         "\n`asyncdbo / tramp_ctx` is the price of the scheduler itself over a trampoline that already gives each "
