@@ -13,10 +13,12 @@ it keeps stepping with an empty batch, because every rank must join every step's
 
 Then the same two ranks let :class:`asyncdbo.serving.Engine` run the whole loop over a replayed
 arrival trace (continuous batching: requests join and finish between steps, greedy and seeded
-top-p sampling, EOS/stop tokens, KV blocks freed on finish), once serially and once with DBO, and
-report tokens/s, time to first token and time per output token for each (the second of two
-rounds; the first warms both paths up). The numbers are this machine's, on a tiny model: the point
-is the measurement, which an integrator repeats on their own model and trace.
+top-p sampling, EOS/stop tokens, KV blocks freed on finish), once serially and once with DBO, each
+on a ``StepClock`` (arrivals counted in engine steps, not wall time) so that both runs take the
+same steps with the same tokens, and compare their measured step times with
+``compare_modes`` (the second of two rounds; the first warms both paths up). The numbers are this
+machine's, on a tiny model, one run of each: the point is the measurement, which an integrator
+repeats on their own model and trace.
 
 Thresholds: the defaults (``decode_threshold=32``, ``prefill_threshold=512`` tokens per rank) are
 vLLM's, sized for real batches; at this example's 1-4 running requests per rank no step would
@@ -44,7 +46,8 @@ from asyncdbo.cli.reasons import REASON_WORDS
 from asyncdbo.models.hf.checkpoint import load_checkpoint
 from asyncdbo.models.hf.reference import hf_logits, tiny_hf_model
 from asyncdbo.plan import StepRecord, ThresholdConfig
-from asyncdbo.serving import BatchBuilder, DBORunner, Engine, RunnerConfig, SamplingParams, trace_requests
+from asyncdbo.serving import (BatchBuilder, DBORunner, Engine, RunnerConfig, SamplingParams, StepClock, compare_modes,
+                              trace_requests)
 from asyncdbo.testing import run_ranks
 
 STEPS = 4
@@ -102,7 +105,7 @@ def serve_trace(model: Any, rank: int, group: Any) -> dict[str, Any]:
     g = torch.Generator().manual_seed(100 + rank)
     n = 6 if rank == 0 else 3
     prompts = [torch.randint(0, 96, (int(k),), generator=g).tolist() for k in torch.randint(3, 24, (n,), generator=g)]
-    arrivals = [0.02 * i + 0.05 * rank for i in range(n)]  # seconds from the run's start
+    arrivals = [0.02 * i + 0.05 * rank for i in range(n)]  # seconds of the StepClock: 2 steps apart, rank 1 5 later
     params = [SamplingParams(max_tokens=4 + 2 * (i % 3), stop_token_ids=(95,)) for i in range(n)]
     params[-1] = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=7)  # one sampled request
     trace = trace_requests(prompts, arrivals, params)
@@ -112,10 +115,12 @@ def serve_trace(model: Any, rank: int, group: Any) -> dict[str, Any]:
             net = model.with_fresh_cache()
             runner = DBORunner(net, RunnerConfig(num_ubatches=2, thresholds=THRESHOLDS), dp_group=group)
             builder = BatchBuilder(net.kv_cache_config, vocab_size=96)
-            report = asyncio.run(Engine(runner, builder, enabled=enabled).run(trace))
+            clock = StepClock(step_s=0.01)  # each arrival lands on the same step in both runs
+            report = asyncio.run(Engine(runner, builder, enabled=enabled, clock=clock, sleep=clock.sleep).run(trace))
             assert builder.num_free_blocks == net.kv_cache_config.num_blocks  # every block came back
-            out[mode] = {"summary": report.summary(), "steps": describe(list(report.records), serial=not enabled),
+            out[mode] = {"report": report, "steps": describe(list(report.records), serial=not enabled),
                          "outputs": {i: list(o.output_ids) for i, o in report.outputs.items()}}
+    out["compared"] = compare_modes(out["serial"].pop("report"), out["dbo"].pop("report")).summary()
     out["trace"] = [(list(r.prompt), r.params) for r in trace]
     return out
 
@@ -155,15 +160,10 @@ def report(hf_model: Any, results: list[dict[str, Any]]) -> None:
             assert same, (rank, rid)
     for rank, res in enumerate(results):
         served = res["served"]
-        for mode in ("serial", "dbo"):
-            print(f"rank {rank}, replayed trace, {mode}: {served[mode]['summary']}")
-            for i, line in enumerate(served[mode]["steps"]):
-                print(f"  step {i}: {line}")
-        counts = [len(served[mode]["steps"]) for mode in ("serial", "dbo")]
-        if counts[0] != counts[1]:
-            print(f"  (serial and DBO ran {counts[0]} and {counts[1]} steps: the engine steps on the arrival clock, so "
-                  "when steps take longer more requests arrive per step and fewer steps batch them; each mode's "
-                  "tokens/s and times are one run, a single sample)")
+        print(f"rank {rank}, replayed trace, with DBO:")
+        for i, line in enumerate(served["dbo"]["steps"]):
+            print(f"  step {i}: {line}")
+        print(f"  {served['compared']}")
         assert served["serial"]["outputs"] == served["dbo"]["outputs"], rank
         for i, (prompt, params) in enumerate(served["trace"]):
             if params.temperature:

@@ -12,6 +12,7 @@ from .batch import Batch, BatchBuilder, check_token_ids
 from .engine import Engine, EngineReport
 from .requests import Request, RequestOutput, RequestStatus, trace_requests
 from .exact import ExactDifference, ExactReport, exact_check, exact_tap
+from .modes import ModeComparison, StepClock, compare_modes
 from .kv_cache import PAD_SLOT_ID, KVCacheConfig, PagedKVCache, slots_for
 from .runner import DBORunner, RunnerConfig, StepResult, current_slice
 from .sampling import NonFiniteLogitsError, SamplingParams, sample_tokens
@@ -30,6 +31,7 @@ __all__ = [
     "ExactDifference",
     "ExactReport",
     "KVCacheConfig",
+    "ModeComparison",
     "NonFiniteLogitsError",
     "PagedKVCache",
     "Request",
@@ -37,8 +39,10 @@ __all__ = [
     "RequestStatus",
     "RunnerConfig",
     "SamplingParams",
+    "StepClock",
     "StepResult",
     "check_token_ids",
+    "compare_modes",
     "current_slice",
     "exact_check",
     "exact_tap",

@@ -21,7 +21,7 @@ import asyncdbo.serving.engine as engine_module
 from asyncdbo.models.hf import from_hf_model
 from asyncdbo.models.hf.reference import tiny_hf_model
 from asyncdbo.plan import ThresholdConfig
-from asyncdbo.serving import BatchBuilder, DBORunner, Engine, Request, RunnerConfig, SamplingParams
+from asyncdbo.serving import BatchBuilder, DBORunner, Engine, Request, RunnerConfig, SamplingParams, StepClock
 
 ALWAYS = ThresholdConfig(decode_threshold=1, prefill_threshold=1)
 VOCAB = 96
@@ -35,21 +35,6 @@ class Fault:
     where: str
     step: int
     rank: int = 0
-
-
-class StepClock:
-    """An injected clock that advances 0.5 s at every read: the engine reads it twice per step
-    (admission, after sampling), so every step lasts exactly 1 s; an idle wait adds its own time."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        self.t += 0.5
-        return self.t
-
-    async def sleep(self, dt: float) -> None:
-        self.t += dt
 
 
 def trace(rank: int, n: int = 7) -> list[Request]:
@@ -131,7 +116,7 @@ async def serve(model: Any, rank: int, group: Any, fault: Fault) -> dict[str, An
     net = model.with_fresh_cache()
     runner = DBORunner(net, RunnerConfig(num_ubatches=2, thresholds=ALWAYS, watchdog_s=None), dp_group=group)
     builder = BatchBuilder(net.kv_cache_config, vocab_size=VOCAB)
-    clock = StepClock()
+    clock = StepClock(step_s=1.0)  # every step lasts exactly 1 s of the engine's clock
     eng = Engine(runner, builder, enabled=True, max_num_seqs=3, clock=clock, sleep=clock.sleep, seed=5)
     original = engine_module.sample_finite
     _inject(eng, net, fault, rank)

@@ -16,20 +16,22 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _engine_faults import StepClock  # noqa: E402
 
 from asyncdbo.models.hf import from_hf_model  # noqa: E402
 from asyncdbo.models.hf.reference import tiny_hf_model  # noqa: E402
-from asyncdbo.plan import PlanReason, ThresholdConfig  # noqa: E402
+from asyncdbo.plan import PlanReason, StepRecord, ThresholdConfig  # noqa: E402
 from asyncdbo.serving import (  # noqa: E402
     BatchBuilder,
     NonFiniteLogitsError,
     DBORunner,
     Engine,
+    EngineReport,
     Request,
     RequestStatus,
     RunnerConfig,
     SamplingParams,
+    StepClock,
+    compare_modes,
     sample_tokens,
     trace_requests,
 )
@@ -50,7 +52,7 @@ def prompts(*lengths: int, seed: int = 0) -> list[list[int]]:
 
 
 def engine(model: Any, *, enabled: bool, clock: StepClock | None = None, **kw: Any) -> Engine:
-    clock = clock or StepClock()
+    clock = clock or StepClock(step_s=1.0)  # every step lasts exactly 1 s of the engine's clock
     runner = DBORunner(model, RunnerConfig(thresholds=ALWAYS))
     return Engine(runner, BatchBuilder(model.kv_cache_config, vocab_size=96), enabled=enabled, clock=clock, sleep=clock.sleep, **kw)
 
@@ -135,7 +137,7 @@ async def test_seeded_sampling_is_reproducible_and_the_same_serial_or_dbo(hf_mod
 @pytest.mark.asyncio
 async def test_a_replayed_trace_reports_ttft_tpot_and_tokens_per_second(hf_models: dict[str, Any]) -> None:
     model = from_hf_model(hf_models["qwen3-moe"], block_size=4, num_kv_blocks=32, max_ubatches=2)
-    clock = StepClock()
+    clock = StepClock(step_s=1.0)
     # Request 1 arrives at 10 s, long after request 0 finished: the engine waits (sleep) for it.
     trace = trace_requests(prompts(5, 6), [0.0, 10.0], [SamplingParams(max_tokens=3), SamplingParams(max_tokens=2)])
     report = await engine(model, enabled=True, clock=clock).run(trace)
@@ -330,3 +332,68 @@ def test_an_auto_runner_is_refused_at_construction_for_a_model_built_for_fewer_u
         DBORunner(model, RunnerConfig(tuning="auto"))
     with pytest.raises(ValueError, match=r"num_ubatches \(3\) exceeds max_ubatches \(2\)"):
         DBORunner(model, RunnerConfig(num_ubatches=3))
+
+
+@pytest.mark.asyncio
+async def test_modes_compare_on_the_same_steps_under_a_step_clock_and_refuse_with_the_reason_otherwise(
+        hf_models: dict[str, Any]) -> None:
+    """Serial and DBO on one trace: under a StepClock every arrival lands on the same step, so the
+    runs take the same steps with the same tokens and their measured step times compare; runs
+    that part (here: one admits requests two at a time, the other three) are not compared, and
+    the summary says where they part and what to do."""
+    model = from_hf_model(hf_models["qwen3-moe"], block_size=4, num_kv_blocks=64, max_ubatches=2)
+    trace = trace_requests(prompts(5, 9, 3, 7, 4), [0.0, 0.0, 1.5, 2.5, 4.0], SamplingParams(max_tokens=3))
+    reports = {}
+    for enabled in (False, True):
+        clock = StepClock(step_s=1.0)
+        reports[enabled] = await engine(model.with_fresh_cache(), enabled=enabled, clock=clock).run(trace)
+    serial, dbo = reports[False], reports[True]
+    cmp = compare_modes(serial, dbo)
+    n = len(serial.records)
+    assert cmp.same_steps and cmp.reason == "" and len(cmp.base_s) == len(cmp.other_s) == n > 3
+    assert [sum(r.ubatch_num_tokens) for r in serial.records] == [sum(r.ubatch_num_tokens) for r in dbo.records]
+    assert cmp.speedup == sum(serial.step_s) / sum(dbo.step_s)
+    assert cmp.step_ratios == tuple(a / b for a, b in zip(serial.step_s, dbo.step_s))
+    text = cmp.summary()
+    assert text.startswith(f"serial vs DBO on the same {n} steps (the same tokens in each): step time ")
+    assert f"(median [min..max] of {n}); speedup serial / DBO {cmp.speedup:.2f}x over their total; per-step " in text
+    assert cmp.tokens_per_s == (serial.output_tokens / sum(serial.step_s), dbo.output_tokens / sum(dbo.step_s))
+    assert f"; output tokens per second of step time {cmp.tokens_per_s[0]:.1f} vs {cmp.tokens_per_s[1]:.1f}. " in text
+    assert text.endswith("One run of each: repeat the pair to see the spread between runs")
+
+    clock = StepClock(step_s=1.0)
+    fewer = await engine(model.with_fresh_cache(), enabled=True, clock=clock, max_num_seqs=2).run(trace)
+    parted = compare_modes(serial, fewer, names=("serial", "DBO, 2 at a time"))
+    assert not parted.same_steps and parted.step_ratios == ()
+    assert parted.speedup != parted.speedup  # nan: no ratio of different work
+    assert [len(serial.records), len(fewer.records)] == [7, 9]
+    assert parted.summary() == (
+        "serial and DBO, 2 at a time not compared: serial ran 7 steps and DBO, 2 at a time 9, so they batched the "
+        "trace differently; the engine admits a request when its clock reaches the request's arrival, and on a wall "
+        "clock a mode whose steps take longer admits more requests per step: give each run Engine(clock=c, "
+        "sleep=c.sleep) with its own c = StepClock(), and the same max_num_seqs and KV cache")
+
+
+def _report(tokens: list[int], *, kept: int | None = None) -> EngineReport:
+    records = tuple(StepRecord(step=i, microbatched=False, reason=PlanReason.DISABLED, ubatch_num_tokens=(t,))
+                    for i, t in enumerate(tokens))
+    return EngineReport(outputs={}, records=records, step_s=(0.001,) * (len(tokens) if kept is None else kept),
+                        makespan_s=1.0)
+
+
+def test_runs_with_as_many_steps_but_other_tokens_or_a_cut_ring_are_not_compared() -> None:
+    cmp = compare_modes(_report([8, 3, 2]), _report([8, 5, 0]))
+    assert cmp.reason.startswith("step 1 ran 3 tokens under serial and 5 under DBO, so they batched the trace "
+                                 "differently; the engine admits")
+    assert compare_modes(_report([8, 3]), _report([8, 3], kept=1)).reason == (
+        "a report holds only its last keep_records steps; raise Engine(keep_records=...) above the run's steps")
+    same = compare_modes(_report([8, 3]), _report([8, 3]))
+    assert same.same_steps and same.speedup == 1.0 and same.step_ratios == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "0.01"])
+def test_a_step_clock_refuses_a_step_that_is_not_a_positive_finite_time(bad: Any) -> None:
+    with pytest.raises(ValueError) as err:
+        StepClock(step_s=bad)
+    assert str(err.value) == (f"StepClock step_s must be a finite number of seconds > 0 (got {bad!r}); "
+                              "e.g. StepClock(step_s=0.01)")
