@@ -159,6 +159,10 @@ class StreamBackend(ABC):
     """
 
     name: str = "?"
+    #: The backend's device tensors are host tensors standing in for device ones (the simulator,
+    #: :class:`asyncdbo.testing.fake_device.FakeDevice`): a host read of any tensor then counts as a device
+    #: sync. False on a real device, where reading a CPU tensor waits for nothing.
+    stand_in: bool = False
 
     @abstractmethod
     def attach(self, run: DBORun, state: RunStreams) -> None:

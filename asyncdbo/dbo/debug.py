@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from .._core import (
     SWITCH,
@@ -92,6 +93,9 @@ class BlockingStep:
     cpu_s: float = 0.0
     runq_s: float = 0.0
     host: bool = True
+    #: On a device backend, the host syncs :class:`~asyncdbo.syncs.HostSyncs` saw in the step (one
+    #: line each: op, user line, why it syncs); None where it did not watch (the host backend).
+    syncs: tuple[str, ...] | None = None
 
     def describe(self) -> str:
         where = (f"between yield points {self.from_tag!r} ({self.from_where}) and {self.to_tag!r} "
@@ -105,12 +109,20 @@ class BlockingStep:
                 "time.sleep, a lock or a blocking wait (work.wait()); on a loaded machine, torch's intra-op threads "
                 "that this thread waits for count here too (torch.set_num_threads(1) rules them out)."
             )
-        return (
-            f"asyncdbo: ubatch {self.ub} blocked the CPU for {self.blocked_s * 1e3:.1f} ms {where}. Measured: "
-            f"{self.wall_s * 1e3:.1f} ms wall, less {self.runq_s * 1e3:.1f} ms waiting for a free core. On a device "
-            "backend the CPU only launches work, so look for a host sync (.item(), .tolist(), .cpu(); "
-            "asyncdbo.syncs.HostSyncs names each one and its line), a time.sleep or a lock in that stretch."
-        )
+        measured = (f"asyncdbo: ubatch {self.ub} blocked the CPU for {self.blocked_s * 1e3:.1f} ms {where}. Measured: "
+                    f"{self.wall_s * 1e3:.1f} ms wall, less {self.runq_s * 1e3:.1f} ms waiting for a free core. ")
+        if self.syncs is None:
+            return measured + ("On a device backend the CPU only launches work, so look for a host sync (.item(), "
+                               ".tolist(), .cpu(); asyncdbo.syncs.HostSyncs names each one and its line), a time.sleep "
+                               "or a lock in that stretch.")
+        if not self.syncs:
+            return measured + ("asyncdbo.syncs.HostSyncs watched the stretch and saw no host sync in it, so the CPU "
+                               "was held by something else: a time.sleep, a lock, a blocking wait (work.wait()), or "
+                               "launching that much work.")
+        n = len(self.syncs)
+        return measured + (f"In that stretch asyncdbo.syncs.HostSyncs saw {n} host sync{'s' if n != 1 else ''}, each "
+                           "a wait for the device: " + "; ".join(self.syncs) + ". Keep the value on the device, or "
+                           "move the read out of the stretch (before a yield point, or after the step).")
 
 
 class YieldChecker(Instrument):
@@ -230,18 +242,35 @@ class BlockingDetector(Instrument):
         self._open: dict[int, tuple[float, float, float, float, str | None, str]] = {}
         self._host = True
         self._times = _ThreadTimes()
+        self._watch: Any = None  # the step's HostSyncs (device backends), entered at resuming
+        self._device_only = False
 
     def run_started(self, run: DBORun) -> None:
         self.found = []
         self._open = {}
-        self._host = run.ext.backend.install_stream is None  # no device stream: compute is the CPU
+        backend = run.ext.backend
+        self._host = backend.install_stream is None  # no device stream: compute is the CPU
+        # On a real accelerator only its tensors sync; a stand-in's CPU tensors play the device's.
+        self._device_only = not getattr(backend, "stand_in", False)
         self._clock = run.clock
 
     def resuming(self, ub: UBatch) -> None:
+        if not self._host:  # what the step syncs on, said in the warning (torch is there: a device backend)
+            from ..syncs import HostSyncs
+
+            self._watch = HostSyncs(device_only=self._device_only).__enter__()
         cpu, runq = self._times.read()
         self._open[ub.id] = (_wall(), cpu, runq, self._clock.now(), ub.tag, _where(ub))
 
+    def _close_watch(self) -> tuple[str, ...] | None:
+        watch, self._watch = self._watch, None
+        if watch is None:
+            return None
+        watch.__exit__(None, None, None)
+        return tuple(str(r) for r in watch.records)
+
     def stepped(self, ub: UBatch, request: object) -> None:
+        syncs = self._close_watch()
         opened = self._open.pop(ub.id, None)
         if opened is None:
             return
@@ -252,12 +281,13 @@ class BlockingDetector(Instrument):
         if blocked > self.threshold_s:
             step = BlockingStep(ub.id, from_tag, ub.tag if request is not None else "exit", from_where,
                                 _where(ub) if request is not None else "exit", wall, blocked, t0, self._clock.now(),
-                                cpu - cpu0, runq - runq0, self._host)
+                                cpu - cpu0, runq - runq0, self._host, syncs)
             self.found.append(step)
             ub.run.ext.blocking.append(step)  # now: a tracer reads them when the run finishes
             log.warning("%s", step.describe())
 
     def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
+        self._close_watch()  # a step that raised never reached stepped: its watch is still on top
         self._times.close()
 
 
@@ -269,5 +299,7 @@ def debug_instruments(mode: DebugMode) -> list[Instrument]:
 
     insts: list[Instrument] = [CommGuard(), YieldChecker(), StreamContextGuard()]
     if mode.blocking_s is not None:
-        insts.append(BlockingDetector(mode.blocking_s))
+        # First: its per-step sync watch sits above CommGuard's run-long dispatch mode, so at the
+        # end of a run that failed mid-step it must leave the mode stack before CommGuard does.
+        insts.insert(0, BlockingDetector(mode.blocking_s))
     return insts

@@ -148,6 +148,8 @@ class SimBackend(OpAccounting, StreamBackend):
     no host sync (:mod:`asyncdbo.sim.serving`).
     """
 
+    stand_in = True  # CPU tensors play the simulated device's
+
     name = "sim"
     _active: DBORun | None = None  # the one sim run in progress (see attach)
 

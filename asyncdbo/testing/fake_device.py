@@ -389,6 +389,7 @@ class FakeDevice:
         patch(cuda, "synchronize", lambda device=None: self.host_sync("torch.cuda.synchronize()"))
         patch(cuda, "_sleep", lambda cycles: self.kernel(cycles / self.cycles_per_ms, "_sleep"))
         patch(torch.Tensor, "record_stream", lambda t, stream: self.record_stream(t, stream))
+        patch(AcceleratorBackend, "stand_in", True)  # its "cuda" tensors are CPU tensors
         attach, detach = AcceleratorBackend.attach, AcceleratorBackend.detach
 
         def watched_attach(be: Any, run: DBORun, state: Any) -> None:

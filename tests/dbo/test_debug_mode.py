@@ -145,6 +145,52 @@ def test_on_a_device_backend_the_blocking_warning_suggests_a_host_sync() -> None
         "asyncdbo.syncs.HostSyncs names each one and its line), a time.sleep or a lock in that stretch.")
 
 
+def test_on_a_device_the_blocking_warning_names_the_host_syncs_it_saw_or_says_it_saw_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The detector watches each stretch with asyncdbo.syncs.HostSyncs on a device backend (here
+    the fake device): ubatch 0's stretch reads a value to the host, ubatch 1's does not; both take
+    30 ms of the test's clock. The warning names the sync and its line where there was one, and
+    says none was seen (so it suggests none) where there was not."""
+    torch = pytest.importorskip("torch", reason="a device backend (CI runs tests/dbo on 3.12/3.13 without torch)")
+    import asyncdbo
+    from asyncdbo import run_ubatches_with_stats
+    from asyncdbo.backends.accelerator import AcceleratorBackend
+    from asyncdbo.dbo import debug
+    from asyncdbo.testing.fake_device import FakeDevice
+
+    now = {"wall": 0.0}
+    monkeypatch.setattr(debug, "_wall", lambda: now["wall"])
+    monkeypatch.setattr(debug._ThreadTimes, "read", lambda self: (0.0, 0.0))
+
+    async def forward(i: int, x: torch.Tensor) -> float:
+        await dbo_yield("attn")
+        total = x.sum()
+        if i == 0:
+            total.item()  # THE SYNC
+        now["wall"] += 0.030
+        await dbo_yield("moe")
+        return 0.0
+
+    with open(__file__) as f:
+        line = next(n + 1 for n, ln in enumerate(f) if ln.rstrip().endswith("# THE SYNC"))
+    with FakeDevice():
+        x = torch.ones(4)
+        _, stats = asyncdbo.run(lambda: run_ubatches_with_stats(
+            forward, [(0, x), (1, x)], backend=AcceleratorBackend("cuda"), debug=True, blocking_s=0.02))
+    synced, clean = stats.blocking
+    assert (synced.ub, clean.ub) == (0, 1) and (synced.host, clean.host) == (False, False)
+    (sync,) = synced.syncs
+    assert sync.startswith(f"aten._local_scalar_dense at {__file__}:{line} (ubatch 0): ")
+    assert synced.describe().endswith(
+        f"In that stretch asyncdbo.syncs.HostSyncs saw 1 host sync, each a wait for the device: {sync}. Keep the "
+        "value on the device, or move the read out of the stretch (before a yield point, or after the step).")
+    assert clean.syncs == ()
+    assert clean.describe().endswith(
+        "Measured: 30.0 ms wall, less 0.0 ms waiting for a free core. asyncdbo.syncs.HostSyncs watched the stretch "
+        "and saw no host sync in it, so the CPU was held by something else: a time.sleep, a lock, a blocking wait "
+        "(work.wait()), or launching that much work.")
+
+
 @pytest.mark.asyncio
 async def test_the_thread_times_are_this_threads_cpu_and_run_queue_wait() -> None:
     from asyncdbo.dbo.debug import _ThreadTimes

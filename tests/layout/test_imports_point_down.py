@@ -20,7 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "lowlevel": {"_core"},
     "backends": {"_core"},
     "syncs": {"_core"},  # the host-sync detector: watches torch ops, knows no backend
-    "dbo": {"_core", "backends"},
+    "dbo": {"_core", "backends", "syncs"},  # syncs: debug mode's blocking warning names the syncs it saw
     "dist": {"_core", "backends", "dbo"},
     "plan": {"_core"},  # its errors derive from the one root (asyncdbo._core.errors)
     "observe": {"_core", "backends", "dbo"},
