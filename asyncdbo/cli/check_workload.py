@@ -50,10 +50,12 @@ def _thresholds(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace, model: Any, dep: Any, header: Any, fail_on: list[str],
-        check_rank: Callable[[int], str | None] | None = None) -> int:
+        check_rank: Callable[[int], str | None] | None = None, *, dense: Any = None) -> int:
     """The workload mode of ``asyncdbo check`` (``header(args, model, dep, None)`` prints the
     deployment lines; ``check_rank`` refuses a rank the memory cannot simulate as the trace is
-    read: ``asyncdbo.cli.check.rank_tokens_check``, handed down by the command)."""
+    read: ``asyncdbo.cli.check.rank_tokens_check``, handed down by the command). ``dense``: a
+    :class:`~asyncdbo.sim.dense_workload.DenseStepSims` that times every step instead of the MoE
+    simulation (a dense model under TP: one stream policy, ``auto`` starting from its prediction)."""
     from ..sim.tuning import SIM_AUTO, below_break_even, replay_auto
     from ..sim.workload import StepSims, load_workload, replay, synthetic_workload
 
@@ -64,25 +66,32 @@ def run(args: argparse.Namespace, model: Any, dep: Any, header: Any, fail_on: li
     trace = (synthetic_workload(spec_tokens=thresholds.num_spec_tokens) if args.workload == "synthetic"
              else load_workload(args.workload, check_rank=check_rank))
     steps = list(trace) * args.repeat
-    streams = ["role", "ubatch"] if args.stream_policy == "both" else [args.stream_policy]
+    streams = ["role"] if dense is not None else ["role", "ubatch"] if args.stream_policy == "both" else [args.stream_policy]
+    layer = "MoE layer" if dense is None else "decoder layer"
     header(args, model, dep, None)
     source = "synthetic (seed 0)" if args.workload == "synthetic" else args.workload
     repeat = f", replayed {args.repeat} times in a row" if args.repeat > 1 else ""
+    where = (f"{' and '.join(streams)} streams" if dense is None
+             else "one compute and one comm resource per rank (the dense model has no stream policies)")
     print(f"workload: {source}, {len(trace)} steps x {len(trace[0])} DP ranks{repeat}; policies "
-          f"{', '.join(policies)}; {' and '.join(streams)} streams")
+          f"{', '.join(policies)}; {where}")
     print(f"thresholds: fixed splits a step into {args.ubatches} ubatches ({args.split_policy} split) when every busy rank "
           f"has >= {thresholds.decode_threshold} tokens of uniform decode"
           f"{f' (1 + {thresholds.num_spec_tokens} tokens per request, --spec-tokens)' if thresholds.num_spec_tokens else ''}"
           f" or >= {thresholds.prefill_threshold} "
-          "otherwise (--decode-threshold, --prefill-threshold); auto starts from them")
+          "otherwise (--decode-threshold, --prefill-threshold)"
+          + ("; auto starts from them" if dense is None else ""))
     if "auto" in policies:
         cfg = SIM_AUTO
+        start = ("the thresholds' choice" if dense is None else
+                 "the dense model's prediction for the bucket's smallest step (DBO where it gains, else off; decode at "
+                 f"context {args.context or 2048}, --context)")
         print(f"auto: per shape bucket, off or N={'/'.join(map(str, cfg.ubatch_counts))} with the "
               f"{'/'.join(cfg.splits)} split, from the simulated step times (asyncdbo.serving.AutoPolicy, the runner's); "
-              f"starts from the thresholds' choice, {cfg.warmup} warm-up + {cfg.samples} to {cfg.max_samples} samples per "
+              f"starts from {start}, {cfg.warmup} warm-up + {cfg.samples} to {cfg.max_samples} samples per "
               f"configuration, each paired with one of the incumbent's, the pairs' median ratio apart from 1 by "
-              f"{cfg.margin:.0%} and {cfg.separation:g} standard errors; split dispatch "
-              "only (the sim does not model fused counts)")
+              f"{cfg.margin:.0%} and {cfg.separation:g} standard errors"
+              + ("; split dispatch only (the sim does not model fused counts)" if dense is None else ""))
     runs = len(streams) * (("off" in policies or "fixed" in policies) + ("auto" in policies))
     progress = Progress(runs * len(steps), "workload steps (each composition simulated once)",
                         enabled=wants_progress(getattr(args, "quiet", False)))
@@ -91,7 +100,8 @@ def run(args: argparse.Namespace, model: Any, dep: Any, header: Any, fail_on: li
     auto: dict[str, Any] = {}
     simulations = done = 0
     for pol in streams:
-        sims = StepSims(model=model, deployment=dep, stream_policy=pol, check_races=args.check_races, fail_on=fail_on)
+        sims = dense if dense is not None else StepSims(model=model, deployment=dep, stream_policy=pol,
+                                                         check_races=args.check_races, fail_on=fail_on)
 
         def on_step(i: int, n: int, what: str, _pol: str = pol) -> None:
             progress.step(done + i, f"{what}, {_pol} streams: step {i} of {n}")
@@ -104,15 +114,20 @@ def run(args: argparse.Namespace, model: Any, dep: Any, header: Any, fail_on: li
             if "fixed" in policies:
                 fixed[pol] = res
         if "auto" in policies:
+            prior = None
+            if dense is not None:
+                from ..sim.dense_workload import dense_prior
+
+                prior = dense_prior(dense, SIM_AUTO, context=args.context or 2048)
             auto[pol] = replay_auto(steps, sims=sims, thresholds=thresholds, cfg=SIM_AUTO,
-                                    on_step=lambda i, n: on_step(i, n, "auto"))
+                                    on_step=lambda i, n: on_step(i, n, "auto"), prior=prior)
             done += len(steps)
             rows.append(("auto", pol, auto[pol]))
         simulations += sims.simulations
     progress.done()
     n = len(steps)
     base = rows[0][2]
-    print("throughput, real tokens of all ranks per second of MoE-layer time "
+    print(f"throughput, real tokens of all ranks per second of {layer.replace(' ', '-')} time "
           f"(off runs every step unsplit: {base.tokens / base.serial_s / 1e6:.2f} M):")
     for name, pol, res in rows:
         label = f"  {name:<5} {pol:<6}"
@@ -141,7 +156,7 @@ def run(args: argparse.Namespace, model: Any, dep: Any, header: Any, fail_on: li
     for pol, res in auto.items():
         where = f" ({pol} streams)" if len(streams) > 1 else ""
         print(f"auto{where}: per shape bucket, the choice and its evidence (us per real token of the largest rank, "
-              "per MoE layer; samples)")
+              f"per {layer}; samples)")
         for bucket, (count, exploring) in res.buckets().items():
             if bucket == "idle":
                 continue

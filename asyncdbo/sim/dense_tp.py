@@ -31,12 +31,14 @@ slowed by ``comm_sm_share`` (the SMs NCCL's kernels hold).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..backends.links import LinkSpec, link_spec
 from .devices import DeviceSpec, device_spec
 
-__all__ = ["DENSE_SHAPES", "DenseShape", "DensePrediction", "predict_dense_tp"]
+__all__ = ["DENSE_SHAPES", "DenseShape", "DensePrediction", "all_reduce_s", "layer_stages", "predict_dense_tp",
+           "ubatches_makespan"]
 
 
 @dataclass(frozen=True)
@@ -89,25 +91,44 @@ def _memory(dev: DeviceSpec, nbytes: float) -> float:
     return nbytes / (dev.hbm_Bps * dev.mem_efficiency) + dev.small_kernel_overhead_s
 
 
-def _stages(dev: DeviceSpec, m: DenseShape, tp: int, requests: int, length: int,
-            decode: bool) -> tuple[float, float, float]:
-    """One layer of one (u)batch: attention-block compute, MLP-block compute, one all-reduce's bytes."""
-    T = requests * (1 if decode else length)
+def _attention(dev: DeviceSpec, m: DenseShape, tp: int, reqs: Sequence[tuple[int, int]]) -> float:
+    """One layer's attention over ``reqs`` (``(query tokens, cached tokens)`` each): a one-token
+    request reads its KV cache (memory-bound, ``C 2 (G/P) K * 2`` bytes); a longer one is a
+    prefill chunk, ``2 (H/P) q (c + (q+1)/2) * 2K`` causal FLOPs or reading its q, k, v and o,
+    whichever takes longer. One kernel for the lot."""
+    Hp, Gp, K, b = m.heads // tp, max(1, m.kv_heads // tp), m.head_dim, dev.dtype_bytes
+    kv_bytes = sum(c * 2 * Gp * K * b for q, c in reqs if q == 1)
+    flops = sum(2.0 * Hp * q * (c + (q + 1) / 2) * 2 * K for q, c in reqs if q > 1)
+    chunk_tokens = sum(q for q, _ in reqs if q > 1)
+    t = dev.kernel_overhead_s
+    if kv_bytes:
+        t += _memory(dev, kv_bytes)
+    if chunk_tokens:
+        t += max(flops / (dev.peak_flops * dev.gemm_efficiency),
+                 4 * chunk_tokens * Hp * K * b / (dev.hbm_Bps * dev.mem_efficiency))
+    return t
+
+
+def layer_stages(dev: DeviceSpec, m: DenseShape, tp: int, reqs: Sequence[tuple[int, int]]) -> tuple[float, float, float]:
+    """One layer of one (u)batch of ``reqs`` (``(query tokens, cached tokens)`` each):
+    attention-block compute, MLP-block compute, one all-reduce's bytes."""
+    T = sum(q for q, _ in reqs)
     Hp, Gp, K, D, Ip = m.heads // tp, max(1, m.kv_heads // tp), m.head_dim, m.hidden, m.intermediate // tp
     b = dev.dtype_bytes
     norm = _memory(dev, 3 * T * D * b)
-    if decode:
-        attn = _memory(dev, requests * length * 2 * Gp * K * b) + dev.kernel_overhead_s
-    else:
-        flops = 2.0 * requests * Hp * length * (length + 1) / 2 * 2 * K
-        attn = max(flops / (dev.peak_flops * dev.gemm_efficiency),
-                   4 * T * Hp * K * b / (dev.hbm_Bps * dev.mem_efficiency)) + dev.kernel_overhead_s
-    attn_block = norm + _gemm(dev, T, (Hp + 2 * Gp) * K, D) + attn + _gemm(dev, T, D, Hp * K)
+    attn_block = norm + _gemm(dev, T, (Hp + 2 * Gp) * K, D) + _attention(dev, m, tp, reqs) + _gemm(dev, T, D, Hp * K)
     mlp_block = norm + _gemm(dev, T, 2 * Ip, D) + _memory(dev, 3 * T * Ip * b) + _gemm(dev, T, D, Ip)
     return attn_block, mlp_block, float(T * D * b)
 
 
-def _all_reduce(link: LinkSpec, tp: int, nbytes: float) -> float:
+def _stages(dev: DeviceSpec, m: DenseShape, tp: int, requests: int, length: int,
+            decode: bool) -> tuple[float, float, float]:
+    """:func:`layer_stages` of ``requests`` decodes at context ``length``, or prompts of ``length``."""
+    return layer_stages(dev, m, tp, [(1, length)] * requests if decode else [(length, 0)] * requests)
+
+
+def all_reduce_s(link: LinkSpec, tp: int, nbytes: float) -> float:
+    """NCCL's ring all-reduce of ``nbytes`` over ``tp`` ranks."""
     return 2 * (tp - 1) * link.latency_s + 2 * (tp - 1) / tp * nbytes / link.bandwidth_Bps
 
 
@@ -126,28 +147,38 @@ def predict_dense_tp(model: str | DenseShape, *, tp: int, device: str | DeviceSp
                          f"(got {requests}, {comm_sm_share})")
     dev, lk = device_spec(device), link_spec(link)
     a, f, nbytes = _stages(dev, m, tp, requests, length, decode)
-    ar = _all_reduce(lk, tp, nbytes)
+    ar = all_reduce_s(lk, tp, nbytes)
     serial = m.layers * (a + f + 2 * ar)
     half = requests // 2
     ha, hf, hbytes = _stages(dev, m, tp, half, length, decode)
-    har = _all_reduce(lk, tp, hbytes)
+    har = all_reduce_s(lk, tp, hbytes)
     return DensePrediction(serial_s=serial, dbo_s=_two_ubatches(m.layers, (ha, hf), har, comm_sm_share),
                            comm_s=m.layers * 2 * ar)
 
 
 def _two_ubatches(layers: int, stages: tuple[float, float], ar: float, share: float) -> float:
-    """The makespan of two ubatches alternating on one compute and one comm resource."""
+    """The makespan of two equal ubatches (:func:`ubatches_makespan`)."""
+    return ubatches_makespan(layers, [stages, stages], [ar, ar], share)
+
+
+def ubatches_makespan(layers: int, stages: Sequence[tuple[float, float]], ars: Sequence[float], share: float) -> float:
+    """The makespan of ubatches taking turns on one compute and one comm resource: per layer and
+    stage (attention block, MLP block), ubatch ``u``'s compute of ``stages[u]`` after its previous
+    all-reduce, then its all-reduce of ``ars[u]`` seconds on the comm resource in issue order;
+    compute runs at ``1 - share`` speed while an all-reduce is in flight. One ubatch is the serial
+    step."""
+    n = len(stages)
     compute_free = comm_free = 0.0
-    ready = [0.0, 0.0]  # when each ubatch's last all-reduce completes
+    ready = [0.0] * n  # when each ubatch's last all-reduce completes
     in_flight: list[tuple[float, float]] = []  # (start, end) of the all-reduces issued so far
     for _ in range(layers):
-        for work in stages:
-            for u in (0, 1):
+        for k in (0, 1):
+            for u in range(n):
                 start = max(compute_free, ready[u])
-                end = _slowed(start, work, in_flight, share)
+                end = _slowed(start, stages[u][k], in_flight[-(n + 2):], share)
                 compute_free = end
                 ar_start = max(comm_free, end)
-                comm_free = ready[u] = ar_start + ar
+                comm_free = ready[u] = ar_start + ars[u]
                 in_flight.append((ar_start, comm_free))
     return max(compute_free, comm_free)
 
@@ -156,7 +187,7 @@ def _slowed(start: float, work: float, in_flight: list[tuple[float, float]], sha
     """When compute of ``work`` seconds started at ``start`` ends, running at ``1 - share`` speed
     while an all-reduce is in flight."""
     t, left = start, work
-    for a, b in sorted(in_flight[-4:]):  # only the last few can still be in flight
+    for a, b in sorted(in_flight):  # the caller passes the last few: only those can still be in flight
         if b <= t or left <= 0:
             continue
         if a > t:  # full speed until it starts

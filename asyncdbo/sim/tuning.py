@@ -78,13 +78,15 @@ class AutoReplay(ReplayResult):
 
 def replay_auto(steps: Sequence[Step], *, sims: StepSims, thresholds: ThresholdConfig = ThresholdConfig(),
                 cfg: AutoConfig = SIM_AUTO, min_share: float = 0.48,
-                on_step: Callable[[int, int], None] | None = None) -> AutoReplay:
+                on_step: Callable[[int, int], None] | None = None,
+                prior: Callable[[str], Arm] | None = None) -> AutoReplay:
     """Replay ``steps`` under the ``"auto"`` tuning (module docstring): per step, every rank votes
     yes (idle ranks idle) with its uniform-decode flag and split feasibility, the policy chooses
     the group's configuration, each rank is simulated under it, and the slowest rank's time per
-    real token of the largest rank is what the policy observes for that bucket and configuration."""
+    real token of the largest rank is what the policy observes for that bucket and configuration.
+    ``prior``: each new bucket's first configuration (default: the runner's, from ``thresholds``)."""
     arms = cfg.arms()
-    policy = AutoPolicy(cfg, threshold_prior(thresholds, cfg))
+    policy = AutoPolicy(cfg, prior if prior is not None else threshold_prior(thresholds, cfg))
     result = AutoReplay(policy=policy)
     before = sims.simulations
     for i, step in enumerate(steps):
