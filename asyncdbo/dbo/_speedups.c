@@ -45,6 +45,12 @@ typedef struct {
      * and a free for an offset past the small-int cache) was a third of what naming the line cost */
 #define LASTI_CACHED 2048
     PyObject *lasti[LASTI_CACHED];
+    /* freed Steps kept for the next ones (Cython's freelist: PyObject_Init on the kept memory, untracked
+     * and holding nothing): every primitive call makes one and its await frees it, and an allocation
+     * and a free per call were a tenth of a yield's host time (perf, benchmarks/compare_commits.py --own) */
+#define STEPS_KEPT 16
+    PyObject *kept[STEPS_KEPT];
+    int nkept;
 } State;
 
 static inline State *
@@ -242,8 +248,13 @@ static PyObject *
 step_new(State *st, int kind, PyObject *ub, PyObject *lane, PyObject *tag, PyObject *src, PyObject *dst,
          PyObject *event)
 {
-    StepObject *s = PyObject_GC_New(StepObject, st->step_type);
-    if (s == NULL)
+    StepObject *s;
+    if (st->nkept > 0) {
+        s = (StepObject *)st->kept[--st->nkept];
+        st->kept[st->nkept] = NULL;
+        (void)PyObject_Init((PyObject *)s, st->step_type); /* its type and one reference (a heap type: held) */
+    }
+    else if ((s = PyObject_GC_New(StepObject, st->step_type)) == NULL)
         return NULL;
     s->kind = kind;
     s->state = S_START;
@@ -291,9 +302,14 @@ static void
 step_dealloc(StepObject *s)
 {
     PyTypeObject *tp = Py_TYPE(s);
+    State *st = s->st;
     PyObject_GC_UnTrack(s);
-    step_clear(s);
-    PyObject_GC_Del(s);
+    step_clear(s); /* may run code, which may make and free Steps: the list is read after it */
+    /* kept only while the module's type is configured and is this one (not after module_clear) */
+    if (tp == st->step_type && st->nkept < STEPS_KEPT)
+        st->kept[st->nkept++] = (PyObject *)s;
+    else
+        PyObject_GC_Del(s);
     Py_DECREF(tp);
 }
 
@@ -1185,6 +1201,11 @@ module_clear(PyObject *m)
     Py_CLEAR(st->completed);
     for (int i = 0; i < LASTI_CACHED; i++) /* ints: not in a cycle, not visited */
         Py_CLEAR(st->lasti[i]);
+    while (st->nkept > 0) { /* freed Steps: memory only (no reference held, not tracked) */
+        PyObject *s = st->kept[--st->nkept];
+        st->kept[st->nkept] = NULL;
+        PyObject_GC_Del(s);
+    }
     return 0;
 }
 
