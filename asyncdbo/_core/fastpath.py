@@ -3,7 +3,7 @@
 Why a module of its own: :mod:`asyncdbo._core.kernel` is the reference, the loop a reader follows
 and the tests specify (its invariants). Everything here only makes the same behaviour cheaper, for
 a serving loop that runs the same short step thousands of times: the switch loop in C while no
-instrument or loop wait is involved (:meth:`FastPath._switch_in_c`, whose reference is
+instrument or loop wait is involved (:meth:`FastPath._switch`, whose reference is
 ``DBORun._switch_in_python``), a record's refill and release in C (references ``UBatch._start``,
 ``Endings._release_records``), a finished run refilled for the next one instead of rebuilt
 (:meth:`FastPath.restart`, :meth:`FastPath.rerun`; ``asyncdbo/dbo/shell.py`` keeps such runs) and
@@ -114,24 +114,22 @@ class FastPath(Endings):
 
     # ------------------------------------------------------------------ which loop switches
     def _switch(self) -> None:
-        """Switch ubatches until one parks, finishes or fails (or a loop poll is due): in C where it
-        was loaded and no instrument or loop wait is involved, else in the Python reference. The one
-        place that decides."""
-        if _spin is not None and self.instrument is None and not self._loop_waits:
-            self._switch_in_c()
-        else:
+        """Switch ubatches until one parks, finishes or fails (or a loop poll is due): the one place
+        in Python that picks a loop. In C where it was loaded and no instrument or loop wait is
+        involved (``_switch_in_python`` is its reference), else in the Python loop. The C loop
+        hands back what it cannot decide (:meth:`_spun`); it finishes a ubatch that returns itself
+        (``_finish``, exit hook included) and goes on, so a run whose ubatches only switch is one
+        call (written out here, not in a method of its own: every run starts with it)."""
+        spin = _spin
+        if spin is None or self.instrument is not None or self._loop_waits:
             self._switch_in_python()
-
-    def _switch_in_c(self) -> None:
-        """``_switch_in_python`` without an instrument or a loop wait, in C; it hands back what it
-        cannot decide. It finishes a ubatch that returns itself (``_finish``, exit hook included)
-        and goes on, so a run whose ubatches only switch is one call."""
+            return
         watch = self._num_parked > 0 or bool(self._timers)
         args = self._spin_args[watch]
         if self.installs:
             args = (*args[:5], self.install)
         if self._ready:
-            n, ub, status, value = _spin.spin(*args, self, DONE)  # type: ignore[union-attr]
+            n, ub, status, value = spin.spin(*args, self, DONE)
             if status == _EMPTY:  # each ran to its end, or none is left to run
                 self.num_switches += n
                 return
@@ -141,7 +139,7 @@ class FastPath(Endings):
                 del ub, value  # an error's traceback holds this frame: no cycle through it (invariant 8)
 
     def _spun(self, args: tuple[Any, ...], watch: bool, n: int, ub: UBatch, status: int, value: Any) -> None:
-        """The rest of :meth:`_switch_in_c` once ``spin(*args, self, DONE)`` reported ``n`` switches
+        """The rest of :meth:`_switch`'s C loop once ``spin(*args, self, DONE)`` reported ``n`` switches
         and ``status`` (``ub``, ``value``): act on it, and spin on while one switched with timers or
         wake-ups pending."""
         ready, push = self._ready, self._ready.append

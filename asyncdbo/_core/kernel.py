@@ -122,7 +122,7 @@ class DBORun(FastPath):
         self._ready = deque(self.ubatches)
         self._woken = deque()
         self._timers = []
-        # the C loop's arguments (FastPath._switch_in_c) without an install, with and without wake-ups to
+        # the C loop's arguments (FastPath._switch) without an install, with and without wake-ups to
         # watch (none names the run)
         ready = self._ready
         self._spin_args = ((ready.popleft, ready.append, None, self._timers, SWITCH, None),
@@ -205,7 +205,13 @@ class DBORun(FastPath):
                 # _loop_until_done's first pass (nothing woken, no timer or poll yet), without its coroutine:
                 # a run whose ubatches only switch ends here
                 if self._ready and not (self._timers or self._woken or self._poll_due):
-                    self._switch_in_view()
+                    if view is not None:  # _switch_in_view, inline: every run starts here
+                        set_current_task(loop, view)
+                    try:
+                        self._switch()
+                    finally:
+                        if view is not None:
+                            set_current_task(loop, task)
                 if self._live:  # they parked, or one waits on the loop
                     await self._loop_until_done()
             except BaseException as exc:
@@ -251,14 +257,14 @@ class DBORun(FastPath):
         finally:
             set_current_task(self._loop, self._task)  # type: ignore[arg-type]
 
-    # ---- the switch loop. Ubatches that keep switching stay in it (or in its C twin, FastPath._switch_in_c)
+    # ---- the switch loop. Ubatches that keep switching stay in it (or in its C twin, see FastPath._switch)
     # until one parks or finishes. Completions and loop polls only matter for parked ubatches, so they are checked only while
     # some ubatch is parked (a wake can only target a parked one). Timers added during the loop (a modeled
     # link's releases) fire at the next switch once due: the message is then complete before its ubatch awaits
     # it, which does not park.
     def _switch_in_python(self) -> None:
         """Resume ubatches round-robin until one parks, finishes or fails, or a loop poll is due.
-        The reference for :meth:`_switch_in_c`, and the only path with an instrument or a ubatch
+        The reference for the C loop (:meth:`_switch`), and the only path with an instrument or a ubatch
         waiting on the event loop."""
         ready, woken, timers = self._ready, self._woken, self._timers
         inst = self.instrument
