@@ -7,8 +7,18 @@ noise hits both alike. The base is exported with ``git archive`` into a temporar
 renamed ``asyncdbo_base`` (its own imports are relative; the few absolute ``asyncdbo.`` strings it
 has are rewritten too).
 
+``--own`` measures instead each package's own cost per yield (issue 46 item 4): CPU ns per yield of a
+61-layer step at N = 2 (``--layers``, ``--n``) through ``run_ubatches`` (host backend, set-up
+included) minus the same coroutines awaited in turn outside a run with this checkout's primitives
+(each a no-op there: the same baseline for every package, as ``host_overhead.py``'s ``no DBO``),
+measured right before it in the same round, for two programs: ``yield`` (three ``dbo_yield`` per
+layer) and ``ht`` (``host_overhead.py``'s ``ht`` primitive sequence: three yields, four stream
+switches, three event records and waits per layer); and per extra yield, the run's set-up left out
+(the difference from a 15-layer step in the same round, as ``host_overhead.py``'s marginal cost). ``--base`` may then be given more than once.
+
     python benchmarks/compare_commits.py --base 20e61dd            # prints, writes benchmarks/results/
     python benchmarks/compare_commits.py --base HEAD~3 --quick     # seconds, prints only
+    python benchmarks/compare_commits.py --own --base d7836a9 --base main --rounds 11
 """
 
 from __future__ import annotations
@@ -99,9 +109,91 @@ def one_run(pkg: ModuleType, N: int, K: int, depth: int) -> float:
         return runner.run(main()) / (N * K) * 1e9
 
 
+def own_programs(pkg: ModuleType, layers: int) -> dict[str, Callable[[int], Any]]:
+    """The two programs of ``--own`` written with ``pkg``'s primitives."""
+    from host_overhead import make_forward
+
+    y = pkg.dbo_yield
+
+    async def yields(i: int) -> int:
+        for _ in range(layers):
+            await y("a")
+            await y("b")
+            await y("c")
+        return i
+
+    return {"yield": yields, "ht": make_forward(pkg, layers)}
+
+
+def own_sample(pkg: ModuleType, fn: Callable[[int], Any], base: Callable[[int], Any], N: int, reps: int,
+               runner: asyncio.Runner) -> tuple[float, float]:
+    """(CPU s per step of ``base`` awaited in turn, CPU s per step of ``fn`` through ``pkg.run_ubatches``),
+    measured in that order."""
+    args = [(i,) for i in range(N)]
+
+    async def outside() -> float:
+        c0 = time.process_time()
+        for _ in range(reps):
+            for a in args:
+                await base(*a)
+        return (time.process_time() - c0) / reps
+
+    async def inside() -> float:
+        c0 = time.process_time()
+        for _ in range(reps):
+            await pkg.run_ubatches(fn, args, backend="host")
+        return (time.process_time() - c0) / reps
+
+    return runner.run(outside()), runner.run(inside())
+
+
+#: The short step of ``--own``'s "per extra yield" (host_overhead.py's marginal cost uses 15 and 61 layers too).
+SHORT = 15
+
+
+def own_table(pkgs: dict[str, ModuleType], layers: int, N: int, rounds: int) -> list[str]:
+    """``--own``'s rows: per program, each package's own CPU ns per yield at ``layers`` (the run's
+    set-up shared among its yields) and per extra yield (the set-up left out: the difference from a
+    :data:`SHORT`-layer step measured in the same round, over the yields it adds), medians [min..max]."""
+    import uvloop
+
+    sizes = (layers, SHORT)
+    reps = {L: max(1, 60_000 // (L * 3 * N)) for L in sizes}
+    progs = {(name, L): own_programs(pkg, L) for name, pkg in pkgs.items() for L in sizes}
+    import asyncdbo
+
+    bases = {L: own_programs(asyncdbo, L) for L in sizes}  # awaited outside a run: the same baseline for all
+    rows = []
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        for prog in ("yield", "ht"):
+            for (name, L), fns in progs.items():  # warm-up
+                own_sample(pkgs[name], fns[prog], bases[L][prog], N, 1, runner)
+            per: dict[str, list[float]] = {name: [] for name in pkgs}
+            extra: dict[str, list[float]] = {name: [] for name in pkgs}
+            for _ in range(rounds):
+                for name, pkg in pkgs.items():
+                    own = {}
+                    for L in sizes:
+                        out, run = own_sample(pkg, progs[(name, L)][prog], bases[L][prog], N, reps[L], runner)
+                        own[L] = run - out
+                    per[name].append(own[layers] / (layers * 3 * N) * 1e9)
+                    extra[name].append((own[layers] - own[SHORT]) / ((layers - SHORT) * 3 * N) * 1e9)
+            for what, data in (("per yield", per), ("per extra yield", extra)):
+                med = {k: statistics.median(v) for k, v in data.items()}
+                first = next(iter(med.values()))
+                cells = [f"{med[k]:.1f} [{min(v):.1f}..{max(v):.1f}]" for k, v in data.items()]
+                ratios = [f"{med[k] / first:.2f}" for k in list(data)[1:]]
+                rows.append(f"| {prog} | {what} | {layers} | {N} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", required=True, help="git revision to compare against (e.g. a commit before a change)")
+    parser.add_argument("--base", required=True, action="append",
+                        help="git revision to compare against (e.g. a commit before a change); with --own, repeatable")
+    parser.add_argument("--own", action="store_true", help="each package's own CPU cost per yield (module doc)")
+    parser.add_argument("--layers", type=int, default=61, help="--own: layers per step (default 61)")
+    parser.add_argument("--n", type=int, default=2, help="--own: ubatches (default 2)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round, print only")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--switches", type=int, default=100_000, help="switches per run")
@@ -111,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     _progress.add_quiet_flag(parser)
     args = parser.parse_args(argv)
     rounds, switches = (1, 2_000) if args.quick else (args.rounds, args.switches)
+    if args.own:
+        return main_own(args, rounds)
+    if len(args.base) != 1:
+        parser.error("--base once, unless --own")
+    args.base = args.base[0]
     rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "asyncdbo"], cwd=ROOT, capture_output=True, text=True).stdout)
@@ -151,6 +248,52 @@ def main(argv: list[str] | None = None) -> int:
     _progress.done()
     publish_results("\n".join(lines) + "\n", args.out if args.out is not None else (None if args.quick else RESULTS),
                     "compare_commits", info)
+    return 0
+
+
+def main_own(args: argparse.Namespace, rounds: int) -> int:
+    """``--own``: each base built from its own sources, then the working tree, interleaved."""
+    import asyncdbo
+    import asyncdbo.dbo.primitives
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    head, dirty = git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain", "asyncdbo"))
+    layers, N = (2, 2) if args.quick else (args.layers, args.n)
+    with tempfile.TemporaryDirectory() as tmp:
+        pkgs: dict[str, ModuleType] = {}
+        built: dict[str, bool] = {}
+        for k, base in enumerate(args.base):
+            rev = git("rev-parse", "--short", base)
+            src = Path(tmp) / f"src{k}"
+            src.mkdir()
+            so = tuple((src / "asyncdbo").rglob("*.so")) if build_rev(rev, src) else ()
+            into = Path(tmp) / f"pkg{k}"
+            into.mkdir()
+            pkgs[rev] = export_base(rev, into, f"asyncdbo_base{k}", built=so, built_in=src / "asyncdbo")
+            built[rev] = bool(so)
+        now = f"now {head}{'+changes' if dirty else ''}"
+        pkgs[now] = asyncdbo
+        built[now] = asyncdbo.dbo.primitives.FAST is not None
+        command = "python benchmarks/compare_commits.py --own" + "".join(f" --base {b}" for b in args.base)
+        command += f" --rounds {rounds}" + (" --quick" if args.quick else "")
+        lines, info = results_preamble("Own cost per yield: " + ", ".join(pkgs) + ", same run", command)
+        lines.append(
+            f"CPU ns per yield through `run_ubatches` (host backend, uvloop, set-up included) minus the same "
+            f"coroutines awaited in turn outside a run with this checkout's primitives (no-ops there), measured right "
+            f"before it; {layers} layers x 3 yields x N = "
+            f"{N}, medians of {rounds} interleaved rounds [min..max] (~60,000 yields per sample). 'per extra yield': "
+            f"the same at {layers} layers less at {SHORT} layers, over the {(layers - SHORT) * 3 * N} yields more (the run's set-up "
+            "left out: what a yield costs in a long step). C extensions "
+            "built: " + ", ".join(f"{k} {v}" for k, v in built.items()) + ". Ratios: each over the first.\n")
+        names = list(pkgs)
+        lines.append("| program | ns | layers | N | " + " | ".join(names) + " | "
+                     + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " |")
+        lines.append("|---|---|---:|---:|" + "---:|" * (2 * len(names) - 1))
+        lines += own_table(pkgs, layers, N, rounds)
+    publish_results("\n".join(lines) + "\n", args.out if args.out is not None else (None if args.quick else RESULTS),
+                    "compare_commits_own", info)
     return 0
 
 

@@ -351,13 +351,13 @@ def step_env(st: Step) -> None:
     import torch
 
     import asyncdbo
-    from asyncdbo._core import kernel
+    from asyncdbo._core import fastpath
     from asyncdbo.dbo import primitives
 
     info: dict[str, Any] = {
         "python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(), "asyncdbo": getattr(asyncdbo, "__version__", "?"),
-        "c_loop": kernel._spin is not None, "c_primitives": primitives.FAST is not None,
+        "c_loop": fastpath.C is not None, "c_primitives": primitives.FAST is not None,
     }
     from importlib import metadata
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))
 RESULTS = HERE / "results"
 
 from asyncdbo import dbo_yield, run_ubatches  # noqa: E402
-from asyncdbo._core import kernel, parking  # noqa: E402
+from asyncdbo._core import fastpath, kernel, parking  # noqa: E402
 import _progress  # noqa: E402
 
 DESIGNS = ("blocking sleep 0.1 ms", "loop timer 0.1 ms", "loop timer 1 ms", "none")
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                                    f"python benchmarks/gil_handoff.py --reps {args.reps} --cap-s {args.cap_s:g}")
     lines += [
         f"Kernel default GIL_HANDOFF_S = {parking.GIL_HANDOFF_S:g} s, switch interval {sys.getswitchinterval():g} s, loop_poll_s "
-        f"{kernel.LOOP_POLL_S:g} s, C kernel loop {'on' if kernel._spin is not None else 'off'}; {args.reps} rounds after a "
+        f"{kernel.LOOP_POLL_S:g} s, C kernel loop {'on' if fastpath.C is not None else 'off'}; {args.reps} rounds after a "
         f"warm-up round, every row once per round; the switching ubatch stops after {args.cap_s:g} s. Latency includes the job's own 1 ms sleep.",
         "",
         "| loop | design | job latency ms: median | [min..max] | switches per ms meanwhile: median | [min..max] |",

@@ -321,10 +321,10 @@ def variants(label: str) -> dict[str, Any]:
     """The current package under each extension configuration (module doc), by design name: an
     object with the primitives and a ``run_ubatches`` that runs under that configuration."""
     import asyncdbo
-    from asyncdbo._core import kernel, ubatch
+    from asyncdbo._core import fastpath
     from asyncdbo.dbo import primitives
 
-    spin, resume = kernel._spin, ubatch._Resume
+    spin = fastpath.C
     configs = {"Python": (False, False)}
     if spin is not None:
         configs["C kernel"] = (True, False)
@@ -338,12 +338,8 @@ def variants(label: str) -> dict[str, Any]:
         assert table is not None
 
         async def run(fn: Callable[..., Any], args: Any, c_kernel: bool = c_kernel, **kw: Any) -> Any:
-            saved = kernel._spin, ubatch._Resume
-            kernel._spin, ubatch._Resume = (spin, resume) if c_kernel else (None, None)
-            try:
+            with fastpath.kernel_loop("c" if c_kernel else "python"):  # the kernel's seam for this
                 return await asyncdbo.run_ubatches(fn, args, **kw)
-            finally:
-                kernel._spin, ubatch._Resume = saved
 
         out[f"asyncdbo {label} ({config})"] = types.SimpleNamespace(**table, run_ubatches=run)
     return out

@@ -50,7 +50,7 @@ RESULTS = HERE / "results"
 import uvloop  # noqa: E402
 
 from asyncdbo import dbo_yield, prepare_run, run_ubatches, run_ubatches_with_stats  # noqa: E402
-from asyncdbo._core import kernel  # noqa: E402
+from asyncdbo._core import fastpath, kernel  # noqa: E402
 from asyncdbo.backends import get_backend  # noqa: E402
 from asyncdbo.dbo import shell  # noqa: E402
 
@@ -243,7 +243,7 @@ async def mechanics(n: int, calls: int) -> float | None:
     records refilled and the run's counters reset, each record bound to its lane and stream, the
     task view swapped in, the C loop, the records released, the shell back in its pool. None
     without the C kernel loop. Keep in step with DBORun.rerun/drive and asyncdbo.dbo.shell."""
-    spin = kernel._spin
+    spin = fastpath.C
     if spin is None:
         return None
     from asyncdbo._core.tasks import UBatchTaskView, set_current_task
@@ -275,7 +275,7 @@ async def mechanics(n: int, calls: int) -> float | None:
         set_current_task(loop, UBatchTaskView(run, task))
         # the run's own arguments, as drive passes them (built with its records, not per call)
         status = spin.spin(*run._spin_args[0], run, done)[2]
-        assert status == kernel._EMPTY, status  # each ubatch ran to its end in the one call
+        assert status == fastpath._EMPTY, status  # each ubatch ran to its end in the one call
         set_current_task(loop, task)
         results: list[Any] = spin.release(ubs)
         run._released = True
@@ -334,7 +334,7 @@ def side_by_side_table(args: argparse.Namespace, tmp: Path) -> list[str]:
         f"CPU µs per run_ubatches call (host backend, uvloop, each ubatch yields once; \"now, prepared\": "
         f"prepare_run(backend=\"host\") once, then its run_ubatches), medians of {args.rounds} "
         f"interleaved rounds of {args.calls} calls [min..max]; the base at {rev} with {which}; now with the C "
-        f"kernel loop {'on' if kernel._spin is not None else 'off'}.\n",
+        f"kernel loop {'on' if fastpath.C is not None else 'off'}.\n",
         "| N | " + " | ".join(pkgs) + " | now / base | now, prepared / base (medians) |",
         "|---:|" + "---:|" * (len(pkgs) + 2),
     ]
@@ -352,7 +352,7 @@ def phase_table(args: argparse.Namespace) -> list[str]:
         "## The working tree by phase\n",
         f"CPU time per run_ubatches call, µs, host backend, uvloop, each ubatch yields once; minimum of {args.rounds} "
         f"rounds of {args.calls} calls (after 200 warm-up calls); C kernel loop "
-        f"{'on' if kernel._spin is not None else 'off'}.",
+        f"{'on' if fastpath.C is not None else 'off'}.",
         "",
         "| N | run_ubatches | prepared run | sum of phases | " + " | ".join(PHASES)
         + " | a prepared run's mechanics alone | bare trampoline set-up |",
@@ -363,7 +363,7 @@ def phase_table(args: argparse.Namespace) -> list[str]:
         total = best(lambda n=n: end_to_end(n, args.calls), args.rounds)
         prepared = best(lambda n=n: end_to_end(n, args.calls, PREPARED), args.rounds)
         phases = best(lambda n=n: by_phase(n, args.calls), args.rounds)
-        bare = best(lambda n=n: mechanics(n, args.calls), args.rounds) if kernel._spin is not None else None
+        bare = best(lambda n=n: mechanics(n, args.calls), args.rounds) if fastpath.C is not None else None
         floor = best(lambda n=n: trampoline(n, args.calls), args.rounds)
         lines.append(f"| {n} | {total:.1f} | {prepared:.1f} | {sum(phases.values()):.1f} | "
                      + " | ".join(f"{phases[p]:.1f}" for p in PHASES)

@@ -13,6 +13,9 @@
 * Multi-process tests share one pool of real gloo ranks per world size for the whole session
   (:func:`rank_pools`); a test that breaks its pool (a failed rank closes it) gets a fresh one
   for the next test instead of failing the others.
+* A test that must hold on both kernel loops (the C fast path and the Python reference) takes the
+  :func:`kernel_loop` fixture (``pytestmark = pytest.mark.usefixtures("kernel_loop")`` for a whole
+  file): it runs once per loop through the kernel's one seam, ``asyncdbo._core.fastpath.kernel_loop``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncdbo._core import fastpath
 from asyncdbo.testing import RankPool
 
 HERE = Path(__file__).resolve().parent
@@ -48,6 +52,14 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
     if uvloop is not None:
         factories["uvloop"] = uvloop.new_event_loop
     return factories
+
+
+@pytest.fixture(params=fastpath.LOOPS)
+def kernel_loop(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The test once on each kernel loop this process has: ``"c"`` (``asyncdbo/_core/_spin.c``, what
+    an install with a C compiler runs) and ``"python"`` (the reference alone)."""
+    with fastpath.kernel_loop(request.param):
+        yield str(request.param)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,43 +6,56 @@ through three narrow seams: ``UBatch.resume_with`` plus an ``install`` callable 
 current before a resume: a device stream), ``before_park``/``at_exit`` callables (where vLLM's
 recv hooks run), and the opaque ``ext`` slots on the run and each ubatch.
 
-Invariants (each has a test in tests/core/):
+Invariants (each names the test that specifies it; every test in tests/core/ runs on the C and the Python loop):
 
 1. Exactly one ubatch runs at a time. Runnable ubatches run in strict round-robin order (a ubatch
    that yields goes to the back of the ring), so the same program gives the same interleaving on
    every run.
+   Test: ``tests/core/test_scheduler.py::test_round_robin_for_n_ubatches``.
 2. Only the functions in :mod:`asyncdbo._core.traps` (and asyncio futures, by asyncio's own
    protocol) suspend a ubatch to the kernel, and every resume goes through the loop below: it
    installs the ubatch's ``resume_with`` (if it differs from the installed one) and runs
    ``coro.send`` inside the ubatch's own context. Nothing else restores state.
+   Test: ``tests/core/test_scheduler.py::test_a_resume_installs_the_ubatchs_stream_only_when_another_is_current``.
 3. A ubatch parked on a foreign awaitable or a :class:`Signal` is skipped until it completes. When
    every live ubatch is parked, the scheduler awaits one asyncio future that the first completion
    resolves: the event loop stays free for other tasks and nothing spins.
+   Test: ``tests/core/test_scheduler.py::test_when_every_ubatch_is_parked_the_loop_sleeps_instead_of_spinning``.
 4. When every live ubatch is parked on something no one can produce (a signal that only another
    ubatch could set), the run raises :class:`DeadlockError` with each ubatch's await chain.
+   Test: ``tests/core/test_scheduler.py::test_a_wait_on_an_event_nobody_records_is_a_deadlock_with_every_stack``.
 5. An exception in one ubatch cancels the others at their suspension point (in their own context,
    with their stream installed, a bounded number of times: :mod:`asyncdbo._core.cancel`) and
    propagates with its coroutine traceback and a note naming the ubatch and its last yield.
+   Test: ``tests/core/test_scheduler.py::test_an_exception_cancels_the_others_and_names_the_ubatch_and_its_last_yield``.
 6. Runs share nothing: two runs in two asyncio tasks never see each other's ubatches.
+   Test: ``tests/core/test_scheduler.py::test_two_runs_in_two_tasks_never_see_each_others_state``.
 7. Inside a ubatch asyncio behaves as in a task of its own (:mod:`asyncdbo._core.tasks`): a ubatch
    parked on the event loop (a sleep, a future, an executor) wakes within about ``loop_poll_s``
    even while others keep switching, since the kernel then lets the loop run every
    ``loop_poll_s``; ``asyncio.timeout`` cancels that ubatch only; a task created from a ubatch is
    not part of the run.
+   Test: ``tests/core/test_asyncio_inside_a_ubatch.py::test_a_ubatch_waiting_on_the_loop_wakes_while_another_keeps_switching``.
 8. A finished run frees itself: it drops every ubatch's coroutine, context and state, so results
    and device memory go as soon as the caller drops them, with no cycle collection.
+   Test: ``tests/core/test_failure_paths.py::test_a_finished_run_frees_itself_its_ubatches_and_their_results_without_gc``.
 9. What is current (a device stream) is per OS thread, shared with every other task on the loop:
    before the run waits on the event loop it installs its ``home`` (the caller's stream, set by
    the layer above), and after the wait it installs the next ubatch's ``resume_with`` again
    whatever it installed before, since another task (another run) may have changed it meanwhile.
+   Test: ``tests/core/test_scheduler.py::test_a_run_waiting_on_the_loop_leaves_home_current_and_reinstalls_after``.
 10. A cancel of the task that drives the run ends that run, never a later one: asyncio delivers it
     where the run waits on the loop (invariant 5); one requested while the run never waits (by a
     ubatch, by ``asyncio.run``'s Ctrl-C handler), or before it and not delivered yet, is raised
     from the run once its ubatches finished.
+    Test: ``tests/core/test_failure_paths.py::test_a_cancel_requested_while_the_run_never_waits_ends_that_run_not_a_later_one``.
 
-A yield (``SWITCH``) never touches the event loop: one ``ctx.run(send)``, a deque pop and push, a counter;
-where ``asyncdbo/_core/_spin.c`` was built that loop runs in C while no instrument or loop wait is involved,
-and hands the rest to the Python loop below, the reference (``ASYNCDBO_PURE_PYTHON=1`` runs it alone).
+A yield (``SWITCH``) never touches the event loop: one ``ctx.run(send)``, a deque pop and push, a counter.
+The loop below (:meth:`DBORun._switch_in_python`) is the reference. Its fast path, the same loop in C
+(``asyncdbo/_core/_spin.c``) while no instrument or loop wait is involved, and the reuse of a finished run
+for the next one live in :mod:`asyncdbo._core.fastpath`, the base of :class:`DBORun`, whose ``_switch`` is
+the one place that picks a loop (``ASYNCDBO_PURE_PYTHON=1`` runs the reference alone; tests pick one
+through ``fastpath.kernel_loop``).
 Parking, waking, the loop poll and the run's sleep (invariants 3, 4, 7) live in :mod:`asyncdbo._core.parking`;
 the endings of a ubatch and a run (5, 8) in :mod:`asyncdbo._core.endings`, the bases of :class:`DBORun`;
 cancellation at a suspension point (5) in :mod:`asyncdbo._core.cancel`.
@@ -57,34 +70,23 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine
 from asyncio import tasks as _tasks
-from types import BuiltinFunctionType, EllipsisType, ModuleType
+from types import BuiltinFunctionType
 from typing import Any
 
 from .clock import Clock, MonotonicClock
-from .endings import Endings
-from .extensions import load_extension
+from .fastpath import FastPath
 from .instrument import Instrument
 from .live import LIVE_RUNS
+from .parking import LOOP_POLL_S
 from .tasks import RunTaskFactory, UBatchTaskView, attach_task_factory, set_current_task
 from .traps import SWITCH
-from .ubatch import UBatch, UBatchState, current_ubatch
+from .ubatch import UBatch, UBatchState
 
 __all__ = ["LIVE_RUNS", "LOOP_POLL_S", "DBORun"]
 
 READY, PARKED, DONE = UBatchState.READY, UBatchState.PARKED, UBatchState.DONE
 
 
-def _load_spin() -> ModuleType | None:
-    """The C fast loop (``asyncdbo/_core/_spin.c``), or None where it was not built (no compiler at
-    install time) or ``ASYNCDBO_PURE_PYTHON=1`` is set: the Python loop below then does it all."""
-    spin = load_extension("asyncdbo._core._spin")
-    if spin is not None:
-        spin.configure(UBatch)
-    return spin
-
-
-_spin = _load_spin()
-_SWITCHED, _PARKED, _FAILED, _EMPTY, _EXITED, _EXIT_FAILED = range(6)  # what _spin.spin reports (its enum)
 _MONOTONIC = MonotonicClock()
 _now = time.perf_counter
 # What drive() asks the loop for once per run, without asyncio's Python wrappers: on 3.11
@@ -94,16 +96,8 @@ _current_task: Callable[[asyncio.AbstractEventLoop], Any] | None = (
     asyncio.current_task if isinstance(asyncio.current_task, BuiltinFunctionType) else None
 )
 
-#: Default for how often the kernel lets the event loop run while a ubatch waits on it and others
-#: keep switching (seconds of real time).
-LOOP_POLL_S = 0.001
 
-
-async def _nothing() -> None:
-    """What the records of :meth:`DBORun.released` are built around (closed at once)."""
-
-
-class DBORun(Endings):
+class DBORun(FastPath):
     """One DBO run: N ubatch coroutines driven round-robin until all finish."""
 
     _ids = itertools.count()
@@ -128,7 +122,8 @@ class DBORun(Endings):
         self._ready = deque(self.ubatches)
         self._woken = deque()
         self._timers = []
-        # spin()'s arguments without an install, with and without wake-ups to watch (none names the run)
+        # the C loop's arguments (FastPath._switch) without an install, with and without wake-ups to
+        # watch (none names the run)
         ready = self._ready
         self._spin_args = ((ready.popleft, ready.append, None, self._timers, SWITCH, None),
                            (ready.popleft, ready.append, self._woken, self._timers, SWITCH, None))
@@ -141,68 +136,6 @@ class DBORun(Endings):
         self._wref = weakref.ref(self, LIVE_RUNS.forget)  # its entry in LIVE_RUNS while driven
         hash(self._wref)  # computed while the run lives: the callback finds a dead reference by it
         self._arm(install, before_park, at_exit, instrument, watchdog_s, clock, loop_poll_s, name)
-
-    @classmethod
-    def released(cls, n: int) -> DBORun:
-        """``n`` ubatch records holding no coroutine yet, as a finished run: :meth:`restart` fills them."""
-        coros = [_nothing() for _ in range(n)]
-        for coro in coros:
-            coro.close()  # closed before its first step: no "never awaited" warning
-        run = cls(coros)
-        run._release()
-        return run
-
-    def restart(
-        self,
-        coros: list[Coroutine[Any, Any, Any]],
-        *,
-        install: Callable[[object], None] | None = None,
-        before_park: Callable[[UBatch], None] | None = None,
-        at_exit: Callable[[UBatch], None] | None = None,
-        instrument: Instrument | None = None,
-        watchdog_s: float | None = None,
-        clock: Clock | None = None,
-        loop_poll_s: float = LOOP_POLL_S,
-        name: str | None = None,
-    ) -> None:
-        """Make this run, driven to its end, a new one: ``coros`` (as many as it had ubatches) in its
-        records, each with a fresh copy of the caller's context, every counter and option as
-        ``__init__`` sets them; ``ext`` stays (``asyncdbo.dbo``'s run shells reuse runs so)."""
-        self._refill(coros)
-        self._arm(install, before_park, at_exit, instrument, watchdog_s, clock, loop_poll_s, name)
-
-    def rerun(self, coros: list[Coroutine[Any, Any, Any]], name: str | None | EllipsisType = ...) -> None:
-        """:meth:`restart` with the options its last :meth:`restart` (or ``__init__``) gave it: only the
-        records and per-run counters are set again. ``name``: the run's name from now on, where it
-        changes per run (a serving loop's step number; default: the name it had)."""
-        if name is not ...:
-            self._name = name
-        ubs = self.ubatches
-        if _spin is not None and self._released and len(coros) == len(ubs):  # _refill, without its frame
-            _spin.start(ubs, self, coros, current_ubatch, READY)
-            self._ready.extend(ubs)
-            self._released = False
-        else:
-            self._refill(coros)
-        self._reset()
-
-    def _refill(self, coros: list[Coroutine[Any, Any, Any]]) -> None:
-        ubs = self.ubatches
-        if not self._released or len(coros) != len(ubs):
-            for c in coros:
-                c.close()
-            raise ValueError(
-                f"run {self.name!r} can restart only after it was driven to its end, with as many coroutines as it "
-                f"has ubatches ({len(ubs)}; got {len(coros)}, {'released' if self._released else 'not finished'}); "
-                "build a new DBORun instead"
-            )
-        if _spin is None:
-            for ub, coro in zip(ubs, coros):
-                ub._start(self, coro)
-        else:  # the same loop in C (UBatch._start is its reference)
-            _spin.start(ubs, self, coros, current_ubatch, READY)
-        self._ready.extend(ubs)
-        self._released = False
 
     def _arm(self, install: Callable[[object], None] | None, before_park: Callable[[UBatch], None] | None,
              at_exit: Callable[[UBatch], None] | None, instrument: Instrument | None, watchdog_s: float | None,
@@ -269,25 +202,13 @@ class DBORun(Endings):
             attach_task_factory(loop)
         try:
             try:
-                # _loop_until_done's first pass (nothing woken, no timer or poll yet), without its coroutine
+                # _loop_until_done's first pass (nothing woken, no timer or poll yet), without its coroutine:
+                # a run whose ubatches only switch ends here
                 if self._ready and not (self._timers or self._woken or self._poll_due):
                     if view is not None:  # _switch_in_view, inline: every run starts here
                         set_current_task(loop, view)
                     try:
-                        if _spin is not None and self.instrument is None:
-                            # _switch_in_c inline (nothing parked yet): a run that only switches is this call
-                            args = self._spin_args[0] if not self.installs else (*self._spin_args[0][:5], self.install)
-                            k, ub, status, value = _spin.spin(*args, self, DONE)
-                            if status == _EMPTY:  # each ran to its end
-                                self.num_switches += k
-                            else:
-                                try:
-                                    self._spun(args, False, k, ub, status, value)
-                                finally:
-                                    # an error's traceback holds this frame: no cycle through it (invariant 8)
-                                    del ub, value
-                        else:
-                            self._switch_in_python()
+                        self._switch()
                     finally:
                         if view is not None:
                             set_current_task(loop, task)
@@ -324,28 +245,26 @@ class DBORun(Endings):
                 self._switch_in_view()
 
     def _switch_in_view(self) -> None:
-        """Switch ubatches, in C where it can (no instrument, no ubatch waiting on the loop), with the
-        run's task view as the loop's current task (no view: no task drives the run, a bare send)."""
-        c = _spin is not None and self.instrument is None and not self._loop_waits
-        switch = self._switch_in_c if c else self._switch_in_python
+        """Switch ubatches (:meth:`_switch`: in C where it can) with the run's task view as the loop's
+        current task (no view: no task drives the run, a bare send)."""
         view = self._view
         if view is None:
-            switch()
+            self._switch()
             return
         set_current_task(self._loop, view)  # type: ignore[arg-type]  # a view has a loop and a task
         try:
-            switch()
+            self._switch()
         finally:
             set_current_task(self._loop, self._task)  # type: ignore[arg-type]
 
-    # ---- the fast path. Ubatches that keep switching stay in one of the two loops below until one parks or
-    # finishes. Completions and loop polls only matter for parked ubatches, so they are checked only while
+    # ---- the switch loop. Ubatches that keep switching stay in it (or in its C twin, see FastPath._switch)
+    # until one parks or finishes. Completions and loop polls only matter for parked ubatches, so they are checked only while
     # some ubatch is parked (a wake can only target a parked one). Timers added during the loop (a modeled
     # link's releases) fire at the next switch once due: the message is then complete before its ubatch awaits
     # it, which does not park.
     def _switch_in_python(self) -> None:
         """Resume ubatches round-robin until one parks, finishes or fails, or a loop poll is due.
-        The reference for :meth:`_switch_in_c`, and the only path with an instrument or a ubatch
+        The reference for the C loop (:meth:`_switch`), and the only path with an instrument or a ubatch
         waiting on the event loop."""
         ready, woken, timers = self._ready, self._woken, self._timers
         inst = self.instrument
@@ -392,58 +311,3 @@ class DBORun(Endings):
                     return
         finally:
             self.num_switches += n
-
-    def _switch_in_c(self) -> None:
-        """:meth:`_switch_in_python` without an instrument or a loop wait, in C
-        (``asyncdbo/_core/_spin.c``); it hands back what it cannot decide. It finishes a ubatch
-        that returns itself (:meth:`_finish`, exit hook included) and goes on, so a run whose
-        ubatches only switch is one call."""
-        watch = self._num_parked > 0 or bool(self._timers)
-        args = self._spin_args[watch]
-        if self.installs:
-            args = (*args[:5], self.install)
-        if self._ready:
-            self._spun(args, watch, *_spin.spin(*args, self, DONE))  # type: ignore[union-attr]
-
-    def _spun(self, args: tuple[Any, ...], watch: bool, n: int, ub: UBatch, status: int, value: Any) -> None:
-        """The rest of :meth:`_switch_in_c` once ``_spin.spin(*args, self, DONE)`` reported ``n``
-        switches and ``status`` (``ub``, ``value``): act on it, and spin on while one switched
-        with timers or wake-ups pending."""
-        ready, push = self._ready, self._ready.append
-        try:
-            while True:
-                if status == _SWITCHED:  # switched, with timers or wake-ups pending
-                    if watch:
-                        self._drain()  # woken during this step: they were runnable first
-                    else:
-                        self._fire_timers()
-                    push(ub)
-                elif status == _PARKED:
-                    self._park(ub, value)
-                    return
-                elif status == _EXITED or status == _EMPTY:
-                    return  # its exit woke or armed something (drained out there first), or none is left to run
-                else:
-                    if status == _EXIT_FAILED:  # _finish's annotation of an exit that raised
-                        self._annotate(ub, value, where="at its exit")
-                    else:
-                        assert status == _FAILED, status
-                        self._failed(ub, value)
-                    try:
-                        raise value
-                    finally:
-                        # The traceback holds this frame: keeping the error in a local too would
-                        # make a cycle that only the cycle collector frees (invariant 8).
-                        del value
-                if not ready:
-                    return
-                k, ub, status, value = _spin.spin(*args, self, DONE)  # type: ignore[union-attr]
-                n += k
-        finally:
-            self.num_switches += n
-
-    def _release_records(self) -> list[Any]:
-        if _spin is None:
-            return Endings._release_records(self)
-        results: list[Any] = _spin.release(self.ubatches)  # the same in C (Endings._release_records is its reference)
-        return results

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .instrument import Instrument
     from .kernel import DBORun
 
-__all__ = ["Parking", "is_future"]
+__all__ = ["LOOP_POLL_S", "Parking", "is_future"]
 
 READY, PARKED, DONE = UBatchState.READY, UBatchState.PARKED, UBatchState.DONE
 _now = time.perf_counter
@@ -39,6 +39,10 @@ _INF = float("inf")
 #: longer than the interpreter's switch interval (seconds; 0 turns the hand-over off). See
 #: :meth:`Parking._let_the_loop_run`.
 GIL_HANDOFF_S = 0.0001
+
+#: Default for how often the kernel lets the event loop run while a ubatch waits on it and others
+#: keep switching (seconds of real time).
+LOOP_POLL_S = 0.001
 
 
 _UNKNOWN = object()  # what is installed after an event-loop wait: whatever another task left

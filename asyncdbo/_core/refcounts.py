@@ -2,16 +2,18 @@
 
 A run shell (:mod:`asyncdbo.dbo.shell`) and the streams the host backend keeps for the next run
 (:meth:`asyncdbo.backends.HostBackend.keep`) are reused only while their objects' counts are what
-they were when they were built idle: :func:`counts` reads that baseline, :func:`same_counts`
+they were when they were built idle: ``counts`` reads that baseline, ``same_counts``
 compares every run's end with it. Each count of ``objs`` is that object's reference count, each of
 ``weak`` its number of weak references, in that order, all of them read before any comparison.
 The numbers are for comparing with each other only: the C extension (``asyncdbo/_core/_spin.c``,
 what an install with a compiler runs) reads a strong count without holding the object itself,
 :func:`sys.getrefcount` with one more reference, so a baseline is compared with the function that
-made it (both pick the same implementation, once, at import).
+made it: :mod:`asyncdbo._core.fastpath` picks one, once, at import, as its ``counts`` and
+``same_counts`` (what the run shells and the host backend call).
 
-Where the extension is not loaded the Python twins below run; tests/native/test_refcounts.py
-checks that both decide alike on the same changes, bad arguments included.
+The functions below are the references (what runs where the extension is not loaded);
+tests/native/test_refcounts.py checks that both decide alike on the same changes, bad arguments
+included.
 """
 
 from __future__ import annotations
@@ -19,9 +21,7 @@ from __future__ import annotations
 import sys
 import weakref
 
-from .extensions import load_extension
-
-__all__ = ["counts", "same_counts"]
+__all__ = ["py_counts", "py_same_counts"]
 
 _refcount, _weakcount = sys.getrefcount, weakref.getweakrefcount
 
@@ -45,7 +45,3 @@ def py_same_counts(objs: tuple[object, ...], weak: tuple[object, ...], expected:
         return False
     return (*map(_refcount, objs), *map(_weakcount, weak)) == expected
 
-
-_spin = load_extension("asyncdbo._core._spin")
-counts = py_counts if _spin is None else _spin.counts
-same_counts = py_same_counts if _spin is None else _spin.same_counts

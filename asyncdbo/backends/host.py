@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._core import Clock, MonotonicClock, Signal
-from .._core.refcounts import counts, same_counts
+from .._core.fastpath import counts, same_counts
 from .base import CommRecord, RunStreams, StreamBackend, UBatchStreams
 from .links import LinkSpec, link_spec
 

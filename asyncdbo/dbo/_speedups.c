@@ -40,6 +40,17 @@ typedef struct {
     PyObject *switch_;                      /* the kernel's SWITCH request */
     PyObject *completed;                    /* the shared done awaitable */
     Py_ssize_t ub[UB_NSLOTS], lane[L_NSLOTS];
+    /* the int objects of the call sites' offsets (lasti) below 2 * LASTI_CACHED, made on first use:
+     * a primitive records its caller's offset on every call, and a new int per call (an allocation
+     * and a free for an offset past the small-int cache) was a third of what naming the line cost */
+#define LASTI_CACHED 2048
+    PyObject *lasti[LASTI_CACHED];
+    /* freed Steps kept for the next ones (Cython's freelist: PyObject_Init on the kept memory, untracked
+     * and holding nothing): every primitive call makes one and its await frees it, and an allocation
+     * and a free per call were a tenth of a yield's host time (perf, benchmarks/compare_commits.py --own) */
+#define STEPS_KEPT 16
+    PyObject *kept[STEPS_KEPT];
+    int nkept;
 } State;
 
 static inline State *
@@ -143,18 +154,32 @@ lane_item(State *st, PyObject *lane, int f, PyObject *key)
  * NULL) for the caller to release once the ubatch's fields are all stored: their release may run
  * code (a weakref callback on a code object), which then sees what Python's primitives leave. */
 static PyObject *
-caller_site(PyObject *reuse, PyObject *dropped[2])
+caller_site(State *st, PyObject *reuse, PyObject *dropped[2])
 {
     PyFrameObject *f = PyEval_GetFrame(); /* borrowed */
     if (f == NULL)
         return Py_NewRef(Py_None);
     PyCodeObject *code = PyFrame_GetCode(f); /* new reference */
-    PyObject *lasti = PyLong_FromLong(PyFrame_GetLasti(f));
+    int at = PyFrame_GetLasti(f);
+    PyObject *lasti;
+    if (at >= 0 && at < 2 * LASTI_CACHED && !(at & 1)) { /* an offset in bytes: even (code units are two) */
+        PyObject **slot = &st->lasti[at >> 1];
+        if (*slot == NULL)
+            *slot = PyLong_FromLong(at); /* stays NULL where it failed: the error is raised below */
+        lasti = Py_XNewRef(*slot);
+    }
+    else
+        lasti = PyLong_FromLong(at);
     if (lasti == NULL) {
         Py_DECREF(code);
         return NULL;
     }
     if (reuse != NULL && PyTuple_CheckExact(reuse) && PyTuple_GET_SIZE(reuse) == 2 && Py_REFCNT(reuse) == 1) {
+        if (PyTuple_GET_ITEM(reuse, 0) == (PyObject *)code && PyTuple_GET_ITEM(reuse, 1) == lasti) {
+            Py_DECREF(code); /* the same site as last time: the pair holds them already */
+            Py_DECREF(lasti);
+            return Py_NewRef(reuse);
+        }
         dropped[0] = PyTuple_GET_ITEM(reuse, 0);
         dropped[1] = PyTuple_GET_ITEM(reuse, 1);
         PyTuple_SET_ITEM(reuse, 0, (PyObject *)code);
@@ -223,8 +248,13 @@ static PyObject *
 step_new(State *st, int kind, PyObject *ub, PyObject *lane, PyObject *tag, PyObject *src, PyObject *dst,
          PyObject *event)
 {
-    StepObject *s = PyObject_GC_New(StepObject, st->step_type);
-    if (s == NULL)
+    StepObject *s;
+    if (st->nkept > 0) {
+        s = (StepObject *)st->kept[--st->nkept];
+        st->kept[st->nkept] = NULL;
+        (void)PyObject_Init((PyObject *)s, st->step_type); /* its type and one reference (a heap type: held) */
+    }
+    else if ((s = PyObject_GC_New(StepObject, st->step_type)) == NULL)
         return NULL;
     s->kind = kind;
     s->state = S_START;
@@ -272,9 +302,14 @@ static void
 step_dealloc(StepObject *s)
 {
     PyTypeObject *tp = Py_TYPE(s);
+    State *st = s->st;
     PyObject_GC_UnTrack(s);
-    step_clear(s);
-    PyObject_GC_Del(s);
+    step_clear(s); /* may run code, which may make and free Steps: the list is read after it */
+    /* kept only while the module's type is configured and is this one (not after module_clear) */
+    if (tp == st->step_type && st->nkept < STEPS_KEPT)
+        st->kept[st->nkept++] = (PyObject *)s;
+    else
+        PyObject_GC_Del(s);
     Py_DECREF(tp);
 }
 
@@ -709,8 +744,11 @@ typedef struct {
     PyObject *deftag; /* the tag when none is given (P_YIELD, P_ROLE) */
     PyObject *src, *dst;
     PyObject *marks; /* P_YIELD, P_ROLE: the shared marks by tag (a dict); P_SYNC: the mark itself */
-    PyObject *last_tag, *last_mark; /* P_YIELD: the last tag looked up in marks and its mark (a loop
-                                     * passes one tag object again and again: no dict lookup then) */
+#define TAG_CACHED 4
+    /* P_YIELD, P_ROLE: the tags looked up in marks last, by identity, and their marks (a layer passes
+     * the same few tag objects again and again: no dict lookup then; marks are never replaced) */
+    PyObject *tags[TAG_CACHED], *tag_marks[TAG_CACHED];
+    int tag_next; /* the entry a miss replaces next */
     Py_ssize_t fallbacks; /* calls that the Python version handled */
     State *st; /* its module's state, read once: it outlives the object (as StepObject's) */
 } PrimitiveObject;
@@ -740,7 +778,7 @@ static int
 mark(State *st, PyObject *ub, PyObject *mark_)
 {
     PyObject *dropped[2] = {NULL, NULL};
-    PyObject *site = caller_site(ADB_SLOT(ub, st->ub[UB_UNAWAITED_AT]), dropped);
+    PyObject *site = caller_site(st, ADB_SLOT(ub, st->ub[UB_UNAWAITED_AT]), dropped);
     if (site == NULL)
         return -1;
     adb_slot_set(ub, st->ub[UB_UNAWAITED], mark_); /* the fast paths run with None there: no code runs */
@@ -793,6 +831,33 @@ done:
     return result;
 }
 
+/* The mark of `tag` (borrowed: the cache holds it until the next miss), from the cache or from the
+ * marks dict (then cached); NULL, with no error set, where the dict has none yet or the lookup
+ * raised (the Python version then makes it or raises), or where releasing the entry it replaced
+ * ran code that changed the cache (the caller falls back: nothing changed yet). */
+static PyObject *
+tag_mark(PrimitiveObject *self, PyObject *tag)
+{
+    for (int i = 0; i < TAG_CACHED; i++)
+        if (self->tags[i] == tag)
+            return self->tag_marks[i];
+    PyObject *m = PyDict_GetItemWithError(self->marks, tag); /* borrowed */
+    if (m == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    int i = self->tag_next;
+    self->tag_next = (i + 1) % TAG_CACHED;
+    PyObject *old_tag = self->tags[i], *old_mark = self->tag_marks[i];
+    self->tags[i] = Py_NewRef(tag);
+    self->tag_marks[i] = Py_NewRef(m);
+    Py_XDECREF(old_tag); /* may run code (a str subclass's finalizer)... */
+    Py_XDECREF(old_mark);
+    if (self->tags[i] != tag) /* ...that called this primitive and replaced the entry */
+        return NULL;
+    return self->tag_marks[i];
+}
+
 static PyObject *
 primitive_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -822,40 +887,24 @@ primitive_call(PyObject *self_, PyObject *const *args, size_t nargsf, PyObject *
 
     switch (self->kind) {
     case P_YIELD: { /* Python: ub.unawaited = marks[tag]; ...; ub.tag = tag; return switch(ub) */
-        if (!fast_ub(st, ub, 1))
+        /* the mark first: a miss may run code (see tag_mark), the checks below come after it */
+        PyObject *m = tag_mark(self, tag);
+        if (m == NULL || !fast_ub(st, ub, 1))
             goto fallback_tag;
-        if (tag != self->last_tag) { /* a tag other than the last one: look its mark up, keep the pair */
-            PyObject *m = PyDict_GetItemWithError(self->marks, tag);
-            if (m == NULL) { /* not made yet (or unhashable): Python makes it (or raises) */
-                PyErr_Clear();
-                goto fallback_tag;
-            }
-            PyObject *old_tag = self->last_tag, *old_mark = self->last_mark;
-            self->last_tag = Py_NewRef(tag); /* marks are never replaced once made: the pair stays right */
-            self->last_mark = Py_NewRef(m);
-            Py_XDECREF(old_tag); /* may run code (a str subclass's finalizer)... */
-            Py_XDECREF(old_mark);
-            if (self->last_tag != tag) /* ...that called this primitive: nothing changed here yet */
-                goto fallback_tag;
-        }
         /* the cache holds the mark and nothing runs until mark() stored it (it replaces None) */
-        if (mark(st, ub, self->last_mark) < 0)
+        if (mark(st, ub, m) < 0)
             break;
         adb_slot_set(ub, st->ub[UB_TAG], tag);
         result = step_new(st, K_SWITCH, ub, NULL, NULL, NULL, NULL, NULL);
         break;
     }
     case P_ROLE: {
-        if ((lane = fast_lane(st, ub, 1)) == NULL)
+        PyObject *m = tag_mark(self, tag); /* first: a miss may run code (see tag_mark) */
+        if (m == NULL || (lane = fast_lane(st, ub, 1)) == NULL)
             goto fallback_tag;
         PyObject *role = peek(lane, st->lane[L_ROLE]);
         if (role != self->src) /* a wrong role (or one equal but not the same object): Python checks */
             goto fallback_tag;
-        PyObject *m = PyDict_GetItemWithError(self->marks, tag);
-        if (m == NULL) { /* not made yet (or unhashable): Python makes it (or raises) */
-            PyErr_Clear();
-            goto fallback_tag;
-        }
         Py_INCREF(m);
         int ok = mark(st, ub, m) == 0;
         Py_DECREF(m);
@@ -938,7 +987,9 @@ primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     p->src = Py_NewRef(src);
     p->dst = Py_NewRef(dst);
     p->marks = Py_NewRef(marks);
-    p->last_tag = p->last_mark = NULL;
+    for (int i = 0; i < TAG_CACHED; i++)
+        p->tags[i] = p->tag_marks[i] = NULL;
+    p->tag_next = 0;
     p->fallbacks = 0;
     return (PyObject *)p;
 }
@@ -952,8 +1003,10 @@ primitive_traverse(PrimitiveObject *p, visitproc visit, void *arg)
     Py_VISIT(p->src);
     Py_VISIT(p->dst);
     Py_VISIT(p->marks);
-    Py_VISIT(p->last_tag);
-    Py_VISIT(p->last_mark);
+    for (int i = 0; i < TAG_CACHED; i++) {
+        Py_VISIT(p->tags[i]);
+        Py_VISIT(p->tag_marks[i]);
+    }
     return 0;
 }
 
@@ -965,8 +1018,10 @@ primitive_clear(PrimitiveObject *p)
     Py_CLEAR(p->src);
     Py_CLEAR(p->dst);
     Py_CLEAR(p->marks);
-    Py_CLEAR(p->last_tag);
-    Py_CLEAR(p->last_mark);
+    for (int i = 0; i < TAG_CACHED; i++) {
+        Py_CLEAR(p->tags[i]);
+        Py_CLEAR(p->tag_marks[i]);
+    }
     return 0;
 }
 
@@ -1144,6 +1199,13 @@ module_clear(PyObject *m)
     Py_CLEAR(st->lane_type);
     Py_CLEAR(st->switch_);
     Py_CLEAR(st->completed);
+    for (int i = 0; i < LASTI_CACHED; i++) /* ints: not in a cycle, not visited */
+        Py_CLEAR(st->lasti[i]);
+    while (st->nkept > 0) { /* freed Steps: memory only (no reference held, not tracked) */
+        PyObject *s = st->kept[--st->nkept];
+        st->kept[st->nkept] = NULL;
+        PyObject_GC_Del(s);
+    }
     return 0;
 }
 

@@ -22,6 +22,10 @@ and on the same terms, by their own counts (:meth:`~asyncdbo.backends.StreamBack
 host backend does); otherwise they go too. A next run with the same options and backend reruns
 the kernel run as it is (:meth:`DBORun.rerun`), else restarts it with its own.
 
+The kernel's side of reuse (a released run, :meth:`DBORun.restart`/:meth:`~DBORun.rerun`, the
+count functions) is in ``asyncdbo/_core/fastpath.py`` with the kernel's other fast paths; this
+module only decides, per run, whether a shell is free to serve the next one.
+
 Shells are per number of ubatches, at most :data:`MAX_IDLE` idle per number, and none past
 :data:`MAX_UBATCHES` ubatches or on a free-threaded build running without the GIL (where other
 threads' references are not all in the count at once).
@@ -34,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._core import DBORun, Instrument
 from .._core.extensions import gil_disabled
-from .._core.refcounts import counts, same_counts
+from .._core.fastpath import counts, same_counts
 from ..backends import StreamBackend, StreamPolicy
 from .hooks import on_exit, run_pending_hook
 from .state import Lane, RunState

@@ -266,7 +266,7 @@ _SUBPROCESS = r"""
 import asyncio, sys
 sys.path.insert(0, sys.argv[1])
 import test_no_cycles as t
-from asyncdbo._core import kernel
+from asyncdbo._core import fastpath
 
 async def main():
     out = []
@@ -278,7 +278,7 @@ async def main():
                 break
     return out
 
-print(kernel._spin is not None, asyncio.run(main()))
+print(fastpath.C is not None, asyncio.run(main()))
 """
 
 

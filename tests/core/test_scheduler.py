@@ -23,7 +23,7 @@ from asyncdbo import (
     run_ubatches,
 )
 from asyncdbo import DBOOptions
-from asyncdbo._core import LOOP_POLL_S, kernel
+from asyncdbo._core import LOOP_POLL_S, fastpath
 from asyncdbo.lowlevel import SWITCH, DBORun, Instrument, VirtualClock, get_ubatch, trap
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
@@ -440,20 +440,19 @@ async def test_a_virtual_clock_moves_only_forward() -> None:
         clock.advance(-1)
 
 
-async def test_the_fast_loop_runs_in_c_where_it_was_built(kernel_loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_fast_loop_runs_in_c_where_it_was_built(kernel_loop: str) -> None:
     """With the extension built, ubatches that keep switching are driven by ``_spin.spin``, which
     finishes a ubatch that returns itself and goes on: a run that only switches is one call, which
     ends on the empty ring; the interleaving is the Python loop's (the test runs on both)."""
     calls: list[int] = []
-    real = kernel._spin
-    if real is not None:
+    real = fastpath.C if kernel_loop == "c" else None
 
-        def spin(*args: object) -> tuple[int, object, int, object]:
-            out = real.spin(*args)
-            calls.append(out[2])
-            return out  # type: ignore[no-any-return]
+    def spin(*args: object) -> tuple[int, object, int, object]:
+        out = real.spin(*args)  # type: ignore[union-attr]
+        calls.append(out[2])
+        return out  # type: ignore[no-any-return]
 
-        monkeypatch.setattr(kernel, "_spin", types.SimpleNamespace(spin=spin, release=real.release))
+    spy = "python" if real is None else types.SimpleNamespace(spin=spin, release=real.release, start=real.start)
     log: list[str] = []
 
     async def ub(i: int) -> int:
@@ -462,9 +461,10 @@ async def test_the_fast_loop_runs_in_c_where_it_was_built(kernel_loop: str, monk
             await trap(SWITCH)
         return i
 
-    assert await DBORun([ub(0), ub(1)]).drive() == [0, 1]
+    with fastpath.kernel_loop(spy):  # type: ignore[arg-type]  # a stand-in for the extension module
+        assert await DBORun([ub(0), ub(1)]).drive() == [0, 1]
     assert log == ["0.0", "1.0", "0.1", "1.1", "0.2", "1.2", "1.3"]
-    assert calls == ([] if real is None else [kernel._EMPTY])
+    assert calls == ([] if real is None else [fastpath._EMPTY])
 
 
 async def test_a_resume_installs_the_ubatchs_stream_only_when_another_is_current(kernel_loop: str) -> None:

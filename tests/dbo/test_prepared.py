@@ -14,22 +14,18 @@ import uvloop
 
 import asyncdbo
 from asyncdbo import DBOOptions, dbo_current_ubatch_id, dbo_yield, prepare_run, run_ubatches
-from asyncdbo._core import kernel
 from asyncdbo.backends import get_backend
 from asyncdbo.dbo import PreparedRun, RunStats, run_ubatches_with_stats, shell
 from asyncdbo.lowlevel import DBORun, Instrument, get_ubatch
 
 pytestmark = pytest.mark.timeout(30)
 
-KERNEL_LOOPS = ["c", "python"] if kernel._spin is not None else ["python"]
 
-
-@pytest.fixture(autouse=True, params=KERNEL_LOOPS)
-def kernel_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    if request.param == "python":
-        monkeypatch.setattr(kernel, "_spin", None)
+@pytest.fixture(autouse=True)
+def each_loop_no_idle_shell(kernel_loop: str) -> Iterator[None]:
+    """Every spec on both kernel loops (tests/conftest.py), starting with no idle shell."""
     shell._IDLE.clear()
-    yield str(request.param)
+    yield
 
 
 async def traced(trace: list[tuple[int, str]], layers: int) -> Any:

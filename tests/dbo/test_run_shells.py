@@ -14,21 +14,17 @@ from typing import Any
 import pytest
 
 from asyncdbo import dbo_yield, run_ubatches
-from asyncdbo._core import kernel
 from asyncdbo.dbo import shell
 from asyncdbo.lowlevel import DBORun, Instrument, get_ubatch
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
-KERNEL_LOOPS = ["c", "python"] if kernel._spin is not None else ["python"]
 
-
-@pytest.fixture(autouse=True, params=KERNEL_LOOPS)
-def kernel_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    if request.param == "python":
-        monkeypatch.setattr(kernel, "_spin", None)
+@pytest.fixture(autouse=True)
+def each_loop_no_idle_shell(kernel_loop: str) -> Iterator[None]:
+    """Every spec on both kernel loops (tests/conftest.py), starting with no idle shell."""
     shell._IDLE.clear()  # every spec starts with no idle shell
-    yield str(request.param)
+    yield
     PINNED.clear()
 
 

@@ -25,21 +25,12 @@ from _recording_backend import RecordingBackend
 
 import asyncdbo
 from asyncdbo import DeadlockError, run_ubatches
-from asyncdbo._core import kernel
 from asyncdbo.backends import COMPLETED
 from asyncdbo.dbo import primitives
 from asyncdbo.lowlevel import Signal, get_ubatch
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
-
-KERNEL_LOOPS = ["c", "python"] if kernel._spin is not None else ["python"]
-
-
-@pytest.fixture(autouse=True, params=KERNEL_LOOPS)
-def kernel_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "python":
-        monkeypatch.setattr(kernel, "_spin", None)
-    return str(request.param)
+# every spec on both kernel loops (tests/conftest.py)
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60), pytest.mark.usefixtures("kernel_loop")]
 
 IMPLS = {"python": primitives.PURE, "c": primitives.FAST}
 

@@ -1,6 +1,7 @@
 """The docs agree with the code (issue 52 item 4): every path of this repository they name exists,
 and the kernel's invariants are stated once, in ``asyncdbo/_core/kernel.py``; design.md links
-there and summarizes as many as the kernel has."""
+there and summarizes as many as the kernel has; each invariant names the test that specifies it (issue 52
+item 2), and that test exists."""
 
 from __future__ import annotations
 
@@ -31,10 +32,27 @@ def test_every_path_the_docs_name_exists() -> None:
     assert missing == [], "\n".join(missing)
 
 
-def _kernel_invariants() -> list[int]:
+def _kernel_invariant_texts() -> dict[int, str]:
     doc = (ROOT / "asyncdbo" / "_core" / "kernel.py").read_text().split('"""')[1]
-    section = doc.split("Invariants", 1)[1]
-    return [int(n) for n in re.findall(r"^(\d+)\. ", section, re.MULTILINE)]
+    section = doc.split("Invariants", 1)[1].split("\n\n", 1)[1].split("\n\n", 1)[0]
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^(\d+)\. (.*?)(?=^\d+\. |\Z)", section, re.M | re.S)}
+
+
+def _kernel_invariants() -> list[int]:
+    return list(_kernel_invariant_texts())
+
+
+def test_each_kernel_invariant_names_its_test_and_the_test_exists() -> None:
+    texts = _kernel_invariant_texts()
+    assert len(texts) >= 10, texts
+    unnamed, missing = [], []
+    for n, text in texts.items():
+        m = re.search(r"Test: ``(tests/[\w/]+\.py)::(test_\w+)``\.", text)
+        if m is None:
+            unnamed.append(n)
+        elif not re.search(rf"^(async )?def {m.group(2)}\(", (ROOT / m.group(1)).read_text(), re.M):
+            missing.append(f"{n}: {m.group(1)}::{m.group(2)}")
+    assert (unnamed, missing) == ([], [])
 
 
 def test_the_kernel_states_its_invariants_once_and_design_md_follows_it() -> None:

@@ -135,8 +135,8 @@ def test_the_carried_cp312_extensions_are_put_in_place_and_load_under_python_3_1
                                            "asyncdbo/dbo/_speedups.cpython-312-x86_64-linux-gnu.so"]
     probe = (f"import sys; sys.path.insert(0, {str(tree / 'benchmarks')!r}); import first_contact as fc; "
              f"import json, pathlib; print(json.dumps(fc._place_native(pathlib.Path({str(carried)!r})))); "
-             "from asyncdbo._core import kernel; from asyncdbo.dbo import primitives; "
-             "print(kernel._spin is not None, primitives.FAST is not None, 'torch' in sys.modules)")
+             "from asyncdbo._core import fastpath; from asyncdbo.dbo import primitives; "
+             "print(fastpath.C is not None, primitives.FAST is not None, 'torch' in sys.modules)")
     proc = subprocess.run([python, "-c", probe], cwd=tree, capture_output=True, text=True, timeout=120,
                           env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ASYNCDBO_PURE_PYTHON")})
     assert proc.returncode == 0, proc.stderr[-3000:]

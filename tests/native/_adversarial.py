@@ -25,7 +25,7 @@ from _recording_backend import RecordingBackend  # noqa: E402
 
 import asyncdbo  # noqa: E402
 from asyncdbo import run_ubatches  # noqa: E402
-from asyncdbo._core import kernel  # noqa: E402
+from asyncdbo._core import fastpath  # noqa: E402
 from asyncdbo.lowlevel import Signal, get_ubatch  # noqa: E402
 
 UB_FIELDS = ["unawaited", "unawaited_at", "debug", "ext", "tag", "resume_with"]
@@ -278,7 +278,7 @@ def configure_misuse() -> Callable[[int], Awaitable[Any]]:
     for name in LANE_FIELDS:
         setattr(Foreign, name, getattr(Lane, name))
     refused = []
-    spin = kernel._spin or sys.modules.get("asyncdbo._core._spin")
+    spin = fastpath.C or sys.modules.get("asyncdbo._core._spin")
     if spin is not None:
         for bad in (NoSlots, Foreign, 3):
             try:
@@ -373,13 +373,12 @@ def outcome(program: Callable[[int], Awaitable[Any]], opts: dict[str, Any]) -> d
 
 
 def main(groups: list[str]) -> None:
-    loops = {"c": kernel._spin, "python": None} if kernel._spin is not None else {"python": None}
     report: dict[str, dict[str, Any]] = {}
     for group in groups:
-        for loop, spin in loops.items():
-            kernel._spin = spin
-            for name, (program, opts) in cases(group).items():
-                report.setdefault(f"{group}: {name}", {})[loop] = outcome(program, opts)
+        for loop in fastpath.LOOPS:
+            with fastpath.kernel_loop(loop):
+                for name, (program, opts) in cases(group).items():
+                    report.setdefault(f"{group}: {name}", {})[loop] = outcome(program, opts)
     json.dump(report, sys.stdout, indent=1, sort_keys=True)
 
 

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from asyncdbo._core import kernel
+from asyncdbo._core import fastpath
 from asyncdbo._core.kernel import DBORun
 from asyncdbo._core.traps import SWITCH
 from asyncdbo._core.ubatch import UBatch, current_ubatch
@@ -178,7 +178,7 @@ def case_finalizer(then: str) -> Callable[[], dict[str, Any]]:
 
 def case_bad_arguments() -> dict[str, Any]:
     """The C entry point called wrongly (pure Python has none: the outcome is only 'no crash')."""
-    spin = kernel._spin
+    spin = fastpath.C
     if spin is None:
         return {"c": "not loaded"}
     run = asyncio.run(drive_once(1))
@@ -214,5 +214,5 @@ if __name__ == "__main__":
     else:
         chosen = sys.argv[1]
     result = CASES[chosen]()
-    result["c extension"] = kernel._spin is not None
+    result["c extension"] = fastpath.C is not None
     print(json.dumps(result, default=repr))

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from asyncdbo._core import kernel
+from asyncdbo._core import fastpath
 from asyncdbo.dbo import primitives
 
 import _fork_each  # noqa: I001  (tests/native is on sys.path)
@@ -74,7 +74,7 @@ def on_c() -> dict[str, Any]:
     return children
 
 
-@pytest.mark.skipif(primitives.FAST is None or kernel._spin is None, reason="the C extensions are not loaded here")
+@pytest.mark.skipif(primitives.FAST is None or fastpath.C is None, reason="the C extensions are not loaded here")
 @pytest.mark.parametrize("group", GROUPS)
 def test_the_c_extensions_behave_as_python(group: str, reference: dict[str, Any], on_c: dict[str, Any]) -> None:
     c = _fork_each.outcome(group, on_c[group], GROUP_LIMIT_S)

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import asyncdbo
-from asyncdbo._core import kernel, ubatch
+from asyncdbo._core import fastpath
 from asyncdbo.dbo import primitives
 from asyncdbo.dbo.kinds import TABLE
 from asyncdbo.lowlevel import get_ubatch
@@ -57,7 +57,7 @@ programs = st.integers(1, 8).flatmap(
     )
 )
 
-SPIN, RESUME = kernel._spin, ubatch._Resume
+SPIN = fastpath.C
 CONFIGS = {"python": ("python", "python")}
 if primitives.FAST is not None:
     CONFIGS["c primitives, python loop"] = ("c", "python")
@@ -69,12 +69,8 @@ if SPIN is not None and primitives.FAST is not None:
 
 @contextmanager
 def configured(prims: str, loop: str) -> Iterator[SimpleNamespace]:
-    saved = kernel._spin, ubatch._Resume
-    kernel._spin, ubatch._Resume = (SPIN, RESUME) if loop == "c" else (None, None)
-    try:
+    with fastpath.kernel_loop(loop):
         yield SimpleNamespace(**(primitives.FAST if prims == "c" else primitives.PURE))  # type: ignore[arg-type]
-    finally:
-        kernel._spin, ubatch._Resume = saved
 
 
 def pick(kind: str, dst: str | None, arg: int) -> str:

@@ -14,8 +14,8 @@ import pytest
 from asyncdbo._core import extensions
 
 CODE = (
-    "import asyncdbo, asyncdbo._core.kernel as k, asyncdbo._core.ubatch as u, asyncdbo.dbo.primitives as p;"
-    "print(k._spin is not None, u._Resume is not None, p.FAST is not None)"
+    "import asyncdbo, asyncdbo._core.fastpath as k, asyncdbo._core.ubatch as u, asyncdbo.dbo.primitives as p;"
+    "print(k.C is not None, u._Resume is not None, p.FAST is not None)"
 )
 
 

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 
 from asyncdbo import dbo_yield, run_ubatches
-from asyncdbo._core import refcounts
+from asyncdbo._core import fastpath, refcounts
 from asyncdbo.backends import host
 from asyncdbo.dbo import shell
 from asyncdbo.lowlevel import get_ubatch
 
-C = refcounts._spin
+C = fastpath.C
 IMPLS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "python": (refcounts.py_counts, refcounts.py_same_counts)
 }
@@ -45,9 +45,9 @@ class Bare:
 
 def test_the_module_runs_the_c_functions_where_the_extension_is_loaded() -> None:
     if C is None:
-        assert (refcounts.counts, refcounts.same_counts) == (refcounts.py_counts, refcounts.py_same_counts)
+        assert (fastpath.counts, fastpath.same_counts) == (refcounts.py_counts, refcounts.py_same_counts)
     else:
-        assert (refcounts.counts, refcounts.same_counts) == (C.counts, C.same_counts)
+        assert (fastpath.counts, fastpath.same_counts) == (C.counts, C.same_counts)
 
 
 @needs_c

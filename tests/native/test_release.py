@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from asyncdbo._core import kernel
+from asyncdbo._core import fastpath
 from asyncdbo._core.endings import Endings
 from asyncdbo._core.kernel import DBORun
 from asyncdbo._core.ubatch import UBatch
 
-needs_c = pytest.mark.skipif(kernel._spin is None, reason="the C kernel extension is not loaded here")
+needs_c = pytest.mark.skipif(fastpath.C is None, reason="the C kernel extension is not loaded here")
 
 FIELDS = ("coro", "ctx", "ctx_run", "send", "resume", "ext", "waker", "parked_on", "result", "resume_with", "debug",
           "unawaited", "run")
@@ -79,7 +79,7 @@ def released_with(release: Callable[[DBORun], object], swap_at: str | None, refu
 @pytest.mark.parametrize("swap_at", [None, "coro", "result", "run"])
 @pytest.mark.parametrize("refuse", [False, True])
 def test_the_c_release_stores_as_the_python_loop(swap_at: str | None, refuse: bool) -> None:
-    spin = kernel._spin
+    spin = fastpath.C
     assert spin is not None
     python = released_with(Endings._release_records, swap_at, refuse)
     c = released_with(lambda run: spin.release(run.ubatches), swap_at, refuse)
@@ -101,7 +101,7 @@ def test_the_c_release_stores_as_the_python_loop(swap_at: str | None, refuse: bo
 
 @needs_c
 def test_the_entry_points_refuse_bad_arguments_with_errors() -> None:
-    spin = kernel._spin
+    spin = fastpath.C
     assert spin is not None
     errors = []
     for call in (lambda: spin.release(), lambda: spin.release((1,)), lambda: spin.spin(*([None] * 7)),

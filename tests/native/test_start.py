@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from asyncdbo._core import kernel
+from asyncdbo._core import fastpath
 from asyncdbo._core.kernel import DBORun
 
 import _fork_each  # noqa: I001  (tests/native is on sys.path)
@@ -32,7 +32,7 @@ SCRIPT = Path(__file__).resolve().parent / "_start_cases.py"
 #: one case's limit (its child's alarm), and the driver's, which runs every case of one side in turn
 CASE_LIMIT_S = 60
 TIMEOUT_S = 200
-needs_c = pytest.mark.skipif(kernel._spin is None, reason="the C kernel extension is not loaded here")
+needs_c = pytest.mark.skipif(fastpath.C is None, reason="the C kernel extension is not loaded here")
 
 pytestmark = pytest.mark.timeout(2 * TIMEOUT_S)
 
@@ -52,10 +52,8 @@ def outcome(case: str, children: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return report
 
 
-def refilled(n: int, loop: str, own_start: int | None, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    with monkeypatch.context() as m:
-        if loop == "python":
-            m.setattr(kernel, "_spin", None)
+def refilled(n: int, loop: str, own_start: int | None) -> list[dict[str, Any]]:
+    with fastpath.kernel_loop(loop):
         run = asyncio.run(_driven(n))
         if own_start is not None:
             run.ubatches[own_start].__class__ = OwnStart
@@ -76,13 +74,13 @@ async def _driven(n: int) -> DBORun:
 
 @needs_c
 @pytest.mark.parametrize("n", range(1, 9))
-def test_the_c_refill_fills_every_record_as_python_does(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_c_refill_fills_every_record_as_python_does(n: int) -> None:
     for own_start in (None, n - 1):
         OwnStart.log.clear()
-        c = refilled(n, "c", own_start, monkeypatch)
+        c = refilled(n, "c", own_start)
         c_log = list(OwnStart.log)
         OwnStart.log.clear()
-        assert c == refilled(n, "python", own_start, monkeypatch)
+        assert c == refilled(n, "python", own_start)
         assert c_log == OwnStart.log == ([] if own_start is None else [f"own _start of ub{own_start}"])
     assert c[0] == {"class": "OwnStart" if n == 1 else "UBatch", "run": "the run", "coro": "coroutine",
                     "ctx": "ctx, current ubatch is it", "ctx_run": "ctx.run", "send": "callable, send is resume",

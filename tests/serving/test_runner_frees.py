@@ -13,7 +13,6 @@ import torch
 from _model_ranks import SMALL, tokens
 
 from asyncdbo import dbo_current_ubatch_id, dbo_yield
-from asyncdbo._core import kernel
 from asyncdbo.models import MiniModel
 from asyncdbo.plan import ThresholdConfig
 from asyncdbo.serving import BatchBuilder, DBORunner, RunnerConfig
@@ -38,13 +37,6 @@ class FailsInUbatch1:
             await dbo_yield("before the failure")
             raise Boom(f"ubatch 1 failed with {h_TD.shape[0]} tokens")
         return await self.model.forward(ids_T, pos_T, attn)
-
-
-@pytest.fixture(params=["c", "python"] if kernel._spin is not None else ["python"])
-def kernel_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "python":
-        monkeypatch.setattr(kernel, "_spin", None)
-    return str(request.param)
 
 
 async def test_a_step_that_raises_frees_its_batch_and_tensors_without_gc(kernel_loop: str) -> None:
