@@ -169,7 +169,7 @@ class SimBackend(OpAccounting, StreamBackend):
         imbalance: float = 1.0,
         node_dedup: float = 1.0,
         fix: Iterable[tuple[str, str]] = (),
-        host_args: bool = False,
+        host_args: bool = True,
     ) -> None:
         if on_problem not in ("raise", "record"):
             raise ValueError(f"on_problem must be 'raise' or 'record' (got {on_problem!r})")
