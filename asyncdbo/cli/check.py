@@ -142,6 +142,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paged-kv", action="store_true",
                    help="check the serving path instead: the runner with the paged KV cache and a request cut "
                         "between ubatches (see docs/sim.md)")
+    p.add_argument("--layer", metavar="FILE:NAME",
+                   help="check your own layer instead: NAME in FILE is an object with 'async def forward(self, x_TD)' "
+                        "or a factory taking the EP group that returns one (docs/sim.md, 'Your own layer')")
     p.add_argument("--trace", metavar="DIR", help="write a Chrome trace per run into DIR")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress lines (they are only written to a terminal anyway)")
@@ -263,6 +266,10 @@ def main(args: argparse.Namespace) -> int:
             return main_dense(args)
         if getattr(args, "paged_kv", False):
             return _paged_kv(args)
+        if getattr(args, "layer", None):
+            from .check_layer import main_layer
+
+            return main_layer(args, _fail_on(args))
         model, dep = _setup(args)
         code = _workload(args, model, dep) if args.workload else _sweep(args, model, dep)
     except SimCheckError as exc:

@@ -47,7 +47,7 @@ __all__ = [
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIP: tuple[str, ...] = tuple(
-    os.path.join(_PKG, d) for d in ("_core", "dbo", "backends", "syncs.py", "sim", "dist")
+    os.path.join(_PKG, d) for d in ("_core", "dbo", "backends", "syncs.py", "sim", "dist", "cli")
 ) + (os.path.dirname(os.path.abspath(str(__import__("torch").__file__))), os.path.dirname(str(os.__file__)))
 
 #: How many of the user's frames a finding shows.
@@ -196,6 +196,11 @@ class LostOverlap:
     other: Site | None
     foreign_ubatch: int | None
     cost_s: float | None = None
+    #: the cost model's estimate on a GPU (a host sync: its cost with eager launches), the step
+    #: time of that run, and what was modeled (``"h200, eager launches"``); None where not run.
+    estimate_s: float | None = None
+    estimate_step_s: float | None = None
+    estimate_on: str | None = None
 
     @property
     def lost_s(self) -> float:
@@ -216,6 +221,9 @@ class LostOverlap:
             cost = f"costs {self.cost_s * 1e6:.1f} us of this run"
         else:
             cost = "no cost measured at this size"
+        if self.estimate_s is not None and self.estimate_step_s is not None:
+            cost += (f"; the cost model estimates {max(0.0, self.estimate_s) * 1e6:.1f} us on {self.estimate_on} "
+                     f"(a step of {self.estimate_step_s * 1e6:.1f} us there)")
         return f"lost overlap ({self.kind}, {cost})"
 
     def __str__(self) -> str:
