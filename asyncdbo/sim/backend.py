@@ -52,7 +52,7 @@ from .mode import SimMode
 from .ops import span, storage_key
 from .races import _SKIP, FRAMES, DeadWait, LostOverlap, RaceChecker, SimCheckError, Site
 from .report import SimReport
-from .accounting import OpAccounting
+from .accounting import Hold, OpAccounting
 from .transfers import SimHandle, Watch
 
 if TYPE_CHECKING:
@@ -254,6 +254,9 @@ class SimBackend(OpAccounting, StreamBackend):
         self._pending_reads: dict[int, SimHandle] = {}  # storage -> the background transfer that writes it
         self._deferred: dict[int, list[SimHandle]] = {}  # ubatch -> awaits a counterfactual moved past its yield
         self.undeferred = set()
+        self._written_at: dict[int, float] = {}
+        self._comm_ids: set[int] = set()  # streams comm ran on (a wait on them is a wait on comm)
+        self._held: dict[tuple[int, int], Hold] = {}  # (stream, ubatch) -> a wait on that ubatch's comm holding it
         self._relocated: dict[int, float] = {}  # counterfactual: outputs moved to compute -> their end  # storage -> a transfer not yet used, issued in its data's segment
         self.report = SimReport(self.device.name, self.link.name, state.policy, len(run.ubatches))
         shared = {"compute": VStream("compute"), "comm": VStream("comm")}
@@ -345,6 +348,9 @@ class SimBackend(OpAccounting, StreamBackend):
             site = self._site(ub, stream, "wait event")
             if self._lost_overlap(LostOverlap("record-after-yield", site, event.by, foreign)):
                 t = own_end  # the counterfactual: the event covers this ubatch's own work only
+        if (t > stream.t and self._multi and self.check_races and event.stream_id in self._comm_ids
+                and isinstance(event.by, Site) and event.by.ubatch is not None):
+            self._hold(stream, event.by.ubatch, self._site(ub, stream, "wait event"))
         stream.t = max(stream.t, t)
         self._clocks.wait(stream.id, event.clock)
 

@@ -168,6 +168,8 @@ LOST_KINDS = {
                            "the other ubatch ran); where its data is used before that yield, a yield before the await "
                            "(used without an await: the transfer takes no time, the most a yield could hide)",
     "compute-on-comm-stream": "the op runs on the compute stream; comm waits for it only where it reads its output",
+    "unneeded-comm-wait": "the ubatch's work that reads nothing the transfer delivered runs as if issued before the "
+                          "wait (from the stream's time before it), up to its first op that reads the transfer",
 }
 
 
@@ -185,6 +187,9 @@ class LostOverlap:
     (a transfer issued and awaited with no yield between its data, its send and its use: no other
     ubatch's work can hide it), ``compute-on-comm-stream`` (a compute kernel queued on the comm
     stream, where it holds up the transfers queued behind it).
+    ``unneeded-comm-wait`` (whatever the schedule's cause: a compute kernel of a ubatch queued
+    behind a stream wait on that ubatch's own transfer, although it reads nothing the transfer
+    delivered; issued before the wait, it would have run while the transfer was in flight).
 
     ``cost_s``: what it cost, measured by a counterfactual sim run of the same schedule without
     it (:func:`asyncdbo.sim.counterfactual.measure_lost_overlap`; ``asyncdbo check`` and
@@ -258,6 +263,16 @@ class LostOverlap:
                 "    its data was produced, sent and used between the same two yields, so no other ubatch's work "
                 "could run while it was in flight: yield between the send and the use (or between the data and "
                 "the send)",
+            ])
+        if self.kind == "unneeded-comm-wait":
+            assert self.other is not None
+            return "\n".join([
+                f"{head}: compute on stream {self.site.stream} waited for a transfer it does not read",
+                *self.site.lines(),
+                *self.other.lines("behind: "),
+                "    it reads nothing the transfer delivered, yet was queued after the wait for it, so it could not "
+                "run while the transfer was in flight: issue it before the wait (before the yield or the switch "
+                "that waits)",
             ])
         if self.kind == "compute-on-comm-stream":
             return "\n".join([

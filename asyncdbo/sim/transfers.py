@@ -148,6 +148,9 @@ class Transfers:
     _deferred: dict[int, list[SimHandle]]
     undeferred: set[tuple[str, str]]
 
+    _comm_ids: set[int]
+    _written_at: dict[int, float]
+
     def _lost_overlap(self, lo: LostOverlap) -> bool:
         raise NotImplementedError
 
@@ -256,6 +259,7 @@ class Transfers:
             handle = self._background(ub, stream, reads, writes, site, wire, dur, latency, ready, what)
         else:
             start, end = self._place(ub, stream, "comm", what, dur, self._link, latency, ready=ready)
+            self._comm_ids.add(stream.id)
             self._contend(start, wire)
             if self.check_races:
                 self._clocks.access(stream.id, reads, writes, site)
@@ -266,6 +270,8 @@ class Transfers:
             self._dispatch_done[ub.id] = handle.t_done
         self._comm_derived |= writes
         self._host_known -= writes
+        for k in writes:
+            self._written_at[k] = handle.t_done
         if watch is not None:
             for k in writes:
                 self._watch[k] = watch
@@ -306,6 +312,7 @@ class Transfers:
         far is done, on a stream of its own, and holds no stream; its writes belong to that
         stream, so a read of the received buffer before a wait on the handle is an early read."""
         bg = VStream(f"{stream.name}:{what}")
+        self._comm_ids.add(bg.id)
         bg.t = max(stream.t, ready)
         late = self._late_send(ub, stream, reads) if self._multi else None
         if late is not None:
