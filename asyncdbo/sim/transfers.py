@@ -149,6 +149,7 @@ class Transfers:
     undeferred: set[tuple[str, str]]
 
     _comm_ids: set[int]
+    plain: bool
     _written_at: dict[int, float]
 
     def _lost_overlap(self, lo: LostOverlap) -> bool:
@@ -229,7 +230,7 @@ class Transfers:
         waits for it); its outputs count as written by the stream it runs on."""
         self._settle(ub, reads)
         lane = ub.ext
-        low_latency = not (lane.role == "comm" and lane.streams["comm"] is not lane.streams["compute"])
+        low_latency = not (lane.role == "comm" and (self.plain or lane.streams["comm"] is not lane.streams["compute"]))
         spec = self.comm
         scale = self.comm_scale
         if what == "dispatch" and spec.fp8_dispatch:
