@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-from typing import Any
+from typing import Any, Literal
 
 __all__ = ["main_layer"]
 
@@ -22,7 +22,7 @@ def main_layer(args: argparse.Namespace, fail_on: list[str]) -> int:
         raise ValueError("--layer checks your layer on its own; drop --workload (or --layer)")
     layer = load_layer(args.layer)
     host = args.host or "eager"
-    policies = ["role", "ubatch"] if args.stream_policy == "both" else [args.stream_policy]
+    policies: list[Literal["role", "ubatch"]] = ["role", "ubatch"] if args.stream_policy == "both" else [args.stream_policy]
     print(f"asyncdbo check --layer {args.layer}: {args.ubatches} ubatches, EP {args.ep} (a fake group: collectives "
           "are timed, their data is not exchanged)")
     print(f"deployment: {args.device} + {args.link}, {args.comm} comm, {host} host; host syncs also estimated with "
@@ -55,12 +55,12 @@ def main_layer(args: argparse.Namespace, fail_on: list[str]) -> int:
             row += f" | {r.dbo.makespan_s * 1e6:>14.1f} {r.speedup:>6.2f}x"
         print(row)
     print("speedup: serial time (one ubatch) / DBO time on the modeled device (above 1x: DBO is faster)")
-    for pol, res in results.items():
+    for name, res in results.items():
         if res.problems:
-            failed.append((pol, SimCheckError(list(dict.fromkeys(map(str, res.problems))))))
+            failed.append((name, SimCheckError(list(dict.fromkeys(map(str, res.problems))))))
         elif not fail_on:
             for text in dict.fromkeys(str(lo) for r in res.rows for lo in r.dbo.lost_overlaps):
-                print(f"\nwarning ({pol} streams): {text}")
-    for pol, exc in failed:
-        print(f"\n{pol} streams: {exc}")
+                print(f"\nwarning ({name} streams): {text}")
+    for name, err in failed:
+        print(f"\n{name} streams: {err}")
     return 1 if failed else 0

@@ -127,7 +127,8 @@ async def check_layer(
     if not tokens or bad:
         raise ValueError(f"every token count must be >= ubatches ({ubatches}) so each ubatch gets a token (got "
                          f"{list(tokens)})")
-    from .. import run_ubatches, ubatch_groups
+    from ..dbo import run_ubatches
+    from ..dist import ubatch_groups
 
     rows: list[LayerRow] = []
     problems: list[object] = []
