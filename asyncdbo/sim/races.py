@@ -50,6 +50,8 @@ _SKIP: tuple[str, ...] = tuple(
     os.path.join(_PKG, d) for d in ("_core", "dbo", "backends", "syncs.py", "sim", "dist", "cli")
 ) + (os.path.dirname(os.path.abspath(str(__import__("torch").__file__))), os.path.dirname(str(os.__file__)))
 
+_BIN = os.path.join(sys.prefix, "bin") + os.sep
+
 #: How many of the user's frames a finding shows.
 FRAMES = 3
 
@@ -60,7 +62,8 @@ def _where(f: FrameType) -> str:
 
 
 def _installed(filename: str) -> bool:
-    return "site-packages" in filename or "dist-packages" in filename
+    """A frame of an installed package or of a console script (``asyncdbo``'s entry point)."""
+    return "site-packages" in filename or "dist-packages" in filename or filename.startswith(_BIN)
 
 
 def user_frames(limit: int = FRAMES) -> tuple[str, ...]:
