@@ -55,6 +55,9 @@ def main_layer(args: argparse.Namespace, fail_on: list[str]) -> int:
             row += f" | {r.dbo.makespan_s * 1e6:>14.1f} {r.speedup:>6.2f}x"
         print(row)
     print("speedup: serial time (one ubatch) / DBO time on the modeled device (above 1x: DBO is faster)")
+    plain = [f"{r.tokens} {name} {r.plain_speedup:.2f}x" for name, res in results.items() for r in res.rows]
+    print(f"over the serial run without DBO's yields and hooks (one stream; a schedule that loses its own overlap "
+          f"slows the one-ubatch run, not this one): {', '.join(plain)}")
     for name, res in results.items():
         if res.problems:
             failed.append((name, SimCheckError(list(dict.fromkeys(map(str, res.problems))))))

@@ -5,7 +5,8 @@ tensor), or a factory that takes the EP process group and returns one. The check
 EP group of ``ep`` ranks (this process is rank 0; collectives on it are timed by the link and
 comm presets, their data is not exchanged), calls ``ubatch_groups(ubatches, group)`` so the layer
 may issue on ``ubatch_group(group)``, builds the layer once, and for each token count runs it
-serially (one ubatch) and as ``ubatches`` DBO ubatches (the tokens cut evenly) on a
+serially (one ubatch, and the plain serial run without DBO's yields and hooks) and as
+``ubatches`` DBO ubatches (the tokens cut evenly) on a
 :class:`~asyncdbo.sim.SimBackend` with the race checker. Lost overlap is costed by a
 counterfactual run per finding (:func:`~asyncdbo.sim.measure_lost_overlap`); every host sync
 between two yields fails, with its cost at this size and the cost model's estimate with eager
@@ -40,11 +41,17 @@ class LayerRow:
     tokens: int
     serial: SimReport
     dbo: SimReport
+    plain: SimReport  # the serial run without DBO's yields and hooks (SimBackend(plain=True))
 
     @property
     def speedup(self) -> float:
-        """Serial time / DBO time (above 1: DBO is faster)."""
+        """Serial time (one ubatch) / DBO time (above 1: DBO is faster)."""
         return self.serial.makespan_s / self.dbo.makespan_s if self.dbo.makespan_s > 0 else 1.0
+
+    @property
+    def plain_speedup(self) -> float:
+        """Plain serial time / DBO time: a schedule that slows its own one-ubatch run cannot raise it."""
+        return self.plain.makespan_s / self.dbo.makespan_s if self.dbo.makespan_s > 0 else 1.0
 
 
 @dataclass(frozen=True)
@@ -144,10 +151,10 @@ async def check_layer(
         for n in tokens:
             x_TD = torch.randn(n, width, generator=gen).to(dtype)
             reports: list[SimReport] = []
-            for parts in ([n], _cuts(n, ubatches)):
-                def make(**overrides: Any) -> SimBackend:
+            for parts, plain in (([n], False), (_cuts(n, ubatches), False), ([n], True)):
+                def make(_plain: bool = plain, **overrides: Any) -> SimBackend:
                     return SimBackend(**{**dict(device=device, link=link, comm=comm, host=host, check_races=check_races,
-                                                fail_on=fail_on), **overrides})
+                                                fail_on=fail_on, plain=_plain), **overrides})
 
                 async def run(be: SimBackend, _parts: list[int] = parts) -> None:
                     args = [(x,) for x in x_TD.split(_parts)]
@@ -157,7 +164,7 @@ async def check_layer(
                 rep, _ = await measure_lost_overlap(run, make, raise_problems=False, estimate=estimate)
                 reports.append(rep)
                 problems += rep.problems
-            rows.append(LayerRow(n, reports[0], reports[1]))
+            rows.append(LayerRow(n, reports[0], reports[1], reports[2]))
     if raise_problems and problems:
         raise SimCheckError(problems)
     return LayerCheck(tuple(rows), tuple(problems))

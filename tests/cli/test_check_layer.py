@@ -38,6 +38,8 @@ def test_the_tutorial_port_passes(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert code == 0, out
     assert re.search(r"^\s+64\s+[\d.]+ \|\s+[\d.]+\s+[\d.]+x \|\s+[\d.]+\s+[\d.]+x$", out, re.M), out
+    assert re.search(r"^over the serial run without DBO's yields and hooks \(.*\): 64 role [\d.]+x, 64 ubatch [\d.]+x$",
+                     out, re.M), out
 
 
 def test_an_item_after_the_router_fails_naming_its_line(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
