@@ -57,6 +57,8 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|---|"]
     cases = [(c[:4], m) for c in CASES for m in perf_mutants(c[0], c[1]) if m.name == c[4]]
     cases += [((s, p, "deepep", "graph"), m) for s, p, name in MISSED for m in missed_mutants(s, p) if m.name == name]
+    cases += [((s, "role", "deepep", "graph"), m) for s in ("ht", "ll") for m in missed_mutants(s, "role")
+              if "router" in m.name]
     for cfg, m in cases:
         if cfg not in clean:
             clean[cfg] = dbo(*cfg)

@@ -85,9 +85,13 @@ MISSED = [("ht", "role", "combine on the compute stream"), ("ht", "role", "no yi
 
 
 def missed_mutants(schedule: str, policy: str) -> Iterator[PerfMutant]:
-    """The mutants of :data:`MISSED` for this schedule and stream policy."""
+    """The mutants of :data:`MISSED` for this schedule and stream policy, and issue 50's host syncs
+    after the router (M22: ``.item()``, N06: ``.cpu()``) that passed under graph replay."""
     L = layer_mod
     fwd = (L.MoELayer, f"_forward_{schedule}")
+    route = "topk_w_TK, plan = self._prepare(x_TD)"
+    yield PerfMutant("item after the router", fwd, ((route, f"{route}\n        topk_w_TK.max().item()"),), "host-sync")
+    yield PerfMutant("cpu after the router", fwd, ((route, f"{route}\n        topk_w_TK.cpu()"),), "host-sync")
     combine = 'await _to_comm(st, "combine", after="experts")'
     if schedule == "ht" and policy == "role":
         yield PerfMutant("combine on the compute stream", fwd, ((combine, 'await dbo_yield("combine")'),), "")

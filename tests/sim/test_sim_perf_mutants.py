@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import io
+import re
 from contextlib import redirect_stdout
 from typing import Any
 
@@ -101,7 +102,10 @@ def test_each_performance_mutant_fails_check_with_its_measured_cost(case: tuple[
     lost = found[0]
     assert lost.cost_s is not None and lost.cost_s > 0, str(lost)
     text = str(lost)
-    assert text.startswith(f"lost overlap ({m.expect}, costs {lost.cost_s * 1e6:.1f} us of this run)"), text
+    assert text.startswith(f"lost overlap ({m.expect}, costs {lost.cost_s * 1e6:.1f} us of this run"), text
+    if m.expect == "host-sync":  # and the cost model's estimate with eager launches, at that run's step time
+        assert re.search(r"; the cost model estimates [\d.]+ us on h200, eager launches \(a step of [\d.]+ us there\)\)",
+                         text), text
     assert "asyncdbo/moe/layer.py:" in text  # the mutated line of the library's own code
 
 
@@ -219,3 +223,18 @@ def test_a_mutant_that_slows_its_own_serial_run_cannot_raise_the_speedup_over_th
     assert mutant.gain > clean.gain  # over the one-ubatch run: inflated
     assert mutant.plain_gain is not None and clean.plain_gain is not None
     assert mutant.plain_gain < clean.plain_gain
+
+
+@pytest.mark.parametrize("name", ["item after the router", "cpu after the router"])
+@pytest.mark.parametrize("schedule", ["ht", "ll"])
+def test_a_host_sync_after_the_router_fails_on_graph_replay_too(schedule: str, name: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 50's M22 and N06 exited 0 on graph replay (the decode default): the sync cost nothing
+    # there. A GPU pays it at any size, so it fails whatever its cost at this one.
+    _apply(monkeypatch, schedule, "role", name)
+    with pytest.raises(SimCheckError) as err:
+        _dbo(schedule, "role", "deepep", "graph")
+    (lost,) = err.value.findings
+    assert lost.kind == "host-sync" and lost.cost_s is not None
+    assert lost.site.op == ("aten._local_scalar_dense" if "item" in name else "Tensor.cpu")
+    assert lost.site.place.startswith("asyncdbo/moe/layer.py:") and lost.site.place.endswith(f" in _forward_{schedule}")
