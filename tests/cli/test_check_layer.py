@@ -68,3 +68,33 @@ def test_bad_layer_specs_exit_2_with_the_fix(tmp_path: object, capsys: pytest.Ca
     assert "asyncdbo check: error: --layer nofile.py:x: no file 'nofile.py'" in capsys.readouterr().err
     assert cli_main(["check", "--layer", f"{PORT}:nothing"]) == 2
     assert "defines no 'nothing'; it defines" in capsys.readouterr().err
+
+
+def test_compute_queued_behind_its_own_combine_is_lost_overlap_at_its_line(tmp_path: object) -> None:
+    # A general finding, not a named pattern: the MLP after the residual switch reads nothing the
+    # combine delivered, yet waits for it.
+    with open(PORT, encoding="utf-8") as f:
+        src = f.read()
+    src = src.replace('''        await dbo_yield_and_switch_from_comm_to_compute("residual")
+        return x_TD + back_TD''', '''        await dbo_yield_and_switch_from_comm_to_compute("residual")
+        h_TH = torch.relu(x_TD @ self.w_up_EDH[0])  # reads nothing the combine delivered
+        return x_TD + back_TD + h_TH @ self.w_down_EHD[0]''')
+    path = os.path.join(str(tmp_path), "late_mlp.py")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(src)
+    res = asyncio.run(check_layer(load_layer(f"{path}:make_layer"), tokens=[1024], ep=8, host="none",
+                                  raise_problems=False))
+    (lost,) = res.problems
+    mlp, wait = _line(path, "h_TH = torch.relu"), _line(path, '"residual"')
+    # (each place's next frame is this test's call of check_layer)
+    assert [ln for ln in str(lost).splitlines() if "test_check_layer.py" not in ln] == [
+        f"lost overlap (unneeded-comm-wait, costs {lost.cost_s * 1e6:.1f} us of this run): compute on stream compute "
+        "waited for a transfer it does not read",
+        "    aten::mm: ubatch 1 after its yield 'residual', stream compute",
+        f"        at {os.path.relpath(path)}:{mlp} in forward",
+        "    behind: wait event: ubatch 1 after its yield 'residual', stream compute",
+        f"        at {os.path.relpath(path)}:{wait} in forward",
+        "    it reads nothing the transfer delivered, yet was queued after the wait for it, so it could not run while "
+        "the transfer was in flight: issue it before the wait (before the yield or the switch that waits)",
+    ]
+    assert lost.cost_s > 0
