@@ -30,6 +30,12 @@ CUDA device and is process-global):
 * device-to-host copies (``_to_copy``/``copy_`` from an accelerator into host memory), when a
   real accelerator tensor is involved.
 
+Judged by what the op does on an accelerator, not by the CPU kernel that runs it here:
+``F.one_hot(t, num_classes)`` with ``num_classes`` given launches one kernel on a device (CUDA
+checks the classes with a device assert), while its CPU kernel reads ``t.min()`` to the host: the
+ops it runs inside are no sync. Without ``num_classes`` it reads ``t.max()`` on every device: a
+sync (``F.one_hot``).
+
 Not counted: ``nonzero_static`` (fixed size), ``repeat_interleave(..., output_size=n)``,
 ``masked_fill``, ``scatter_add_``, ``sort``, ``topk``, ``cumsum`` (device kernels only), and
 anything torch.distributed does (torch's mode does not see it either).
@@ -101,6 +107,17 @@ _METHODS: dict[str, str] = {
     "numpy": "copies the tensor to the host",
 }
 
+#: Functions whose CPU kernel reads to the host where the accelerator's does not: name -> why it
+#: syncs on a device too, or None when it does not (given its arguments).
+def _one_hot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    num_classes = _arg(args, kwargs, 1, "num_classes")
+    if num_classes is None or num_classes < 0:
+        return "one_hot without num_classes reads the input's max to the host"
+    return None
+
+
+_FUNCTIONS: dict[str, Callable[[tuple[Any, ...], dict[str, Any]], str | None]] = {"one_hot": _one_hot}
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _THIS = os.path.abspath(__file__)
 _CONTEXTLIB = os.path.dirname(os.__file__) + os.sep + "contextlib.py"
@@ -165,8 +182,11 @@ def method_sync_reason(name: str, self_: Any, args: tuple[Any, ...], kwargs: dic
                 dev = a
             elif isinstance(a, torch.Tensor):
                 dev = a.device
-        if dev is not None and torch.device(dev).type == "cpu" and not kwargs.get("non_blocking", False):
-            return "copies the tensor to the host"
+        if dev is None or torch.device(dev).type != "cpu" or kwargs.get("non_blocking", False):
+            return None
+        if not isinstance(dev, str) and torch.device(dev) == self_.device:
+            return None  # to(t.device) onto the tensor's own device: no copy on any device ("cpu" named is a copy)
+        return "copies the tensor to the host"
     return None
 
 
@@ -243,6 +263,16 @@ class _Methods(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         owner = self.owner
+        judge = _FUNCTIONS.get(name)
+        if judge is not None and not owner._inside:
+            reason = judge(args, kwargs)
+            if reason is not None:
+                return owner._sync(f"F.{name}", reason, _first_device(args), func, args, kwargs)
+            owner._inside = True  # what its CPU kernel reads is no sync on a device
+            try:
+                return func(*args, **kwargs)
+            finally:
+                owner._inside = False
         if owner._inside or name not in _METHODS and name != "to" or not args or not isinstance(args[0], torch.Tensor):
             return func(*args, **kwargs)
         reason = method_sync_reason(name, args[0], args[1:], kwargs)

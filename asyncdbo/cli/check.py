@@ -142,6 +142,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paged-kv", action="store_true",
                    help="check the serving path instead: the runner with the paged KV cache and a request cut "
                         "between ubatches (see docs/sim.md)")
+    p.add_argument("--layer", metavar="FILE:NAME",
+                   help="check your own layer instead: NAME in FILE is an object with 'async def forward(self, x_TD)' "
+                        "or a factory taking the EP group that returns one (docs/sim.md, 'Your own layer')")
     p.add_argument("--trace", metavar="DIR", help="write a Chrome trace per run into DIR")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress lines (they are only written to a terminal anyway)")
@@ -263,6 +266,10 @@ def main(args: argparse.Namespace) -> int:
             return main_dense(args)
         if getattr(args, "paged_kv", False):
             return _paged_kv(args)
+        if getattr(args, "layer", None):
+            from .check_layer import main_layer
+
+            return main_layer(args, _fail_on(args))
         model, dep = _setup(args)
         code = _workload(args, model, dep) if args.workload else _sweep(args, model, dep)
     except SimCheckError as exc:
@@ -320,6 +327,7 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
     print("-" * len(head))
     lost: dict[str, int] = {}
     slower: list[str] = []
+    plain: list[str] = []
     for t_i, tokens in enumerate(args.tokens):
         row = f"{tokens:>11}"
         for i, pol in enumerate(policies):
@@ -336,6 +344,8 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
             if i == 0:
                 row += f" {pred.serial_layer_s * 1e6:>10.1f}"
             row += f" | {pred.dbo_layer_s * 1e6:>14.1f} {1 + pred.gain:>6.2f}x {pred.hidden_comm_share * 100:>10.0f}%"
+            if pred.plain_gain is not None:
+                plain.append(f"{tokens} {pol} {1 + pred.plain_gain:.2f}x")
             if pred.gain < 0 and pred.hidden_comm_share >= 0.5:
                 slower.append(slower_note(tokens, pol, pred))
             if args.trace:
@@ -351,6 +361,8 @@ def _sweep(args: argparse.Namespace, model: Any, dep: Any) -> int:
               "it hides:")
         for line in slower:
             print("  " + line)
+    print("over the serial run without DBO's yields and hooks (one stream; the speedup above is over the one-ubatch "
+          f"run, which a schedule that loses its own overlap slows): {', '.join(plain)}")
     for text, n in lost.items():
         print(f"\n{'warning' if _allow(args) else 'note'} ({n} run(s)): {text}")
     return 0

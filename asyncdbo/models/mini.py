@@ -203,7 +203,7 @@ class MiniModel:
         v_THK = _matmul(h_TD[:n], p["wv_DF"], tile).view(-1, cfg.num_heads, cfg.head_dim)
         q_THK = _rope(q_THK, positions_T, cfg.rope_theta)
         k_THK = _rope(k_THK, positions_T[:n], cfg.rope_theta)
-        self.kv_cache.write(layer, k_THK, v_THK, attn.slot_mapping)
+        self.kv_cache.write(layer, k_THK, v_THK, attn.slot_mapping, padded=False)  # every slot real
         # Order the read after the previous ubatch's write in this layer (module docstring).
         # No-ops outside a DBO run.
         await wait_for_earlier_kv(self, layer)

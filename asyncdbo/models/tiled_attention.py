@@ -185,7 +185,10 @@ def _attend_chunk(out_THK: torch.Tensor, q_THK: torch.Tensor, positions_T: torch
         l_HX = l_HX + l_HJX[:, j]
         o_HXV = o_HXV + pv_HJXV[:, j]
     o_XHV = (o_HXV / l_HX.masked_fill(l_HX == 0, 1.0)[..., None]).permute(1, 0, 2)
-    out_THK[rows_X[real_X]] = o_XHV[real_X].to(out_THK.dtype)
+    # The real rows picked on the host (real_IQ comes from the CPU mirrors): a boolean index on the
+    # device would read its count back to the host, a sync in the middle of the step.
+    sel_X = real_IQ.flatten().nonzero().squeeze(1)
+    out_THK[rows_IQ.flatten()[sel_X].to(dev)] = o_XHV[sel_X.to(dev)].to(out_THK.dtype)
 
 
 def _seq_of(attn: AttentionMetadata, reqs: torch.Tensor) -> torch.Tensor:

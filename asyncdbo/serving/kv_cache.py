@@ -65,19 +65,26 @@ class PagedKVCache:
         self.v_cache_LNZHK = ([torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
                               if cfg.value_dim else [])
 
-    def write(self, layer: int, k_THK: torch.Tensor, v_THK: torch.Tensor | None, slot_mapping_T: torch.Tensor) -> None:
+    def write(self, layer: int, k_THK: torch.Tensor, v_THK: torch.Tensor | None, slot_mapping_T: torch.Tensor, *,
+              padded: bool = True) -> None:
         """Store the new tokens' keys/values at their slots; ``PAD_SLOT_ID`` slots are skipped.
+        ``padded=False``: the caller knows no slot is ``PAD_SLOT_ID`` (the runner's rows past
+        ``num_actual_tokens`` are cut off before), so no mask is built (on a device, a boolean
+        index reads its count to the host).
         ``v_THK`` is None exactly when the cache keeps keys only."""
         assert (v_THK is None) == (self.cfg.value_dim == 0), "values given to a keys-only cache, or missing"
         if k_THK.shape[0] == 0:
             return
-        keep_T = slot_mapping_T >= 0
-        slots = slot_mapping_T[keep_T]
+        slots = slot_mapping_T
+        if padded:  # unpadded: no mask, which on a device would read its count to the host (a sync)
+            keep_T = slot_mapping_T >= 0
+            slots, k_THK = slot_mapping_T[keep_T], k_THK[keep_T]
+            v_THK = None if v_THK is None else v_THK[keep_T]
         flat_k = self.k_cache_LNZHK[layer].view(-1, self.cfg.num_heads, self.cfg.head_dim)
-        flat_k.index_copy_(0, slots, k_THK[keep_T])
+        flat_k.index_copy_(0, slots, k_THK)
         if v_THK is not None:
             flat_v = self.v_cache_LNZHK[layer].view(-1, self.cfg.num_heads, self.cfg.value_dim)
-            flat_v.index_copy_(0, slots, v_THK[keep_T])
+            flat_v.index_copy_(0, slots, v_THK)
 
     def read(self, layer: int, slots_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Keys ``[S, H, K]`` and values (None for a keys-only cache) stored at ``slots_S``."""

@@ -9,6 +9,7 @@ NPU cluster, on a laptop.
 * :mod:`~asyncdbo.sim.cost`, :mod:`~asyncdbo.sim.kernels`, :mod:`~asyncdbo.sim.devices`,
   :mod:`~asyncdbo.sim.comm`, :mod:`~asyncdbo.sim.host`: what an op, a kernel, a transfer and a
   launch cost, with the presets and their sources;
+* :mod:`~asyncdbo.sim.layer`: :func:`check_layer`, the user's own layer (``asyncdbo check --layer``);
 * :mod:`~asyncdbo.sim.predict` (with :mod:`~asyncdbo.sim.shapes`, :mod:`~asyncdbo.sim.model`,
   :mod:`~asyncdbo.sim.models`): serial vs DBO for real architectures through the library's MoE
   layer;
@@ -20,7 +21,9 @@ NPU cluster, on a laptop.
 from __future__ import annotations
 
 from .cost import CostModel, OpCost
+from .counterfactual import measure_lost_overlap
 from .devices import DEVICES, DeviceSpec, device_spec
+from .layer import LayerCheck, check_layer
 from .races import DeadWait, LostOverlap, Race, SimCheckError, Site
 
 __all__ = [
@@ -28,10 +31,13 @@ __all__ = [
     "CostModel",
     "DeadWait",
     "DeviceSpec",
+    "LayerCheck",
     "LostOverlap",
     "OpCost",
     "Race",
     "SimCheckError",
     "Site",
+    "check_layer",
     "device_spec",
+    "measure_lost_overlap",
 ]

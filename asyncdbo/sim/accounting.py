@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from types import FrameType
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from .ops import FACTORY, Region, is_view, self_region, span, storage_key, tenso
 from .races import _SKIP, LostOverlap, Site, user_frames
 from .transfers import Transfers
 
-__all__ = ["OpAccounting"]
+__all__ = ["Hold", "OpAccounting"]
 
 _COMM_LIBRARY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist")
 _MACHINERY = tuple(p for p in _SKIP if not p.startswith(_COMM_LIBRARY))
@@ -46,6 +47,17 @@ def _sizing_tensors(op: str, args: tuple[Any, ...]) -> list[torch.Tensor]:
     return tensor_items(list(args))
 
 
+@dataclass
+class Hold:
+    """A stream wait on a ubatch's own transfer that moved the stream's time: ``pre`` is the
+    stream's time before it, ``wait`` where it was issued; ``fixing`` once the counterfactual moves the ubatch's
+    work that does not need the transfer before it (``unneeded-comm-wait``)."""
+
+    pre: float
+    wait: Site
+    fixing: bool = False
+
+
 class OpAccounting(Transfers):
     """The op half of :class:`~asyncdbo.sim.backend.SimBackend`, on top of its comm half (a mixin;
     see the module docstring). The state it reads is made by ``SimBackend.__init__``/``attach``."""
@@ -68,6 +80,35 @@ class OpAccounting(Transfers):
         if last is None or last == ub.id or own_end is None:
             return None
         return last, own_end
+
+    _held: dict[tuple[int, int], Hold]
+    _written_at: dict[int, float]  # storage -> when its last write ends (virtual time)
+
+    def _hold(self, stream: VStream, owner: int, wait: Site) -> None:
+        """A wait on ``owner``'s transfer holds ``stream`` (see :class:`Hold`); the first one counts."""
+        if (stream.id, owner) not in self._held:
+            self._held[(stream.id, owner)] = Hold(stream.t, wait)
+
+    def _needs(self, hold: Hold, reads: set[int]) -> bool:
+        """Whether an op reading ``reads`` reads data written after the held stream's time before
+        the wait (what the transfer delivered, or what was computed from it since)."""
+        return any(self._written_at.get(k, 0.0) > hold.pre for k in reads)
+
+    def _held_ready(self, ub: Any, stream: VStream, func: Any, args: tuple[Any, ...], heavy: bool) -> float | None:
+        """Where the ubatch's op goes when a wait on its own transfer holds the stream: None (after
+        the wait, as issued) unless the op needs nothing the transfer delivered and this run is the
+        ``unneeded-comm-wait`` counterfactual, then the time it could start before the wait."""
+        hold = self._held.get((stream.id, ub.id))
+        if hold is None:
+            return None
+        reads = {k for t in tensor_items(list(args)) if (k := storage_key(t)) is not None}
+        if self._needs(hold, reads):
+            del self._held[(stream.id, ub.id)]
+            return None
+        if heavy and not hold.fixing:
+            site = self._site(ub, stream, str(func.name()))
+            hold.fixing = self._lost_overlap(LostOverlap("unneeded-comm-wait", site, hold.wait, None))
+        return hold.pre if hold.fixing else None
 
     def _lost_overlap(self, lo: LostOverlap) -> bool:
         """Report ``lo`` (once per kind and place); True when this run is the counterfactual
@@ -106,6 +147,7 @@ class OpAccounting(Transfers):
         if self._deferred:
             self._settle(ub, {k for t in tensor_items(list(args)) if (k := storage_key(t)) is not None})
         cost = self.cost.op_cost(func, args, kwargs, out)
+        end_t = stream.t
         if cost.seconds > 0:
             # Ops a ubatch issues in its comm role that only move data (packing rows for a dispatch)
             # run on the SMs the comm kernels own (DeepEP fuses them into its kernels): they take
@@ -122,7 +164,15 @@ class OpAccounting(Transfers):
                 site = self._site(ub, stream, str(func.name()))
                 if self._lost_overlap(LostOverlap("compute-on-comm-stream", site, None, None)):
                     on = ub.ext.streams["compute"]  # the counterfactual: the op runs on compute
+            early = self._held_ready(ub, on, func, args, heavy) if self._held and self.check_races else None
+            held_t = on.t
+            if early is not None:  # the counterfactual: issued before the wait, it starts no later than then
+                on.t = early
             _, end = self._place(ub, on, "compute", ub.tag or "compute", cost.seconds, engine, ready=self._host.launch())
+            if early is not None:
+                self._held[(on.id, ub.id)].pre = end
+                on.t = max(held_t, end)
+            end_t = end
             if on is not stream:
                 for t in tensor_items(out if isinstance(out, (tuple, list)) else [out]):
                     if (k := storage_key(t)) is not None:
@@ -134,6 +184,8 @@ class OpAccounting(Transfers):
             # allocator reuses addresses, while a device's caching allocator keeps each block on
             # the stream that allocated it, so an old access to the address is no dependency.
             reads, writes, regions = self._accesses(func, args, kwargs, out)
+            for k in writes:
+                self._written_at[k] = end_t
             # What the host can compute itself (from the data it prepared, factories, and what is
             # computed from those alone) stays host data; anything else written is device data.
             if reads <= self._host_known:

@@ -52,7 +52,7 @@ from .mode import SimMode
 from .ops import span, storage_key
 from .races import _SKIP, FRAMES, DeadWait, LostOverlap, RaceChecker, SimCheckError, Site
 from .report import SimReport
-from .accounting import OpAccounting
+from .accounting import Hold, OpAccounting
 from .transfers import SimHandle, Watch
 
 if TYPE_CHECKING:
@@ -120,7 +120,8 @@ class _Hooks(Instrument):
             be._segment[ub.id] = seg + 1
             ub.ctx_run(be._settle, ub)
         be._seg_host[(ub.id, seg)] = be._host.t  # when this segment's last launch was issued
-        be._host.switch()
+        if not be.plain:  # outside a DBO run a yield is no switch at all
+            be._host.switch()
         be._segment[ub.id] = seg + 1
 
     def run_finished(self, run: DBORun, exc: BaseException | None) -> None:
@@ -145,7 +146,11 @@ class SimBackend(OpAccounting, StreamBackend):
     their cost (:mod:`asyncdbo.sim.counterfactual`). ``host_args``: the integer and boolean tensors
     among the ubatches' arguments (token ids, positions, attention metadata) are data the host
     prepared and holds: reading them, or what is computed from them (and factories) alone, is
-    no host sync (:mod:`asyncdbo.sim.serving`).
+    no host sync (:mod:`asyncdbo.sim.serving`); ``host_args=False`` treats them as device results.
+    ``plain``: the serial baseline without DBO, for a run of one ubatch: its compute and comm
+    share one stream (the primitives' switches, records and waits order nothing new, every
+    transfer is waited for where the stream reaches it) and yields cost the host nothing, as the
+    layer run outside a DBO run does; transfers keep the kernels their role picks.
     """
 
     stand_in = True  # CPU tensors play the simulated device's
@@ -171,7 +176,8 @@ class SimBackend(OpAccounting, StreamBackend):
         imbalance: float = 1.0,
         node_dedup: float = 1.0,
         fix: Iterable[tuple[str, str]] = (),
-        host_args: bool = False,
+        host_args: bool = True,
+        plain: bool = False,
     ) -> None:
         if on_problem not in ("raise", "record"):
             raise ValueError(f"on_problem must be 'raise' or 'record' (got {on_problem!r})")
@@ -197,6 +203,7 @@ class SimBackend(OpAccounting, StreamBackend):
         self.node_dedup = node_dedup
         self.fix = frozenset(fix)
         self.host_args = host_args
+        self.plain = plain
         #: ``comm-not-overlapped`` keys in ``fix`` whose await this run could not move past the
         #: next yield (the transfer's data was used before it): :mod:`.counterfactual` reruns them.
         self.undeferred: set[tuple[str, str]] = set()
@@ -222,6 +229,11 @@ class SimBackend(OpAccounting, StreamBackend):
                 f"a sim run ({SimBackend._active.name!r}) is already in progress in this process; the sim backend "
                 "runs one DBO run at a time: await it before starting another"
             )
+        if self.plain and len(run.ubatches) != 1:
+            for ub in run.ubatches:
+                ub.coro.close()
+            raise ValueError(f"SimBackend(plain=True) is the serial baseline: run it with one ubatch (got "
+                             f"{len(run.ubatches)})")
         SimBackend._active = run
         self._run = run
         self._policy = state.policy
@@ -256,11 +268,17 @@ class SimBackend(OpAccounting, StreamBackend):
         self._pending_reads: dict[int, SimHandle] = {}  # storage -> the background transfer that writes it
         self._deferred: dict[int, list[SimHandle]] = {}  # ubatch -> awaits a counterfactual moved past its yield
         self.undeferred = set()
+        self._written_at: dict[int, float] = {}
+        self._comm_ids: set[int] = set()  # streams comm ran on (a wait on them is a wait on comm)
+        self._held: dict[tuple[int, int], Hold] = {}  # (stream, ubatch) -> a wait on that ubatch's comm holding it
         self._relocated: dict[int, float] = {}  # counterfactual: outputs moved to compute -> their end  # storage -> a transfer not yet used, issued in its data's segment
         self.report = SimReport(self.device.name, self.link.name, state.policy, len(run.ubatches))
         shared = {"compute": VStream("compute"), "comm": VStream("comm")}
         for lane in state.lanes:
-            if state.policy == "role":
+            if self.plain:
+                one = VStream("compute")
+                lane.streams = {"compute": one, "comm": one}
+            elif state.policy == "role":
                 lane.streams = dict(shared)
             else:
                 i = lane.ub.id
@@ -347,6 +365,9 @@ class SimBackend(OpAccounting, StreamBackend):
             site = self._site(ub, stream, "wait event")
             if self._lost_overlap(LostOverlap("record-after-yield", site, event.by, foreign)):
                 t = own_end  # the counterfactual: the event covers this ubatch's own work only
+        if (t > stream.t and self._multi and self.check_races and event.stream_id in self._comm_ids
+                and isinstance(event.by, Site) and event.by.ubatch is not None):
+            self._hold(stream, event.by.ubatch, self._site(ub, stream, "wait event"))
         stream.t = max(stream.t, t)
         self._clocks.wait(stream.id, event.clock)
 

@@ -23,13 +23,16 @@ __all__ = ["measure_lost_overlap"]
 
 
 async def measure_lost_overlap(run: Callable[[SimBackend], Awaitable[Any]], make: Callable[..., SimBackend], *,
-                               raise_problems: bool = True) -> tuple[SimReport, Any]:
+                               raise_problems: bool = True,
+                               estimate: dict[str, Any] | None = None) -> tuple[SimReport, Any]:
     """Run ``run(make(on_problem="record"))``, then once per distinct lost-overlap key
     ``run(make(on_problem="record", fix=[key]))``; return the first run's report, every finding's
     ``cost_s`` filled in, and what ``run`` returned. ``make(**overrides)`` builds a backend of one
     configuration. With ``raise_problems``, the first run's problems (races, dead waits, lost
     overlap when its ``fail_on`` says so) raise :class:`~asyncdbo.sim.SimCheckError` afterwards,
-    with their costs."""
+    with their costs. ``estimate``: overrides of ``make`` (``{"host": "eager"}``) under which each
+    host sync is costed again, the same way, as the cost model's estimate on a GPU
+    (:attr:`~asyncdbo.sim.LostOverlap.estimate_s`, with that run's makespan as its step time)."""
     be = make(on_problem="record")
     result = await run(be)
     rep = be.report
@@ -46,6 +49,20 @@ async def measure_lost_overlap(run: Callable[[SimBackend], Awaitable[Any]], make
         assert fixed.report is not None
         costs[lo.key] = rep.makespan_s - fixed.report.makespan_s
     rep.lost_overlaps = [replace(lo, cost_s=costs[lo.key]) for lo in rep.lost_overlaps]
+    syncs = [lo.key for lo in rep.lost_overlaps if lo.kind == "host-sync"]
+    if estimate is not None and syncs:
+        base = make(on_problem="record", **estimate)
+        await run(base)
+        assert base.report is not None
+        on = f"{base.device.name}, {base.host.name} launches"
+        est: dict[tuple[str, str], float] = {}
+        for key in dict.fromkeys(syncs):
+            fixed = make(on_problem="record", fix=[key], **estimate)
+            await run(fixed)
+            assert fixed.report is not None
+            est[key] = base.report.makespan_s - fixed.report.makespan_s
+        rep.lost_overlaps = [replace(lo, estimate_s=est[lo.key], estimate_step_s=base.report.makespan_s, estimate_on=on)
+                             if lo.key in est else lo for lo in rep.lost_overlaps]
     if raise_problems and rep.problems:
         raise SimCheckError(rep.problems)
     return rep, result

@@ -77,6 +77,17 @@ class Prediction:
     dbo: SimReport
     serial_layer_s: float
     dbo_layer_s: float
+    #: the serial baseline without DBO's yields, switches and hooks (``SimBackend(plain=True)``):
+    #: compute and comm on one stream, as the layer runs outside a DBO run; None where not run
+    plain: SimReport | None = None
+    plain_layer_s: float | None = None
+
+    @property
+    def plain_gain(self) -> float | None:
+        """Serial / DBO - 1 per layer over the plain serial run (None where not run): a schedule
+        that slows its own one-ubatch run (losing the overlap of a ubatch's own comm and compute)
+        cannot raise it, as it raises :attr:`gain`."""
+        return None if self.plain_layer_s is None else self.plain_layer_s / self.dbo_layer_s - 1.0
 
     @property
     def serial_s(self) -> float:
@@ -88,6 +99,7 @@ class Prediction:
 
     @property
     def gain(self) -> float:
+        """Serial / DBO - 1 per layer, over the one-ubatch run (calibrated: docs/sim.md)."""
         return self.serial_layer_s / self.dbo_layer_s - 1.0
 
     @property
@@ -116,9 +128,12 @@ async def simulate(
     check_races: bool = True,
     fail_on: Sequence[str] = (),
     seed: int = 0,
+    plain: Sequence[bool] = (),
 ) -> list[tuple[SimReport, float]]:
     """Run ``model`` on one rank's ``requests`` once per split (ubatch token counts; ``[T]`` is the
-    serial run) with the same weights and routing; return each run's report and per-layer time."""
+    serial run) with the same weights and routing; return each run's report and per-layer time.
+    ``plain[i]``: split ``i`` (of one ubatch) runs as the serial baseline without DBO
+    (``SimBackend(plain=True)``)."""
     m, d = model, deployment.resolved(shape)
     if m.experts % d.ep:
         raise ValueError(f"{m.name}: experts ({m.experts}) must be divisible by ep ({d.ep})")
@@ -138,12 +153,13 @@ async def simulate(
         dedup = node_dedup(layers[0].table[1], m.experts // d.ep, d.ep, d.gpus_per_node, scale) if scale_out else 1.0
         weights = [t for layer in layers for t in layer.weights()]
         x_TD = meta(tokens, m.hidden)
-        for parts in splits:
+        for i, parts in enumerate(splits):
             share = 1.0 - d.comm.sm_share if len(parts) > 1 and d.schedule == "ht" else 1.0
             assert d.host is not None
             config = dict(device=d.device, link=d.link, comm=d.comm, host=d.host, check_races=check_races,
                           fail_on=fail_on, comm_scale=scale, weights=weights, weight_bytes=WEIGHT_BYTES[m.weights],
-                          compute_share=share, contention=d.contention, imbalance=d.imbalance, node_dedup=dedup)
+                          compute_share=share, contention=d.contention, imbalance=d.imbalance, node_dedup=dedup,
+                          plain=i < len(plain) and plain[i])
 
             def make(_config: dict[str, Any] = config, **overrides: Any) -> SimBackend:
                 return SimBackend(**{**_config, **overrides})
@@ -158,7 +174,8 @@ async def simulate(
                 return marks[0]
 
             # Lost overlap is costed by a counterfactual run per finding (asyncdbo.sim.counterfactual).
-            report, ends = await measure_lost_overlap(run, make)
+            # Host syncs also by the cost model with eager launches on this device: a GPU pays them at any size.
+            report, ends = await measure_lost_overlap(run, make, estimate={"host": "eager"})
             per_layer = ends[-2] - ends[-3] if m.layers > 2 else (ends[-1] - ends[0] if m.layers == 2 else report.makespan_s)
             out.append((report, per_layer))
     return out
@@ -180,8 +197,9 @@ async def predict(
     seed: int = 0,
     spec_tokens: int = 0,
 ) -> Prediction:
-    """Run ``model`` on ``tokens`` tokens of one rank, serially (one ubatch) and as ``ubatches``
-    DBO ubatches, on the sim backend; return both reports. ``requests`` (default: from ``shape``
+    """Run ``model`` on ``tokens`` tokens of one rank, serially (one ubatch, and the plain serial
+    baseline without DBO: :attr:`Prediction.plain_gain`) and as ``ubatches`` DBO ubatches, on the
+    sim backend; return the reports. ``requests`` (default: from ``shape``
     and ``context``) lays the tokens out; ``ubatch_tokens`` sets the DBO split (default: equal).
     ``spec_tokens``: decode requests carry ``1 + spec_tokens`` tokens each (MTP, speculative
     verify), attended in the decode form (:func:`asyncdbo.sim.model.is_decode`)."""
@@ -201,10 +219,10 @@ async def predict(
         cuts = [n * q for n in _cuts(tokens // q, ubatches, None)]
     else:
         cuts = _cuts(tokens, ubatches, ubatch_tokens)
-    (serial, serial_layer), (dbo, dbo_layer) = await simulate(
-        reqs, [[tokens], cuts], model=m, shape=shape, deployment=deployment,
-        stream_policy=stream_policy, check_races=check_races, fail_on=fail_on, seed=seed)
-    return Prediction(tokens, shape, serial, dbo, serial_layer, dbo_layer)
+    (serial, serial_layer), (plain, plain_layer), (dbo, dbo_layer) = await simulate(
+        reqs, [[tokens], [tokens], cuts], model=m, shape=shape, deployment=deployment, stream_policy=stream_policy,
+        check_races=check_races, fail_on=fail_on, seed=seed, plain=[False, True, False])
+    return Prediction(tokens, shape, serial, dbo, serial_layer, dbo_layer, plain, plain_layer)
 
 
 def sim_trace(report: SimReport, *, rank: int = 0, label: str = "") -> dict[str, Any]:

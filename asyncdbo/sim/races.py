@@ -47,8 +47,10 @@ __all__ = [
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIP: tuple[str, ...] = tuple(
-    os.path.join(_PKG, d) for d in ("_core", "dbo", "backends", "syncs.py", "sim", "dist")
+    os.path.join(_PKG, d) for d in ("_core", "dbo", "backends", "syncs.py", "sim", "dist", "cli")
 ) + (os.path.dirname(os.path.abspath(str(__import__("torch").__file__))), os.path.dirname(str(os.__file__)))
+
+_BIN = os.path.join(sys.prefix, "bin") + os.sep
 
 #: How many of the user's frames a finding shows.
 FRAMES = 3
@@ -60,7 +62,8 @@ def _where(f: FrameType) -> str:
 
 
 def _installed(filename: str) -> bool:
-    return "site-packages" in filename or "dist-packages" in filename
+    """A frame of an installed package or of a console script (``asyncdbo``'s entry point)."""
+    return "site-packages" in filename or "dist-packages" in filename or filename.startswith(_BIN)
 
 
 def user_frames(limit: int = FRAMES) -> tuple[str, ...]:
@@ -168,6 +171,8 @@ LOST_KINDS = {
                            "the other ubatch ran); where its data is used before that yield, a yield before the await "
                            "(used without an await: the transfer takes no time, the most a yield could hide)",
     "compute-on-comm-stream": "the op runs on the compute stream; comm waits for it only where it reads its output",
+    "unneeded-comm-wait": "the ubatch's work that reads nothing the transfer delivered runs as if issued before the "
+                          "wait (from the stream's time before it), up to its first op that reads the transfer",
 }
 
 
@@ -185,6 +190,9 @@ class LostOverlap:
     (a transfer issued and awaited with no yield between its data, its send and its use: no other
     ubatch's work can hide it), ``compute-on-comm-stream`` (a compute kernel queued on the comm
     stream, where it holds up the transfers queued behind it).
+    ``unneeded-comm-wait`` (whatever the schedule's cause: a compute kernel of a ubatch queued
+    behind a stream wait on that ubatch's own transfer, although it reads nothing the transfer
+    delivered; issued before the wait, it would have run while the transfer was in flight).
 
     ``cost_s``: what it cost, measured by a counterfactual sim run of the same schedule without
     it (:func:`asyncdbo.sim.counterfactual.measure_lost_overlap`; ``asyncdbo check`` and
@@ -196,6 +204,11 @@ class LostOverlap:
     other: Site | None
     foreign_ubatch: int | None
     cost_s: float | None = None
+    #: the cost model's estimate on a GPU (a host sync: its cost with eager launches), the step
+    #: time of that run, and what was modeled (``"h200, eager launches"``); None where not run.
+    estimate_s: float | None = None
+    estimate_step_s: float | None = None
+    estimate_on: str | None = None
 
     @property
     def lost_s(self) -> float:
@@ -216,6 +229,9 @@ class LostOverlap:
             cost = f"costs {self.cost_s * 1e6:.1f} us of this run"
         else:
             cost = "no cost measured at this size"
+        if self.estimate_s is not None and self.estimate_step_s is not None:
+            cost += (f"; the cost model estimates {max(0.0, self.estimate_s) * 1e6:.1f} us on {self.estimate_on} "
+                     f"(a step of {self.estimate_step_s * 1e6:.1f} us there)")
         return f"lost overlap ({self.kind}, {cost})"
 
     def __str__(self) -> str:
@@ -250,6 +266,16 @@ class LostOverlap:
                 "    its data was produced, sent and used between the same two yields, so no other ubatch's work "
                 "could run while it was in flight: yield between the send and the use (or between the data and "
                 "the send)",
+            ])
+        if self.kind == "unneeded-comm-wait":
+            assert self.other is not None
+            return "\n".join([
+                f"{head}: compute on stream {self.site.stream} waited for a transfer it does not read",
+                *self.site.lines(),
+                *self.other.lines("behind: "),
+                "    it reads nothing the transfer delivered, yet was queued after the wait for it, so it could not "
+                "run while the transfer was in flight: issue it before the wait (before the yield or the switch "
+                "that waits)",
             ])
         if self.kind == "compute-on-comm-stream":
             return "\n".join([

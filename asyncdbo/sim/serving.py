@@ -136,7 +136,7 @@ async def check_paged_kv(
 
         def make(**overrides: Any) -> SimBackend:
             return SimBackend(device=device, link=link, comm=comm, host=host, check_races=check_races,
-                              fail_on=fail_on, host_args=True, **overrides)
+                              fail_on=fail_on, **overrides)  # host_args: on by default
 
         report, _ = await measure_lost_overlap(run, make)
     plan = state["plan"]

@@ -148,6 +148,10 @@ class Transfers:
     _deferred: dict[int, list[SimHandle]]
     undeferred: set[tuple[str, str]]
 
+    _comm_ids: set[int]
+    plain: bool
+    _written_at: dict[int, float]
+
     def _lost_overlap(self, lo: LostOverlap) -> bool:
         raise NotImplementedError
 
@@ -226,7 +230,7 @@ class Transfers:
         waits for it); its outputs count as written by the stream it runs on."""
         self._settle(ub, reads)
         lane = ub.ext
-        low_latency = not (lane.role == "comm" and lane.streams["comm"] is not lane.streams["compute"])
+        low_latency = not (lane.role == "comm" and (self.plain or lane.streams["comm"] is not lane.streams["compute"]))
         spec = self.comm
         scale = self.comm_scale
         if what == "dispatch" and spec.fp8_dispatch:
@@ -256,6 +260,7 @@ class Transfers:
             handle = self._background(ub, stream, reads, writes, site, wire, dur, latency, ready, what)
         else:
             start, end = self._place(ub, stream, "comm", what, dur, self._link, latency, ready=ready)
+            self._comm_ids.add(stream.id)
             self._contend(start, wire)
             if self.check_races:
                 self._clocks.access(stream.id, reads, writes, site)
@@ -266,6 +271,8 @@ class Transfers:
             self._dispatch_done[ub.id] = handle.t_done
         self._comm_derived |= writes
         self._host_known -= writes
+        for k in writes:
+            self._written_at[k] = handle.t_done
         if watch is not None:
             for k in writes:
                 self._watch[k] = watch
@@ -306,6 +313,7 @@ class Transfers:
         far is done, on a stream of its own, and holds no stream; its writes belong to that
         stream, so a read of the received buffer before a wait on the handle is an early read."""
         bg = VStream(f"{stream.name}:{what}")
+        self._comm_ids.add(bg.id)
         bg.t = max(stream.t, ready)
         late = self._late_send(ub, stream, reads) if self._multi else None
         if late is not None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from asyncdbo.moe import layer as layer_mod
 
-__all__ = ["PerfMutant", "perf_mutants"]
+__all__ = ["MISSED", "PerfMutant", "missed_mutants", "perf_mutants"]
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class PerfMutant:
     name: str
     target: Any  # (owner, attribute name)
     edits: tuple[tuple[str, str], ...]
-    expect: str  # the lost-overlap kind
+    expect: str  # the lost-overlap kind ("" for MISSED ones: no finding of a named kind fits them)
 
 
 _EXPERTS = "y_RD = self._experts(plan, recv_x_RD)"
@@ -74,3 +74,40 @@ def perf_mutants(schedule: str, policy: str) -> Iterator[PerfMutant]:
         yield PerfMutant("skipped recv hook", fwd,
                          (("dbo_maybe_run_recv_hook()  # launch the previous ubatch's pending receive\n", "\n"),),
                          "skipped-recv-hook")
+
+
+#: Issue 50's performance mutants that no named lost-overlap kind catches: (schedule, policy, name).
+#: They need the general lost-overlap finding (comm exposed while another ubatch had work), not
+#: built yet; tests/sim/test_sim_perf_mutants.py keeps them as strict xfails.
+MISSED = [("ht", "role", "combine on the compute stream"), ("ht", "role", "no yield around the combine"),
+          ("ht", "role", "shared expert after the combine's sync"), ("ll", "role", "shared expert after the combine"),
+          ("ll", "role", "no-op recv hooks")]
+
+
+def missed_mutants(schedule: str, policy: str) -> Iterator[PerfMutant]:
+    """The mutants of :data:`MISSED` for this schedule and stream policy, and issue 50's host syncs
+    after the router (M22: ``.item()``, N06: ``.cpu()``) that passed under graph replay."""
+    L = layer_mod
+    fwd = (L.MoELayer, f"_forward_{schedule}")
+    route = "topk_w_TK, plan = self._prepare(x_TD)"
+    yield PerfMutant("item after the router", fwd, ((route, f"{route}\n        topk_w_TK.max().item()"),), "host-sync")
+    yield PerfMutant("cpu after the router", fwd, ((route, f"{route}\n        topk_w_TK.cpu()"),), "host-sync")
+    combine = 'await _to_comm(st, "combine", after="experts")'
+    if schedule == "ht" and policy == "role":
+        yield PerfMutant("combine on the compute stream", fwd, ((combine, 'await dbo_yield("combine")'),), "")
+        yield PerfMutant("no yield around the combine", fwd, (
+            (combine, "await dbo_switch_to_comm_sync()"),
+            ('await dbo_yield_and_switch_from_comm_to_compute("combine_done")', "await dbo_switch_to_compute_sync()")), "")
+        yield PerfMutant("shared expert after the combine's sync", fwd, ((
+            "dbo_switch_to_compute()  # no sync: the shared expert overlaps the combine in flight\n"
+            "            shared_TD = self._shared(x_TD)\n            dbo_switch_to_comm()\n"
+            '            await dbo_yield_and_switch_from_comm_to_compute("combine_done")',
+            'await dbo_yield_and_switch_from_comm_to_compute("combine_done")\n'
+            "            shared_TD = self._shared(x_TD)"),), "")
+    if schedule == "ll" and policy == "role":
+        yield PerfMutant("shared expert after the combine", fwd, (
+            ("        shared_TD = self._shared(x_TD)  # overlaps the combine in flight\n", ""),
+            ("        await combined\n", "        await combined\n        shared_TD = self._shared(x_TD)\n")), "")
+        yield PerfMutant("no-op recv hooks", fwd, (
+            ("received = dbo_register_recv_hook(_receive(dispatched))", "received = dbo_register_recv_hook(_noop)"),
+            ("received = dbo_register_recv_hook(_receive(combined))", "received = dbo_register_recv_hook(_noop)")), "")

@@ -55,3 +55,57 @@ async def test_an_item_after_the_experts_is_a_sync_that_blocks_the_host() -> Non
     assert (rep.host_syncs, rep.host_sync_ops) == (2, {"aten._local_scalar_dense": 2})
     assert rep.host_blocked_s > 0 and base.host_blocked_s == 0.0
     assert rep.makespan_s >= base.makespan_s
+
+
+# --- judged by what the device does (issue 50) --------------------------------------------------
+
+def _syncs(fn: Any) -> list[str]:
+    from asyncdbo.syncs import HostSyncs
+
+    with HostSyncs() as syncs:
+        fn()
+    return [r.op for r in syncs.records]
+
+
+def test_one_hot_with_num_classes_is_no_sync_and_without_it_is_one() -> None:
+    # CPU's kernel reads t.min() to check the classes; CUDA's asserts on the device instead.
+    e_T = torch.tensor([0, 3, 1])
+    assert _syncs(lambda: torch.nn.functional.one_hot(e_T, 4)) == []
+    assert _syncs(lambda: torch.nn.functional.one_hot(e_T, num_classes=4)) == []
+    assert _syncs(lambda: torch.nn.functional.one_hot(e_T)) == ["F.one_hot"]  # reads t.max() on any device
+
+
+def test_to_the_tensors_own_device_is_no_copy_and_to_cpu_named_is_one() -> None:
+    x = torch.ones(3)
+    assert _syncs(lambda: x.to(x.device)) == []
+    assert _syncs(lambda: x.to("cpu")) == ["Tensor.to"]
+    assert _syncs(lambda: x.cpu()) == ["Tensor.cpu"]
+
+
+@pytest.mark.asyncio
+async def test_a_host_sync_between_yields_fails_whatever_it_cost() -> None:
+    # host "none": the sync costs nothing at this size, and the check still fails on it
+    async def layer(x_TD: torch.Tensor) -> torch.Tensor:
+        y_TD = x_TD * 2
+        y_TD.sum().item()
+        await asyncdbo.dbo_yield("after")
+        return y_TD
+
+    be = SimBackend(fail_on=["lost-overlap"], on_problem="record")
+    x_TD = torch.randn(8, 4)
+    await asyncdbo.run_ubatches(layer, [(x_TD[:4],), (x_TD[4:],)], backend=be)
+    assert be.report is not None
+    (lo,) = be.report.problems
+    assert (lo.kind, lo.site.op, lo.cost_s) == ("host-sync", "aten._local_scalar_dense", None)
+
+
+def test_a_plain_serial_backend_takes_one_ubatch() -> None:
+    async def layer(x_TD: torch.Tensor) -> torch.Tensor:
+        return x_TD
+
+    async def two() -> None:
+        await asyncdbo.run_ubatches(layer, [(torch.ones(1),), (torch.ones(1),)], backend=SimBackend(plain=True))
+
+    with pytest.raises(ValueError, match=r"^SimBackend\(plain=True\) is the serial baseline: run it with one ubatch "
+                                         r"\(got 2\)$"):
+        asyncdbo.run(two)
