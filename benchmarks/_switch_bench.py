@@ -45,7 +45,6 @@ import _vllm_ubatch
 from asyncdbo import dbo_yield
 from asyncdbo.backends.host import HostBackend
 from asyncdbo.dbo.hooks import on_exit, run_pending_hook
-from asyncdbo.dbo.run import _loop_factory as loop_factory
 from asyncdbo.dbo.state import Lane, RunState
 from asyncdbo.lowlevel import SWITCH, DBORun, Instrument
 
@@ -126,7 +125,12 @@ class _NullInstrument(Instrument):
 
 
 def _loop_factory(uv: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    return loop_factory("uvloop" if uv else "asyncio")
+    """uvloop's loop, as ``asyncdbo.run(loop="uvloop")`` picks it, or asyncio's default (``None``)."""
+    if not uv:
+        return None
+    import uvloop
+
+    return uvloop.new_event_loop
 
 
 def _bench_asyncdbo(

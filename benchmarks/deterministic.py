@@ -65,7 +65,7 @@ class Case:
 async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from asyncdbo.cli.demo import DemoConfig, _decode_chunks, _prefill_chunks
+    from asyncdbo.cli.demo import DemoConfig, decode_chunks, prefill_chunks
     from asyncdbo.models import MiniModel
     from asyncdbo.plan import ThresholdConfig
     from asyncdbo.serving import BatchBuilder, DBORunner, RunnerConfig
@@ -81,7 +81,7 @@ async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int
         builders[label] = BatchBuilder(mcfg.kv_cache_config)
     vocab = dcfg.model_config().vocab_size
     if case.shape == "decode":
-        ctx = _decode_chunks(dcfg, rank, -1, vocab, case.context)
+        ctx = decode_chunks(dcfg, rank, -1, vocab, case.context)
         for label, _ in MODES:
             await runners[label].step(builders[label].build(ctx), enabled=False)
     designs = [(label, dbo) for label, _ in MODES for dbo in (False, True)]
@@ -90,8 +90,8 @@ async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int
     out["diff"] = {label: 0.0 for label, _ in MODES}
     out["microbatched"] = True
     for i in range(warmup + steps):
-        chunks = (_prefill_chunks(dcfg, rank, i, vocab) if case.shape == "prefill"
-                  else _decode_chunks(dcfg, rank, i, vocab, 1))
+        chunks = (prefill_chunks(dcfg, rank, i, vocab) if case.shape == "prefill"
+                  else decode_chunks(dcfg, rank, i, vocab, 1))
         batches = {}
         for label, _ in MODES:
             if case.shape == "prefill":
@@ -251,7 +251,7 @@ def tile_sweep() -> list[dict[str, Any]]:
     import asyncdbo.models.mini as mini
     import asyncdbo.moe.layer as layer
     import asyncdbo.moe.router as router
-    from asyncdbo.cli.demo import DemoConfig, _decode_chunks, _prefill_chunks
+    from asyncdbo.cli.demo import DemoConfig, decode_chunks, prefill_chunks
     from asyncdbo.models import MiniModel
     from asyncdbo.serving import BatchBuilder
 
@@ -266,9 +266,9 @@ def tile_sweep() -> list[dict[str, Any]]:
             mcfg = replace(dcfg.model_config(), deterministic=tile is not None)
             model, builder = MiniModel(mcfg), BatchBuilder(mcfg.kv_cache_config)
             if shape == "decode":
-                builder.build(_decode_chunks(dcfg, 0, -1, mcfg.vocab_size, dcfg.context))
-            batch = builder.build(_prefill_chunks(dcfg, 0, 0, mcfg.vocab_size) if shape == "prefill"
-                                  else _decode_chunks(dcfg, 0, 0, mcfg.vocab_size, 1))
+                builder.build(decode_chunks(dcfg, 0, -1, mcfg.vocab_size, dcfg.context))
+            batch = builder.build(prefill_chunks(dcfg, 0, 0, mcfg.vocab_size) if shape == "prefill"
+                                  else decode_chunks(dcfg, 0, 0, mcfg.vocab_size, 1))
             samples = []
             for _ in range(8):
                 t0 = time.process_time()

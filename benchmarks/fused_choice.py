@@ -64,7 +64,7 @@ async def _rank_async(rank: int, world: int, cells: list[Cell], steps: int, warm
 
     import asyncdbo
     from asyncdbo.backends.host import HostBackend
-    from asyncdbo.cli.demo import DemoConfig, _decode_chunks
+    from asyncdbo.cli.demo import DemoConfig, decode_chunks
     from asyncdbo.dist import choose_dispatch, dispatch_options
     from asyncdbo.models import MiniModel
     from asyncdbo.plan import merge_outputs, plan_step
@@ -81,7 +81,7 @@ async def _rank_async(rank: int, world: int, cells: list[Cell], steps: int, warm
         builder = BatchBuilder(mcfg.kv_cache_config)
         link = dcfg.link_spec()
         if cell.shape == "decode":
-            ctx = builder.build(_decode_chunks(dcfg, rank, -1, mcfg.vocab_size, cell.context))
+            ctx = builder.build(decode_chunks(dcfg, rank, -1, mcfg.vocab_size, cell.context))
             await asyncdbo.run_ubatches(model.forward, [(ctx.input_ids_T, ctx.positions_T, ctx.attn)],
                                         backend=HostBackend(link=link))
         times: dict[str, list[float]] = {"split": [], "fused": []}

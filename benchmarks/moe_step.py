@@ -202,12 +202,12 @@ def _design(name: str) -> tuple[str, str, str]:
 def step_batch(builder: Any, dcfg: Any, rank: int, i: int, vocab_size: int) -> Any:
     """Step ``i``'s batch on ``rank`` (``dcfg.shape``): a fresh prefill, or one decode token per
     request over the context the builder holds."""
-    from asyncdbo.cli.demo import _decode_chunks, _prefill_chunks
+    from asyncdbo.cli.demo import decode_chunks, prefill_chunks
 
     if dcfg.shape == "prefill":
         builder.reset()
-        return builder.build(_prefill_chunks(dcfg, rank, i, vocab_size))
-    return builder.build(_decode_chunks(dcfg, rank, i, vocab_size, 1))
+        return builder.build(prefill_chunks(dcfg, rank, i, vocab_size))
+    return builder.build(decode_chunks(dcfg, rank, i, vocab_size, 1))
 
 
 async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int) -> dict[str, Any]:
@@ -215,7 +215,7 @@ async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int
 
     import asyncdbo
     from asyncdbo.backends.host import HostBackend
-    from asyncdbo.cli.demo import DemoConfig, _decode_chunks
+    from asyncdbo.cli.demo import DemoConfig, decode_chunks
     from asyncdbo.dist import choose_dispatch, dispatch_options
     from asyncdbo.models import MiniModel
     from asyncdbo.plan import merge_outputs, plan_step
@@ -234,7 +234,7 @@ async def _rank_async(rank: int, world: int, case: Case, steps: int, warmup: int
         return HostBackend(link=link)
 
     if case.shape == "decode":
-        ctx_batch = builder.build(_decode_chunks(dcfg, rank, -1, mcfg.vocab_size, case.context))
+        ctx_batch = builder.build(decode_chunks(dcfg, rank, -1, mcfg.vocab_size, case.context))
         await asyncdbo.run_ubatches(model.forward, [(ctx_batch.input_ids_T, ctx_batch.positions_T, ctx_batch.attn)], backend=backend())
     out: dict[str, Any] = {d: [] for d in case.designs}
     out["max_abs_diff"] = 0.0

@@ -290,7 +290,7 @@ class Parking:
         released. The sleep blocks the loop on purpose: between polls the loop is the kernel's
         anyway (the switching ubatches hold it for ``loop_poll_s``), and the loop's own wait cannot
         hand over less than a millisecond on uvloop, whose timers round a 0.1 ms delay to a plain
-        poll. benchmarks/gil_handoff.py compares the designs (benchmarks/results/gil_handoff_*.md)."""
+        poll. The designs were compared once: benchmarks/results/gil_handoff_cpu-2c_2026-12-01.md."""
         self._poll_due = False
         if GIL_HANDOFF_S and self._loop_waits and _now() - self._loop_wait_since > sys.getswitchinterval():
             time.sleep(GIL_HANDOFF_S)

@@ -16,13 +16,14 @@ import torch
 from .demo_config import MATCH_ATOL, DemoConfig
 from .reasons import REASON_WORDS, plural
 
-__all__ = ["demo_rank", "error_line", "passed", "split_note", "summarize"]
+__all__ = ["decode_chunks", "demo_rank", "error_line", "passed", "prefill_chunks", "split_note", "summarize"]
 
 logger = logging.getLogger("asyncdbo.cli.demo")
 
 
-def _prefill_chunks(cfg: DemoConfig, rank: int, step: int, vocab: int) -> list[tuple[int, list[int]]]:
-    """``cfg.tokens`` new tokens in 1-4 requests of uneven, seeded lengths."""
+def prefill_chunks(cfg: DemoConfig, rank: int, step: int, vocab: int) -> list[tuple[int, list[int]]]:
+    """The demo's prefill step ``step`` on ``rank``: ``cfg.tokens`` new tokens in 1-4 requests of
+    uneven, seeded lengths, as ``(request id, token ids)`` for ``BatchBuilder.build``."""
     g = torch.Generator().manual_seed(cfg.seed * 100003 + rank * 1009 + step)
     num_reqs = min(cfg.tokens, int(torch.randint(1, 5, (1,), generator=g)))
     cuts = sorted(torch.randperm(cfg.tokens - 1, generator=g)[: num_reqs - 1].add(1).tolist()) if num_reqs > 1 else []
@@ -31,7 +32,9 @@ def _prefill_chunks(cfg: DemoConfig, rank: int, step: int, vocab: int) -> list[t
     return [(step * 1000 + r, ids[bounds[r] : bounds[r + 1]]) for r in range(num_reqs)]
 
 
-def _decode_chunks(cfg: DemoConfig, rank: int, step: int, vocab: int, length: int) -> list[tuple[int, list[int]]]:
+def decode_chunks(cfg: DemoConfig, rank: int, step: int, vocab: int, length: int) -> list[tuple[int, list[int]]]:
+    """The demo's decode step ``step`` on ``rank``: ``cfg.tokens`` requests of ``length`` seeded
+    tokens each (``length`` > 1 with ``step = -1`` fills their context first)."""
     g = torch.Generator().manual_seed(cfg.seed * 100003 + rank * 1009 + step)
     ids = torch.randint(0, vocab, (cfg.tokens, length), generator=g).tolist()
     return [(r, ids[r]) for r in range(cfg.tokens)]
@@ -64,7 +67,7 @@ async def _demo_rank_async(rank: int, world: int, cfg: DemoConfig, device: torch
             dist.barrier()
 
     if cfg.shape == "decode":  # fill every request's context once, untimed
-        await runner.step(builder.build(_decode_chunks(cfg, rank, -1, mcfg.vocab_size, cfg.context)), enabled=False)
+        await runner.step(builder.build(decode_chunks(cfg, rank, -1, mcfg.vocab_size, cfg.context)), enabled=False)
     from ..moe.batch_invariant import is_deterministic
 
     out: dict[str, Any] = {"rank": rank, "serial": [], "dbo": [], "max_abs_diff": 0.0, "trace": None, "bitwise": True,
@@ -72,9 +75,9 @@ async def _demo_rank_async(rank: int, world: int, cfg: DemoConfig, device: torch
     for i in range(cfg.warmup + cfg.steps):
         if cfg.shape == "prefill":
             builder.reset()
-            batch = builder.build(_prefill_chunks(cfg, rank, i, mcfg.vocab_size))
+            batch = builder.build(prefill_chunks(cfg, rank, i, mcfg.vocab_size))
         else:
-            batch = builder.build(_decode_chunks(cfg, rank, i, mcfg.vocab_size, 1))
+            batch = builder.build(decode_chunks(cfg, rank, i, mcfg.vocab_size, 1))
         last = i == cfg.warmup + cfg.steps - 1
         if cfg.progress and rank == 0:
             _show_step(i, cfg)

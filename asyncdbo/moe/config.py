@@ -47,8 +47,8 @@ class MoEConfig:
 
     ``yield_after_route`` (``ht``, ``ubatch`` streams) hands over once more, after routing and
     before the dispatch's counts go out: the router and the dispatch's first step run as two steps
-    (benchmarks/extra_yield.py asks the same of attention). The numbers are the same either way.
-    Under ``role`` streams the step is not taken: a yield inside a compute phase lets the other
+    (benchmarks/results/extra_yield_cpu-2c_2026-12-01.md asked the same of attention). The
+    numbers are the same either way. Under ``role`` streams the step is not taken: a yield inside a compute phase lets the other
     ubatch queue compute that the next compute-done event would then cover, so the ubatches would
     serialize (the race checker reports it as lost overlap: ``asyncdbo check --moe
     yield_after_route=true``, docs/maintaining.md).

@@ -16,6 +16,7 @@ test started is killed at the end, whatever happened.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -106,15 +107,36 @@ def _read_into(stream: Any, lines: list[str]) -> threading.Thread:
     return thread
 
 
+def _worker_and_rank(agent_pid: int) -> tuple[int, int] | None:
+    """The agent's worker (the child torchrun gave a RANK; any other child is not it) and its rank."""
+    for pid in children(agent_pid):
+        rank = torchrun_rank(pid)
+        if rank is not None:
+            return pid, rank
+    return None
+
+
+#: what the survivor's line in torchrun's summary must say: it names the lost rank (rank 0's roll
+#: call, 10 s) and carries its own error line, from whichever collective met the lost peer first (a
+#: DBO step's all-to-all, a serial step's, the vote's: the moment of the kill is a race), so any
+#: exception type torch raises there (RuntimeError, or a subclass such as DistBackendError) and
+#: gloo's transport named in its message
+SURVIVOR_LINE = re.compile(
+    r"traceback : asyncdbo demo: rank 0: error: rank\(s\) \[1\] did not answer within 10 s after this rank failed "
+    r"\(stopped, hung or dead\); here: (?P<type>[\w.]+): (?P<message>.*gloo.*)")
+
+
 @pytest.mark.timeout(600)
-def test_killing_one_agent_mid_step_ends_the_other_nodes_rank_with_an_error_naming_the_lost_rank() -> None:
+def test_killing_one_agent_mid_step_ends_the_other_nodes_rank_with_an_error_naming_the_lost_rank(tmp_path: Path) -> None:
     """SIGKILL to the agent of rank 1 (its worker dies with it: PR_SET_PDEATHSIG) while rank 1 is
-    inside a DBO step. Rank 0's next collective fails (connection reset), its roll call finds rank 1
+    inside a DBO run. Rank 0's next collective fails (connection closed), its roll call finds rank 1
     silent, and its agent exits with status 1 and the error naming rank 1 in torchrun's summary.
 
     The moment is found, not slept for: the test asks rank 1 for its stacks (SIGUSR1, only once
     its handler is in place) until the dump shows a live run. Rank 1 is the victim because rank
-    0's agent hosts the rendezvous store (killed, the survivor's error says the store is gone)."""
+    0's agent hosts the workers' store (killed, the survivor's error says the store is gone).
+    Both agents' stderr is kept, whatever happens: in ``tmp_path`` (pytest keeps the last runs'
+    folders) and on stdout, which pytest shows with a failure."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
@@ -125,25 +147,25 @@ def test_killing_one_agent_mid_step_ends_the_other_nodes_rank_with_an_error_nami
                                start_new_session=True) for _ in range(2)]
     errs: list[list[str]] = [[], []]
     readers = [_read_into(agent.stderr, out) for agent, out in zip(agents, errs)]
+    victim = survivor = None
     try:
-        victim = survivor = None
         deadline = time.monotonic() + 400
         while victim is None and time.monotonic() < deadline:  # which agent's worker is rank 1
-            workers = [children(a.pid) for a in agents]
-            ranks = [torchrun_rank(w[0]) if w else None for w in workers]
-            if None not in ranks:
-                victim = ranks.index(1)
+            found = [_worker_and_rank(a.pid) for a in agents]
+            if None not in found:
+                victim = [f[1] for f in found if f is not None].index(1)
                 survivor = 1 - victim
             time.sleep(0.2)
-        assert victim is not None and survivor is not None, errs
-        worker = children(agents[victim].pid)[0]
+        assert victim is not None and survivor is not None, ("no agent started a worker of rank 1", errs)
+        worker = _worker_and_rank(agents[victim].pid)
+        assert worker is not None, ("rank 1's worker is gone", errs)
         live = False
         while not live and time.monotonic() < deadline:
             time.sleep(0.5)
             if agents[survivor].poll() is not None or agents[victim].poll() is not None:
                 break
-            if catches_sigusr1(worker):
-                os.kill(worker, signal.SIGUSR1)
+            if catches_sigusr1(worker[0]):
+                os.kill(worker[0], signal.SIGUSR1)
                 time.sleep(0.5)
                 live = any(line.startswith("asyncdbo run '") for line in errs[victim])
         assert live, ("rank 1 never showed a live DBO run", errs)
@@ -159,16 +181,15 @@ def test_killing_one_agent_mid_step_ends_the_other_nodes_rank_with_an_error_nami
         for agent, reader in zip(agents, readers):
             reader.join(timeout=10)
             agent.stderr.close()  # type: ignore[union-attr]
+        for i, lines in enumerate(errs):
+            role = {victim: "victim (rank 1)", survivor: "survivor (rank 0)"}.get(i, "rank unknown")
+            (tmp_path / f"agent{i}.stderr").write_text("".join(lines))
+            print(f"----- agent {i}, {role}: stderr ({tmp_path / f'agent{i}.stderr'})\n{''.join(lines)}")
     text = "".join(errs[survivor])
     assert code == 1, text
     assert "rank      : 0 (local_rank: 0)" in text, text  # torchrun's summary: the survivor is rank 0
-    # rank 0's own line is gloo's error from whichever collective met the lost peer first (a DBO
-    # step's all-to-all, or a serial step's), which names gloo's transport
     # torchrun's summary shows the line the rank recorded, as it is (no exception type added)
-    summary = [line for line in text.splitlines() if line.strip().startswith("traceback : ")]
+    summary = [line.strip() for line in text.splitlines() if line.strip().startswith("traceback : ")]
     assert len(summary) == 1, text
-    assert summary[0].strip().startswith(
-        "traceback : asyncdbo demo: rank 0: error: rank(s) [1] did not answer within 10 s after this rank failed "
-        "(stopped, hung or dead); here: RuntimeError: "), text
-    assert "gloo" in summary[0], text
+    assert SURVIVOR_LINE.fullmatch(summary[0]), text
     assert "RuntimeError: RuntimeError" not in text, text
