@@ -106,6 +106,9 @@ class UBatchSlice:
     def __post_init__(self) -> None:
         for name in ("request_slice", "token_slice", "padded_token_slice"):
             sl = getattr(self, name)
+            if type(sl) is slice and type(sl.start) is int and type(sl.stop) is int and sl.step is None:
+                if 0 <= sl.start <= sl.stop:
+                    continue  # the planners' slices: plain ints, checked without the general path's calls
             bounds = _integral_bounds(sl)
             if bounds is None or sl.step not in (None, 1) or not 0 <= bounds[0] <= bounds[1]:
                 raise ValueError(
@@ -151,6 +154,9 @@ class CheckedOffsets(tuple[int, ...]):
     __slots__ = ()
 
 
+_INT_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))
+
+
 def as_query_start_loc(query_start_loc: QueryStartLoc) -> list[int]:
     """Validate ``query_start_loc`` and return it as a list of ints.
 
@@ -164,7 +170,15 @@ def as_query_start_loc(query_start_loc: QueryStartLoc) -> list[int]:
                 f"query_start_loc must be a 1-D integer tensor (got shape "
                 f"{tuple(query_start_loc.shape)}, dtype {query_start_loc.dtype})"
             )
-        qsl = list(map(int, query_start_loc.tolist()))
+        if query_start_loc.device.type == "cpu" and query_start_loc.dtype in _INT_DTYPES:
+            # The usual case, a CPU mirror: its ints as they are, the order checked as an array.
+            qsl = query_start_loc.tolist()
+            if qsl and qsl[0] == 0:
+                arr = query_start_loc.numpy()
+                if bool((arr[1:] >= arr[:-1]).all()):
+                    return qsl
+        else:
+            qsl = list(map(int, query_start_loc.tolist()))
     else:
         qsl = list(map(int, query_start_loc))
     if not qsl or qsl[0] != 0:

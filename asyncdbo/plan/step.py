@@ -21,7 +21,8 @@ from .dp import (
     agree_across_dp,
     check_thresholds,
     decide_from_votes,
-    should_microbatch,
+    is_uniform_decode,
+    threshold_verdict,
 )
 from .metadata import AttentionMetadata, split_checked
 from .validate import check_slices
@@ -71,6 +72,7 @@ class StepPlan:
 
 def _local_vote(
     qsl: Sequence[int],
+    uniform: bool,
     num_ubatches: int,
     policy: SplitPolicy,
     thresholds: ThresholdConfig,
@@ -83,7 +85,7 @@ def _local_vote(
     common: dict[str, Any] = dict(num_tokens_unpadded=num_tokens, num_tokens_padded=num_tokens_padded, is_idle=is_idle)
     if not enabled:
         return LocalStepInfo(wants_ubatch=False, reason=PlanReason.DISABLED, detail="disabled by the caller", **common)
-    ok, detail = should_microbatch(num_tokens, qsl, thresholds)
+    ok, detail = threshold_verdict(num_tokens, uniform, thresholds)
     if not ok:
         return LocalStepInfo(wants_ubatch=False, reason=PlanReason.BELOW_THRESHOLD, detail=detail, **common)
     if policy != "token":
@@ -156,27 +158,33 @@ def plan_step(
     if step is None:
         step = stats.num_steps if stats is not None else 0
 
-    local = _local_vote(offsets, num_ubatches, policy, thresholds, enabled, is_idle, num_tokens_padded, min_share)
-    if decision is not None:
+    if decision is not None:  # the caller voted: no threshold test, no second vote (LocalStepInfo's check)
+        if num_tokens_padded is not None and num_tokens_padded < qsl[-1]:
+            raise ValueError(f"num_tokens_padded ({num_tokens_padded}) is below num_tokens_unpadded ({qsl[-1]})")
         microbatched, reason, detail = decision.should_ubatch and num_ubatches > 1, decision.reason, decision.detail
-        padded = decision.num_tokens_padded if microbatched else local.padded
-    elif dp_group is not None:
-        # The vote runs even with num_ubatches == 1: a rank cannot know that its peers plan the
-        # same number, and a 1-vs-2 mismatch skipped here would leave the others waiting in
-        # their first collective until a timeout. The vote names the mismatch on every rank.
-        decision = agree_across_dp(local, num_ubatches, dp_group, device=device, max_imbalance=max_imbalance)
-        if num_ubatches == 1:
+        padded = decision.num_tokens_padded if microbatched else (
+            qsl[-1] if num_tokens_padded is None else num_tokens_padded)
+    else:
+        uniform = is_uniform_decode(offsets, thresholds.num_spec_tokens) if enabled else False  # once per step
+        local = _local_vote(offsets, uniform, num_ubatches, policy, thresholds, enabled, is_idle, num_tokens_padded,
+                            min_share)
+        if dp_group is not None:
+            # The vote runs even with num_ubatches == 1: a rank cannot know that its peers plan the
+            # same number, and a 1-vs-2 mismatch skipped here would leave the others waiting in
+            # their first collective until a timeout. The vote names the mismatch on every rank.
+            decision = agree_across_dp(local, num_ubatches, dp_group, device=device, max_imbalance=max_imbalance)
+            if num_ubatches == 1:
+                microbatched, reason, detail, padded = False, PlanReason.SINGLE_UBATCH, "num_ubatches is 1", local.padded
+            else:
+                microbatched, reason = decision.should_ubatch, decision.reason
+                detail = decision.detail or local.detail
+                padded = decision.num_tokens_padded if microbatched else local.padded
+        elif num_ubatches == 1:
             microbatched, reason, detail, padded = False, PlanReason.SINGLE_UBATCH, "num_ubatches is 1", local.padded
         else:
-            microbatched, reason = decision.should_ubatch, decision.reason
-            detail = decision.detail or local.detail
-            padded = decision.num_tokens_padded if microbatched else local.padded
-    elif num_ubatches == 1:
-        microbatched, reason, detail, padded = False, PlanReason.SINGLE_UBATCH, "num_ubatches is 1", local.padded
-    else:
-        vote = RankVote(0, local.vote, local.reason, local.num_tokens_unpadded, local.padded)
-        d = decide_from_votes([vote])
-        microbatched, reason, detail, padded = d.should_ubatch, d.reason, d.detail or local.detail, local.padded
+            vote = RankVote(0, local.vote, local.reason, local.num_tokens_unpadded, local.padded)
+            d = decide_from_votes([vote])
+            microbatched, reason, detail, padded = d.should_ubatch, d.reason, d.detail or local.detail, local.padded
 
     if microbatched:
         slices = tuple(plan_slices(offsets, num_ubatches, policy, num_tokens_padded=padded, min_share=min_share))

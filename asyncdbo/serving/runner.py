@@ -73,6 +73,8 @@ from ..plan import (
     plan_step,
 )
 from ..plan._checks import check_bool
+from ..plan.records import with_fields
+from ..plan.slices import CheckedOffsets, as_query_start_loc
 from .auto import OFF, Arm, AutoPolicy, group_choice, splittable_mask, threshold_prior
 from .batch import Batch
 from .measure import OverlapLedger, host_timing, shape_bucket
@@ -181,9 +183,9 @@ class DBORunner:
             insts.extend(instrument)
         ran = False
         try:
-            plan, dispatch, t0 = self._plan_any(batch, enabled)
+            plan, dispatch, t0, uniform = self._plan_any(batch, enabled)
             ran = True
-            result = await self._run(batch, plan, dispatch, insts, t0)
+            result = await self._run(batch, plan, dispatch, insts, t0, uniform)
         except BaseException as exc:
             self.ledger.failed += 1
             if ran and self.sync is not None:  # a run's failure is posted already; this also posts the merge's
@@ -193,29 +195,33 @@ class DBORunner:
         self.stats.record(result.record)  # at the end: a step that failed counts in neither (see above)
         return result
 
-    def _plan_any(self, batch: Batch, enabled: bool | None) -> tuple[StepPlan, DispatchMode, float]:
-        """The step's plan (fixed or ``"auto"``), its dispatch mode and its start time."""
+    def _plan_any(self, batch: Batch, enabled: bool | None) -> tuple[StepPlan, DispatchMode, float, bool]:
+        """The step's plan (fixed or ``"auto"``), its dispatch mode, its start time and whether the
+        batch is a uniform decode (read once per step, for the plan and the ledger's bucket)."""
         cfg = self.cfg
         t0 = self.clock.now()
         enabled = cfg.enabled if enabled is None else enabled
         self._last_ns, last_ns = -1, self._last_ns  # a step that fails measures nothing
         dispatch: DispatchMode
+        # the offsets checked once per step: the planners below take them as they are
+        qsl = CheckedOffsets(as_query_start_loc(batch.attn.query_start_loc_cpu))
+        uniform = is_uniform_decode(qsl, cfg.thresholds.num_spec_tokens)
         if self.auto is None:
-            plan, dispatch = self._plan(batch, enabled), cfg.dispatch
+            plan, dispatch = self._plan(batch, qsl, enabled), cfg.dispatch
         else:
-            plan, arm = self._plan_auto(batch, enabled, last_ns)
+            plan, arm = self._plan_auto(batch, qsl, uniform, enabled, last_ns)
             dispatch = _arm_dispatch(arm, cfg.dispatch)
         self._num_planned += 1
         if self.dp_group is None:
             # No vote every rank shares to size a fused buffer from (an auto runner's one-rank vote
             # is this rank's alone): split in every mode (RunnerConfig).
             dispatch = "split"
-        return plan, dispatch, t0
+        return plan, dispatch, t0, uniform
 
-    def _plan(self, batch: Batch, enabled: bool) -> StepPlan:
+    def _plan(self, batch: Batch, qsl: CheckedOffsets, enabled: bool) -> StepPlan:
         cfg, sync = self.cfg, self.sync
         return plan_step(
-            batch.attn.query_start_loc_cpu,
+            qsl,
             num_ubatches=cfg.num_ubatches,
             policy=cfg.policy,
             thresholds=cfg.thresholds,
@@ -230,15 +236,14 @@ class DBORunner:
             max_ubatches=getattr(self.model, "max_ubatches", None),
         )
 
-    def _plan_auto(self, batch: Batch, enabled: bool, last_ns: int) -> tuple[StepPlan, Arm]:
+    def _plan_auto(self, batch: Batch, qsl: CheckedOffsets, uniform: bool, enabled: bool,
+                   last_ns: int) -> tuple[StepPlan, Arm]:
         """The ``"auto"`` step and the configuration it runs: ONE vote carries each rank's plan
         inputs and its last step time; every rank feeds the same group measurement to its policy and
         picks the same configuration from the same table (see :mod:`asyncdbo.serving.auto`)."""
         cfg, auto = self.cfg, self.auto
         assert auto is not None
-        qsl = batch.attn.query_start_loc_cpu.tolist()
         num_tokens = qsl[-1]
-        uniform = is_uniform_decode(qsl, cfg.thresholds.num_spec_tokens)
         mask = splittable_mask(qsl, self._arms, cfg.min_share)
         local = LocalStepInfo(num_tokens_unpadded=num_tokens, wants_ubatch=enabled, is_idle=batch.num_tokens == 0,
                               reason=PlanReason.MICROBATCHED if enabled else PlanReason.DISABLED,
@@ -289,7 +294,7 @@ class DBORunner:
         ), arm
 
     async def _run(self, batch: Batch, plan: StepPlan, dispatch: DispatchMode, insts: list[Instrument],
-                   t0: float) -> StepResult:
+                   t0: float, uniform: bool) -> StepResult:
         cfg = self.cfg
         pad = plan.num_tokens_padded - batch.num_tokens
         ids_P, pos_P = batch.input_ids_T, batch.positions_T
@@ -323,7 +328,7 @@ class DBORunner:
         logits_TV = merge_outputs(outputs, plan.slices, batch.num_tokens)
         assert isinstance(logits_TV, torch.Tensor), type(logits_TV)  # one tensor in, one out
         step_s = self.clock.now() - t0
-        plan = self._measured(batch, plan, host_timing(stats, step_s))
+        plan = self._measured(batch, plan, host_timing(stats, step_s), uniform)
         return StepResult(logits_TV=logits_TV, plan=plan, step_s=step_s, stats=stats)
 
     def _prepared(self) -> PreparedRun:
@@ -337,18 +342,17 @@ class DBORunner:
                                             watchdog_s=cfg.watchdog_s)
         return runs
 
-    def _measured(self, batch: Batch, plan: StepPlan, timing: Any) -> StepPlan:
+    def _measured(self, batch: Batch, plan: StepPlan, timing: Any, uniform: bool) -> StepPlan:
         """The plan with its record carrying the configuration it ran and ``timing``; counted in
-        the ledger under the step's shape bucket (from the DP vote where there is one)."""
+        the ledger under the step's shape bucket (from the DP vote where there is one; ``uniform``:
+        this rank's batch is a uniform decode)."""
         cfg = self.cfg
         config = plan.record.config or (
             f"N={len(plan.slices)} {cfg.policy} {cfg.dispatch}" if plan.microbatched else "off")
-        record = dataclasses.replace(plan.record, config=config, timing=timing)
-        qsl = batch.attn.query_start_loc_cpu.tolist()
+        record = with_fields(plan.record, config=config, timing=timing)
         tokens = max(plan.decision.num_tokens_across_dp) if plan.decision is not None else batch.num_tokens
-        uniform = is_uniform_decode(qsl, cfg.thresholds.num_spec_tokens)
         self.ledger.add(record, batch.num_tokens, shape_bucket(tokens, uniform))
-        return dataclasses.replace(plan, record=record)
+        return with_fields(plan, record=record)
 
 
 def _arm_dispatch(arm: Arm, unsplit: DispatchMode) -> DispatchMode:
