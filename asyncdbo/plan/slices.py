@@ -314,7 +314,7 @@ def slices_from_split_points(
     return _slices_from_cuts(qsl, cuts, _with_padding(cuts, padded))
 
 
-def _request_cuts(qsl: list[int], num_ubatches: int) -> list[int]:
+def _request_cuts(qsl: Sequence[int], num_ubatches: int) -> list[int]:
     """Interior cuts on request boundaries, each as near its even cut ``k*T/N`` as the boundaries
     left allow (ties go left).
 
@@ -326,18 +326,28 @@ def _request_cuts(qsl: list[int], num_ubatches: int) -> list[int]:
     one (empty ubatches: :func:`~asyncdbo.plan.plan_step` then falls out as POLICY_REFUSED).
     """
     num_tokens, n = qsl[-1], num_ubatches
-    interior = sorted({b for b in qsl if 0 < b < num_tokens})
+    # qsl is checked (starts at 0, never decreases): its distinct values in order are 0, the
+    # interior boundaries, then T (dict.fromkeys keeps the first of each, at C speed)
+    distinct = list(dict.fromkeys(qsl))
+    interior = distinct[1:-1] if num_tokens > 0 else []
 
-    def nearest(k: int, candidates: list[int]) -> int:
-        # k*T/N against a boundary b, compared as N*b vs k*T (exact); min keeps the first on ties.
-        return min(candidates, key=lambda b: abs(b * n - k * num_tokens))
+    def nearest(k: int, candidates: Sequence[int]) -> int:
+        # k*T/N against a boundary b, compared as N*b vs k*T (exact); ties go to the lower one.
+        # The candidates are sorted: the nearest is one of the two around the first b with
+        # N*b >= k*T (a bisection, not a scan: O(log R) per cut).
+        i = bisect.bisect_left(candidates, -(-k * num_tokens // n))
+        if i == len(candidates):
+            return candidates[-1]
+        if i == 0 or abs(candidates[i] * n - k * num_tokens) < abs(candidates[i - 1] * n - k * num_tokens):
+            return candidates[i]
+        return candidates[i - 1]
 
     cuts = [0]
     for k in range(1, n):
         if len(interior) < n - 1:  # not enough requests: some ubatch stays empty whatever we do
             cuts.append(max(nearest(k, qsl), cuts[-1]))
             continue
-        available = [b for b in interior if b > cuts[-1]]
+        available = interior[bisect.bisect_right(interior, cuts[-1]):]
         cuts.append(nearest(k, available[: len(available) - (n - 1 - k)]))
     return cuts + [num_tokens]
 
@@ -355,6 +365,28 @@ def split_requests(
     padded = _check_padded(qsl[-1], num_tokens_padded)
     cuts = _request_cuts(qsl, num_ubatches)
     return _slices_from_cuts(qsl, cuts, _with_padding(cuts, padded))
+
+
+def _balanced_cuts(qsl: Sequence[int], num_ubatches: int, min_share: float) -> list[int]:
+    """:func:`split_balanced`'s cuts of checked offsets ``qsl`` (0, the interior cuts, T)."""
+    num_tokens = qsl[-1]
+    cuts = _request_cuts(qsl, num_ubatches)
+    even = [k * num_tokens // num_ubatches for k in range(num_ubatches + 1)]
+    # size >= 2*min_share*T/N, in integers: size*N >= 2*min_share*T.
+    min_scaled = 2.0 * min_share * num_tokens
+    for _ in range(num_ubatches):  # bounded: each pass moves at least one cut or stops
+        changed = False
+        for k in range(num_ubatches):
+            if (cuts[k + 1] - cuts[k]) * num_ubatches >= min_scaled:
+                continue
+            for c in (k, k + 1):  # the two cuts bordering ubatch k (never the ends 0 and T)
+                if 0 < c < num_ubatches and cuts[c] != even[c]:
+                    cuts[c] = even[c]
+                    changed = True
+        cuts = [max(cuts[: i + 1]) for i in range(len(cuts))]  # keep them sorted
+        if not changed:
+            break
+    return cuts
 
 
 def split_balanced(
@@ -377,24 +409,8 @@ def split_balanced(
         )
     qsl = as_query_start_loc(query_start_loc)
     _check_num_ubatches(num_ubatches)
-    num_tokens = qsl[-1]
-    padded = _check_padded(num_tokens, num_tokens_padded)
-    cuts = _request_cuts(qsl, num_ubatches)
-    even = [k * num_tokens // num_ubatches for k in range(num_ubatches + 1)]
-    # size >= 2*min_share*T/N, in integers: size*N >= 2*min_share*T.
-    min_scaled = 2.0 * min_share * num_tokens
-    for _ in range(num_ubatches):  # bounded: each pass moves at least one cut or stops
-        changed = False
-        for k in range(num_ubatches):
-            if (cuts[k + 1] - cuts[k]) * num_ubatches >= min_scaled:
-                continue
-            for c in (k, k + 1):  # the two cuts bordering ubatch k (never the ends 0 and T)
-                if 0 < c < num_ubatches and cuts[c] != even[c]:
-                    cuts[c] = even[c]
-                    changed = True
-        cuts = [max(cuts[: i + 1]) for i in range(len(cuts))]  # keep them sorted
-        if not changed:
-            break
+    padded = _check_padded(qsl[-1], num_tokens_padded)
+    cuts = _balanced_cuts(qsl, num_ubatches, min_share)
     return _slices_from_cuts(qsl, cuts, _with_padding(cuts, padded))
 
 
@@ -419,3 +435,11 @@ def plan_slices(
 def whole_batch_slice(query_start_loc: QueryStartLoc, num_tokens_padded: int | None = None) -> UBatchSlice:
     """The single slice of a step that does not microbatch."""
     return split_tokens(query_start_loc, 1, num_tokens_padded)[0]
+
+
+def leaves_ubatch_empty(qsl: CheckedOffsets, num_ubatches: int, policy: Literal["request", "balanced"],
+                        min_share: float = 0.48) -> bool:
+    """Whether the request-aligned split ``policy`` of checked offsets ``qsl`` leaves a ubatch
+    without real tokens (as :func:`plan_slices` would cut it), from its cuts alone: no slices built."""
+    cuts = _request_cuts(qsl, num_ubatches) if policy == "request" else _balanced_cuts(qsl, num_ubatches, min_share)
+    return any(a == b for a, b in zip(cuts, cuts[1:]))

@@ -64,7 +64,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..plan import DPDecision, plan_slices
+from ..plan import DPDecision
+from ..plan.slices import CheckedOffsets, as_query_start_loc, leaves_ubatch_empty
 from .auto_config import OFF, Arm, AutoConfig, threshold_prior
 from .auto_watch import Reexploration, Watch, summarize
 from .compare import (Comparison, compare, compare_paired, decisive, interquartile_range, paired_sigma,
@@ -101,6 +102,9 @@ class _Bucket:
     steps: int = 0  # steps measured (observe calls), every exploration and probe included
     watch: Watch | None = None  # set once the bucket has settled (no trial left)
     explored_again: list[Reexploration] = field(default_factory=list)
+    # once settled, the evidence after the choice's own part: nothing it reads changes until the
+    # bucket explores again (a new _Bucket), so it is formatted once, not every step
+    settled_rest: str | None = None
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -177,7 +181,7 @@ class AutoPolicy:
         cfg = self.cfg
         inc = b.incumbent
         k = len(b.schedule)
-        trials = self._trials(b)
+        trials = self._trials(b) if b.watch is None else []  # settled: none left, until it explores again
         if trials and b.seen.get(inc, 0) < cfg.warmup and feasible(inc):  # the prior's own warm-up
             return inc, (f"{name}: exploring {b.schedule.index(inc) + 1}/{k} (warm-up {b.seen.get(inc, 0) + 1}/"
                          f"{cfg.warmup} of {inc.label}); {self.evidence(name)}"), None
@@ -259,9 +263,20 @@ class AutoPolicy:
         it so far."""
         b = self.bucket(name)
         inc = b.samples.get(b.incumbent)
-        parts = [f"{b.incumbent.label} {_fmt(inc)} us/token ({len(inc)})" if inc
+        first = (f"{b.incumbent.label} {_fmt(inc)} us/token ({len(inc)})" if inc
                  else f"{b.incumbent.label} (the choice before, unmeasured since)" if b.explored_again
-                 else f"{b.incumbent.label} (prior, unmeasured)"]
+                 else f"{b.incumbent.label} (prior, unmeasured)")
+        rest = b.settled_rest
+        if rest is None:
+            rest = self._evidence_rest(b)
+            if b.watch is not None:
+                b.settled_rest = rest
+        return "best " + first + rest
+
+    def _evidence_rest(self, b: _Bucket) -> str:
+        """:meth:`evidence` after the choice's own part: the other configurations' comparisons,
+        the skipped ones, the re-explorations (each part after "; ")."""
+        parts = [""]
         for arm in b.schedule:
             xs = b.samples.get(arm)
             if arm == b.incumbent or not xs:
@@ -283,7 +298,7 @@ class AutoPolicy:
             last = b.explored_again[-1]
             more = f" ({len(b.explored_again)} times)" if len(b.explored_again) > 1 else ""
             parts.append(f"explored again{more}, last at the bucket's step {last.step}: {last.why}")
-        return "best " + "; ".join(parts)
+        return "; ".join(parts)
 
     def watching(self, name: str) -> str:
         """The change detection's state for a settled bucket, e.g. ``'watching N=2 token auto:
@@ -402,11 +417,21 @@ def splittable_mask(qsl: Sequence[int], arms: Sequence[Arm], min_share: float) -
     """Bit ``i`` set where this rank's batch (token offsets ``qsl``) can run ``arms[i]``: off and
     the token split always can (and an idle rank runs anything); a request-aligned split cannot
     where it would leave a ubatch without real tokens. One int, so it rides in the DP vote."""
-    offsets = list(qsl)
+    offsets: Sequence[int] = qsl if type(qsl) is CheckedOffsets else list(qsl)
+    checked: CheckedOffsets | None = qsl if type(qsl) is CheckedOffsets else None
     mask = 0
+    cut: dict[tuple[int, str], bool] = {}  # each (N, split) cut once: the dispatch modes share it
     for bit, arm in enumerate(arms):
-        if arm == OFF or arm.split == "token" or offsets[-1] == 0 or 0 not in [
-                sl.num_tokens for sl in plan_slices(offsets, arm.num_ubatches, arm.split, min_share=min_share)]:
+        if arm == OFF or arm.split == "token" or offsets[-1] == 0:
+            mask |= 1 << bit
+            continue
+        key = (arm.num_ubatches, arm.split)
+        ok = cut.get(key)
+        if ok is None:
+            if checked is None:  # checked once, at the first cut
+                checked = CheckedOffsets(as_query_start_loc(offsets))
+            ok = cut[key] = not leaves_ubatch_empty(checked, arm.num_ubatches, arm.split, min_share)
+        if ok:
             mask |= 1 << bit
     return mask
 
