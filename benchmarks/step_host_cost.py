@@ -37,6 +37,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+SAMPLE_EVERY = 16  # measure_every of the sampled measurement
 PARTS = ("step", "fixed", "plan", "split", "measure", "merge", "run_ubatches", "rest")
 
 
@@ -105,7 +106,8 @@ async def _parts(sizes: list[int], steps: int) -> dict[str, Any]:
 
         runner._plan_any = timed("plan", runner._plan_any)  # type: ignore[method-assign]
         runner._measured = timed("measure", runner._measured)  # type: ignore[method-assign]
-        saved = [(runner_mod, "host_timing", "measure"), (runner_mod, "merge_outputs", "merge"),
+        timing_fn = "step_timing" if hasattr(runner_mod, "step_timing") else "host_timing"
+        saved = [(runner_mod, timing_fn, "measure"), (runner_mod, "merge_outputs", "merge"),
                  (step_mod, "split_checked", "split")]
         originals = [getattr(mod, name) for mod, name, _ in saved]
         for (mod, name, part), fn in zip(saved, originals):
@@ -148,7 +150,8 @@ class _ArmClock:
     drift to detect, no near-tie to probe). Reads the arm the runner planned (``_last``)."""
 
     def __init__(self, target: Any) -> None:
-        self.target, self.t, self.runner, self.calls = target, 0.0, None, 0
+        self.target, self.t, self.calls = target, 0.0, 0
+        self.runner: Any = None
 
     def now(self) -> float:
         self.calls += 1
@@ -222,12 +225,13 @@ def _measure61(steps: int) -> dict[str, float]:
     measure = getattr(runner_mod, "step_timing", None)
 
     def once(i: int) -> None:
-        timing = (measure(stats, 2e-2, i, runner.cfg) if measure is not None
-                  else runner_mod.host_timing(stats, 2e-2))
+        timing = (measure(stats, 2e-2, i, SAMPLE_EVERY) if measure is not None
+                  else getattr(runner_mod, "host_timing")(stats, 2e-2))
+        measured: Any = runner._measured
         if takes_uniform:
-            runner._measured(batch, plan, timing, True)
+            measured(batch, plan, timing, True)
         else:
-            runner._measured(batch, plan, timing)
+            measured(batch, plan, timing)
 
     for i in range(20):
         once(i)

@@ -374,5 +374,5 @@ def merge_outputs(outputs: Sequence[Output], slices: Sequence[UBatchSlice], num_
             raise ValueError(
                 f"output of ubatch {k} has {o.shape[0]} rows but the ubatch has {s.num_tokens} real tokens"
             )
-        parts.append(o[: s.num_tokens])
+        parts.append(o if o.shape[0] == s.num_tokens else o[: s.num_tokens])  # no padding: no view to make
     return torch.cat(parts, dim=0)

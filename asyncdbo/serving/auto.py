@@ -65,8 +65,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..plan import DPDecision
-from ..plan.slices import CheckedOffsets, as_query_start_loc, leaves_ubatch_empty
-from .auto_config import OFF, Arm, AutoConfig, threshold_prior
+from .auto_config import OFF, Arm, AutoConfig, splittable_mask, threshold_prior
 from .auto_watch import Reexploration, Watch, summarize
 from .compare import (Comparison, compare, compare_paired, decisive, interquartile_range, paired_sigma,
                       pooled_sigma, relative_sigma)
@@ -411,29 +410,6 @@ class AutoPolicy:
 
 def _fmt(xs: Sequence[float]) -> str:
     return f"{_median(xs) * 1e6:.2f}±{interquartile_range(xs) / 2 * 1e6:.2f}"
-
-
-def splittable_mask(qsl: Sequence[int], arms: Sequence[Arm], min_share: float) -> int:
-    """Bit ``i`` set where this rank's batch (token offsets ``qsl``) can run ``arms[i]``: off and
-    the token split always can (and an idle rank runs anything); a request-aligned split cannot
-    where it would leave a ubatch without real tokens. One int, so it rides in the DP vote."""
-    offsets: Sequence[int] = qsl if type(qsl) is CheckedOffsets else list(qsl)
-    checked: CheckedOffsets | None = qsl if type(qsl) is CheckedOffsets else None
-    mask = 0
-    cut: dict[tuple[int, str], bool] = {}  # each (N, split) cut once: the dispatch modes share it
-    for bit, arm in enumerate(arms):
-        if arm == OFF or arm.split == "token" or offsets[-1] == 0:
-            mask |= 1 << bit
-            continue
-        key = (arm.num_ubatches, arm.split)
-        ok = cut.get(key)
-        if ok is None:
-            if checked is None:  # checked once, at the first cut
-                checked = CheckedOffsets(as_query_start_loc(offsets))
-            ok = cut[key] = not leaves_ubatch_empty(checked, arm.num_ubatches, arm.split, min_share)
-        if ok:
-            mask |= 1 << bit
-    return mask
 
 
 def choose_for_group(policy: AutoPolicy, arms: Sequence[Arm], decision: DPDecision, uniform_R: Sequence[int],

@@ -19,7 +19,8 @@ from ..backends import CommRecord
 from ..dbo import RunStats
 from ..plan import PlanReason, StepRecord, StepTiming
 
-__all__ = ["OverlapLedger", "close_shape_bucket", "host_timing", "is_shape_bucket", "shape_bucket", "union_s"]
+__all__ = ["OverlapLedger", "close_shape_bucket", "host_timing", "is_shape_bucket", "shape_bucket", "step_timing",
+           "union_s"]
 
 
 def union_s(intervals: Iterable[tuple[float, float]]) -> float:
@@ -79,6 +80,15 @@ def host_timing(stats: RunStats, step_s: float) -> StepTiming:
     exposed = waited if stats.num_ubatches == 1 else min(stats.time_asleep_s, waited)
     return StepTiming(step_s=step_s, num_ubatches=stats.num_ubatches, comm_s=comm_s, exposed_s=exposed,
                       hidden_by_others_s=waited - exposed, hidden_own_s=comm_s - waited, source="host")
+
+
+def step_timing(stats: RunStats, step_s: float, step: int, every: int) -> StepTiming:
+    """Step ``step``'s timing: :func:`host_timing` on every ``every``-th step (``step % every ==
+    0``), else the step time alone (``RunnerConfig.measure_every``: the comm summary is the part
+    of the measurement that grows with the step's comm works)."""
+    if step % every == 0:
+        return host_timing(stats, step_s)
+    return StepTiming(step_s=step_s, num_ubatches=stats.num_ubatches)
 
 
 @dataclass

@@ -77,7 +77,7 @@ from ..plan.records import with_fields
 from ..plan.slices import CheckedOffsets, as_query_start_loc
 from .auto import OFF, Arm, AutoPolicy, group_choice, splittable_mask, threshold_prior
 from .batch import Batch
-from .measure import OverlapLedger, host_timing, shape_bucket
+from .measure import OverlapLedger, shape_bucket, step_timing
 from .runner_config import RunnerConfig, StepResult, check_ep_group, check_model
 
 __all__ = ["DBORunner", "RunnerConfig", "StepResult", "current_slice"]
@@ -143,6 +143,7 @@ class DBORunner:
         self.auto: AutoPolicy | None = (
             AutoPolicy(space, threshold_prior(cfg.thresholds, space)) if cfg.tuning == "auto" else None)
         self._arms = space.arms()
+        self._uniform_masks: dict[int, int] = {}  # splittable_mask of a uniform decode batch, by len(qsl)
         # What every rank's policy must share to choose alike (its search space and prior), as a
         # number the vote carries: ranks with other settings are refused, not left to diverge.
         self._auto_print = zlib.crc32(repr((space, cfg.thresholds, cfg.min_share)).encode())
@@ -244,7 +245,14 @@ class DBORunner:
         cfg, auto = self.cfg, self.auto
         assert auto is not None
         num_tokens = qsl[-1]
-        mask = splittable_mask(qsl, self._arms, cfg.min_share)
+        if uniform:  # a uniform decode's offsets follow from its request count: its mask too
+            mask = self._uniform_masks.get(len(qsl), -1)
+            if mask < 0:
+                if len(self._uniform_masks) >= 4096:
+                    self._uniform_masks.clear()
+                mask = self._uniform_masks[len(qsl)] = splittable_mask(qsl, self._arms, cfg.min_share)
+        else:
+            mask = splittable_mask(qsl, self._arms, cfg.min_share)
         local = LocalStepInfo(num_tokens_unpadded=num_tokens, wants_ubatch=enabled, is_idle=batch.num_tokens == 0,
                               reason=PlanReason.MICROBATCHED if enabled else PlanReason.DISABLED,
                               detail="" if enabled else "disabled by the caller")
@@ -274,7 +282,7 @@ class DBORunner:
             # off by the policy's choice, or because the configuration it would run (pinned, or the
             # bucket's choice) cannot split this batch: the split policy's refusal, as a fixed runner's
             reason = PlanReason.AUTO_OFF if refused is None else PlanReason.POLICY_REFUSED
-            decision = dataclasses.replace(decision, should_ubatch=False, reason=reason, detail=evidence)
+            decision = with_fields(decision, should_ubatch=False, reason=reason, detail=evidence)
         if tokens > 0 and refused is None:  # a refused step ran off out of the schedule's turn: not a sample
             self._last = (bucket, arm, tokens)
         return plan_step(
@@ -328,7 +336,7 @@ class DBORunner:
         logits_TV = merge_outputs(outputs, plan.slices, batch.num_tokens)
         assert isinstance(logits_TV, torch.Tensor), type(logits_TV)  # one tensor in, one out
         step_s = self.clock.now() - t0
-        plan = self._measured(batch, plan, host_timing(stats, step_s), uniform)
+        plan = self._measured(batch, plan, step_timing(stats, step_s, plan.record.step, cfg.measure_every), uniform)
         return StepResult(logits_TV=logits_TV, plan=plan, step_s=step_s, stats=stats)
 
     def _prepared(self) -> PreparedRun:
