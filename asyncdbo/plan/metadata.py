@@ -215,8 +215,12 @@ def _split_one_meta(meta: M, s: UBatchSlice, truncated: bool, qsl_np: np.ndarray
     # Rebase to the ubatch's first token; clamping trims a continuation's head (below 0) and a
     # truncated tail (past the ubatch's last token).
     q = qsl_np[r0 : r1 + 1] - t0
-    np.maximum(q, 0, out=q)
-    np.minimum(q, num_tokens, out=q)
+    # The slices passed check_slices: only a continuation's first offset lies below the ubatch and
+    # only a truncated head's last one past it (every other request has its tokens inside).
+    if q[0] < 0:
+        q[0] = 0
+    if q[-1] > num_tokens:
+        q[-1] = num_tokens
     qsl_cpu = torch.from_numpy(q)
     seq_cpu = meta.seq_lens_cpu[r0:r1]
     seq_max = int(seq_np[r0:r1].max()) if r1 > r0 else 0
