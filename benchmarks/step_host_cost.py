@@ -4,13 +4,20 @@ A trivial model (each ubatch yields once and returns one logit per token) runs s
 one-token requests (64, 256, 1024) at N = 2 on the host backend, one process, no DP group. Per
 step, process CPU time (``time.process_time_ns``):
 
-- ``step``: ``DBORunner.step`` end to end;
-- ``plan``: the runner's plan (``_plan_any``: thresholds, the cut, the attention metadata and
-  its checks);
-- ``measure``: the runner's measurement (``host_timing`` and ``_measured``: the timing, the
-  record, the ledger);
+- ``step``: ``DBORunner.step`` end to end; ``fixed``: step - run_ubatches, the runner's own cost;
+- ``plan``: the runner's plan (``_plan_any``: the offsets' check, thresholds, the cut, the
+  attention metadata and its checks), of it ``split``: the per-ubatch metadata (``split_checked``);
+- ``measure``: the runner's measurement (``step_timing`` or, at older commits, ``host_timing``,
+  and ``_measured``: the timing, the record, the ledger);
+- ``merge``: the merge of the ubatches' outputs (``merge_outputs``);
 - ``run_ubatches``: a prepared run of the same two ubatches, the kernel beneath the step;
-- ``rest``: step - plan - measure - run_ubatches (padding, slicing, merge, the step's own code).
+- ``rest``: step - plan - measure - merge - run_ubatches (padding, slicing, the step's own code).
+
+Then, at the first size: ``tuning="auto"`` settled on N = 2 and on off (a clock that makes the
+target the fastest), beside a fixed N = 2 runner and a plain off runner (``enabled=False``),
+interleaved in blocks of 10 steps; and the runner's measurement of a 61-layer step's 366 comm
+records (made outside the timing), every step and, where the side has ``measure_every``, sampled
+every 16th step.
 
 ``--base REV`` builds the package at ``REV`` in a temporary folder from its own sources (``git
 archive``, ``setup.py build_ext --inplace``, as ``compare_commits.py`` does) and measures it the
