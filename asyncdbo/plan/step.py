@@ -141,8 +141,11 @@ def plan_step(
     check_bool("plan_step() ", "enabled", enabled)
     check_bool("plan_step() ", "is_idle", is_idle)
     check_thresholds("plan_step() thresholds", thresholds)
-    qsl = as_query_start_loc(query_start_loc)
-    offsets = CheckedOffsets(qsl)  # checked once: the planners below take it unchecked
+    if type(query_start_loc) is CheckedOffsets:  # the runner's, checked this step: no copy
+        offsets = query_start_loc
+    else:  # checked once: the planners below take it unchecked
+        offsets = CheckedOffsets(as_query_start_loc(query_start_loc))
+    qsl = offsets
     if num_ubatches < 1:
         raise ValueError(f"num_ubatches ({num_ubatches}) must be at least 1")
     check_max_ubatches(num_ubatches, max_ubatches)

@@ -388,7 +388,10 @@ class AutoPolicy:
             return
         if arm != b.incumbent:
             return  # not the choice's step (a pinned or refused one is never observed)
-        b.samples.setdefault(arm, deque(maxlen=self.cfg.window)).append(x)
+        xs = b.samples.get(arm)
+        if xs is None:
+            xs = b.samples[arm] = deque(maxlen=self.cfg.window)
+        xs.append(x)
         why = w.step(self.cfg, b.incumbent, x, lambda: [(ls, ws) for _, ls, ws, _ in b.compared.values()])
         if why:
             self._explore_again(name, b, why)

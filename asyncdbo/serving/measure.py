@@ -108,8 +108,15 @@ def shape_bucket(num_tokens: int, uniform_decode: bool) -> str:
     every busy rank runs only one-token requests)."""
     if num_tokens < 1:
         return "idle"
-    lo = 1 << (num_tokens.bit_length() - 1)
-    return f"{'decode' if uniform_decode else 'mixed'} {lo}-{2 * lo - 1}"
+    key = (num_tokens.bit_length(), bool(uniform_decode))
+    name = _BUCKET_NAMES.get(key)
+    if name is None:  # a few dozen names ever: formatted once each, not every step
+        lo = 1 << (num_tokens.bit_length() - 1)
+        name = _BUCKET_NAMES[key] = f"{'decode' if uniform_decode else 'mixed'} {lo}-{2 * lo - 1}"
+    return name
+
+
+_BUCKET_NAMES: dict[tuple[int, bool], str] = {}
 
 
 def _bucket_words(bucket: str) -> str:
@@ -175,7 +182,9 @@ class OverlapLedger:
         its :func:`shape_bucket`)."""
         self.num_steps += 1
         key = record.config or ("off" if not record.microbatched else f"N={len(record.ubatch_num_tokens)}")
-        acc = self.accounts.setdefault((bucket, key), _Account())
+        acc = self.accounts.get((bucket, key))
+        if acc is None:  # (setdefault would build an _Account every step)
+            acc = self.accounts[(bucket, key)] = _Account()
         acc.steps += 1
         acc.tokens += num_tokens
         if not record.microbatched:

@@ -144,6 +144,7 @@ class DBORunner:
             AutoPolicy(space, threshold_prior(cfg.thresholds, space)) if cfg.tuning == "auto" else None)
         self._arms = space.arms()
         self._uniform_masks: dict[int, int] = {}  # splittable_mask of a uniform decode batch, by len(qsl)
+        self._config_names: dict[int, str] = {}  # a fixed runner's record.config by ubatch count (0: off)
         # What every rank's policy must share to choose alike (its search space and prior), as a
         # number the vote carries: ranks with other settings are refused, not left to diverge.
         self._auto_print = zlib.crc32(repr((space, cfg.thresholds, cfg.min_share)).encode())
@@ -355,8 +356,12 @@ class DBORunner:
         the ledger under the step's shape bucket (from the DP vote where there is one; ``uniform``:
         this rank's batch is a uniform decode)."""
         cfg = self.cfg
-        config = plan.record.config or (
-            f"N={len(plan.slices)} {cfg.policy} {cfg.dispatch}" if plan.microbatched else "off")
+        config = plan.record.config
+        if not config:
+            n = len(plan.slices) if plan.microbatched else 0
+            config = self._config_names.get(n, "")
+            if not config:
+                config = self._config_names[n] = f"N={n} {cfg.policy} {cfg.dispatch}" if n else "off"
         record = with_fields(plan.record, config=config, timing=timing)
         tokens = max(plan.decision.num_tokens_across_dp) if plan.decision is not None else batch.num_tokens
         self.ledger.add(record, batch.num_tokens, shape_bucket(tokens, uniform))
