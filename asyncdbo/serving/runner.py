@@ -58,6 +58,7 @@ from ..dist.fused import DispatchMode, dispatch_options
 from ..dist.recovery import StepSync, step_sync
 from ..plan import (
     AttentionMetadata,
+    DPDecision,
     LocalStepInfo,
     PlanReason,
     PlanStats,
@@ -145,6 +146,7 @@ class DBORunner:
         self._arms = space.arms()
         self._uniform_masks: dict[int, int] = {}  # splittable_mask of a uniform decode batch, by len(qsl)
         self._config_names: dict[int, str] = {}  # a fixed runner's record.config by ubatch count (0: off)
+        self._own_decisions: dict[tuple[int, bool, bool], DPDecision] = {}  # see _plan_auto (no DP group)
         # What every rank's policy must share to choose alike (its search space and prior), as a
         # number the vote carries: ranks with other settings are refused, not left to diverge.
         self._auto_print = zlib.crc32(repr((space, cfg.thresholds, cfg.min_share)).encode())
@@ -254,12 +256,11 @@ class DBORunner:
                 mask = self._uniform_masks[len(qsl)] = splittable_mask(qsl, self._arms, cfg.min_share)
         else:
             mask = splittable_mask(qsl, self._arms, cfg.min_share)
-        local = LocalStepInfo(num_tokens_unpadded=num_tokens, wants_ubatch=enabled, is_idle=batch.num_tokens == 0,
-                              reason=PlanReason.MICROBATCHED if enabled else PlanReason.DISABLED,
-                              detail="" if enabled else "disabled by the caller")
-        extra = (int(uniform), mask, last_ns, self._auto_print)
+        is_idle = batch.num_tokens == 0
         sync = self.sync
         if self.dp_group is not None:
+            local = _local_info(num_tokens, enabled, is_idle)
+            extra = (int(uniform), mask, last_ns, self._auto_print)
             group = self.dp_group if sync is None else sync.group
             decision = agree_across_dp(local, cfg.auto.max_ubatches, group, device=self.device,
                                        max_imbalance=cfg.max_imbalance, extra=extra)
@@ -270,8 +271,17 @@ class DBORunner:
                     f"the DP ranks' tuning='auto' runners have different settings (fingerprints {by_rank}); "
                     "every rank must choose from the same RunnerConfig.auto, thresholds and min_share")
         else:
-            vote = RankVote(0, local.vote, local.reason, local.num_tokens_unpadded, local.padded)
-            decision = decide_from_votes([vote], max_imbalance=cfg.max_imbalance)
+            # One rank's vote decides from its own inputs alone: the same inputs, the same decision
+            # (immutable), kept instead of voting again every step.
+            key = (num_tokens, enabled, is_idle)
+            own = self._own_decisions.get(key)
+            if own is None:
+                local = _local_info(num_tokens, enabled, is_idle)
+                vote = RankVote(0, local.vote, local.reason, local.num_tokens_unpadded, local.padded)
+                if len(self._own_decisions) >= 4096:
+                    self._own_decisions.clear()
+                own = self._own_decisions[key] = decide_from_votes([vote], max_imbalance=cfg.max_imbalance)
+            decision = own
             uniform_R, mask_R, last_R = (int(uniform),), (mask,), (last_ns,)
         if self._last is not None and min(last_R) >= 0:  # every rank measured the last step
             bucket, arm, tokens = self._last
@@ -366,6 +376,13 @@ class DBORunner:
         tokens = max(plan.decision.num_tokens_across_dp) if plan.decision is not None else batch.num_tokens
         self.ledger.add(record, batch.num_tokens, shape_bucket(tokens, uniform))
         return with_fields(plan, record=record)
+
+
+def _local_info(num_tokens: int, enabled: bool, is_idle: bool) -> LocalStepInfo:
+    """An ``"auto"`` step's input to the DP vote (its thresholds are the policy's business)."""
+    return LocalStepInfo(num_tokens_unpadded=num_tokens, wants_ubatch=enabled, is_idle=is_idle,
+                         reason=PlanReason.MICROBATCHED if enabled else PlanReason.DISABLED,
+                         detail="" if enabled else "disabled by the caller")
 
 
 def _arm_dispatch(arm: Arm, unsplit: DispatchMode) -> DispatchMode:
