@@ -29,15 +29,22 @@ def union_s(intervals: Iterable[tuple[float, float]]) -> float:
 
 
 def _union_sorted(intervals: list[tuple[float, float]]) -> float:
-    """:func:`union_s` of intervals sorted by start."""
-    total = cur_start = cur_end = 0.0
-    first = True
-    for start, end in intervals:
-        if end <= start:
-            continue
-        if first or start > cur_end:
+    """:func:`union_s` of intervals sorted by start: the first non-empty one opens the span, then
+    each one either extends it or, past its end, closes it and opens the next (an empty one does
+    neither; testing for one only past the span's end keeps the common path to two comparisons)."""
+    total = 0.0
+    it = iter(intervals)
+    for cur_start, cur_end in it:
+        if cur_end > cur_start:
+            break
+    else:
+        return 0.0
+    for start, end in it:
+        if start > cur_end:
+            if end <= start:
+                continue
             total += cur_end - cur_start
-            cur_start, cur_end, first = start, end, False
+            cur_start, cur_end = start, end
         elif end > cur_end:
             cur_end = end
     return total + (cur_end - cur_start)
@@ -68,8 +75,9 @@ def host_timing(stats: RunStats, step_s: float) -> StepTiming:
         if release is not None and release > end:
             end = release
         add_flight((c.t_issue, end))
-        if c.t_wait is not None:
-            add_wait((c.t_wait, end))
+        wait = c.t_wait
+        if wait is not None:
+            add_wait((wait, end))
     flight.sort()  # in place: issue order is nearly sorted already
     waits.sort()
     comm_s = _union_sorted(flight)
