@@ -50,9 +50,9 @@ class RunnerConfig:
     ``exposed_s``, ...: :func:`~asyncdbo.serving.measure.host_timing`) on every k-th step (the
     steps whose ``StepRecord.step`` is a multiple of k); the others' timing carries the step time
     alone, as on a backend that tracks no comm, and the ledger averages the comm over the steps
-    that have it. 1 (the default) summarizes every step: 56.3 µs of host CPU per 61-layer step at
-    N = 2, 7.7 µs per step with ``measure_every=16`` (medians of 9 rounds on a shared 2-core VM,
-    ``benchmarks/results/step_host_cost_cpu-2c_2026-12-07_run4.md``); the ``tuning="auto"``
+    that have it. 1 (the default) summarizes every step: 58.3 µs of host CPU per 61-layer step at
+    N = 2, 8.4 µs per step with ``measure_every=16`` (medians of 9 rounds on a shared 2-core VM,
+    ``benchmarks/results/step_host_cost_cpu-2c_2026-12-07_run5.md``); the ``tuning="auto"``
     policy reads the step time only, which every step keeps.
     """
 
