@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, Union
 
+import numpy as np
 import torch
 
 from .slices import UBatchSlice
@@ -201,19 +202,35 @@ def _split_one(value: Any, kind: SplitKind, s: UBatchSlice) -> Any:
     return value[s.token_slice] if kind is SplitKind.PER_TOKEN else value[s.request_slice]
 
 
-def _split_one_meta(meta: M, s: UBatchSlice, truncated: bool) -> M:
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A CPU mirror's values as a numpy array (a view, no copy): the split reads its per-request
+    lengths with array operations, not with one small torch operation each."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+
+
+def _split_one_meta(meta: M, s: UBatchSlice, truncated: bool, qsl_np: np.ndarray, seq_np: np.ndarray) -> M:
     r0, r1 = s.request_slice.start, s.request_slice.stop
     t0, t1 = s.token_slice.start, s.token_slice.stop
     num_tokens = t1 - t0
     # Rebase to the ubatch's first token; clamping trims a continuation's head (below 0) and a
     # truncated tail (past the ubatch's last token).
-    qsl_cpu = meta.query_start_loc_cpu[r0 : r1 + 1].sub(t0).clamp_(0, num_tokens)
+    q = qsl_np[r0 : r1 + 1] - t0
+    # The slices passed check_slices: only a continuation's first offset lies below the ubatch and
+    # only a truncated head's last one past it (every other request has its tokens inside).
+    if q[0] < 0:
+        q[0] = 0
+    if q[-1] > num_tokens:
+        q[-1] = num_tokens
+    qsl_cpu = torch.from_numpy(q)
     seq_cpu = meta.seq_lens_cpu[r0:r1]
+    seq_max = int(seq_np[r0:r1].max()) if r1 > r0 else 0
     if truncated:
         # The truncated head sees only the tokens written so far: drop the ones after this ubatch.
-        not_here = int(meta.query_start_loc_cpu[r1]) - t1
-        seq_cpu = seq_cpu.clone()
-        seq_cpu[-1] -= not_here
+        not_here = int(qsl_np[r1]) - t1
+        cut = seq_np[r0:r1].copy()
+        cut[-1] -= not_here
+        seq_cpu = torch.from_numpy(cut)
+        seq_max = int(cut.max())
     # On a CPU batch the mirrors are the tensors themselves (BatchBuilder, from_lengths): cut once.
     if meta.query_start_loc is meta.query_start_loc_cpu:
         qsl = qsl_cpu
@@ -226,7 +243,6 @@ def _split_one_meta(meta: M, s: UBatchSlice, truncated: bool) -> M:
         if truncated:
             seq = seq.clone()
             seq[-1] -= not_here
-    qlens = (qsl_cpu[1:] - qsl_cpu[:-1]) if r1 > r0 else qsl_cpu[:0]
     changes: dict[str, Any] = dict(
         query_start_loc=qsl,
         query_start_loc_cpu=qsl_cpu,
@@ -234,13 +250,34 @@ def _split_one_meta(meta: M, s: UBatchSlice, truncated: bool) -> M:
         seq_lens_cpu=seq_cpu,
         block_table=meta.block_table[r0:r1],
         slot_mapping=meta.slot_mapping[t0:t1],
-        max_query_len=int(qlens.max()) if r1 > r0 else 0,
-        max_seq_len=int(seq_cpu.max()) if r1 > r0 else 0,
+        max_query_len=int((q[1:] - q[:-1]).max()) if r1 > r0 else 0,
+        max_seq_len=seq_max,
         num_actual_tokens=num_tokens,
     )
-    for name, kind in type(meta).split_rules.items():
+    cls = type(meta)
+    for name, kind in cls.split_rules.items():
         changes[name] = _split_one(getattr(meta, name), kind, s)
-    return dataclasses.replace(meta, **changes)
+    if not _plain(cls):
+        return dataclasses.replace(meta, **changes)
+    # What dataclasses.replace does for a class whose fields are all set by __init__ and whose
+    # __post_init__ is the base's (skipped here: trusted), at a fraction of its cost per step.
+    out = object.__new__(cls)
+    vars(out).update(vars(meta))
+    vars(out).update(changes)
+    return out
+
+
+_PLAIN: dict[type, bool] = {}
+
+
+def _plain(cls: type) -> bool:
+    """Whether a copy of ``cls``'s instance dict is what ``dataclasses.replace`` would build."""
+    plain = _PLAIN.get(cls)
+    if plain is None:
+        # (an InitVar needs a __post_init__ of the subclass's own: not plain either)
+        plain = _PLAIN[cls] = (getattr(cls, "__post_init__", None) is AttentionMetadata.__post_init__
+                               and all(f.init for f in dataclasses.fields(cls)) and not hasattr(cls, "__slots__"))
+    return plain
 
 
 def split_attn_metadata(meta: M, slices: Sequence[UBatchSlice]) -> list[M]:
@@ -267,9 +304,10 @@ def split_checked(meta: M, slices: Sequence[UBatchSlice], flags: Sequence[tuple[
             f"{cls.__name__} has field(s) {unknown} with no split rule; declare one per field, "
             f"e.g. split_rules = {{{unknown[0]!r}: SplitKind.PER_TOKEN}} (or PER_REQUEST / SHARED)"
         )
+    qsl_np, seq_np = _host(meta.query_start_loc_cpu), _host(meta.seq_lens_cpu)
     trusted, _TRUSTED.on = getattr(_TRUSTED, "on", False), True
     try:
-        return [_split_one_meta(meta, s, trunc) for s, (_, trunc) in zip(slices, flags)]
+        return [_split_one_meta(meta, s, trunc, qsl_np, seq_np) for s, (_, trunc) in zip(slices, flags)]
     finally:
         _TRUSTED.on = trusted
 
@@ -340,5 +378,5 @@ def merge_outputs(outputs: Sequence[Output], slices: Sequence[UBatchSlice], num_
             raise ValueError(
                 f"output of ubatch {k} has {o.shape[0]} rows but the ubatch has {s.num_tokens} real tokens"
             )
-        parts.append(o[: s.num_tokens])
+        parts.append(o if o.shape[0] == s.num_tokens else o[: s.num_tokens])  # no padding: no view to make
     return torch.cat(parts, dim=0)

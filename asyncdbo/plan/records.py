@@ -8,10 +8,14 @@ unsplit and the overlap is gone.  So every planned step yields a :class:`StepRec
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
+import operator
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 __all__ = ["PlanReason", "PlanStats", "RankVote", "StepRecord", "StepTiming", "log_record"]
 
@@ -141,3 +145,24 @@ class PlanStats:
         )
         head = f"{self.num_steps} steps, {self.microbatched_share:.0%} microbatched"
         return f"{head}; {others}" if others else head
+
+
+_T = TypeVar("_T")
+_GETTERS: dict[type, tuple[Callable[[Any], tuple[Any, ...]], dict[str, int]]] = {}
+
+
+def with_fields(obj: _T, **changes: Any) -> _T:
+    """``dataclasses.replace(obj, **changes)`` for a dataclass whose fields are all ``__init__``
+    arguments in order (StepRecord, StepPlan): every field read at once and passed by position,
+    a few times cheaper than ``replace``'s per-field loop, which the runner paid twice per step."""
+    cls = type(obj)
+    got = _GETTERS.get(cls)
+    if got is None:
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        assert all(f.init and not f.kw_only for f in dataclasses.fields(cls)), cls  # type: ignore[arg-type]
+        got = _GETTERS[cls] = (operator.attrgetter(*names), {n: i for i, n in enumerate(names)})
+    getter, index = got
+    args = list(getter(obj))
+    for name, value in changes.items():
+        args[index[name]] = value
+    return cls(*args)

@@ -106,6 +106,9 @@ class UBatchSlice:
     def __post_init__(self) -> None:
         for name in ("request_slice", "token_slice", "padded_token_slice"):
             sl = getattr(self, name)
+            if type(sl) is slice and type(sl.start) is int and type(sl.stop) is int and sl.step is None:
+                if 0 <= sl.start <= sl.stop:
+                    continue  # the planners' slices: plain ints, checked without the general path's calls
             bounds = _integral_bounds(sl)
             if bounds is None or sl.step not in (None, 1) or not 0 <= bounds[0] <= bounds[1]:
                 raise ValueError(
@@ -151,6 +154,9 @@ class CheckedOffsets(tuple[int, ...]):
     __slots__ = ()
 
 
+_INT_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))
+
+
 def as_query_start_loc(query_start_loc: QueryStartLoc) -> list[int]:
     """Validate ``query_start_loc`` and return it as a list of ints.
 
@@ -164,7 +170,15 @@ def as_query_start_loc(query_start_loc: QueryStartLoc) -> list[int]:
                 f"query_start_loc must be a 1-D integer tensor (got shape "
                 f"{tuple(query_start_loc.shape)}, dtype {query_start_loc.dtype})"
             )
-        qsl = list(map(int, query_start_loc.tolist()))
+        if query_start_loc.device.type == "cpu" and query_start_loc.dtype in _INT_DTYPES:
+            # The usual case, a CPU mirror: its ints as they are, the order checked as an array.
+            qsl = query_start_loc.tolist()
+            if qsl and qsl[0] == 0:
+                arr = query_start_loc.numpy()
+                if bool((arr[1:] >= arr[:-1]).all()):
+                    return qsl
+        else:
+            qsl = list(map(int, query_start_loc.tolist()))
     else:
         qsl = list(map(int, query_start_loc))
     if not qsl or qsl[0] != 0:
@@ -300,7 +314,7 @@ def slices_from_split_points(
     return _slices_from_cuts(qsl, cuts, _with_padding(cuts, padded))
 
 
-def _request_cuts(qsl: list[int], num_ubatches: int) -> list[int]:
+def _request_cuts(qsl: Sequence[int], num_ubatches: int) -> list[int]:
     """Interior cuts on request boundaries, each as near its even cut ``k*T/N`` as the boundaries
     left allow (ties go left).
 
@@ -312,18 +326,28 @@ def _request_cuts(qsl: list[int], num_ubatches: int) -> list[int]:
     one (empty ubatches: :func:`~asyncdbo.plan.plan_step` then falls out as POLICY_REFUSED).
     """
     num_tokens, n = qsl[-1], num_ubatches
-    interior = sorted({b for b in qsl if 0 < b < num_tokens})
+    # qsl is checked (starts at 0, never decreases): its distinct values in order are 0, the
+    # interior boundaries, then T (dict.fromkeys keeps the first of each, at C speed)
+    distinct = list(dict.fromkeys(qsl))
+    interior = distinct[1:-1] if num_tokens > 0 else []
 
-    def nearest(k: int, candidates: list[int]) -> int:
-        # k*T/N against a boundary b, compared as N*b vs k*T (exact); min keeps the first on ties.
-        return min(candidates, key=lambda b: abs(b * n - k * num_tokens))
+    def nearest(k: int, candidates: Sequence[int]) -> int:
+        # k*T/N against a boundary b, compared as N*b vs k*T (exact); ties go to the lower one.
+        # The candidates are sorted: the nearest is one of the two around the first b with
+        # N*b >= k*T (a bisection, not a scan: O(log R) per cut).
+        i = bisect.bisect_left(candidates, -(-k * num_tokens // n))
+        if i == len(candidates):
+            return candidates[-1]
+        if i == 0 or abs(candidates[i] * n - k * num_tokens) < abs(candidates[i - 1] * n - k * num_tokens):
+            return candidates[i]
+        return candidates[i - 1]
 
     cuts = [0]
     for k in range(1, n):
         if len(interior) < n - 1:  # not enough requests: some ubatch stays empty whatever we do
             cuts.append(max(nearest(k, qsl), cuts[-1]))
             continue
-        available = [b for b in interior if b > cuts[-1]]
+        available = interior[bisect.bisect_right(interior, cuts[-1]):]
         cuts.append(nearest(k, available[: len(available) - (n - 1 - k)]))
     return cuts + [num_tokens]
 
@@ -341,6 +365,28 @@ def split_requests(
     padded = _check_padded(qsl[-1], num_tokens_padded)
     cuts = _request_cuts(qsl, num_ubatches)
     return _slices_from_cuts(qsl, cuts, _with_padding(cuts, padded))
+
+
+def _balanced_cuts(qsl: Sequence[int], num_ubatches: int, min_share: float) -> list[int]:
+    """:func:`split_balanced`'s cuts of checked offsets ``qsl`` (0, the interior cuts, T)."""
+    num_tokens = qsl[-1]
+    cuts = _request_cuts(qsl, num_ubatches)
+    even = [k * num_tokens // num_ubatches for k in range(num_ubatches + 1)]
+    # size >= 2*min_share*T/N, in integers: size*N >= 2*min_share*T.
+    min_scaled = 2.0 * min_share * num_tokens
+    for _ in range(num_ubatches):  # bounded: each pass moves at least one cut or stops
+        changed = False
+        for k in range(num_ubatches):
+            if (cuts[k + 1] - cuts[k]) * num_ubatches >= min_scaled:
+                continue
+            for c in (k, k + 1):  # the two cuts bordering ubatch k (never the ends 0 and T)
+                if 0 < c < num_ubatches and cuts[c] != even[c]:
+                    cuts[c] = even[c]
+                    changed = True
+        cuts = [max(cuts[: i + 1]) for i in range(len(cuts))]  # keep them sorted
+        if not changed:
+            break
+    return cuts
 
 
 def split_balanced(
@@ -363,24 +409,8 @@ def split_balanced(
         )
     qsl = as_query_start_loc(query_start_loc)
     _check_num_ubatches(num_ubatches)
-    num_tokens = qsl[-1]
-    padded = _check_padded(num_tokens, num_tokens_padded)
-    cuts = _request_cuts(qsl, num_ubatches)
-    even = [k * num_tokens // num_ubatches for k in range(num_ubatches + 1)]
-    # size >= 2*min_share*T/N, in integers: size*N >= 2*min_share*T.
-    min_scaled = 2.0 * min_share * num_tokens
-    for _ in range(num_ubatches):  # bounded: each pass moves at least one cut or stops
-        changed = False
-        for k in range(num_ubatches):
-            if (cuts[k + 1] - cuts[k]) * num_ubatches >= min_scaled:
-                continue
-            for c in (k, k + 1):  # the two cuts bordering ubatch k (never the ends 0 and T)
-                if 0 < c < num_ubatches and cuts[c] != even[c]:
-                    cuts[c] = even[c]
-                    changed = True
-        cuts = [max(cuts[: i + 1]) for i in range(len(cuts))]  # keep them sorted
-        if not changed:
-            break
+    padded = _check_padded(qsl[-1], num_tokens_padded)
+    cuts = _balanced_cuts(qsl, num_ubatches, min_share)
     return _slices_from_cuts(qsl, cuts, _with_padding(cuts, padded))
 
 
@@ -405,3 +435,11 @@ def plan_slices(
 def whole_batch_slice(query_start_loc: QueryStartLoc, num_tokens_padded: int | None = None) -> UBatchSlice:
     """The single slice of a step that does not microbatch."""
     return split_tokens(query_start_loc, 1, num_tokens_padded)[0]
+
+
+def leaves_ubatch_empty(qsl: CheckedOffsets, num_ubatches: int, policy: Literal["request", "balanced"],
+                        min_share: float = 0.48) -> bool:
+    """Whether the request-aligned split ``policy`` of checked offsets ``qsl`` leaves a ubatch
+    without real tokens (as :func:`plan_slices` would cut it), from its cuts alone: no slices built."""
+    cuts = _request_cuts(qsl, num_ubatches) if policy == "request" else _balanced_cuts(qsl, num_ubatches, min_share)
+    return any(a == b for a, b in zip(cuts, cuts[1:]))

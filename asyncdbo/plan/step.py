@@ -21,7 +21,8 @@ from .dp import (
     agree_across_dp,
     check_thresholds,
     decide_from_votes,
-    should_microbatch,
+    is_uniform_decode,
+    threshold_verdict,
 )
 from .metadata import AttentionMetadata, split_checked
 from .validate import check_slices
@@ -71,6 +72,7 @@ class StepPlan:
 
 def _local_vote(
     qsl: Sequence[int],
+    uniform: bool,
     num_ubatches: int,
     policy: SplitPolicy,
     thresholds: ThresholdConfig,
@@ -83,7 +85,7 @@ def _local_vote(
     common: dict[str, Any] = dict(num_tokens_unpadded=num_tokens, num_tokens_padded=num_tokens_padded, is_idle=is_idle)
     if not enabled:
         return LocalStepInfo(wants_ubatch=False, reason=PlanReason.DISABLED, detail="disabled by the caller", **common)
-    ok, detail = should_microbatch(num_tokens, qsl, thresholds)
+    ok, detail = threshold_verdict(num_tokens, uniform, thresholds)
     if not ok:
         return LocalStepInfo(wants_ubatch=False, reason=PlanReason.BELOW_THRESHOLD, detail=detail, **common)
     if policy != "token":
@@ -92,6 +94,67 @@ def _local_vote(
             detail = f"{policy} split leaves a ubatch without real tokens (sizes {sizes})"
             return LocalStepInfo(wants_ubatch=False, reason=PlanReason.POLICY_REFUSED, detail=detail, **common)
     return LocalStepInfo(wants_ubatch=True, detail=detail, **common)
+
+
+# (microbatched, reason, detail, padded total, slices, their flags, the DP decision, the slices' real
+# and padded sizes): what plan_step decides before it cuts the metadata
+_Cut = tuple[bool, PlanReason, str, int, tuple[UBatchSlice, ...], tuple[tuple[bool, bool], ...], "DPDecision | None",
+             tuple[int, ...], tuple[int, ...]]
+_DECODE_CUTS: dict[tuple[Any, ...], _Cut] = {}
+
+
+def _vote_and_cut(
+    offsets: CheckedOffsets,
+    uniform: bool,
+    num_ubatches: int,
+    policy: SplitPolicy,
+    thresholds: ThresholdConfig,
+    enabled: bool,
+    is_idle: bool,
+    num_tokens_padded: int | None,
+    min_share: float,
+    dp_group: Any,
+    device: torch.device | str | None,
+    max_imbalance: float | None,
+    decision: DPDecision | None,
+) -> _Cut:
+    """plan_step's decision (given, voted, or this rank's) and the slices it cuts, checked."""
+    qsl = offsets
+    if decision is not None:  # the caller voted: no threshold test, no second vote (LocalStepInfo's check)
+        if num_tokens_padded is not None and num_tokens_padded < qsl[-1]:
+            raise ValueError(f"num_tokens_padded ({num_tokens_padded}) is below num_tokens_unpadded ({qsl[-1]})")
+        microbatched, reason, detail = decision.should_ubatch and num_ubatches > 1, decision.reason, decision.detail
+        padded = decision.num_tokens_padded if microbatched else (
+            qsl[-1] if num_tokens_padded is None else num_tokens_padded)
+    else:
+        local = _local_vote(offsets, uniform, num_ubatches, policy, thresholds, enabled, is_idle, num_tokens_padded,
+                            min_share)
+        if dp_group is not None:
+            # The vote runs even with num_ubatches == 1: a rank cannot know that its peers plan the
+            # same number, and a 1-vs-2 mismatch skipped here would leave the others waiting in
+            # their first collective until a timeout. The vote names the mismatch on every rank.
+            decision = agree_across_dp(local, num_ubatches, dp_group, device=device, max_imbalance=max_imbalance)
+            if num_ubatches == 1:
+                microbatched, reason, detail, padded = False, PlanReason.SINGLE_UBATCH, "num_ubatches is 1", local.padded
+            else:
+                microbatched, reason = decision.should_ubatch, decision.reason
+                detail = decision.detail or local.detail
+                padded = decision.num_tokens_padded if microbatched else local.padded
+        elif num_ubatches == 1:
+            microbatched, reason, detail, padded = False, PlanReason.SINGLE_UBATCH, "num_ubatches is 1", local.padded
+        else:
+            vote = RankVote(0, local.vote, local.reason, local.num_tokens_unpadded, local.padded)
+            d = decide_from_votes([vote])
+            microbatched, reason, detail, padded = d.should_ubatch, d.reason, d.detail or local.detail, local.padded
+
+    if microbatched:
+        slices = tuple(plan_slices(offsets, num_ubatches, policy, num_tokens_padded=padded, min_share=min_share))
+    else:
+        slices = (whole_batch_slice(offsets, padded),)
+    # The planners' slices must tile the batch (split_attn_metadata alone accepts any disjoint set).
+    flags = check_slices(qsl, slices, tile=True) if microbatched else ()
+    return (microbatched, reason, detail, padded, slices, tuple(flags), decision,
+            tuple(s.num_tokens for s in slices), tuple(s.num_tokens_padded for s in slices))
 
 
 def plan_step(
@@ -139,8 +202,11 @@ def plan_step(
     check_bool("plan_step() ", "enabled", enabled)
     check_bool("plan_step() ", "is_idle", is_idle)
     check_thresholds("plan_step() thresholds", thresholds)
-    qsl = as_query_start_loc(query_start_loc)
-    offsets = CheckedOffsets(qsl)  # checked once: the planners below take it unchecked
+    if type(query_start_loc) is CheckedOffsets:  # the runner's, checked this step: no copy
+        offsets = query_start_loc
+    else:  # checked once: the planners below take it unchecked
+        offsets = CheckedOffsets(as_query_start_loc(query_start_loc))
+    qsl = offsets
     if num_ubatches < 1:
         raise ValueError(f"num_ubatches ({num_ubatches}) must be at least 1")
     check_max_ubatches(num_ubatches, max_ubatches)
@@ -156,34 +222,27 @@ def plan_step(
     if step is None:
         step = stats.num_steps if stats is not None else 0
 
-    local = _local_vote(offsets, num_ubatches, policy, thresholds, enabled, is_idle, num_tokens_padded, min_share)
-    if decision is not None:
-        microbatched, reason, detail = decision.should_ubatch and num_ubatches > 1, decision.reason, decision.detail
-        padded = decision.num_tokens_padded if microbatched else local.padded
-    elif dp_group is not None:
-        # The vote runs even with num_ubatches == 1: a rank cannot know that its peers plan the
-        # same number, and a 1-vs-2 mismatch skipped here would leave the others waiting in
-        # their first collective until a timeout. The vote names the mismatch on every rank.
-        decision = agree_across_dp(local, num_ubatches, dp_group, device=device, max_imbalance=max_imbalance)
-        if num_ubatches == 1:
-            microbatched, reason, detail, padded = False, PlanReason.SINGLE_UBATCH, "num_ubatches is 1", local.padded
-        else:
-            microbatched, reason = decision.should_ubatch, decision.reason
-            detail = decision.detail or local.detail
-            padded = decision.num_tokens_padded if microbatched else local.padded
-    elif num_ubatches == 1:
-        microbatched, reason, detail, padded = False, PlanReason.SINGLE_UBATCH, "num_ubatches is 1", local.padded
-    else:
-        vote = RankVote(0, local.vote, local.reason, local.num_tokens_unpadded, local.padded)
-        d = decide_from_votes([vote])
-        microbatched, reason, detail, padded = d.should_ubatch, d.reason, d.detail or local.detail, local.padded
-
-    if microbatched:
-        slices = tuple(plan_slices(offsets, num_ubatches, policy, num_tokens_padded=padded, min_share=min_share))
-    else:
-        slices = (whole_batch_slice(offsets, padded),)
-    # The planners' slices must tile the batch (split_attn_metadata alone accepts any disjoint set).
-    flags = check_slices(qsl, slices, tile=True) if microbatched else ()
+    # the uniform-decode test once per step: the threshold's, and whether the cut below can be kept
+    uniform = (enabled or decision is not None) and is_uniform_decode(offsets, thresholds.num_spec_tokens)
+    key: tuple[Any, ...] | None = None
+    cut: _Cut | None = None
+    if uniform and (dp_group is None if decision is None else decision.should_ubatch):
+        # A uniform decode's offsets follow from its request count, and without a group (or with
+        # the caller's decision) nothing else goes into the cut: the same inputs cut the same way,
+        # so the cut is kept, not redone (the metadata below is cut from this step's tensors).
+        given = None if decision is None else (decision.reason, decision.detail, decision.num_tokens_padded)
+        key = (len(offsets), offsets[-1], num_ubatches, policy, thresholds, is_idle, num_tokens_padded, min_share,
+               given)
+        cut = _DECODE_CUTS.get(key)
+    if cut is None:
+        cut = _vote_and_cut(offsets, bool(uniform), num_ubatches, policy, thresholds, enabled, is_idle,
+                            num_tokens_padded, min_share, dp_group, device, max_imbalance, decision)
+        if key is not None:
+            if len(_DECODE_CUTS) >= 256:
+                _DECODE_CUTS.clear()
+            _DECODE_CUTS[key] = cut
+    microbatched, reason, detail, padded, slices, flags, voted, sizes, padded_sizes = cut
+    decision = decision if decision is not None else voted  # a caller's decision is this step's own
     metas: tuple[AttentionMetadata, ...] = ()
     if attn_metadata is not None:
         metas = tuple(split_checked(attn_metadata, slices, flags)) if microbatched else (attn_metadata,)
@@ -192,8 +251,8 @@ def plan_step(
         microbatched=microbatched,
         reason=reason,
         detail=detail,
-        ubatch_num_tokens=tuple(s.num_tokens for s in slices),
-        ubatch_num_tokens_padded=tuple(s.num_tokens_padded for s in slices),
+        ubatch_num_tokens=sizes,
+        ubatch_num_tokens_padded=padded_sizes,
         num_tokens_padded=padded,
         policy=policy,
         ranks=decision.ranks if decision is not None else (),

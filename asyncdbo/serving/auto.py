@@ -58,16 +58,15 @@ spreads, sample counts, the verdicts and the pairs each was decided on) go into 
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..plan import DPDecision, plan_slices
-from .auto_config import OFF, Arm, AutoConfig, threshold_prior
+from ..plan import DPDecision
+from .auto_config import OFF, Arm, AutoConfig, splittable_mask, threshold_prior
 from .auto_watch import Reexploration, Watch, summarize
-from .compare import (Comparison, compare, compare_paired, decisive, interquartile_range, paired_sigma,
+from .compare import (Comparison, compare, compare_paired, decisive, paired_sigma,
                       pooled_sigma, relative_sigma)
 from .measure import shape_bucket
 
@@ -101,10 +100,9 @@ class _Bucket:
     steps: int = 0  # steps measured (observe calls), every exploration and probe included
     watch: Watch | None = None  # set once the bucket has settled (no trial left)
     explored_again: list[Reexploration] = field(default_factory=list)
-
-
-def _median(xs: Sequence[float]) -> float:
-    return statistics.median(xs)
+    # once settled, the evidence after the choice's own part: nothing it reads changes until the
+    # bucket explores again (a new _Bucket), so it is formatted once, not every step
+    settled_rest: str | None = None
 
 
 class AutoPolicy:
@@ -177,7 +175,7 @@ class AutoPolicy:
         cfg = self.cfg
         inc = b.incumbent
         k = len(b.schedule)
-        trials = self._trials(b)
+        trials = self._trials(b) if b.watch is None else []  # settled: none left, until it explores again
         if trials and b.seen.get(inc, 0) < cfg.warmup and feasible(inc):  # the prior's own warm-up
             return inc, (f"{name}: exploring {b.schedule.index(inc) + 1}/{k} (warm-up {b.seen.get(inc, 0) + 1}/"
                          f"{cfg.warmup} of {inc.label}); {self.evidence(name)}"), None
@@ -259,9 +257,20 @@ class AutoPolicy:
         it so far."""
         b = self.bucket(name)
         inc = b.samples.get(b.incumbent)
-        parts = [f"{b.incumbent.label} {_fmt(inc)} us/token ({len(inc)})" if inc
+        first = (f"{b.incumbent.label} {_fmt(inc)} us/token ({len(inc)})" if inc
                  else f"{b.incumbent.label} (the choice before, unmeasured since)" if b.explored_again
-                 else f"{b.incumbent.label} (prior, unmeasured)"]
+                 else f"{b.incumbent.label} (prior, unmeasured)")
+        rest = b.settled_rest
+        if rest is None:
+            rest = self._evidence_rest(b)
+            if b.watch is not None:
+                b.settled_rest = rest
+        return "best " + first + rest
+
+    def _evidence_rest(self, b: _Bucket) -> str:
+        """:meth:`evidence` after the choice's own part: the other configurations' comparisons,
+        the skipped ones, the re-explorations (each part after "; ")."""
+        parts = [""]
         for arm in b.schedule:
             xs = b.samples.get(arm)
             if arm == b.incumbent or not xs:
@@ -283,7 +292,7 @@ class AutoPolicy:
             last = b.explored_again[-1]
             more = f" ({len(b.explored_again)} times)" if len(b.explored_again) > 1 else ""
             parts.append(f"explored again{more}, last at the bucket's step {last.step}: {last.why}")
-        return "best " + "; ".join(parts)
+        return "; ".join(parts)
 
     def watching(self, name: str) -> str:
         """The change detection's state for a settled bucket, e.g. ``'watching N=2 token auto:
@@ -379,7 +388,10 @@ class AutoPolicy:
             return
         if arm != b.incumbent:
             return  # not the choice's step (a pinned or refused one is never observed)
-        b.samples.setdefault(arm, deque(maxlen=self.cfg.window)).append(x)
+        xs = b.samples.get(arm)
+        if xs is None:
+            xs = b.samples[arm] = deque(maxlen=self.cfg.window)
+        xs.append(x)
         why = w.step(self.cfg, b.incumbent, x, lambda: [(ls, ws) for _, ls, ws, _ in b.compared.values()])
         if why:
             self._explore_again(name, b, why)
@@ -395,20 +407,19 @@ class AutoPolicy:
 
 
 def _fmt(xs: Sequence[float]) -> str:
-    return f"{_median(xs) * 1e6:.2f}±{interquartile_range(xs) / 2 * 1e6:.2f}"
-
-
-def splittable_mask(qsl: Sequence[int], arms: Sequence[Arm], min_share: float) -> int:
-    """Bit ``i`` set where this rank's batch (token offsets ``qsl``) can run ``arms[i]``: off and
-    the token split always can (and an idle rank runs anything); a request-aligned split cannot
-    where it would leave a ubatch without real tokens. One int, so it rides in the DP vote."""
-    offsets = list(qsl)
-    mask = 0
-    for bit, arm in enumerate(arms):
-        if arm == OFF or arm.split == "token" or offsets[-1] == 0 or 0 not in [
-                sl.num_tokens for sl in plan_slices(offsets, arm.num_ubatches, arm.split, min_share=min_share)]:
-            mask |= 1 << bit
-    return mask
+    """``median±half the interquartile range`` in µs: statistics.median and interquartile_range's
+    quantiles(n=4, method="inclusive"), their arithmetic as they do it, over ONE sorted copy (a
+    settled bucket formats its choice's samples every step)."""
+    data = sorted(xs)
+    ld = len(data)
+    i = ld // 2
+    med = data[i] if ld % 2 == 1 else (data[i - 1] + data[i]) / 2
+    iqr = 0.0
+    if ld >= 2:
+        j1, d1 = divmod(ld - 1, 4)
+        j3, d3 = divmod(3 * (ld - 1), 4)
+        iqr = (data[j3] * (4 - d3) + data[j3 + 1] * d3) / 4 - (data[j1] * (4 - d1) + data[j1 + 1] * d1) / 4
+    return f"{med * 1e6:.2f}±{iqr / 2 * 1e6:.2f}"
 
 
 def choose_for_group(policy: AutoPolicy, arms: Sequence[Arm], decision: DPDecision, uniform_R: Sequence[int],

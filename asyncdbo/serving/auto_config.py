@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..dist.fused import DISPATCH_MODES, DispatchMode
 from ..plan import SplitPolicy, ThresholdConfig
 from ..plan._checks import check_bool, check_finite, check_int, check_number
-from ..plan.slices import SPLIT_POLICIES
+from ..plan.slices import SPLIT_POLICIES, CheckedOffsets, as_query_start_loc, leaves_ubatch_empty
 from .measure import close_shape_bucket, is_shape_bucket
 
-__all__ = ["OFF", "Arm", "AutoConfig", "threshold_prior"]
+__all__ = ["OFF", "Arm", "AutoConfig", "splittable_mask", "threshold_prior"]
 
 
 @dataclass(frozen=True, order=True)
@@ -323,3 +323,26 @@ def threshold_prior(thresholds: ThresholdConfig, cfg: AutoConfig) -> Callable[[s
         return OFF
 
     return prior
+
+
+def splittable_mask(qsl: Sequence[int], arms: Sequence[Arm], min_share: float) -> int:
+    """Bit ``i`` set where this rank's batch (token offsets ``qsl``) can run ``arms[i]``: off and
+    the token split always can (and an idle rank runs anything); a request-aligned split cannot
+    where it would leave a ubatch without real tokens. One int, so it rides in the DP vote."""
+    offsets: Sequence[int] = qsl if type(qsl) is CheckedOffsets else list(qsl)
+    checked: CheckedOffsets | None = qsl if type(qsl) is CheckedOffsets else None
+    mask = 0
+    cut: dict[tuple[int, str], bool] = {}  # each (N, split) cut once: the dispatch modes share it
+    for bit, arm in enumerate(arms):
+        if arm == OFF or arm.split == "token" or offsets[-1] == 0:
+            mask |= 1 << bit
+            continue
+        key = (arm.num_ubatches, arm.split)
+        ok = cut.get(key)
+        if ok is None:
+            if checked is None:  # checked once, at the first cut
+                checked = CheckedOffsets(as_query_start_loc(offsets))
+            ok = cut[key] = not leaves_ubatch_empty(checked, arm.num_ubatches, arm.split, min_share)
+        if ok:
+            mask |= 1 << bit
+    return mask

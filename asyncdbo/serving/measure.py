@@ -19,7 +19,8 @@ from ..backends import CommRecord
 from ..dbo import RunStats
 from ..plan import PlanReason, StepRecord, StepTiming
 
-__all__ = ["OverlapLedger", "close_shape_bucket", "host_timing", "is_shape_bucket", "shape_bucket", "union_s"]
+__all__ = ["OverlapLedger", "close_shape_bucket", "host_timing", "is_shape_bucket", "shape_bucket", "step_timing",
+           "union_s"]
 
 
 def union_s(intervals: Iterable[tuple[float, float]]) -> float:
@@ -28,15 +29,22 @@ def union_s(intervals: Iterable[tuple[float, float]]) -> float:
 
 
 def _union_sorted(intervals: list[tuple[float, float]]) -> float:
-    """:func:`union_s` of intervals sorted by start."""
-    total = cur_start = cur_end = 0.0
-    first = True
-    for start, end in intervals:
-        if end <= start:
-            continue
-        if first or start > cur_end:
+    """:func:`union_s` of intervals sorted by start: the first non-empty one opens the span, then
+    each one either extends it or, past its end, closes it and opens the next (an empty one does
+    neither; testing for one only past the span's end keeps the common path to two comparisons)."""
+    total = 0.0
+    it = iter(intervals)
+    for cur_start, cur_end in it:
+        if cur_end > cur_start:
+            break
+    else:
+        return 0.0
+    for start, end in it:
+        if start > cur_end:
+            if end <= start:
+                continue
             total += cur_end - cur_start
-            cur_start, cur_end, first = start, end, False
+            cur_start, cur_end = start, end
         elif end > cur_end:
             cur_end = end
     return total + (cur_end - cur_start)
@@ -67,8 +75,9 @@ def host_timing(stats: RunStats, step_s: float) -> StepTiming:
         if release is not None and release > end:
             end = release
         add_flight((c.t_issue, end))
-        if c.t_wait is not None:
-            add_wait((c.t_wait, end))
+        wait = c.t_wait
+        if wait is not None:
+            add_wait((wait, end))
     flight.sort()  # in place: issue order is nearly sorted already
     waits.sort()
     comm_s = _union_sorted(flight)
@@ -79,6 +88,15 @@ def host_timing(stats: RunStats, step_s: float) -> StepTiming:
     exposed = waited if stats.num_ubatches == 1 else min(stats.time_asleep_s, waited)
     return StepTiming(step_s=step_s, num_ubatches=stats.num_ubatches, comm_s=comm_s, exposed_s=exposed,
                       hidden_by_others_s=waited - exposed, hidden_own_s=comm_s - waited, source="host")
+
+
+def step_timing(stats: RunStats, step_s: float, step: int, every: int) -> StepTiming:
+    """Step ``step``'s timing: :func:`host_timing` on every ``every``-th step (``step % every ==
+    0``), else the step time alone (``RunnerConfig.measure_every``: the comm summary is the part
+    of the measurement that grows with the step's comm works)."""
+    if step % every == 0:
+        return host_timing(stats, step_s)
+    return StepTiming(step_s=step_s, num_ubatches=stats.num_ubatches)
 
 
 @dataclass
@@ -98,8 +116,15 @@ def shape_bucket(num_tokens: int, uniform_decode: bool) -> str:
     every busy rank runs only one-token requests)."""
     if num_tokens < 1:
         return "idle"
-    lo = 1 << (num_tokens.bit_length() - 1)
-    return f"{'decode' if uniform_decode else 'mixed'} {lo}-{2 * lo - 1}"
+    key = (num_tokens.bit_length(), bool(uniform_decode))
+    name = _BUCKET_NAMES.get(key)
+    if name is None:  # a few dozen names ever: formatted once each, not every step
+        lo = 1 << (num_tokens.bit_length() - 1)
+        name = _BUCKET_NAMES[key] = f"{'decode' if uniform_decode else 'mixed'} {lo}-{2 * lo - 1}"
+    return name
+
+
+_BUCKET_NAMES: dict[tuple[int, bool], str] = {}
 
 
 def _bucket_words(bucket: str) -> str:
@@ -165,7 +190,9 @@ class OverlapLedger:
         its :func:`shape_bucket`)."""
         self.num_steps += 1
         key = record.config or ("off" if not record.microbatched else f"N={len(record.ubatch_num_tokens)}")
-        acc = self.accounts.setdefault((bucket, key), _Account())
+        acc = self.accounts.get((bucket, key))
+        if acc is None:  # (setdefault would build an _Account every step)
+            acc = self.accounts[(bucket, key)] = _Account()
         acc.steps += 1
         acc.tokens += num_tokens
         if not record.microbatched:

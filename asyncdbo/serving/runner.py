@@ -58,6 +58,7 @@ from ..dist.fused import DispatchMode, dispatch_options
 from ..dist.recovery import StepSync, step_sync
 from ..plan import (
     AttentionMetadata,
+    DPDecision,
     LocalStepInfo,
     PlanReason,
     PlanStats,
@@ -73,9 +74,11 @@ from ..plan import (
     plan_step,
 )
 from ..plan._checks import check_bool
+from ..plan.records import with_fields
+from ..plan.slices import CheckedOffsets, as_query_start_loc
 from .auto import OFF, Arm, AutoPolicy, group_choice, splittable_mask, threshold_prior
 from .batch import Batch
-from .measure import OverlapLedger, host_timing, shape_bucket
+from .measure import OverlapLedger, shape_bucket, step_timing
 from .runner_config import RunnerConfig, StepResult, check_ep_group, check_model
 
 __all__ = ["DBORunner", "RunnerConfig", "StepResult", "current_slice"]
@@ -141,6 +144,9 @@ class DBORunner:
         self.auto: AutoPolicy | None = (
             AutoPolicy(space, threshold_prior(cfg.thresholds, space)) if cfg.tuning == "auto" else None)
         self._arms = space.arms()
+        self._uniform_masks: dict[int, int] = {}  # splittable_mask of a uniform decode batch, by len(qsl)
+        self._config_names: dict[int, str] = {}  # a fixed runner's record.config by ubatch count (0: off)
+        self._own_decisions: dict[tuple[int, bool, bool], DPDecision] = {}  # see _plan_auto (no DP group)
         # What every rank's policy must share to choose alike (its search space and prior), as a
         # number the vote carries: ranks with other settings are refused, not left to diverge.
         self._auto_print = zlib.crc32(repr((space, cfg.thresholds, cfg.min_share)).encode())
@@ -181,9 +187,9 @@ class DBORunner:
             insts.extend(instrument)
         ran = False
         try:
-            plan, dispatch, t0 = self._plan_any(batch, enabled)
+            plan, dispatch, t0, uniform = self._plan_any(batch, enabled)
             ran = True
-            result = await self._run(batch, plan, dispatch, insts, t0)
+            result = await self._run(batch, plan, dispatch, insts, t0, uniform)
         except BaseException as exc:
             self.ledger.failed += 1
             if ran and self.sync is not None:  # a run's failure is posted already; this also posts the merge's
@@ -193,29 +199,33 @@ class DBORunner:
         self.stats.record(result.record)  # at the end: a step that failed counts in neither (see above)
         return result
 
-    def _plan_any(self, batch: Batch, enabled: bool | None) -> tuple[StepPlan, DispatchMode, float]:
-        """The step's plan (fixed or ``"auto"``), its dispatch mode and its start time."""
+    def _plan_any(self, batch: Batch, enabled: bool | None) -> tuple[StepPlan, DispatchMode, float, bool]:
+        """The step's plan (fixed or ``"auto"``), its dispatch mode, its start time and whether the
+        batch is a uniform decode (read once per step, for the plan and the ledger's bucket)."""
         cfg = self.cfg
         t0 = self.clock.now()
         enabled = cfg.enabled if enabled is None else enabled
         self._last_ns, last_ns = -1, self._last_ns  # a step that fails measures nothing
         dispatch: DispatchMode
+        # the offsets checked once per step: the planners below take them as they are
+        qsl = CheckedOffsets(as_query_start_loc(batch.attn.query_start_loc_cpu))
+        uniform = is_uniform_decode(qsl, cfg.thresholds.num_spec_tokens)
         if self.auto is None:
-            plan, dispatch = self._plan(batch, enabled), cfg.dispatch
+            plan, dispatch = self._plan(batch, qsl, enabled), cfg.dispatch
         else:
-            plan, arm = self._plan_auto(batch, enabled, last_ns)
+            plan, arm = self._plan_auto(batch, qsl, uniform, enabled, last_ns)
             dispatch = _arm_dispatch(arm, cfg.dispatch)
         self._num_planned += 1
         if self.dp_group is None:
             # No vote every rank shares to size a fused buffer from (an auto runner's one-rank vote
             # is this rank's alone): split in every mode (RunnerConfig).
             dispatch = "split"
-        return plan, dispatch, t0
+        return plan, dispatch, t0, uniform
 
-    def _plan(self, batch: Batch, enabled: bool) -> StepPlan:
+    def _plan(self, batch: Batch, qsl: CheckedOffsets, enabled: bool) -> StepPlan:
         cfg, sync = self.cfg, self.sync
         return plan_step(
-            batch.attn.query_start_loc_cpu,
+            qsl,
             num_ubatches=cfg.num_ubatches,
             policy=cfg.policy,
             thresholds=cfg.thresholds,
@@ -230,22 +240,27 @@ class DBORunner:
             max_ubatches=getattr(self.model, "max_ubatches", None),
         )
 
-    def _plan_auto(self, batch: Batch, enabled: bool, last_ns: int) -> tuple[StepPlan, Arm]:
+    def _plan_auto(self, batch: Batch, qsl: CheckedOffsets, uniform: bool, enabled: bool,
+                   last_ns: int) -> tuple[StepPlan, Arm]:
         """The ``"auto"`` step and the configuration it runs: ONE vote carries each rank's plan
         inputs and its last step time; every rank feeds the same group measurement to its policy and
         picks the same configuration from the same table (see :mod:`asyncdbo.serving.auto`)."""
         cfg, auto = self.cfg, self.auto
         assert auto is not None
-        qsl = batch.attn.query_start_loc_cpu.tolist()
         num_tokens = qsl[-1]
-        uniform = is_uniform_decode(qsl, cfg.thresholds.num_spec_tokens)
-        mask = splittable_mask(qsl, self._arms, cfg.min_share)
-        local = LocalStepInfo(num_tokens_unpadded=num_tokens, wants_ubatch=enabled, is_idle=batch.num_tokens == 0,
-                              reason=PlanReason.MICROBATCHED if enabled else PlanReason.DISABLED,
-                              detail="" if enabled else "disabled by the caller")
-        extra = (int(uniform), mask, last_ns, self._auto_print)
+        if uniform:  # a uniform decode's offsets follow from its request count: its mask too
+            mask = self._uniform_masks.get(len(qsl), -1)
+            if mask < 0:
+                if len(self._uniform_masks) >= 4096:
+                    self._uniform_masks.clear()
+                mask = self._uniform_masks[len(qsl)] = splittable_mask(qsl, self._arms, cfg.min_share)
+        else:
+            mask = splittable_mask(qsl, self._arms, cfg.min_share)
+        is_idle = batch.num_tokens == 0
         sync = self.sync
         if self.dp_group is not None:
+            local = _local_info(num_tokens, enabled, is_idle)
+            extra = (int(uniform), mask, last_ns, self._auto_print)
             group = self.dp_group if sync is None else sync.group
             decision = agree_across_dp(local, cfg.auto.max_ubatches, group, device=self.device,
                                        max_imbalance=cfg.max_imbalance, extra=extra)
@@ -256,8 +271,17 @@ class DBORunner:
                     f"the DP ranks' tuning='auto' runners have different settings (fingerprints {by_rank}); "
                     "every rank must choose from the same RunnerConfig.auto, thresholds and min_share")
         else:
-            vote = RankVote(0, local.vote, local.reason, local.num_tokens_unpadded, local.padded)
-            decision = decide_from_votes([vote], max_imbalance=cfg.max_imbalance)
+            # One rank's vote decides from its own inputs alone: the same inputs, the same decision
+            # (immutable), kept instead of voting again every step.
+            key = (num_tokens, enabled, is_idle)
+            own = self._own_decisions.get(key)
+            if own is None:
+                local = _local_info(num_tokens, enabled, is_idle)
+                vote = RankVote(0, local.vote, local.reason, local.num_tokens_unpadded, local.padded)
+                if len(self._own_decisions) >= 4096:
+                    self._own_decisions.clear()
+                own = self._own_decisions[key] = decide_from_votes([vote], max_imbalance=cfg.max_imbalance)
+            decision = own
             uniform_R, mask_R, last_R = (int(uniform),), (mask,), (last_ns,)
         if self._last is not None and min(last_R) >= 0:  # every rank measured the last step
             bucket, arm, tokens = self._last
@@ -269,7 +293,7 @@ class DBORunner:
             # off by the policy's choice, or because the configuration it would run (pinned, or the
             # bucket's choice) cannot split this batch: the split policy's refusal, as a fixed runner's
             reason = PlanReason.AUTO_OFF if refused is None else PlanReason.POLICY_REFUSED
-            decision = dataclasses.replace(decision, should_ubatch=False, reason=reason, detail=evidence)
+            decision = with_fields(decision, should_ubatch=False, reason=reason, detail=evidence)
         if tokens > 0 and refused is None:  # a refused step ran off out of the schedule's turn: not a sample
             self._last = (bucket, arm, tokens)
         return plan_step(
@@ -289,7 +313,7 @@ class DBORunner:
         ), arm
 
     async def _run(self, batch: Batch, plan: StepPlan, dispatch: DispatchMode, insts: list[Instrument],
-                   t0: float) -> StepResult:
+                   t0: float, uniform: bool) -> StepResult:
         cfg = self.cfg
         pad = plan.num_tokens_padded - batch.num_tokens
         ids_P, pos_P = batch.input_ids_T, batch.positions_T
@@ -323,7 +347,7 @@ class DBORunner:
         logits_TV = merge_outputs(outputs, plan.slices, batch.num_tokens)
         assert isinstance(logits_TV, torch.Tensor), type(logits_TV)  # one tensor in, one out
         step_s = self.clock.now() - t0
-        plan = self._measured(batch, plan, host_timing(stats, step_s))
+        plan = self._measured(batch, plan, step_timing(stats, step_s, plan.record.step, cfg.measure_every), uniform)
         return StepResult(logits_TV=logits_TV, plan=plan, step_s=step_s, stats=stats)
 
     def _prepared(self) -> PreparedRun:
@@ -337,18 +361,28 @@ class DBORunner:
                                             watchdog_s=cfg.watchdog_s)
         return runs
 
-    def _measured(self, batch: Batch, plan: StepPlan, timing: Any) -> StepPlan:
+    def _measured(self, batch: Batch, plan: StepPlan, timing: Any, uniform: bool) -> StepPlan:
         """The plan with its record carrying the configuration it ran and ``timing``; counted in
-        the ledger under the step's shape bucket (from the DP vote where there is one)."""
+        the ledger under the step's shape bucket (from the DP vote where there is one; ``uniform``:
+        this rank's batch is a uniform decode)."""
         cfg = self.cfg
-        config = plan.record.config or (
-            f"N={len(plan.slices)} {cfg.policy} {cfg.dispatch}" if plan.microbatched else "off")
-        record = dataclasses.replace(plan.record, config=config, timing=timing)
-        qsl = batch.attn.query_start_loc_cpu.tolist()
+        config = plan.record.config
+        if not config:
+            n = len(plan.slices) if plan.microbatched else 0
+            config = self._config_names.get(n, "")
+            if not config:
+                config = self._config_names[n] = f"N={n} {cfg.policy} {cfg.dispatch}" if n else "off"
+        record = with_fields(plan.record, config=config, timing=timing)
         tokens = max(plan.decision.num_tokens_across_dp) if plan.decision is not None else batch.num_tokens
-        uniform = is_uniform_decode(qsl, cfg.thresholds.num_spec_tokens)
         self.ledger.add(record, batch.num_tokens, shape_bucket(tokens, uniform))
-        return dataclasses.replace(plan, record=record)
+        return with_fields(plan, record=record)
+
+
+def _local_info(num_tokens: int, enabled: bool, is_idle: bool) -> LocalStepInfo:
+    """An ``"auto"`` step's input to the DP vote (its thresholds are the policy's business)."""
+    return LocalStepInfo(num_tokens_unpadded=num_tokens, wants_ubatch=enabled, is_idle=is_idle,
+                         reason=PlanReason.MICROBATCHED if enabled else PlanReason.DISABLED,
+                         detail="" if enabled else "disabled by the caller")
 
 
 def _arm_dispatch(arm: Arm, unsplit: DispatchMode) -> DispatchMode:

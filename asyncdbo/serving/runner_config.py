@@ -45,6 +45,15 @@ class RunnerConfig:
     and under ``tuning="auto"`` choose another configuration (an auto runner refuses such a
     ``dp_group``, or none, where the model names its EP group as ``model.ep_comm``, as
     :class:`~asyncdbo.models.MiniModel` and the HF models do).
+
+    ``measure_every``: the step's comm is summarized into its record's timing (``comm_s``,
+    ``exposed_s``, ...: :func:`~asyncdbo.serving.measure.host_timing`) on every k-th step (the
+    steps whose ``StepRecord.step`` is a multiple of k); the others' timing carries the step time
+    alone, as on a backend that tracks no comm, and the ledger averages the comm over the steps
+    that have it. 1 (the default) summarizes every step: 58.3 µs of host CPU per 61-layer step at
+    N = 2, 8.4 µs per step with ``measure_every=16`` (medians of 9 rounds on a shared 2-core VM,
+    ``benchmarks/results/step_host_cost_cpu-2c_2026-12-07_run5.md``); the ``tuning="auto"``
+    policy reads the step time only, which every step keeps.
     """
 
     num_ubatches: int = 2
@@ -60,6 +69,7 @@ class RunnerConfig:
     dispatch: DispatchMode = "auto"
     tuning: Literal["fixed", "auto"] = "fixed"
     auto: AutoConfig = field(default_factory=AutoConfig)
+    measure_every: int = 1
 
     def __post_init__(self) -> None:
         if self.tuning not in ("fixed", "auto"):
@@ -70,6 +80,10 @@ class RunnerConfig:
         check_number("RunnerConfig.", "max_imbalance", self.max_imbalance, 4.0, none="no limit")
         if self.num_ubatches < 1:
             raise ValueError(f"num_ubatches ({self.num_ubatches}) must be at least 1 (2 for DBO)")
+        check_int("RunnerConfig.", "measure_every", self.measure_every, 1)
+        if self.measure_every < 1:
+            raise ValueError(f"measure_every ({self.measure_every}) must be at least 1: the comm of every k-th step is "
+                             "summarized (1: every step, the default; e.g. measure_every=16)")
         # checked again where they are used (each step's plan and vote); here so that a bad value fails at
         # construction, not at the first step, and nan (which no comparison refuses there) fails at all
         if not 0.0 <= self.min_share <= 0.5:

@@ -260,3 +260,25 @@ def test_invalid_metadata_is_rejected_with_the_bad_value(changes: dict[str, obje
 def test_negative_query_length_in_from_lengths() -> None:
     with pytest.raises(ValueError, match=r"query length of request 1 \(-2\) is negative"):
         AttentionMetadata.from_lengths([3, -2], [3, 3], torch.zeros(2, 1, dtype=torch.int32), torch.arange(1))
+
+
+def test_a_decode_shape_planned_again_cuts_this_steps_metadata() -> None:
+    # plan_step keeps the cut of a uniform decode shape; the metadata is cut from each step's own tensors
+    from asyncdbo.plan import ThresholdConfig, plan_step
+
+    def decode(first_slot: int, seq: int) -> AttentionMetadata:
+        return AttentionMetadata.from_lengths([1] * 6, [seq + r for r in range(6)], torch.arange(12).reshape(6, 2),
+                                              torch.arange(first_slot, first_slot + 6))
+
+    low = ThresholdConfig(decode_threshold=1, prefill_threshold=1)
+    a, b = decode(100, 3), decode(200, 9)
+    plan_a = plan_step(a.query_start_loc_cpu, attn_metadata=a, thresholds=low, step=0)
+    plan_b = plan_step(b.query_start_loc_cpu, attn_metadata=b, thresholds=low, step=1)
+    assert plan_b.slices == plan_a.slices and plan_b.record == dataclasses.replace(plan_a.record, step=1)
+    for plan, meta in ((plan_a, a), (plan_b, b)):
+        for s, part in zip(plan.slices, plan.attn_metadata):
+            assert torch.equal(part.slot_mapping, meta.slot_mapping[s.token_slice])
+            assert torch.equal(part.seq_lens_cpu, meta.seq_lens_cpu[s.request_slice])
+            assert part.max_seq_len == int(meta.seq_lens_cpu[s.request_slice].max())
+    padded = plan_step(b.query_start_loc_cpu, attn_metadata=b, thresholds=low, num_tokens_padded=8)
+    assert padded.record.ubatch_num_tokens_padded == (4, 4) and plan_b.record.ubatch_num_tokens_padded == (3, 3)

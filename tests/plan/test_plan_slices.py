@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 import torch
 
@@ -14,6 +17,7 @@ from asyncdbo.plan import (
     split_tokens,
     whole_batch_slice,
 )
+from asyncdbo.plan.slices import CheckedOffsets, leaves_ubatch_empty
 
 # Requests of 3, 7, 1 and 9 query tokens: 20 tokens.
 QSL = [0, 3, 10, 11, 20]
@@ -187,3 +191,16 @@ def test_integral_bounds_of_any_integer_type_become_ints() -> None:
     assert s.num_tokens == 36
     with pytest.raises(ValueError, match=r"^UBatchSlice\.token_slice must be a slice\(start, stop\) "):
         UBatchSlice(slice(0, 1), slice(0, 1.0), slice(0, 1))
+
+
+def test_leaves_ubatch_empty_says_what_the_request_aligned_cut_leaves_empty() -> None:
+    # from the cuts alone, what plan_slices' slices say: every (batch, N, policy, min_share) of small ragged batches
+    rng = random.Random(7)
+    for _ in range(3000):
+        lens = [rng.choice([0, 1, 1, 2, 3, 5, 8, 100]) for _ in range(rng.randint(1, 10))]
+        qsl = [0, *itertools.accumulate(lens)]
+        n, policy, share = rng.randint(1, 5), rng.choice(["request", "balanced"]), rng.choice([0.0, 0.3, 0.48, 0.5])
+        sizes = [s.num_tokens for s in plan_slices(qsl, n, policy, min_share=share)]
+        assert leaves_ubatch_empty(CheckedOffsets(qsl), n, policy, share) == (0 in sizes), (qsl, n, policy, share)
+    assert leaves_ubatch_empty(CheckedOffsets([0, 1, 2]), 3, "request")  # two requests, three ubatches
+    assert not leaves_ubatch_empty(CheckedOffsets([0, 1, 2, 3]), 3, "request")

@@ -10,7 +10,8 @@ from _measure_ranks import timed_steps
 from asyncdbo.backends import CommRecord
 from asyncdbo.dbo import RunStats
 from asyncdbo.plan import PlanReason, StepRecord, StepTiming
-from asyncdbo.serving.measure import OverlapLedger, host_timing, shape_bucket, union_s
+from asyncdbo.serving import RunnerConfig
+from asyncdbo.serving.measure import OverlapLedger, host_timing, shape_bucket, step_timing, union_s
 from asyncdbo.testing import RankPool
 
 
@@ -52,6 +53,35 @@ def test_host_timing_without_comm() -> None:
         step_s=0.5, num_ubatches=1, comm_s=0.0, exposed_s=0.0, hidden_by_others_s=0.0, hidden_own_s=0.0, source="host")
     # parked on something no backend tracked (an accelerator's run): the step time alone
     assert host_timing(_stats((), asleep=0.1), 0.5) == StepTiming(step_s=0.5, num_ubatches=2)
+
+
+def test_step_timing_summarizes_the_comm_of_every_kth_step_only() -> None:
+    comm = (CommRecord(ub=0, what="dispatch", nbytes=8, t_issue=0.0, t_done=4.0, t_wait=1.0),)
+    stats = _stats(comm, asleep=3.0)
+    full = host_timing(stats, 5.0)
+    assert [step_timing(stats, 5.0, step, 3) for step in range(4)] == [
+        full, StepTiming(step_s=5.0, num_ubatches=2), StepTiming(step_s=5.0, num_ubatches=2), full]
+    assert all(step_timing(stats, 5.0, step, 1) == full for step in range(3))
+
+
+def test_measure_every_is_a_positive_int() -> None:
+    with pytest.raises(ValueError, match=r"^measure_every \(0\) must be at least 1: the comm of every k-th step is "
+                       r"summarized \(1: every step, the default; e\.g\. measure_every=16\)$"):
+        RunnerConfig(measure_every=0)
+    with pytest.raises(TypeError, match=r"^RunnerConfig\.measure_every must be an int, got float 2\.0; write measure_every=2$"):
+        RunnerConfig(measure_every=2.0)  # type: ignore[arg-type]
+
+
+def test_ledger_averages_the_comm_over_the_steps_that_have_it() -> None:
+    ledger = OverlapLedger()
+    full = StepTiming(step_s=2.0, num_ubatches=2, comm_s=1.0, exposed_s=0.5, hidden_by_others_s=0.25,
+                      hidden_own_s=0.25, source="host")
+    for step, timing in enumerate((full, StepTiming(step_s=2.0, num_ubatches=2))):
+        rec = StepRecord(step=step, microbatched=True, reason=PlanReason.MICROBATCHED, ubatch_num_tokens=(4, 4),
+                         config="N=2 token split", timing=timing)
+        ledger.add(rec, 8, "decode 8-15")
+    assert ledger.summary() == ("2 steps: N=2 token split 2 steps 250000.0 us/token, comm 1000.00 ms/step 50% exposed "
+                                "25% hidden by other ubatches")
 
 
 def test_shape_buckets() -> None:
