@@ -23,6 +23,16 @@ Rules (differences from vLLM marked *):
   more than ``x`` times the real tokens of the smallest busy rank.
 * If every rank is idle, nobody splits (``ALL_IDLE``).
 
+The threshold test above is vLLM's V1 model runner's (each busy rank tests its own batch:
+``dp_rule="each_rank"``, the default). vLLM's model runner V2 (``sync_cudagraph_and_dp_padding``)
+tests the group instead, and ``ThresholdConfig(dp_rule="smallest_rank")`` gives its rule: the step
+is uniform decode only where every busy rank runs uniform decode with the same query length, and
+that kind's threshold applies to the smallest busy rank's real tokens (thresholds only grow with
+the tokens, so the smallest rank passing means every rank passes). The two part where ranks mix
+kinds: 300 decodes beside a 520-token prefill split under V1 (each rank passes its own
+threshold) and not under V2 (the step is mixed, and 300 < 512). Idle ranks follow the busy ones
+under both (where vLLM's V2 counts an idle rank's zero tokens as the smallest).
+
 The same vote carries step recovery (:mod:`asyncdbo.dist.recovery`): a rank whose previous step
 failed votes *recover* instead of a plan, and then every rank of the vote gets
 :class:`RecoveryVote`, replaces its per-ubatch groups and votes again.
@@ -46,6 +56,7 @@ from .records import PlanReason, RankVote
 from .slices import as_query_start_loc
 
 __all__ = [
+    "DP_RULES",
     "DPDecision",
     "LocalStepInfo",
     "RecoveryVote",
@@ -58,8 +69,8 @@ __all__ = [
 # Rows of the vote tensor: the plan, then how many of the MAX_EXTRA rows after it the caller uses
 # (every rank sends all of them: an all_reduce of tensors of different sizes aborts the process in
 # gloo, so a rank that votes with other extras than its peers must be told so, not crash them).
-_VOTE, _UNPADDED, _PADDED, _IDLE, _REASON, _NUM_UBATCHES, _RECOVER, _NUM_EXTRA = range(8)
-_ROWS = 8
+_VOTE, _UNPADDED, _PADDED, _IDLE, _REASON, _NUM_UBATCHES, _RECOVER, _UNIFORM, _RULE, _NUM_EXTRA = range(10)
+_ROWS = 10
 #: The most ``extra`` entries a vote carries (``agree_across_dp``).
 MAX_EXTRA = 4
 _REASON_CODES: tuple[PlanReason, ...] = tuple(PlanReason)
@@ -77,8 +88,15 @@ class ThresholdConfig:
     decode_threshold: int = 32
     prefill_threshold: int = 512
     num_spec_tokens: int = 0
+    #: Under DP, who the thresholds test (module docstring): ``"each_rank"`` (vLLM's V1 runner:
+    #: every busy rank its own batch) or ``"smallest_rank"`` (vLLM's model runner V2: the group's
+    #: step kind, and the smallest busy rank's tokens).
+    dp_rule: str = "each_rank"
 
     def __post_init__(self) -> None:
+        if self.dp_rule not in DP_RULES:
+            raise ValueError(f"ThresholdConfig.dp_rule must be one of {', '.join(map(repr, DP_RULES))} (got "
+                             f"{self.dp_rule!r}); 'each_rank' is vLLM's V1 runner's rule, 'smallest_rank' its V2's")
         # A float, a bool or a str used to pass (or fail with "'<' not supported"): 32.5 compared as
         # a threshold, True as one token, and nan passed every check and made no step microbatch.
         for name in ("decode_threshold", "prefill_threshold", "num_spec_tokens"):
@@ -91,6 +109,9 @@ class ThresholdConfig:
             raise ValueError(f"num_spec_tokens ({self.num_spec_tokens}) must be >= 0 (the draft tokens each decode "
                              "request carries); use 0 without speculative decoding")
 
+
+#: The DP threshold rules (ThresholdConfig.dp_rule), in the vote's code order.
+DP_RULES = ("each_rank", "smallest_rank")
 
 #: Each field's default, the example a message about a field gives.
 _THRESHOLD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(ThresholdConfig)}
@@ -167,6 +188,8 @@ class LocalStepInfo:
     reason: PlanReason = PlanReason.MICROBATCHED
     detail: str = ""
     is_idle: bool = False
+    #: Query tokens per request where the batch is uniform decode, else 0 (``dp_rule="smallest_rank"``).
+    uniform_len: int = 0
 
     def __post_init__(self) -> None:
         if self.num_tokens_unpadded < 0:
@@ -208,9 +231,12 @@ class DPDecision:
 
 
 def decide_from_votes(
-    votes: Sequence[RankVote], *, rank: int = 0, max_imbalance: float | None = None
+    votes: Sequence[RankVote], *, rank: int = 0, max_imbalance: float | None = None,
+    thresholds: ThresholdConfig | None = None,
 ) -> DPDecision:
-    """Apply the module's rules to the gathered votes (pure; every rank computes the same)."""
+    """Apply the module's rules to the gathered votes (pure; every rank computes the same).
+    ``thresholds`` with ``dp_rule="smallest_rank"``: the group's threshold test (the votes then
+    carry no threshold verdict of their own; module docstring)."""
     declined = [v for v in votes if v.vote == "no"]
     busy = [v for v in votes if v.vote != "idle"]
     padded = max((v.num_tokens_padded for v in votes), default=0)
@@ -233,6 +259,16 @@ def decide_from_votes(
         return DPDecision(False, PlanReason.RANK_DECLINED, who, **common)
     if not busy:
         return DPDecision(False, PlanReason.ALL_IDLE, "no rank has real tokens", **common)
+    if thresholds is not None and thresholds.dp_rule == "smallest_rank":
+        lens = {v.uniform_len for v in busy}
+        uniform = len(lens) == 1 and 0 not in lens
+        kind, threshold = (("uniform decode", thresholds.decode_threshold) if uniform
+                           else ("mixed/prefill", thresholds.prefill_threshold))
+        low = min(busy, key=lambda v: v.num_tokens_unpadded)
+        if low.num_tokens_unpadded < threshold:
+            detail = (f"{kind} step across the DP group: its smallest busy rank (rank {low.rank}) has "
+                      f"{low.num_tokens_unpadded} tokens < threshold {threshold} (dp_rule='smallest_rank')")
+            return DPDecision(False, PlanReason.BELOW_THRESHOLD, detail, **common)
     if max_imbalance is not None:
         hi = max(busy, key=lambda v: v.num_tokens_unpadded)
         lo = min(busy, key=lambda v: v.num_tokens_unpadded)
@@ -270,6 +306,7 @@ def agree_across_dp(
     max_imbalance: float | None = None,
     recover: bool = False,
     extra: Sequence[int] = (),
+    thresholds: ThresholdConfig | None = None,
 ) -> DPDecision:
     """Vote with every rank of ``group`` (torch.distributed; None = the default group).
 
@@ -278,6 +315,9 @@ def agree_across_dp(
     same ``num_ubatches``; a mismatch raises ValueError on every rank, naming each rank's count.  Without an initialised
     process group the decision is local (a group of one).  ``recover=True`` votes *recover* (this
     rank's previous step failed): then every rank of the vote raises :class:`RecoveryVote`.
+    ``thresholds``: where its ``dp_rule`` is ``"smallest_rank"`` the group applies them
+    (:func:`decide_from_votes`); every rank must vote with the same rule, or a ValueError names
+    each rank's.
     """
     import torch.distributed as dist
 
@@ -302,6 +342,8 @@ def agree_across_dp(
         _REASON_CODES.index(reason),
         num_ubatches,
         int(recover),
+        local.uniform_len,
+        DP_RULES.index(thresholds.dp_rule) if thresholds is not None else 0,
         len(extra),
     ]
     col.extend(int(v) for v in extra)
@@ -322,6 +364,11 @@ def agree_across_dp(
             "the same way: a DBORunner on every rank with the same RunnerConfig.tuning ('auto' votes 4 "
             "extra entries, 'fixed' none)"
         )
+    if len(set(table[_RULE])) != 1:
+        by_rank = ", ".join(f"rank {r}: {DP_RULES[n]!r}" for r, n in enumerate(table[_RULE]))
+        raise ValueError(
+            f"ranks vote with different ThresholdConfig.dp_rule ({by_rank}); every rank of the DP group must "
+            "apply the same rule: pass one ThresholdConfig to all of them")
     if len(set(table[_NUM_UBATCHES])) != 1:
         by_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(table[_NUM_UBATCHES]))
         raise ValueError(
@@ -336,10 +383,11 @@ def agree_across_dp(
             reason=_REASON_CODES[table[_REASON][r]],
             num_tokens_unpadded=table[_UNPADDED][r],
             num_tokens_padded=table[_PADDED][r],
+            uniform_len=table[_UNIFORM][r],
         )
         for r in range(world)
     ]
-    decision = decide_from_votes(votes, rank=rank, max_imbalance=max_imbalance)
+    decision = decide_from_votes(votes, rank=rank, max_imbalance=max_imbalance, thresholds=thresholds)
     if extra:
         decision = replace(decision, extra=tuple(tuple(row) for row in table[_ROWS:_ROWS + len(extra)]))
     return decision

@@ -208,7 +208,22 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
-def _split_one_meta(meta: M, s: UBatchSlice, truncated: bool, qsl_np: np.ndarray, seq_np: np.ndarray) -> M:
+#: How each ubatch's ``max_seq_len`` is set (:func:`split_attn_metadata`): ``"ubatch"``, its own
+#: longest request (the tightest bound, what a kernel sizing its work per call wants), or ``"batch"``,
+#: the whole batch's (vLLM's ``split_attn_metadata``: the attention kernel chosen when a CUDA graph
+#: was captured, which for sliding-window layers depends on it, stays the one replayed).
+MAX_SEQ_LEN_RULES = ("ubatch", "batch")
+
+
+def check_max_seq_len(where: str, rule: object) -> None:
+    """ValueError unless ``rule`` is one of :data:`MAX_SEQ_LEN_RULES` (``where``: whose argument)."""
+    if rule not in MAX_SEQ_LEN_RULES:
+        raise ValueError(f"{where} max_seq_len={rule!r}: use 'ubatch' (each ubatch's own longest request, the default) "
+                         "or 'batch' (the whole batch's in every ubatch, vLLM's rule, for graphs captured per batch)")
+
+
+def _split_one_meta(meta: M, s: UBatchSlice, truncated: bool, qsl_np: np.ndarray, seq_np: np.ndarray,
+                    batch_max: int | None = None) -> M:
     r0, r1 = s.request_slice.start, s.request_slice.stop
     t0, t1 = s.token_slice.start, s.token_slice.stop
     num_tokens = t1 - t0
@@ -251,7 +266,7 @@ def _split_one_meta(meta: M, s: UBatchSlice, truncated: bool, qsl_np: np.ndarray
         block_table=meta.block_table[r0:r1],
         slot_mapping=meta.slot_mapping[t0:t1],
         max_query_len=int((q[1:] - q[:-1]).max()) if r1 > r0 else 0,
-        max_seq_len=seq_max,
+        max_seq_len=seq_max if batch_max is None else batch_max,
         num_actual_tokens=num_tokens,
     )
     cls = type(meta)
@@ -280,8 +295,10 @@ def _plain(cls: type) -> bool:
     return plain
 
 
-def split_attn_metadata(meta: M, slices: Sequence[UBatchSlice]) -> list[M]:
+def split_attn_metadata(meta: M, slices: Sequence[UBatchSlice], *, max_seq_len: str = "ubatch") -> list[M]:
     """Split ``meta`` into one metadata per ubatch slice (see the module docstring for the rules).
+    ``max_seq_len``: each ubatch's own (``"ubatch"``) or the whole batch's (``"batch"``, vLLM's
+    rule; :data:`MAX_SEQ_LEN_RULES`).
 
     The slices are checked against ``meta.query_start_loc_cpu`` first (:mod:`asyncdbo.plan.validate`):
     each must lie inside the batch and no two may share a token (any such set, as with vLLM's
@@ -291,11 +308,13 @@ def split_attn_metadata(meta: M, slices: Sequence[UBatchSlice]) -> list[M]:
     (None) or must agree with it.  Raises ValueError naming the bad slice, or if ``meta`` is a
     subclass with a field missing from its ``split_rules``.
     """
+    check_max_seq_len("split_attn_metadata", max_seq_len)
     flags = check_slices([int(v) for v in meta.query_start_loc_cpu.tolist()], slices, tile=False)
-    return split_checked(meta, slices, flags)
+    return split_checked(meta, slices, flags, max_seq_len=max_seq_len)
 
 
-def split_checked(meta: M, slices: Sequence[UBatchSlice], flags: Sequence[tuple[bool, bool]]) -> list[M]:
+def split_checked(meta: M, slices: Sequence[UBatchSlice], flags: Sequence[tuple[bool, bool]], *,
+                  max_seq_len: str = "ubatch") -> list[M]:
     """:func:`split_attn_metadata` of slices :func:`check_slices` already passed (with ``flags``)."""
     cls = type(meta)
     unknown = [f.name for f in dataclasses.fields(cls) if f.name not in _BASE_FIELDS and f.name not in cls.split_rules]
@@ -307,7 +326,8 @@ def split_checked(meta: M, slices: Sequence[UBatchSlice], flags: Sequence[tuple[
     qsl_np, seq_np = _host(meta.query_start_loc_cpu), _host(meta.seq_lens_cpu)
     trusted, _TRUSTED.on = getattr(_TRUSTED, "on", False), True
     try:
-        return [_split_one_meta(meta, s, trunc, qsl_np, seq_np) for s, (_, trunc) in zip(slices, flags)]
+        batch_max = meta.max_seq_len if max_seq_len == "batch" else None
+        return [_split_one_meta(meta, s, trunc, qsl_np, seq_np, batch_max) for s, (_, trunc) in zip(slices, flags)]
     finally:
         _TRUSTED.on = trusted
 

@@ -45,6 +45,9 @@ class RankVote:
     reason: PlanReason  # its local reason (MICROBATCHED when it voted yes)
     num_tokens_unpadded: int
     num_tokens_padded: int
+    #: Query tokens per request where its batch is uniform decode, else 0 (what the
+    #: ``dp_rule="smallest_rank"`` decision reads; ThresholdConfig).
+    uniform_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)

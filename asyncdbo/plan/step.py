@@ -24,7 +24,7 @@ from .dp import (
     is_uniform_decode,
     threshold_verdict,
 )
-from .metadata import AttentionMetadata, split_checked
+from .metadata import AttentionMetadata, check_max_seq_len, split_checked
 from .validate import check_slices
 from .records import PlanReason, PlanStats, RankVote, StepRecord, log_record
 from .slices import (
@@ -80,14 +80,19 @@ def _local_vote(
     is_idle: bool,
     num_tokens_padded: int | None,
     min_share: float,
+    grouped: bool = False,
 ) -> LocalStepInfo:
     num_tokens = qsl[-1]
-    common: dict[str, Any] = dict(num_tokens_unpadded=num_tokens, num_tokens_padded=num_tokens_padded, is_idle=is_idle)
+    common: dict[str, Any] = dict(num_tokens_unpadded=num_tokens, num_tokens_padded=num_tokens_padded, is_idle=is_idle,
+                                  uniform_len=1 + thresholds.num_spec_tokens if uniform else 0)
     if not enabled:
         return LocalStepInfo(wants_ubatch=False, reason=PlanReason.DISABLED, detail="disabled by the caller", **common)
-    ok, detail = threshold_verdict(num_tokens, uniform, thresholds)
-    if not ok:
-        return LocalStepInfo(wants_ubatch=False, reason=PlanReason.BELOW_THRESHOLD, detail=detail, **common)
+    if grouped and thresholds.dp_rule == "smallest_rank":  # the group tests the thresholds (decide_from_votes)
+        detail = "thresholds tested across the DP group (dp_rule='smallest_rank')"
+    else:
+        ok, detail = threshold_verdict(num_tokens, uniform, thresholds)
+        if not ok:
+            return LocalStepInfo(wants_ubatch=False, reason=PlanReason.BELOW_THRESHOLD, detail=detail, **common)
     if policy != "token":
         sizes = [s.num_tokens for s in plan_slices(qsl, num_ubatches, policy, min_share=min_share)]
         if 0 in sizes:
@@ -128,12 +133,13 @@ def _vote_and_cut(
             qsl[-1] if num_tokens_padded is None else num_tokens_padded)
     else:
         local = _local_vote(offsets, uniform, num_ubatches, policy, thresholds, enabled, is_idle, num_tokens_padded,
-                            min_share)
+                            min_share, dp_group is not None)
         if dp_group is not None:
             # The vote runs even with num_ubatches == 1: a rank cannot know that its peers plan the
             # same number, and a 1-vs-2 mismatch skipped here would leave the others waiting in
             # their first collective until a timeout. The vote names the mismatch on every rank.
-            decision = agree_across_dp(local, num_ubatches, dp_group, device=device, max_imbalance=max_imbalance)
+            decision = agree_across_dp(local, num_ubatches, dp_group, device=device, max_imbalance=max_imbalance,
+                                       thresholds=thresholds)
             if num_ubatches == 1:
                 microbatched, reason, detail, padded = False, PlanReason.SINGLE_UBATCH, "num_ubatches is 1", local.padded
             else:
@@ -177,6 +183,7 @@ def plan_step(
     decision: DPDecision | None = None,
     config: str = "",
     evidence: str = "",
+    max_seq_len: str = "ubatch",
 ) -> StepPlan:
     """Plan one step: decide whether to microbatch, and if so how.
 
@@ -197,11 +204,15 @@ def plan_step(
     ``decision``: a DP decision the caller already took this step (the ``"auto"`` runner votes
     once with its measurements and decides the configuration from that vote): used as it is, no
     threshold test and no second vote. ``config`` and ``evidence`` go into the record.
+    ``max_seq_len``: each ubatch's metadata carries its own longest request (``"ubatch"``) or the
+    whole step's (``"batch"``, vLLM's rule: :func:`~asyncdbo.plan.split_attn_metadata`).
     """
     # Any truthy value would pass for a flag (enabled="no" voted yes); checked before the vote, like the rest.
     check_bool("plan_step() ", "enabled", enabled)
     check_bool("plan_step() ", "is_idle", is_idle)
     check_thresholds("plan_step() thresholds", thresholds)
+    if max_seq_len != "ubatch":
+        check_max_seq_len("plan_step()", max_seq_len)
     if type(query_start_loc) is CheckedOffsets:  # the runner's, checked this step: no copy
         offsets = query_start_loc
     else:  # checked once: the planners below take it unchecked
@@ -245,7 +256,8 @@ def plan_step(
     decision = decision if decision is not None else voted  # a caller's decision is this step's own
     metas: tuple[AttentionMetadata, ...] = ()
     if attn_metadata is not None:
-        metas = tuple(split_checked(attn_metadata, slices, flags)) if microbatched else (attn_metadata,)
+        metas = (tuple(split_checked(attn_metadata, slices, flags, max_seq_len=max_seq_len)) if microbatched
+                 else (attn_metadata,))
     record = StepRecord(
         step=step,
         microbatched=microbatched,

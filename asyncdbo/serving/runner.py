@@ -236,6 +236,7 @@ class DBORunner:
             device=self.device,
             max_imbalance=cfg.max_imbalance,
             min_share=cfg.min_share,
+            max_seq_len=cfg.max_seq_len,
             step=self._num_planned,
             max_ubatches=getattr(self.model, "max_ubatches", None),
         )
@@ -305,6 +306,7 @@ class DBORunner:
             attn_metadata=batch.attn,
             device=self.device,
             min_share=cfg.min_share,
+            max_seq_len=cfg.max_seq_len,
             step=self._num_planned,
             max_ubatches=getattr(self.model, "max_ubatches", None),
             decision=decision,

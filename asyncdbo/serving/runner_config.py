@@ -18,6 +18,7 @@ from ..dist.ep import EPComm
 from ..dist.fused import DISPATCH_MODES, DispatchMode
 from ..plan import SplitPolicy, StepPlan, StepRecord, ThresholdConfig
 from ..plan.dp import check_thresholds
+from ..plan.metadata import check_max_seq_len
 from ..plan._checks import check_bool, check_config, check_finite, check_int, check_number
 from .auto_config import AutoConfig
 
@@ -50,10 +51,12 @@ class RunnerConfig:
     ``exposed_s``, ...: :func:`~asyncdbo.serving.measure.host_timing`) on every k-th step (the
     steps whose ``StepRecord.step`` is a multiple of k); the others' timing carries the step time
     alone, as on a backend that tracks no comm, and the ledger averages the comm over the steps
-    that have it. 1 (the default) summarizes every step: 58.3 µs of host CPU per 61-layer step at
-    N = 2, 8.4 µs per step with ``measure_every=16`` (medians of 9 rounds on a shared 2-core VM,
-    ``benchmarks/results/step_host_cost_cpu-2c_2026-12-07_run5.md``); the ``tuning="auto"``
-    policy reads the step time only, which every step keeps.
+    that have it. 1 (the default) summarizes every step; what each costs is in docs/host_cost.md.
+    The ``tuning="auto"`` policy reads the step time only, which every step keeps.
+
+    ``max_seq_len``: each ubatch's attention metadata carries its own longest request
+    (``"ubatch"``, the default) or the whole step's (``"batch"``, vLLM's rule, where attention
+    kernels are chosen per captured CUDA graph; :data:`asyncdbo.plan.metadata.MAX_SEQ_LEN_RULES`).
     """
 
     num_ubatches: int = 2
@@ -70,6 +73,7 @@ class RunnerConfig:
     tuning: Literal["fixed", "auto"] = "fixed"
     auto: AutoConfig = field(default_factory=AutoConfig)
     measure_every: int = 1
+    max_seq_len: str = "ubatch"
 
     def __post_init__(self) -> None:
         if self.tuning not in ("fixed", "auto"):
@@ -100,6 +104,7 @@ class RunnerConfig:
             raise ValueError(f"unknown dispatch {self.dispatch!r}; use 'auto', 'fused' or 'split'")
         check_config("RunnerConfig.auto", "auto", self.auto, AutoConfig, "asyncdbo.serving.AutoConfig", "AutoConfig(...)")
         check_thresholds("RunnerConfig.thresholds", self.thresholds)  # else read (and failing) at the first step
+        check_max_seq_len("RunnerConfig", self.max_seq_len)
         # The remaining fields are checked where they are used, with the same messages:
         DBOOptions(stream_policy=self.stream_policy, watchdog_s=self.watchdog_s)
 

@@ -307,3 +307,63 @@ def test_four_ranks_one_disabled_rank_declines_for_all(pool4: RankPool) -> None:
 def test_four_ranks_every_ubatch_even_empty_joins_each_collective(pool4: RankPool) -> None:
     qsls = [prefill(30), prefill(9), [0], prefill(12)]
     assert pool4.run(_every_ubatch_joins_the_collectives, qsls) == [[40, 40, 40]] * 4
+
+
+# ---------------------------------------------------------------- vLLM's V2 rule: dp_rule="smallest_rank"
+V2 = ThresholdConfig(dp_rule="smallest_rank")
+
+
+def test_the_v2_rule_tests_the_groups_step_kind_on_its_smallest_busy_rank() -> None:
+    """300 uniform decodes beside a 520-token prefill: each rank passes its own threshold (V1, the
+    default: every busy rank voted yes), but the group's step is mixed, and its smallest busy rank's
+    300 tokens are below the prefill threshold (V2). Where every busy rank runs uniform decode of one
+    length, the decode threshold applies; an idle rank follows under both."""
+    def votes(*ranks: tuple[str, int, int]) -> list[RankVote]:
+        return [RankVote(r, vote, PlanReason.MICROBATCHED, n, n, uniform_len=u) for r, (vote, n, u) in enumerate(ranks)]
+
+    mixed = votes(("yes", 300, 1), ("yes", 520, 0))
+    assert decide_from_votes(mixed).should_ubatch
+    d = decide_from_votes(mixed, thresholds=V2)
+    assert (d.should_ubatch, d.reason, d.detail) == (
+        False, PlanReason.BELOW_THRESHOLD, "mixed/prefill step across the DP group: its smallest busy rank (rank 0) "
+        "has 300 tokens < threshold 512 (dp_rule='smallest_rank')")
+    assert decide_from_votes(votes(("yes", 300, 1), ("yes", 40, 1), ("idle", 0, 0)), thresholds=V2).should_ubatch
+    d = decide_from_votes(votes(("yes", 300, 1), ("yes", 31, 1)), thresholds=V2)
+    assert d.detail == ("uniform decode step across the DP group: its smallest busy rank (rank 1) has 31 tokens "
+                        "< threshold 32 (dp_rule='smallest_rank')")
+    d = decide_from_votes(votes(("yes", 300, 1), ("yes", 300, 2)), thresholds=V2)  # two query lengths: not uniform
+    assert d.detail.startswith("mixed/prefill step across the DP group")
+    d = decide_from_votes([RankVote(0, "yes", PlanReason.MICROBATCHED, 600, 600),  # a rank's own no still vetoes
+                           RankVote(1, "no", PlanReason.DISABLED, 700, 700)], thresholds=V2)
+    assert (d.should_ubatch, d.reason, d.detail) == (False, PlanReason.RANK_DECLINED, "rank 1: disabled")
+
+
+def test_dp_rule_is_one_of_the_two_rules() -> None:
+    with pytest.raises(ValueError) as err:
+        ThresholdConfig(dp_rule="v2")
+    assert str(err.value) == ("ThresholdConfig.dp_rule must be one of 'each_rank', 'smallest_rank' (got 'v2'); "
+                              "'each_rank' is vLLM's V1 runner's rule, 'smallest_rank' its V2's")
+
+
+def _mismatched_rules(rank: int, world_size: int) -> str:
+    try:
+        plan_step(prefill(600), dp_group=dist.group.WORLD, thresholds=V2 if rank else ThresholdConfig())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_ranks_apply_the_v2_rule_through_one_vote_and_refuse_mixed_rules(pool: RankPool) -> None:
+    decode_300, prefill_520 = list(range(301)), prefill(520)
+    for kwargs, split in (({}, True), ({"thresholds": V2}, False)):
+        plans = pool.run(_plan_on_rank, [decode_300, prefill_520], kwargs)
+        assert [p.microbatched for p in plans] == [split, split], kwargs
+        assert [v.uniform_len for v in plans[0].record.ranks] == [1, 0]
+    assert plans[0].record.detail == plans[1].record.detail == (
+        "mixed/prefill step across the DP group: its smallest busy rank (rank 0) has 300 tokens < threshold 512 "
+        "(dp_rule='smallest_rank')")
+    msg = ("ranks vote with different ThresholdConfig.dp_rule (rank 0: 'each_rank', rank 1: 'smallest_rank'); every "
+           "rank of the DP group must apply the same rule: pass one ThresholdConfig to all of them")
+    assert pool.run(_mismatched_rules) == [msg, msg]

@@ -11,6 +11,7 @@ import torch
 from asyncdbo.plan import (
     AttentionMetadata,
     SplitKind,
+    ThresholdConfig,
     UBatchSlice,
     merge_outputs,
     slice_tokens,
@@ -282,3 +283,30 @@ def test_a_decode_shape_planned_again_cuts_this_steps_metadata() -> None:
             assert part.max_seq_len == int(meta.seq_lens_cpu[s.request_slice].max())
     padded = plan_step(b.query_start_loc_cpu, attn_metadata=b, thresholds=low, num_tokens_padded=8)
     assert padded.record.ubatch_num_tokens_padded == (4, 4) and plan_b.record.ubatch_num_tokens_padded == (3, 3)
+
+
+def test_each_ubatch_keeps_its_own_max_seq_len_or_with_max_seq_len_batch_the_steps() -> None:
+    """The default is each ubatch's own longest request; ``"batch"`` is vLLM's rule (the whole
+    batch's in every ubatch, so an attention kernel chosen at graph capture stays the one replayed),
+    through split_attn_metadata and plan_step alike; everything else about the split is the same."""
+    from asyncdbo.plan import plan_step
+    from asyncdbo.plan.metadata import MAX_SEQ_LEN_RULES
+
+    meta = make_meta()
+    slices = split_tokens(meta.query_start_loc_cpu.tolist(), 2, 20)
+    own = split_attn_metadata(meta, slices)
+    batch = split_attn_metadata(meta, slices, max_seq_len="batch")
+    assert [m.max_seq_len for m in own] == [7, 20] and [m.max_seq_len for m in batch] == [20, 20]
+    for a, b in zip(own, batch):
+        assert torch.equal(a.seq_lens_cpu, b.seq_lens_cpu) and a.max_query_len == b.max_query_len
+    plan = plan_step(meta.query_start_loc_cpu.tolist(), thresholds=ThresholdConfig(prefill_threshold=1),
+                     attn_metadata=meta, max_seq_len="batch")
+    assert [m.max_seq_len for m in plan.attn_metadata] == [20, 20]
+    assert MAX_SEQ_LEN_RULES == ("ubatch", "batch")
+    for call in (lambda: split_attn_metadata(meta, slices, max_seq_len="vllm"),
+                 lambda: plan_step([0, 4], max_seq_len="vllm")):
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value).endswith(
+            " max_seq_len='vllm': use 'ubatch' (each ubatch's own longest request, the default) or 'batch' (the "
+            "whole batch's in every ubatch, vLLM's rule, for graphs captured per batch)")

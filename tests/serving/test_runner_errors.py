@@ -18,6 +18,7 @@ import pytest
 import torch
 from _auto_ranks import CACHE, ClockedModel, decode_batches
 
+from asyncdbo import dbo_yield
 from asyncdbo.lowlevel import Instrument, VirtualClock
 from asyncdbo.plan import PlanReason, ThresholdConfig
 from asyncdbo.serving import OFF, Arm, AutoConfig, AutoPolicy, BatchBuilder, DBORunner, Engine, RunnerConfig
@@ -486,3 +487,29 @@ async def test_failed_steps_count_in_neither_stats_nor_report_and_report_says_ho
     assert runner.stats.summary() == "2 steps, 100% microbatched"
     assert runner.stats.last == records[-1]  # with its timing, as the step returned it
     assert runner.report() == "2 steps: N=2 token auto 2 steps 1000.0 us/token; 2 failed step(s) not counted"
+
+
+@pytest.mark.asyncio
+async def test_the_runner_gives_each_ubatch_the_steps_max_seq_len_where_asked_and_refuses_an_unknown_rule() -> None:
+    class Recording:
+        """Logits of zeros; keeps each ubatch's attention metadata."""
+
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        async def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, attn: Any) -> torch.Tensor:
+            self.seen.append(attn.max_seq_len)
+            await dbo_yield("layer")
+            return torch.zeros(input_ids_T.shape[0], 8)
+
+    always = ThresholdConfig(decode_threshold=1, prefill_threshold=1)
+    for rule, want in (("ubatch", [4, 12]), ("batch", [12, 12])):
+        model = Recording()
+        batch = BatchBuilder(CACHE).build([(0, [1] * 4), (1, [1] * 12)])  # a 4-token and a 12-token prompt
+        await DBORunner(model, RunnerConfig(thresholds=always, max_seq_len=rule)).step(batch)
+        assert model.seen == want, rule
+    with pytest.raises(ValueError) as err:
+        RunnerConfig(max_seq_len="graph")
+    assert str(err.value) == ("RunnerConfig max_seq_len='graph': use 'ubatch' (each ubatch's own longest request, the "
+                              "default) or 'batch' (the whole batch's in every ubatch, vLLM's rule, for graphs "
+                              "captured per batch)")
