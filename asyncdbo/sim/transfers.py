@@ -155,6 +155,15 @@ class Transfers:
     def _lost_overlap(self, lo: LostOverlap) -> bool:
         raise NotImplementedError
 
+    _late_waits: dict[tuple[int, int], float]
+    _last_comm: dict[int, Site]
+
+    def _late_wait(self, ub: Any, stream: VStream) -> None:
+        """The ``comm-wait-blocks-other`` counterfactual: a wait ``ub`` put off applies before its
+        next op (or record) on ``stream``."""
+        if self._late_waits and ub is not None and (k := (stream.id, ub.id)) in self._late_waits:
+            stream.t = max(stream.t, self._late_waits.pop(k))
+
     def _settle(self, ub: Any, reads: set[int] | frozenset[int] = frozenset()) -> None:
         """Apply the waits a ``comm-not-overlapped`` counterfactual moved past ``ub``'s next yield
         (:meth:`SimHandle.__await__`): once that yield is behind it, on the stream it runs on now,
@@ -245,6 +254,7 @@ class Transfers:
         dur = wire / (self.link.bandwidth_Bps * spec.link_efficiency(self.link.name, low_latency))
         latency = 0.0 if on_device else self.link.latency_s + (spec.ll_fixed_s if low_latency else spec.fixed_s)
         ready = self._host.launch_comm()
+        self._late_wait(ub, stream)
         if self._relocated:  # counterfactual compute moved off this comm stream: wait for what it made
             stream.t = max([stream.t] + [self._relocated.get(k, 0.0) for k in reads])
         if what == "combine" and self.imbalance > 1:  # the busiest rank's experts finish later
@@ -261,6 +271,7 @@ class Transfers:
         else:
             start, end = self._place(ub, stream, "comm", what, dur, self._link, latency, ready=ready)
             self._comm_ids.add(stream.id)
+            self._last_comm[stream.id] = site
             self._contend(start, wire)
             if self.check_races:
                 self._clocks.access(stream.id, reads, writes, site)
