@@ -178,6 +178,35 @@ def test_the_counts_awaited_before_the_yield_cost_what_moving_the_await_saves(mo
     assert mutant.lost_overlap_s == pytest.approx(lost.cost_s, rel=1e-9)
 
 
+def test_a_wait_that_holds_up_the_other_ubatch_is_found_at_its_line_and_costs_the_makespan_it_added(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The combine synced before the yield (ht, role streams): ubatch 1's compute stream waits for
+    # its combine, then it yields, and ubatch 0's work queued on the shared compute stream waits
+    # too. No named pattern fits; the general form names the wait, the combine and the work it held
+    # up, and the counterfactual (the wait put off to ubatch 1's next op there) is the unmutated
+    # schedule: the cost is the makespan delta to the last bit of the sim's arithmetic.
+    import inspect
+
+    from asyncdbo.moe import layer
+
+    src, first = inspect.getsourcelines(layer.MoELayer._forward_ht)  # the edit keeps the later lines' numbers
+    line = {text.strip(): first + i for i, text in enumerate(src)}
+    clean = _dbo("ht", "role", "deepep", "graph")
+    _apply(monkeypatch, "ht", "role", "combine synced before the yield")
+    mutant = _dbo("ht", "role", "deepep", "graph", fail=False)
+    (lost,) = mutant.lost_overlaps
+    assert lost.kind == "comm-wait-blocks-other" and lost.foreign_ubatch == 0 and lost.blocked is not None
+    assert lost.site.ubatch == 1 and lost.blocked.ubatch == 0
+    synced = line['await dbo_yield_and_switch_from_comm_to_compute("combine_done")']  # now the sync switch
+    assert lost.site.frames[0] == f"asyncdbo/moe/layer.py:{synced} in _forward_ht"
+    assert lost.other is not None and lost.other.op == "c10d::alltoall_base_" and lost.other.stream == "comm"
+    assert lost.other.frames[0] == f"asyncdbo/moe/layer.py:{line['back_ND, combined = plan.start_combine(y_RD)']} in _forward_ht"
+    assert str(lost).startswith(f"lost overlap (comm-wait-blocks-other, costs {lost.cost_s * 1e6:.1f} us of this run): "
+                                "a wait on comm on stream compute held up ubatch 0's work\n")
+    assert lost.cost_s == pytest.approx(mutant.makespan_s - clean.makespan_s, rel=1e-9)
+    assert mutant.lost_overlap_s == lost.cost_s
+
+
 # Issue 50's mutants that the named kinds used to miss, in the configuration of the rest (deepep,
 # graph replay): the kind now found, and what the findings cost together (SimReport.lost_overlap_s:
 # the run with all of them fixed at once) against the mutant's makespan minus the unmutated
