@@ -67,6 +67,17 @@ class SimHandle:
 
     def stream_wait(self) -> None:
         """Order the running ubatch's current stream after this transfer (a device stream wait)."""
+        w, be = self.watch, self.backend
+        if w is not None and be is not None and ("comm-not-overlapped", w.site.place) in be.fix:
+            ub = get_ubatch()
+            if ub is not None and ub.id == w.ubatch and be._segment.get(ub.id) == w.segment and not self.owner_waited:
+                # the counterfactual, for a wait no yield can precede (a recv hook the owner ran at
+                # once): it moves past the owner's next yield, as an await would (``__await__``)
+                be._deferred.setdefault(ub.id, []).append(self)
+                return
+        self._wait_now()
+
+    def _wait_now(self) -> None:
         if self.event is not None and self.backend is not None:
             ub = get_ubatch()
             if ub is not None and ub.run is self.backend._run:
@@ -101,7 +112,7 @@ class SimHandle:
                     # schedule awaits it once the other ubatch ran), unless its data is used first
                     be._deferred.setdefault(ub.id, []).append(self)
                     return
-        self.stream_wait()
+        self._wait_now()
 
     def __repr__(self) -> str:
         return f"<SimHandle {self.what} {self.nbytes}B {self.t_start * 1e6:.1f}-{self.t_done * 1e6:.1f}us>"
@@ -185,7 +196,7 @@ class Transfers:
         for h in due:
             if h.watch is not None and seg == h.watch.segment:
                 self.undeferred.add(("comm-not-overlapped", h.watch.site.place))
-            h.stream_wait()
+            h._wait_now()
 
     def _used(self, ub: Any, keys: set[int]) -> None:
         """``ub`` waits on or reads what a watched transfer wrote: report it if that happens in the
