@@ -220,7 +220,9 @@ class OpAccounting(Transfers):
             self._settle(ub, {k for t in tensor_items(list(args)) if (k := storage_key(t)) is not None})
         cost = self.cost.op_cost(func, args, kwargs, out)
         end_t = stream.t
-        n = self._op_n[ub.id] = self._op_n.get(ub.id, 0) + 1 if cost.seconds > 0 else self._op_n.get(ub.id, 0)
+        n = self._op_n.get(ub.id, 0)  # the ubatch's priced ops so far: the same op in every run of the schedule
+        if cost.seconds > 0:
+            n = self._op_n[ub.id] = n + 1
         if cost.seconds > 0 and (ub.id, n) in self._preissued:  # the counterfactual: issued before the yield
             end_t = self._preissued[(ub.id, n)]
         elif cost.seconds > 0:

@@ -279,9 +279,9 @@ class SimBackend(OpAccounting, StreamBackend):
         self._held: dict[tuple[int, int], Hold] = {}  # (stream, ubatch) -> a wait on that ubatch's comm holding it
         self._op_n: dict[int, int] = {}
         self._preissued: dict[tuple[int, int], float] = {}
-        self._blocked: dict[int, Block] = {}
+        self._blocked: dict[int, Block] = {}  # stream -> a wait on comm no op of the waiting ubatch followed yet
         self._last_comm: dict[int, Site] = {}  # stream -> its last transfer
-        self._late_waits: dict[tuple[int, int], float] = {}  # counterfactual: (stream, ubatch) -> a wait put off  # stream -> a wait on comm no op of the waiting ubatch followed yet
+        self._late_waits: dict[tuple[int, int], float] = {}  # counterfactual: (stream, ubatch) -> a wait put off
         self._relocated: dict[int, float] = {}  # counterfactual: outputs moved to compute -> their end  # storage -> a transfer not yet used, issued in its data's segment
         self.report = SimReport(self.device.name, self.link.name, state.policy, len(run.ubatches))
         shared = {"compute": VStream("compute"), "comm": VStream("comm")}
