@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from types import FrameType
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from .ops import FACTORY, Region, is_view, self_region, span, storage_key, tenso
 from .races import _SKIP, LostOverlap, Site, user_frames
 from .transfers import Transfers
 
-__all__ = ["Hold", "OpAccounting"]
+__all__ = ["Block", "Hold", "Moved", "OpAccounting"]
 
 _COMM_LIBRARY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist")
 _MACHINERY = tuple(p for p in _SKIP if not p.startswith(_COMM_LIBRARY))
@@ -56,6 +56,42 @@ class Hold:
     pre: float
     wait: Site
     fixing: bool = False
+    seg: int | None = None  # the ubatch's segment, when the moved work is the first it queued there
+    start: float = -1.0  # ``pre`` as the wait found it (the counterfactual moves ``pre`` on): what is "after"
+    mine: set[int] = field(default_factory=set)  # what the moved work wrote (its own data, not the transfer's)
+
+    def __post_init__(self) -> None:
+        self.start = self.pre if self.start < 0 else self.start
+
+
+@dataclass(frozen=True)
+class Moved:
+    """An op the ``unneeded-comm-wait`` counterfactual moved before a wait that started its
+    ubatch's segment ``seg`` on stream ``stream``: the ``n``-th priced op of ubatch ``ub``. A second
+    counterfactual issues it before the yield that started that segment, as the fixed schedule does."""
+
+    ub: int
+    n: int
+    seconds: float
+    on_compute: bool
+    stream: str
+    seg: int
+
+
+@dataclass
+class Block:
+    """A stream wait on comm that moved the stream's time, issued by ubatch ``waiter`` at ``wait``
+    on the transfer issued at ``comm``: until the waiter's own next op on the stream, another
+    ubatch's work queued there waits for the transfer too (``comm-wait-blocks-other``). ``pre``:
+    the stream's time before the wait; ``mine``: what that other ubatch wrote since (its own
+    data, not the transfer's)."""
+
+    waiter: int
+    pre: float
+    wait: Site
+    comm: Site
+    mine: set[int] = field(default_factory=set)
+    reported: bool = False
 
 
 class OpAccounting(Transfers):
@@ -92,7 +128,7 @@ class OpAccounting(Transfers):
     def _needs(self, hold: Hold, reads: set[int]) -> bool:
         """Whether an op reading ``reads`` reads data written after the held stream's time before
         the wait (what the transfer delivered, or what was computed from it since)."""
-        return any(self._written_at.get(k, 0.0) > hold.pre for k in reads)
+        return any(self._written_at.get(k, 0.0) > hold.start for k in reads - hold.mine)
 
     def _held_ready(self, ub: Any, stream: VStream, func: Any, args: tuple[Any, ...], heavy: bool) -> float | None:
         """Where the ubatch's op goes when a wait on its own transfer holds the stream: None (after
@@ -108,7 +144,43 @@ class OpAccounting(Transfers):
         if heavy and not hold.fixing:
             site = self._site(ub, stream, str(func.name()))
             hold.fixing = self._lost_overlap(LostOverlap("unneeded-comm-wait", site, hold.wait, None))
+            seg = self._segment[ub.id]
+            hold.seg = seg if seg > 0 and (stream.id, ub.id, seg) not in self._seg_end else None
         return hold.pre if hold.fixing else None
+
+    _op_n: dict[int, int]  # ubatch -> priced ops it issued
+    moved: list[Moved]  # what an unneeded-comm-wait counterfactual moved before a wait
+    _preissue: list[Moved]  # set before a run: ops to issue at the yield before their segment
+    _preissued: dict[tuple[int, int], float]  # (ubatch, op) -> end of its early copy
+
+    def _issue_early(self, ub: Any, seg: int) -> None:
+        """At ``ub``'s yield that ends segment ``seg``: issue the :class:`Moved` ops of the next
+        segment (the counterfactual where they were issued before this yield)."""
+        streams = {s.name: s for s in ub.ext.streams.values()}
+        for m in self._preissue:
+            if m.ub == ub.id and m.seg == seg + 1 and (m.ub, m.n) not in self._preissued:
+                engine = self._compute if m.on_compute else self._comm_sms
+                _, end = self._place(ub, streams[m.stream], "compute", ub.tag or "compute", m.seconds, engine,
+                                     ready=self._host.launch())
+                self._preissued[(m.ub, m.n)] = end
+
+    _blocked: dict[int, Block]
+
+    def _blocked_by(self, ub: Any, stream: VStream, func: Any, args: tuple[Any, ...], heavy: bool) -> None:
+        """Report ``comm-wait-blocks-other`` when the op is another ubatch's queued behind a wait
+        on comm that it does not need (the counterfactual puts the wait off: ``_late_wait``). The
+        waiter's own op, or one that reads what arrived after the wait's start, ends the block."""
+        block = self._blocked.get(stream.id)
+        if block is None:
+            return
+        reads = {k for t in tensor_items(list(args)) if (k := storage_key(t)) is not None}
+        if ub.id == block.waiter or any(self._written_at.get(k, 0.0) > block.pre for k in reads - block.mine):
+            del self._blocked[stream.id]
+            return
+        if heavy and not block.reported:
+            site = self._site(ub, stream, str(func.name()))
+            self._lost_overlap(LostOverlap("comm-wait-blocks-other", block.wait, block.comm, ub.id, blocked=site))
+            block.reported = True
 
     def _lost_overlap(self, lo: LostOverlap) -> bool:
         """Report ``lo`` (once per kind and place); True when this run is the counterfactual
@@ -148,7 +220,12 @@ class OpAccounting(Transfers):
             self._settle(ub, {k for t in tensor_items(list(args)) if (k := storage_key(t)) is not None})
         cost = self.cost.op_cost(func, args, kwargs, out)
         end_t = stream.t
+        n = self._op_n.get(ub.id, 0)  # the ubatch's priced ops so far: the same op in every run of the schedule
         if cost.seconds > 0:
+            n = self._op_n[ub.id] = n + 1
+        if cost.seconds > 0 and (ub.id, n) in self._preissued:  # the counterfactual: issued before the yield
+            end_t = self._preissued[(ub.id, n)]
+        elif cost.seconds > 0:
             # Ops a ubatch issues in its comm role that only move data (packing rows for a dispatch)
             # run on the SMs the comm kernels own (DeepEP fuses them into its kernels): they take
             # stream time but not the compute engine. A compute kernel (a GEMM, attention) needs the
@@ -165,13 +242,21 @@ class OpAccounting(Transfers):
                 if self._lost_overlap(LostOverlap("compute-on-comm-stream", site, None, None)):
                     on = ub.ext.streams["compute"]  # the counterfactual: the op runs on compute
             early = self._held_ready(ub, on, func, args, heavy) if self._held and self.check_races else None
+            if self._blocked and self.check_races:
+                self._blocked_by(ub, on, func, args, heavy)
+            self._late_wait(ub, on)
             held_t = on.t
             if early is not None:  # the counterfactual: issued before the wait, it starts no later than then
                 on.t = early
             _, end = self._place(ub, on, "compute", ub.tag or "compute", cost.seconds, engine, ready=self._host.launch())
             if early is not None:
-                self._held[(on.id, ub.id)].pre = end
+                hold = self._held[(on.id, ub.id)]
+                hold.pre = end
+                hold.mine |= {k for t in tensor_items(out if isinstance(out, (tuple, list)) else [out])
+                              if (k := storage_key(t)) is not None}
                 on.t = max(held_t, end)
+                if hold.seg is not None:
+                    self.moved.append(Moved(ub.id, n, cost.seconds, engine is self._compute, on.name, hold.seg))
             end_t = end
             if on is not stream:
                 for t in tensor_items(out if isinstance(out, (tuple, list)) else [out]):
@@ -186,6 +271,8 @@ class OpAccounting(Transfers):
             reads, writes, regions = self._accesses(func, args, kwargs, out)
             for k in writes:
                 self._written_at[k] = end_t
+            if (b := self._blocked.get(ub.ext.stream.id)) is not None and b.waiter != ub.id:
+                b.mine |= writes  # the other ubatch's own data, written while the wait held the stream
             # What the host can compute itself (from the data it prepared, factories, and what is
             # computed from those alone) stays host data; anything else written is device data.
             if reads <= self._host_known:

@@ -52,7 +52,7 @@ from .mode import SimMode
 from .ops import span, storage_key
 from .races import _SKIP, FRAMES, DeadWait, LostOverlap, RaceChecker, SimCheckError, Site
 from .report import SimReport
-from .accounting import Hold, OpAccounting
+from .accounting import Block, Hold, Moved, OpAccounting
 from .transfers import SimHandle, Watch
 
 if TYPE_CHECKING:
@@ -116,6 +116,8 @@ class _Hooks(Instrument):
             if be._lost_overlap(LostOverlap("skipped-recv-hook", site, None, owner)):
                 ub.ctx_run(run_pending_hook, ub)  # the counterfactual: the hook runs before the yield
         seg = be._segment.get(ub.id, 0)
+        if request is SWITCH and be._preissue:
+            ub.ctx_run(be._issue_early, ub, seg)
         if request is None and be._deferred.get(ub.id):  # ended with a moved await still pending
             be._segment[ub.id] = seg + 1
             ub.ctx_run(be._settle, ub)
@@ -207,6 +209,10 @@ class SimBackend(OpAccounting, StreamBackend):
         #: ``comm-not-overlapped`` keys in ``fix`` whose await this run could not move past the
         #: next yield (the transfer's data was used before it): :mod:`.counterfactual` reruns them.
         self.undeferred: set[tuple[str, str]] = set()
+        #: ops an ``unneeded-comm-wait`` counterfactual moved before a wait that started their
+        #: ubatch's segment; ``_preissue`` (set before a run) issues such ops before that yield
+        self.moved: list[Moved] = []
+        self._preissue: list[Moved] = []
         self.report: SimReport | None = None
         self._run: DBORun | None = None
         self._mode: SimMode | None = None
@@ -271,6 +277,11 @@ class SimBackend(OpAccounting, StreamBackend):
         self._written_at: dict[int, float] = {}
         self._comm_ids: set[int] = set()  # streams comm ran on (a wait on them is a wait on comm)
         self._held: dict[tuple[int, int], Hold] = {}  # (stream, ubatch) -> a wait on that ubatch's comm holding it
+        self._op_n: dict[int, int] = {}
+        self._preissued: dict[tuple[int, int], float] = {}
+        self._blocked: dict[int, Block] = {}  # stream -> a wait on comm no op of the waiting ubatch followed yet
+        self._last_comm: dict[int, Site] = {}  # stream -> its last transfer
+        self._late_waits: dict[tuple[int, int], float] = {}  # counterfactual: (stream, ubatch) -> a wait put off
         self._relocated: dict[int, float] = {}  # counterfactual: outputs moved to compute -> their end  # storage -> a transfer not yet used, issued in its data's segment
         self.report = SimReport(self.device.name, self.link.name, state.policy, len(run.ubatches))
         shared = {"compute": VStream("compute"), "comm": VStream("comm")}
@@ -339,6 +350,7 @@ class SimBackend(OpAccounting, StreamBackend):
         ub = get_ubatch()
         if self._deferred and ub is not None and ub.run is self._run:
             self._settle(ub)
+        self._late_wait(ub, stream)
         event.recorded = True
         event.t = stream.t
         event.by = self._site(ub, stream, "record event")
@@ -368,6 +380,15 @@ class SimBackend(OpAccounting, StreamBackend):
         if (t > stream.t and self._multi and self.check_races and event.stream_id in self._comm_ids
                 and isinstance(event.by, Site) and event.by.ubatch is not None):
             self._hold(stream, event.by.ubatch, self._site(ub, stream, "wait event"))
+            if ub is not None:
+                site = self._site(ub, stream, "wait event")
+                # a wait on a recorded event: name the transfer it covers, not the record
+                comm = self._last_comm.get(event.stream_id, event.by) if event.by.op == "record event" else event.by
+                self._blocked[stream.id] = Block(ub.id, stream.t, site, comm)
+                if ("comm-wait-blocks-other", site.place) in self.fix:
+                    # the counterfactual: the wait holds the waiting ubatch's next op on the stream only
+                    self._late_waits[(stream.id, ub.id)] = max(t, self._late_waits.get((stream.id, ub.id), 0.0))
+                    t = stream.t
         stream.t = max(stream.t, t)
         self._clocks.wait(stream.id, event.clock)
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from .._core.errors import AsyncDBOError
+from .lost_text import describe
 from .ops import Region, covers, overlaps
 
 __all__ = [
@@ -173,6 +174,9 @@ LOST_KINDS = {
     "compute-on-comm-stream": "the op runs on the compute stream; comm waits for it only where it reads its output",
     "unneeded-comm-wait": "the ubatch's work that reads nothing the transfer delivered runs as if issued before the "
                           "wait (from the stream's time before it), up to its first op that reads the transfer",
+    "comm-wait-blocks-other": "another ubatch's work queued behind the wait that reads nothing the transfer delivered "
+                              "runs from the stream's time before the wait (the wait holds the waiting ubatch's work "
+                              "only), up to its first op that reads the transfer",
 }
 
 
@@ -193,6 +197,10 @@ class LostOverlap:
     ``unneeded-comm-wait`` (whatever the schedule's cause: a compute kernel of a ubatch queued
     behind a stream wait on that ubatch's own transfer, although it reads nothing the transfer
     delivered; issued before the wait, it would have run while the transfer was in flight).
+    ``comm-wait-blocks-other`` (whatever the schedule's cause: comm exposed on a stream while another
+    ubatch had work it could have run there; a ubatch's stream wait on comm that another
+    ubatch's work, reading nothing the transfer delivered, was queued behind before the waiting
+    ubatch's own next op).
 
     ``cost_s``: what it cost, measured by a counterfactual sim run of the same schedule without
     it (:func:`asyncdbo.sim.counterfactual.measure_lost_overlap`; ``asyncdbo check`` and
@@ -209,6 +217,8 @@ class LostOverlap:
     estimate_s: float | None = None
     estimate_step_s: float | None = None
     estimate_on: str | None = None
+    #: ``comm-wait-blocks-other``: the other ubatch's first op the wait held up
+    blocked: Site | None = None
 
     @property
     def lost_s(self) -> float:
@@ -235,62 +245,7 @@ class LostOverlap:
         return f"lost overlap ({self.kind}, {cost})"
 
     def __str__(self) -> str:
-        head = self._head()
-        if self.kind == "record-after-yield":
-            assert self.other is not None
-            return "\n".join([
-                f"{head}: a wait on stream {self.site.stream} also waits for ubatch {self.foreign_ubatch}'s work",
-                *self.site.lines(),
-                *self.other.lines("after a yield: "),
-                f"    the event covers work ubatch {self.foreign_ubatch} queued on stream {self.other.stream} after "
-                f"ubatch {self.other.ubatch}'s own, so the ubatches serialize: record it before yielding",
-            ])
-        if self.kind == "send-after-yield":
-            return "\n".join([
-                f"{head}: a transfer on stream {self.site.stream} was issued after a yield its data did not need",
-                *self.site.lines("send "),
-                f"    it was issued after a yield, so it leaves only once the work ubatch {self.foreign_ubatch} "
-                "queued meanwhile is done: issue the send before yielding",
-            ])
-        if self.kind == "host-sync":
-            return "\n".join([
-                f"{head}: the host waits for stream {self.site.stream} between yields",
-                *self.site.lines("host sync "),
-                "    the CPU stops launching every ubatch's work until the stream drains: keep the value on the "
-                "device (or read it where a yield has already queued the other ubatch's work)",
-            ])
-        if self.kind == "comm-not-overlapped":
-            return "\n".join([
-                f"{head}: a transfer is used with no yield around it",
-                *self.site.lines("transfer "),
-                "    its data was produced, sent and used between the same two yields, so no other ubatch's work "
-                "could run while it was in flight: yield between the send and the use (or between the data and "
-                "the send)",
-            ])
-        if self.kind == "unneeded-comm-wait":
-            assert self.other is not None
-            return "\n".join([
-                f"{head}: compute on stream {self.site.stream} waited for a transfer it does not read",
-                *self.site.lines(),
-                *self.other.lines("behind: "),
-                "    it reads nothing the transfer delivered, yet was queued after the wait for it, so it could not "
-                "run while the transfer was in flight: issue it before the wait (before the yield or the switch "
-                "that waits)",
-            ])
-        if self.kind == "compute-on-comm-stream":
-            return "\n".join([
-                f"{head}: a compute kernel runs on stream {self.site.stream}",
-                *self.site.lines(),
-                "    it shares the SMs with the compute stream and holds up the transfers queued behind it on "
-                "the comm stream: switch to the compute stream for it",
-            ])
-        return "\n".join([
-            f"{head}: ubatch {self.site.ubatch} yielded holding the recv hook of ubatch {self.foreign_ubatch}",
-            *self.site.lines(),
-            f"    no dbo_maybe_run_recv_hook() ran before this yield, so ubatch {self.foreign_ubatch}'s receive is "
-            "launched late (when the holder parks, exits or next calls it): call it after queuing this ubatch's "
-            "compute, before yielding",
-        ])
+        return describe(self, self._head())
 
 
 @dataclass(frozen=True)

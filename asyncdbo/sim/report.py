@@ -34,6 +34,10 @@ class SimReport:
     races: list[Race] = field(default_factory=list)
     lost_overlaps: list[LostOverlap] = field(default_factory=list)
     dead_waits: list[DeadWait] = field(default_factory=list)
+    #: what the lost overlap cost together: this run's makespan minus a counterfactual run's with
+    #: every finding fixed at once (:func:`asyncdbo.sim.counterfactual.measure_lost_overlap`);
+    #: None where none was run or nothing was found
+    lost_overlap_s: float | None = None
 
     def _intervals(self, kind: str) -> list[tuple[float, float]]:
         return [(s.start, s.end) for s in self.spans if s.kind == kind]

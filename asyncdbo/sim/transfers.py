@@ -67,6 +67,17 @@ class SimHandle:
 
     def stream_wait(self) -> None:
         """Order the running ubatch's current stream after this transfer (a device stream wait)."""
+        w, be = self.watch, self.backend
+        if w is not None and be is not None and ("comm-not-overlapped", w.site.place) in be.fix:
+            ub = get_ubatch()
+            if ub is not None and ub.id == w.ubatch and be._segment.get(ub.id) == w.segment and not self.owner_waited:
+                # the counterfactual, for a wait no yield can precede (a recv hook the owner ran at
+                # once): it moves past the owner's next yield, as an await would (``__await__``)
+                be._deferred.setdefault(ub.id, []).append(self)
+                return
+        self._wait_now()
+
+    def _wait_now(self) -> None:
         if self.event is not None and self.backend is not None:
             ub = get_ubatch()
             if ub is not None and ub.run is self.backend._run:
@@ -101,7 +112,7 @@ class SimHandle:
                     # schedule awaits it once the other ubatch ran), unless its data is used first
                     be._deferred.setdefault(ub.id, []).append(self)
                     return
-        self.stream_wait()
+        self._wait_now()
 
     def __repr__(self) -> str:
         return f"<SimHandle {self.what} {self.nbytes}B {self.t_start * 1e6:.1f}-{self.t_done * 1e6:.1f}us>"
@@ -155,6 +166,15 @@ class Transfers:
     def _lost_overlap(self, lo: LostOverlap) -> bool:
         raise NotImplementedError
 
+    _late_waits: dict[tuple[int, int], float]
+    _last_comm: dict[int, Site]
+
+    def _late_wait(self, ub: Any, stream: VStream) -> None:
+        """The ``comm-wait-blocks-other`` counterfactual: a wait ``ub`` put off applies before its
+        next op (or record) on ``stream``."""
+        if self._late_waits and ub is not None and (k := (stream.id, ub.id)) in self._late_waits:
+            stream.t = max(stream.t, self._late_waits.pop(k))
+
     def _settle(self, ub: Any, reads: set[int] | frozenset[int] = frozenset()) -> None:
         """Apply the waits a ``comm-not-overlapped`` counterfactual moved past ``ub``'s next yield
         (:meth:`SimHandle.__await__`): once that yield is behind it, on the stream it runs on now,
@@ -176,7 +196,7 @@ class Transfers:
         for h in due:
             if h.watch is not None and seg == h.watch.segment:
                 self.undeferred.add(("comm-not-overlapped", h.watch.site.place))
-            h.stream_wait()
+            h._wait_now()
 
     def _used(self, ub: Any, keys: set[int]) -> None:
         """``ub`` waits on or reads what a watched transfer wrote: report it if that happens in the
@@ -245,6 +265,7 @@ class Transfers:
         dur = wire / (self.link.bandwidth_Bps * spec.link_efficiency(self.link.name, low_latency))
         latency = 0.0 if on_device else self.link.latency_s + (spec.ll_fixed_s if low_latency else spec.fixed_s)
         ready = self._host.launch_comm()
+        self._late_wait(ub, stream)
         if self._relocated:  # counterfactual compute moved off this comm stream: wait for what it made
             stream.t = max([stream.t] + [self._relocated.get(k, 0.0) for k in reads])
         if what == "combine" and self.imbalance > 1:  # the busiest rank's experts finish later
@@ -261,6 +282,7 @@ class Transfers:
         else:
             start, end = self._place(ub, stream, "comm", what, dur, self._link, latency, ready=ready)
             self._comm_ids.add(stream.id)
+            self._last_comm[stream.id] = site
             self._contend(start, wire)
             if self.check_races:
                 self._clocks.access(stream.id, reads, writes, site)

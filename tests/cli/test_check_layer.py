@@ -98,3 +98,23 @@ def test_compute_queued_behind_its_own_combine_is_lost_overlap_at_its_line(tmp_p
         "the transfer was in flight: issue it before the wait (before the yield or the switch that waits)",
     ]
     assert lost.cost_s > 0
+
+
+def test_findings_of_one_run_are_also_costed_together(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    # Each finding's cost is a run with that one fixed; two together are costed by one more run with
+    # both fixed (SimReport.lost_overlap_s), printed beside them.
+    with open(_item_port(tmp_path), encoding="utf-8") as f:
+        src = f.read()
+    src = src.replace('''        await dbo_yield_and_switch_from_comm_to_compute("residual")
+        return x_TD + back_TD''', '''        await dbo_yield_and_switch_from_comm_to_compute("residual")
+        h_TH = torch.relu(x_TD @ self.w_up_EDH[0])  # reads nothing the combine delivered
+        return x_TD + back_TD + h_TH @ self.w_down_EHD[0]''')
+    path = os.path.join(str(tmp_path), "two_findings.py")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(src)
+    code = cli_main(["check", "--layer", f"{path}:make_layer", "--tokens", "1024", "--ep", "8", "--host", "none"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert re.search(r"^role streams, 1024 tokens: the lost overlap costs [\d.]+ us of this run together \(a run "
+                     r"with every finding fixed at once\)$", out, re.M), out
+    assert "lost overlap (host-sync, costs " in out and "lost overlap (unneeded-comm-wait, costs " in out

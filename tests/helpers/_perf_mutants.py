@@ -11,7 +11,7 @@ from typing import Any
 
 from asyncdbo.moe import layer as layer_mod
 
-__all__ = ["MISSED", "PerfMutant", "missed_mutants", "perf_mutants"]
+__all__ = ["HOOK_AFTER_SHARED", "MISSED", "PerfMutant", "missed_mutants", "perf_mutants"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,12 @@ def perf_mutants(schedule: str, policy: str) -> Iterator[PerfMutant]:
         yield PerfMutant("record after yield", (L, "_to_comm"),
                          (("await dbo_yield_and_switch_from_compute_to_comm(tag)",
                            "await dbo_yield(tag)\n        await dbo_switch_to_comm_sync()"),), "record-after-yield")
+    # a wait on the combine issued before the yield (the general form: the other ubatch's work queued
+    # on the shared compute stream meanwhile waits for the combine too)
+    if ht and role:
+        yield PerfMutant("combine synced before the yield", fwd, ((
+            'await dbo_yield_and_switch_from_comm_to_compute("combine_done")',
+            'await dbo_switch_to_compute_sync()\n            await dbo_yield("combine_done")'),), "comm-wait-blocks-other")
     # the rows sent after the yield
     if ll:
         yield PerfMutant("rows sent after the yield", fwd,
@@ -111,3 +117,13 @@ def missed_mutants(schedule: str, policy: str) -> Iterator[PerfMutant]:
         yield PerfMutant("no-op recv hooks", fwd, (
             ("received = dbo_register_recv_hook(_receive(dispatched))", "received = dbo_register_recv_hook(_noop)"),
             ("received = dbo_register_recv_hook(_receive(combined))", "received = dbo_register_recv_hook(_noop)")), "")
+
+
+#: Not a defect: the ``ll`` schedule's combine-side ``dbo_maybe_run_recv_hook()`` moved after the
+#: shared expert, so the previous ubatch's combine receive follows this ubatch's own compute (the
+#: placement the layer's docstring describes); the no-op recv hooks mutant is measured against it.
+HOOK_AFTER_SHARED = PerfMutant("combine hook after the shared expert", (layer_mod.MoELayer, "_forward_ll"), ((
+    "        dbo_maybe_run_recv_hook()\n        back_ND, combined = plan.start_combine(y_RD)  # the send half of the combine\n"
+    "        shared_TD = self._shared(x_TD)  # overlaps the combine in flight\n",
+    "        back_ND, combined = plan.start_combine(y_RD)  # the send half of the combine\n"
+    "        shared_TD = self._shared(x_TD)  # overlaps the combine in flight\n        dbo_maybe_run_recv_hook()\n"),), "")
