@@ -93,3 +93,30 @@ async def test_stamps_made_from_records_give_the_records_back() -> None:
                CommRecord(ub=-1, what="send", nbytes=0, t_issue=3.0, t_done=None)]
     stamps = CommStamps.of(records)
     assert (len(stamps), stamps.records(), stamps.frozen().records()) == (2, records, records)
+
+
+async def test_on_a_device_a_run_makes_no_timing_event_and_no_comm_stamps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerator backend leaves comm timing to device events it never makes for the runner's
+    measurement: a step's run records none with timing (on the fake device; untested on a GPU),
+    and its stats hold no comm works, so every step's measurement is its step time alone."""
+    from asyncdbo.backends.accelerator import AcceleratorBackend
+    from asyncdbo.testing import fake_streams
+    from asyncdbo.testing.fake_device import FakeDevice
+
+    timing: list[bool] = []
+    init = fake_streams.FakeEvent.__init__
+
+    def counting(self: Any, *args: Any, enable_timing: bool = False, **kwargs: Any) -> None:
+        timing.append(enable_timing)
+        init(self, *args, enable_timing=enable_timing, **kwargs)
+
+    monkeypatch.setattr(fake_streams.FakeEvent, "__init__", counting)
+
+    async def forward(i: int) -> int:
+        await dbo_yield()
+        return i
+
+    with FakeDevice():
+        _, stats = await run_ubatches_with_stats(forward, [(0,), (1,)], backend=AcceleratorBackend("cuda"))
+    assert timing and not any(timing)  # events made (the streams' order), none timing
+    assert (stats.comm, len(stats.stamps)) == ((), 0)
