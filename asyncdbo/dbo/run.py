@@ -108,9 +108,12 @@ class RunStats:
     @property
     def stamps(self) -> CommStamps:
         """The comm works' times as arrays, read without a :class:`~asyncdbo.backends.CommRecord`
-        each where the run stamped them (else made from ``comm``)."""
-        stamps = self.__dict__.get("_stamps")
-        return stamps if stamps is not None else CommStamps.of(self.comm)
+        each where the run stamped them (else made from ``comm``; without works one empty
+        :class:`~asyncdbo.backends.CommStamps` shared by every such run: read it, add nothing)."""
+        stamps: CommStamps | None = self.__dict__.get("_stamps")
+        if stamps is not None:
+            return stamps
+        return CommStamps.of(self.comm) if self.comm else _NO_STAMPS
 
     if not TYPE_CHECKING:  # (mypy would take every attribute name for one this makes)
 
@@ -266,6 +269,7 @@ def _stats(dbo: DBORun, state: RunState) -> RunStats:
 
 
 _NEW, _SET = object.__new__, object.__setattr__
+_NO_STAMPS = CommStamps()  # RunStats.stamps of a run without comm works (most runs: not one made per step)
 
 
 def _finish(state: RunState, exc: BaseException | None) -> None:
