@@ -16,8 +16,8 @@ step, process CPU time (``time.process_time_ns``):
 Then, at the first size: ``tuning="auto"`` settled on N = 2 and on off (a clock that makes the
 target the fastest), beside a fixed N = 2 runner and a plain off runner (``enabled=False``),
 interleaved in blocks of 10 steps; and the runner's measurement of a 61-layer step's 366 comm
-records (made outside the timing), every step and, where the side has ``measure_every``, sampled
-every 16th step.
+works, the stats' records or stamps made in the timing as a run makes them, every step and, where
+the side has ``measure_every``, sampled every 16th step.
 
 ``--base REV`` builds the package at ``REV`` in a temporary folder from its own sources (``git
 archive``, ``setup.py build_ext --inplace``, as ``compare_commits.py`` does) and measures it the
@@ -59,7 +59,7 @@ def worker(sizes: list[int], steps: int) -> dict[str, Any]:
         await _parts(sizes, 20)  # a first pass, discarded: one-time costs (torch's first calls) stay out
         out = await _parts(sizes, steps)
         out["auto"] = await _auto(sizes[0], steps)
-        out["measure61"] = _measure61(steps)
+        out["measure61"] = await _measure61(steps)
         return out
 
     return asyncdbo.run(main)
@@ -204,27 +204,60 @@ async def _auto(R: int, steps: int) -> dict[str, float]:
     return {label: ns / n / 1e3 for label, ns in spent.items()}
 
 
-def _measure61(steps: int) -> dict[str, float]:
-    """µs of CPU per step of the runner's measurement of a 61-layer step at N = 2 (366 comm
-    records: per layer and ubatch a counts message, a dispatch and a combine, two thirds waited
-    for in flight, as ``benchmarks/measure_cost.py`` makes them): ``host_timing`` and ``_measured``
-    (record, ledger) of a real runner; with ``RunnerConfig.measure_every`` where the side has it,
-    the same per step over a run of steps (the sampled steps' cost spread over all)."""
+async def _measure61(steps: int) -> dict[str, float]:
+    """µs of CPU per step of the runner's whole measurement of a 61-layer step at N = 2 (366 comm
+    works: per layer and ubatch a counts message, a dispatch and a combine, two thirds waited for
+    in flight, at the times ``benchmarks/measure_cost.py`` gives them): the run's stats made from
+    the works as the side's run leaves them (``asyncdbo.dbo.run._stats``: the records, or the
+    stamps), ``host_timing`` and ``_measured`` (record, ledger) of a real runner; with
+    ``RunnerConfig.measure_every`` where the side has it, the same per step over a run of steps
+    (the sampled steps' fold spread over all; the stats are made every step)."""
+    import importlib
     import inspect
+    from types import SimpleNamespace
 
-    from asyncdbo.backends import CommRecord
-    from asyncdbo.dbo import RunStats
+    from asyncdbo import dbo_submit, dbo_yield, run_ubatches
+    from asyncdbo.lowlevel import get_ubatch
+    from asyncdbo.backends import RunStreams, get_backend
+    run_mod = importlib.import_module("asyncdbo.dbo.run")  # (asyncdbo.dbo's ``run`` is the function)
     from asyncdbo.serving import DBORunner
     from asyncdbo.serving import runner as runner_mod
 
-    comm, t = [], 0.0
-    for _layer in range(61):
-        for ub in range(2):
-            for k, what in enumerate(("counts", "dispatch", "combine")):
-                t += 1e-4
-                comm.append(CommRecord(ub=ub, what=what, nbytes=4096, t_issue=t, t_done=t + 3e-4,
-                                       t_wait=t + 1e-4 if k else None))
-    stats = RunStats(num_ubatches=2, num_switches=0, num_parks=0, time_asleep_s=1e-3, comm=tuple(comm))
+    class _Future:  # never completed: the run's ubatches do not wait (each work is issued from compute)
+        def add_done_callback(self, fn: Any) -> None:
+            pass
+
+    class _Work:
+        def get_future(self) -> _Future:
+            return _Future()
+
+    held: list[Any] = []
+
+    async def layers(ub: int) -> None:
+        for _layer in range(61):
+            for what in ("counts", "dispatch", "combine"):
+                dbo_submit(_Work(), nbytes=4096, what=what)
+            await dbo_yield()
+        if ub == 1:
+            ext = get_ubatch().run.ext
+            held.append((ext.comm, getattr(ext, "stamps", None)))  # the list and the stamps the run filled
+
+    await run_ubatches(layers, [(0,), (1,)], backend="host")
+    works, stamps = held[0]
+    t = 0.0
+    for j, w in enumerate(works):  # the times measure_cost.py gives: issue every 0.1 ms, 0.3 ms in flight
+        t += 1e-4
+        k = j % 3
+        if stamps is not None:
+            stamps.t_issue[w.row], stamps.t_done[w.row] = t, t + 3e-4
+            if k:
+                stamps.t_wait[w.row] = t + 1e-4
+        else:
+            w.t_issue, w.t_done, w.t_wait = t, t + 3e-4, (t + 1e-4 if k else None)
+    dbo_ns = SimpleNamespace(ubatches=(0, 1), num_switches=0, num_parks=0, time_asleep_s=1e-3)
+    state_ns = SimpleNamespace(backend=get_backend("host"), comm=works, stamps=stamps, blocking=[])
+    state_ns.comm_records = lambda: RunStreams.comm_records(state_ns)  # type: ignore[arg-type]
+
     batch = _batch(64)
     runner = DBORunner(_Trivial(), _config())
     plan = runner._plan_any(batch, None)[0]
@@ -232,6 +265,7 @@ def _measure61(steps: int) -> dict[str, float]:
     measure = getattr(runner_mod, "step_timing", None)
 
     def once(i: int) -> None:
+        stats = run_mod._stats(dbo_ns, state_ns)  # type: ignore[arg-type]
         timing = (measure(stats, 2e-2, i, SAMPLE_EVERY) if measure is not None
                   else getattr(runner_mod, "host_timing")(stats, 2e-2))
         measured: Any = runner._measured
@@ -376,8 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"and any other configuration in 1.5 ms, so it settles and stays), interleaved in blocks of 10 steps "
                  f"with a fixed N = 2 runner and a plain off runner (`enabled=False`):\n\n")
     lines += auto_table(sides)
-    lines.append("\nThe runner's measurement of a 61-layer step at N = 2 (366 comm records made outside the timing, as "
-                 "`benchmarks/measure_cost.py` makes them): `host_timing` and `_measured` per step (`every step`), "
+    lines.append("\nThe runner's measurement of a 61-layer step at N = 2 (366 comm works, their records or stamps made in the timing as the run's stats make them, "
+                 "at `benchmarks/measure_cost.py`'s times): the run's stats (`_stats`), `host_timing` and `_measured` per step (`every step`), "
                  "and, where the side samples (`RunnerConfig.measure_every`, default), per step over a run of steps "
                  "(`sampled`):\n\n")
     lines += measure_table(sides)

@@ -13,6 +13,8 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from .stamps import CommRecord, CommStamps
+
 if TYPE_CHECKING:
     from .._core import DBORun, Signal, UBatch
 
@@ -21,6 +23,7 @@ __all__ = [
     "ROLES",
     "CommHandle",
     "CommRecord",
+    "CommStamps",
     "DoneWork",
     "Role",
     "RunStreams",
@@ -86,31 +89,6 @@ COMPLETED = DoneWork("completed")
 the primitives outside a run return."""
 
 
-@dataclass(frozen=True)
-class CommRecord:
-    """One comm work a backend tracked in a run, for the tools that report comm time: the ubatch
-    that issued it, what it was, its bytes, when it was issued, when the transport completed it
-    (``t_done``, None while in flight), when a modeled link released it (``t_release``, None
-    without one) and when a ubatch first waited for it while it was still in flight (``t_wait``,
-    None if it was done before anyone waited: the issuing ubatch's own compute hid it); all on the
-    run's clock."""
-
-    ub: int
-    what: str
-    nbytes: int
-    t_issue: float
-    t_done: float | None
-    t_release: float | None = None
-    t_wait: float | None = None
-
-    @property
-    def t_end(self) -> float | None:
-        """When the waiting ubatch could go on: the later of completion and release."""
-        if self.t_done is None:
-            return None
-        return self.t_done if self.t_release is None else max(self.t_done, self.t_release)
-
-
 @dataclass(eq=False, slots=True)
 class UBatchStreams:
     """One ubatch's place on the device: its streams and done-events by role, the role and stream
@@ -142,11 +120,15 @@ class RunStreams:
     policy: StreamPolicy
     lanes: list[Any]  # list[UBatchStreams] (or the DBO layer's subclass)
     comm: list[Any] = field(default_factory=list)  # backend-specific work handles, in issue order
+    # the times of the works in ``comm`` (the host backend stamps them; None until a run's first work)
+    stamps: CommStamps | None = None
     # what the backend kept of an earlier run of these lanes for the next one (StreamBackend.keep)
     kept: Any = field(default=None, init=False, repr=False)
 
     def comm_records(self) -> list[CommRecord]:
         """Every tracked work as a :class:`CommRecord` (the backend knows its handles' fields)."""
+        if self.stamps is not None and len(self.stamps) == len(self.comm):
+            return self.stamps.records()
         return [self.backend.comm_record(w) for w in self.comm]
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._core import Clock, MonotonicClock, Signal
 from .._core.fastpath import counts, same_counts
-from .base import CommRecord, RunStreams, StreamBackend, UBatchStreams
+from .base import CommRecord, CommStamps, RunStreams, StreamBackend, UBatchStreams
 from .links import LinkSpec, link_spec
 
 if TYPE_CHECKING:
@@ -68,23 +68,49 @@ class HostEvent:
 
 class HostWork:
     """One async comm work. ``await work`` parks the ubatch until it completes; ``wait()`` blocks
-    (outside a DBO run). ``t_issue``/``t_done``/``t_release`` (the run's clock) feed the trace
-    numbers, ``t_wait`` (the first wait on it while in flight) the runner's per-step overlap
-    measure (:mod:`asyncdbo.serving.measure`); ``ub`` is the issuing ubatch (None outside a run)."""
+    (outside a DBO run). Its times live in row ``row`` of its run's :class:`CommStamps`
+    (``t_issue``/``t_done``/``t_release``, the run's clock, feed the trace numbers, ``t_wait``, the
+    first wait on it while in flight, the runner's per-step overlap measure,
+    :mod:`asyncdbo.serving.measure`); read here as attributes, None where not stamped. ``ub`` is
+    the issuing ubatch (None outside a run)."""
 
-    __slots__ = ("what", "nbytes", "signal", "t_issue", "t_done", "t_release", "t_wait", "work", "ub", "clock")
+    __slots__ = ("what", "nbytes", "signal", "work", "ub", "clock", "stamps", "row")
 
-    def __init__(self, what: str, nbytes: int, work: Any, arrivals: int, clock: Clock, ub: int | None) -> None:
+    def __init__(self, what: str, nbytes: int, work: Any, arrivals: int, clock: Clock, ub: int | None,
+                 stamps: CommStamps | None = None) -> None:
         self.what = what
         self.nbytes = nbytes
         self.work = work
         self.ub = ub
         self.clock = clock
         self.signal = Signal(what, external=True, arrivals=arrivals)
-        self.t_issue = clock.now()
-        self.t_done: float | None = None
-        self.t_release: float | None = None
-        self.t_wait: float | None = None
+        self.stamps = stamps = CommStamps() if stamps is None else stamps  # outside a run: its own
+        self.row = stamps.add(-1 if ub is None else ub, nbytes, what, clock.now())
+
+    @property
+    def t_issue(self) -> float:
+        return self.stamps.t_issue[self.row]
+
+    @property
+    def t_done(self) -> float | None:
+        t = self.stamps.t_done[self.row]
+        return None if t != t else t
+
+    @property
+    def t_release(self) -> float | None:
+        t = self.stamps.t_release[self.row]
+        return None if t != t else t
+
+    @property
+    def t_wait(self) -> float | None:
+        t = self.stamps.t_wait[self.row]
+        return None if t != t else t
+
+    def waited(self, now: float) -> None:
+        """Stamp ``now`` as the first wait on this work, unless one was stamped before."""
+        column = self.stamps.t_wait
+        if column[self.row] != column[self.row]:  # NaN: no wait yet
+            column[self.row] = now
 
     def done(self) -> bool:
         return self.signal.done()
@@ -94,7 +120,7 @@ class HostWork:
         return self.signal.done() and self.signal.exception() is None
 
     def _on_complete(self, fut: Any) -> None:  # gloo's thread, or inline if already complete
-        self.t_done = self.clock.now()
+        self.stamps.t_done[self.row] = self.clock.now()
         exc = None
         try:
             fut.value()
@@ -103,8 +129,8 @@ class HostWork:
         self.signal.set(exc)
 
     def __await__(self) -> Any:
-        if self.t_wait is None and not self.signal.done():
-            self.t_wait = self.clock.now()
+        if not self.signal.done():
+            self.waited(self.clock.now())
         return self.signal.__await__()
 
     def stream_wait(self) -> None:
@@ -113,8 +139,9 @@ class HostWork:
     def wait(self) -> None:
         """Block this thread until the work (and the modeled link) completes."""
         self.work.wait()
-        if self.t_release is not None:
-            delay = self.clock.wait_s(self.t_release)
+        release = self.t_release
+        if release is not None:
+            delay = self.clock.wait_s(release)
             if delay > 0:
                 time.sleep(delay)
         if self.signal.exception() is not None:
@@ -262,8 +289,7 @@ class HostBackend(StreamBackend):
         # parked, so the comm is hidden only if another ubatch computes (serving.measure reads it).
         now = pending[0].clock.now()
         for w in pending:
-            if w.t_wait is None:
-                w.t_wait = now
+            w.waited(now)
         if len(pending) == 1:
             return pending[0].signal  # awaiting it raises if the work failed
         # named by the works ("ub0 dispatch + ub1 dispatch": under the role policy one ubatch's
@@ -282,17 +308,24 @@ class HostBackend(StreamBackend):
         compute role it joins no stream: the schedule awaits the handle); outside, it is waited
         for at once (serial semantics). ``options`` (the sim's race-checker hints) are
         ignored."""
-        run = None if lane is None else lane.ub.run
+        if lane is None:
+            run = stamps = None
+        else:
+            run = lane.ub.run
+            state = run.ext
+            stamps = state.stamps
+            if stamps is None:  # the run's first work: its stamps (asyncdbo.dbo.shell drops them after the run)
+                stamps = state.stamps = CommStamps()
         clock = _MONOTONIC if run is None else run.clock
         hw = HostWork(what, nbytes, work, arrivals=2 if self.link is not None else 1, clock=clock,
-                      ub=None if lane is None else lane.ub.id)
+                      ub=None if lane is None else lane.ub.id, stamps=stamps)
         if self.link is not None:
             with self._lock:
                 start = max(hw.t_issue, self._link_free_at)
                 self._link_free_at = start + nbytes / self.link.bandwidth_Bps
-                hw.t_release = start + self.link.transfer_s(nbytes)
+                release = hw.stamps.t_release[hw.row] = start + self.link.transfer_s(nbytes)
             if run is not None:
-                run.call_at(hw.t_release, hw.signal.set)
+                run.call_at(release, hw.signal.set)
             else:
                 hw.signal.set()  # the blocking wait() below sleeps until the release time
         work.get_future().add_done_callback(hw._on_complete)
@@ -313,9 +346,7 @@ class HostBackend(StreamBackend):
 
     def comm_record(self, handle: Any) -> CommRecord:
         assert isinstance(handle, HostWork), handle
-        return CommRecord(ub=-1 if handle.ub is None else handle.ub, what=handle.what, nbytes=handle.nbytes,
-                          t_issue=handle.t_issue, t_done=handle.t_done, t_release=handle.t_release,
-                          t_wait=handle.t_wait)
+        return handle.stamps.record(handle.row)
 
 
 _SHARED: list[HostBackend] = []

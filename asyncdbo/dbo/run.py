@@ -14,10 +14,10 @@ import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, fields
 from types import CoroutineType, FunctionType
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from .._core import DBORun, Fanout, Instrument, from_the_ubatch
-from ..backends import CommRecord, StreamBackend, get_backend
+from ..backends import CommRecord, CommStamps, StreamBackend, get_backend
 from .debug import DebugMode, debug_instruments
 from .hooks import RUN_GUARD
 from .options import DBOOptions, _options
@@ -93,7 +93,10 @@ class RunStats:
     """What one run cost: ``num_switches`` (handovers at a yield), ``num_parks`` (times a ubatch
     parked on a signal or future), ``time_asleep_s`` (time every ubatch was parked: exposed waits,
     on the host backend comm nothing hid), ``comm`` (every comm work the backend tracked; empty on
-    accelerators, whose timing lives in device events)."""
+    accelerators, whose timing lives in device events).
+
+    A run's stats keep its works' times as :class:`~asyncdbo.backends.CommStamps` (:attr:`stamps`,
+    what the runner's measurement folds) and make ``comm``'s records on its first read."""
 
     num_ubatches: int
     num_switches: int
@@ -101,6 +104,28 @@ class RunStats:
     time_asleep_s: float
     comm: tuple[CommRecord, ...]
     blocking: tuple[Any, ...] = ()  # debug mode: asyncdbo.dbo.debug.BlockingStep records
+
+    @property
+    def stamps(self) -> CommStamps:
+        """The comm works' times as arrays, read without a :class:`~asyncdbo.backends.CommRecord`
+        each where the run stamped them (else made from ``comm``; without works one empty
+        :class:`~asyncdbo.backends.CommStamps` shared by every such run: read it, add nothing)."""
+        stamps: CommStamps | None = self.__dict__.get("_stamps")
+        if stamps is not None:
+            return stamps
+        return CommStamps.of(self.comm) if self.comm else _NO_STAMPS
+
+    if not TYPE_CHECKING:  # (mypy would take every attribute name for one this makes)
+
+        def __getattr__(self, name: str) -> Any:
+            """``comm`` of a run's stats, made from its stamps on the first read and kept (the
+            stamps then leave: the stats hold what ``RunStats(...)`` holds, field for field)."""
+            d = self.__dict__
+            if name != "comm" or "_stamps" not in d:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            d["comm"] = tuple(d["_stamps"].records())
+            del d["_stamps"]
+            return d["comm"]
 
 
 # Keyword options made of plain values (names, numbers, flags) map to one shared frozen
@@ -221,20 +246,30 @@ def _stats(dbo: DBORun, state: RunState) -> RunStats:
     """The run's :class:`RunStats`, its fields stored at once: a frozen dataclass's ``__init__``
     stores each through a call of ``object.__setattr__``, and every run of a serving loop pays
     for them (benchmarks/run_setup.py). tests/dbo/test_prepared.py checks that this is the
-    object ``RunStats(...)`` builds, field for field."""
+    object ``RunStats(...)`` builds, field for field. The comm works' records are left to the
+    first read of ``comm``: the stats keep a copy of the run's stamps (one record per work was
+    most of a measured step's cost, issue 46)."""
     stats = _NEW(RunStats)
-    _SET(stats, "__dict__", {
+    fields_ = {
         "num_ubatches": len(dbo.ubatches),
         "num_switches": dbo.num_switches,
         "num_parks": dbo.num_parks,
         "time_asleep_s": dbo.time_asleep_s,
-        "comm": tuple(state.comm_records()) if state.comm else (),
         "blocking": tuple(state.blocking) if state.blocking else (),
-    })
+    }
+    stamps = state.stamps
+    if not state.comm:
+        fields_["comm"] = ()
+    elif stamps is not None and len(stamps) == len(state.comm):
+        fields_["_stamps"] = stamps.frozen()
+    else:  # a backend that tracks works without stamps
+        fields_["comm"] = tuple(state.comm_records())
+    _SET(stats, "__dict__", fields_)
     return stats
 
 
 _NEW, _SET = object.__new__, object.__setattr__
+_NO_STAMPS = CommStamps()  # RunStats.stamps of a run without comm works (most runs: not one made per step)
 
 
 def _finish(state: RunState, exc: BaseException | None) -> None:

@@ -158,6 +158,8 @@ def _idle(shell: Shell) -> None:
         state.comm_account = None
     if state.comm:
         state.comm = []
+    if state.stamps is not None:  # the works' handles keep it: the next run stamps into its own
+        state.stamps = None
     if state.events:
         state.events = {}
     if state.blocking:

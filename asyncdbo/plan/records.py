@@ -92,7 +92,9 @@ class StepRecord:
 
     ``config`` names the configuration the step ran (e.g. ``'N=2 token auto'``, ``'off'``),
     ``timing`` its measured cost (None until the runner fills it in), ``evidence`` why the
-    ``"auto"`` policy chose it (empty under a fixed configuration).
+    ``"auto"`` policy chose it (empty under a fixed configuration). ``evidence`` may be given as
+    an object whose ``str()`` is the text (a snapshot of what it says): the text is made on its
+    first read, and read as a ``str`` (the runner leaves it to a reader, issue 46).
     """
 
     step: int
@@ -107,6 +109,32 @@ class StepRecord:
     config: str = ""
     timing: StepTiming | None = None
     evidence: str = ""
+
+
+class _TextOnRead:
+    """The descriptor of :attr:`StepRecord.evidence`: a ``str`` on every read, made by ``str()``
+    of what was stored on the first read and kept (the slot's own descriptor does the storing;
+    the record stays frozen to its users). ``raw`` reads what is stored, as :func:`with_fields`
+    copies it to a new record without making the text."""
+
+    def __init__(self, slot: Any) -> None:
+        self.raw = slot
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        value = self.raw.__get__(obj, owner)
+        if type(value) is not str:
+            value = str(value)
+            self.raw.__set__(obj, value)
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        self.raw.__set__(obj, value)
+
+
+setattr(StepRecord, "evidence", _TextOnRead(StepRecord.__dict__["evidence"]))
+setattr(StepRecord, "_raw_evidence", StepRecord.__dict__["evidence"].raw)
 
 
 def log_record(rec: StepRecord) -> None:
@@ -157,13 +185,16 @@ _GETTERS: dict[type, tuple[Callable[[Any], tuple[Any, ...]], dict[str, int]]] = 
 def with_fields(obj: _T, **changes: Any) -> _T:
     """``dataclasses.replace(obj, **changes)`` for a dataclass whose fields are all ``__init__``
     arguments in order (StepRecord, StepPlan): every field read at once and passed by position,
-    a few times cheaper than ``replace``'s per-field loop, which the runner paid twice per step."""
+    a few times cheaper than ``replace``'s per-field loop, which the runner paid twice per step.
+    A field the class also has as ``_raw_NAME`` is copied as stored (StepRecord's evidence: its
+    text is not made for the copy)."""
     cls = type(obj)
     got = _GETTERS.get(cls)
     if got is None:
         names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
         assert all(f.init and not f.kw_only for f in dataclasses.fields(cls)), cls  # type: ignore[arg-type]
-        got = _GETTERS[cls] = (operator.attrgetter(*names), {n: i for i, n in enumerate(names)})
+        reads = [f"_raw_{n}" if hasattr(cls, f"_raw_{n}") else n for n in names]
+        got = _GETTERS[cls] = (operator.attrgetter(*reads), {n: i for i, n in enumerate(names)})
     getter, index = got
     args = list(getter(obj))
     for name, value in changes.items():

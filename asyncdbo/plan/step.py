@@ -182,7 +182,7 @@ def plan_step(
     max_ubatches: int | None = None,
     decision: DPDecision | None = None,
     config: str = "",
-    evidence: str = "",
+    evidence: str | object = "",
     max_seq_len: str = "ubatch",
 ) -> StepPlan:
     """Plan one step: decide whether to microbatch, and if so how.
@@ -203,7 +203,8 @@ def plan_step(
     (``MoELayer(max_ubatches=...)``); more is a ValueError here, not a failure mid-step.
     ``decision``: a DP decision the caller already took this step (the ``"auto"`` runner votes
     once with its measurements and decides the configuration from that vote): used as it is, no
-    threshold test and no second vote. ``config`` and ``evidence`` go into the record.
+    threshold test and no second vote. ``config`` and ``evidence`` go into the record (``evidence``
+    a str, or an object whose ``str()`` the record makes its text on the first read).
     ``max_seq_len``: each ubatch's metadata carries its own longest request (``"ubatch"``) or the
     whole step's (``"batch"``, vLLM's rule: :func:`~asyncdbo.plan.split_attn_metadata`).
     """
@@ -269,7 +270,7 @@ def plan_step(
         policy=policy,
         ranks=decision.ranks if decision is not None else (),
         config=config,
-        evidence=evidence,
+        evidence=evidence,  # type: ignore[arg-type]  # a str when read (StepRecord.evidence)
     )
     log_record(record)
     if stats is not None:

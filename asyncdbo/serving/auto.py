@@ -65,6 +65,7 @@ from typing import Literal
 
 from ..plan import DPDecision
 from .auto_config import OFF, Arm, AutoConfig, splittable_mask, threshold_prior
+from .auto_evidence import Evidence, fmt_samples
 from .auto_watch import Reexploration, Watch, summarize
 from .compare import (Comparison, compare, compare_paired, decisive, paired_sigma,
                       pooled_sigma, relative_sigma)
@@ -72,9 +73,9 @@ from .measure import shape_bucket
 
 # Arm, AutoConfig and the comparisons live in asyncdbo.serving.auto_config and .compare; they are
 # named here too, where the policy's users have imported them from.
-__all__ = ["Arm", "AutoConfig", "AutoPolicy", "Comparison", "OFF", "Reexploration", "choose_for_group", "compare",
-           "compare_paired", "decisive", "group_choice", "paired_sigma", "pooled_sigma", "relative_sigma", "splittable_mask",
-           "threshold_prior"]
+__all__ = ["Arm", "AutoConfig", "AutoPolicy", "Comparison", "Evidence", "OFF", "Reexploration", "choose_for_group",
+           "compare", "compare_paired", "decisive", "group_choice", "group_choice_lazy", "paired_sigma", "pooled_sigma",
+           "relative_sigma", "splittable_mask", "threshold_prior"]
 
 
 #: A configuration's standing after its comparison: ``"slower"`` (separated: clearly slower than the
@@ -164,6 +165,11 @@ class AutoPolicy:
         it runs off instead (the pinned one, or the bucket's choice where no trial can run either),
         else None. A step off for that reason is the split policy's refusal, as a fixed runner
         records it (``PlanReason.POLICY_REFUSED``), not a choice of off."""
+        arm, evidence, refused = self._choose(name, feasible)
+        return arm, str(evidence), refused
+
+    def _choose(self, name: str, feasible: Callable[[Arm], bool]) -> tuple[Arm, str | Evidence, Arm | None]:
+        """:meth:`choose_refused`, a settled choice's evidence left as a snapshot to put in words."""
         pinned = self._pins.get(name)
         if pinned is not None:
             if feasible(pinned):
@@ -192,7 +198,7 @@ class AutoPolicy:
         if not feasible(inc):  # off and the token split always can: inc is a request-aligned split
             return OFF, (f"{name}: {inc.label} cannot split this batch (a {inc.split} split leaves a ubatch without "
                          f"real tokens), off; {self.evidence(name)}"), inc
-        return inc, f"{name}: {self.evidence(name)}", None
+        return inc, self._evidence(b, f"{name}: "), None
 
     def _turn(self, b: _Bucket, arm: Arm) -> tuple[Arm, str]:
         """Whose step it is in trial ``arm``'s comparison, and why: the trial's warm-up, then the
@@ -255,17 +261,17 @@ class AutoPolicy:
         ``'best N=2 token auto 41.20±0.30 us/token (5); off 48.00±2.10 (3, slower vs N=2 token auto
         41.10±0.40 (3), ratio 1.168)'``; a trial under way shows the incumbent's samples paired with
         it so far."""
-        b = self.bucket(name)
-        inc = b.samples.get(b.incumbent)
-        first = (f"{b.incumbent.label} {_fmt(inc)} us/token ({len(inc)})" if inc
-                 else f"{b.incumbent.label} (the choice before, unmeasured since)" if b.explored_again
-                 else f"{b.incumbent.label} (prior, unmeasured)")
+        return str(self._evidence(self.bucket(name), ""))
+
+    def _evidence(self, b: _Bucket, head: str) -> Evidence:
+        """:meth:`evidence` after ``head``, as a snapshot (:class:`Evidence`) put in words on its first read."""
         rest = b.settled_rest
         if rest is None:
             rest = self._evidence_rest(b)
             if b.watch is not None:
                 b.settled_rest = rest
-        return "best " + first + rest
+        inc = b.samples.get(b.incumbent)
+        return Evidence(head, b.incumbent.label, tuple(inc) if inc else None, bool(b.explored_again), rest)
 
     def _evidence_rest(self, b: _Bucket) -> str:
         """:meth:`evidence` after the choice's own part: the other configurations' comparisons,
@@ -277,12 +283,12 @@ class AutoPolicy:
                 continue
             if arm in b.compared:
                 w, mine, theirs, ratio = b.compared[arm]
-                parts.append(f"{arm.label} {_fmt(mine)} ({len(mine)}, {b.verdicts[arm]} vs {w.label} {_fmt(theirs)} "
+                parts.append(f"{arm.label} {fmt_samples(mine)} ({len(mine)}, {b.verdicts[arm]} vs {w.label} {fmt_samples(theirs)} "
                              f"({len(theirs)}), ratio {ratio:.3f})")
             else:
                 pi = b.paired.get(arm)
-                paired = f", {b.incumbent.label} paired {_fmt(pi)} ({len(pi)})" if pi else ""
-                parts.append(f"{arm.label} {_fmt(xs)} ({len(xs)}{paired})")
+                paired = f", {b.incumbent.label} paired {fmt_samples(pi)} ({len(pi)})" if pi else ""
+                parts.append(f"{arm.label} {fmt_samples(xs)} ({len(xs)}{paired})")
         for arm in b.schedule:
             r = self._pruned(b, arm) if self.cfg.climb and arm not in b.verdicts and arm != b.incumbent else None
             if r is not None:
@@ -406,22 +412,6 @@ class AutoPolicy:
         self.reexplorations.append(r)
 
 
-def _fmt(xs: Sequence[float]) -> str:
-    """``median±half the interquartile range`` in µs: statistics.median and interquartile_range's
-    quantiles(n=4, method="inclusive"), their arithmetic as they do it, over ONE sorted copy (a
-    settled bucket formats its choice's samples every step)."""
-    data = sorted(xs)
-    ld = len(data)
-    i = ld // 2
-    med = data[i] if ld % 2 == 1 else (data[i - 1] + data[i]) / 2
-    iqr = 0.0
-    if ld >= 2:
-        j1, d1 = divmod(ld - 1, 4)
-        j3, d3 = divmod(3 * (ld - 1), 4)
-        iqr = (data[j3] * (4 - d3) + data[j3 + 1] * d3) / 4 - (data[j1] * (4 - d1) + data[j1 + 1] * d1) / 4
-    return f"{med * 1e6:.2f}±{iqr / 2 * 1e6:.2f}"
-
-
 def choose_for_group(policy: AutoPolicy, arms: Sequence[Arm], decision: DPDecision, uniform_R: Sequence[int],
                      mask_R: Sequence[int]) -> tuple[str, Arm, str]:
     """The group's step: its shape bucket (from the largest rank's real tokens, decode when every
@@ -439,6 +429,14 @@ def group_choice(policy: AutoPolicy, arms: Sequence[Arm], decision: DPDecision, 
     """:func:`choose_for_group`, and the configuration the policy would run but some rank's batch
     cannot split (:meth:`AutoPolicy.choose_refused`; the step runs off), else None: what the runner
     and the simulator record a step by."""
+    bucket, arm, evidence, refused = group_choice_lazy(policy, arms, decision, uniform_R, mask_R)
+    return bucket, arm, str(evidence), refused
+
+
+def group_choice_lazy(policy: AutoPolicy, arms: Sequence[Arm], decision: DPDecision, uniform_R: Sequence[int],
+                      mask_R: Sequence[int]) -> tuple[str, Arm, str | Evidence, Arm | None]:
+    """:func:`group_choice`, a settled choice's evidence left as an :class:`Evidence` snapshot
+    whose ``str()`` is the text (the runner's records make it on their first read)."""
     busy = [r for r, v in enumerate(decision.ranks) if v.vote != "idle"]
     bucket = shape_bucket(max(decision.num_tokens_across_dp, default=0), bool(busy) and all(uniform_R[r] for r in busy))
     if not decision.should_ubatch:
@@ -446,5 +444,5 @@ def group_choice(policy: AutoPolicy, arms: Sequence[Arm], decision: DPDecision, 
     group_mask = -1
     for r in busy:
         group_mask &= mask_R[r]
-    arm, evidence, refused = policy.choose_refused(bucket, lambda a: bool(group_mask >> arms.index(a) & 1))
+    arm, evidence, refused = policy._choose(bucket, lambda a: bool(group_mask >> arms.index(a) & 1))
     return bucket, arm, evidence, refused

@@ -2,9 +2,9 @@
 
 :func:`host_timing` turns a run's :class:`~asyncdbo.dbo.RunStats` into a
 :class:`~asyncdbo.plan.StepTiming` from what the host backend already tracks per comm work (issue,
-first wait while in flight, ready) and the kernel's time with every ubatch parked: a few list
-operations per step over the step's works, nothing per yield (see "Measuring every step" in
-``docs/auto.md`` for the cost). :class:`OverlapLedger` keeps the account over the steps so far,
+first wait while in flight, ready) and the kernel's time with every ubatch parked: a few array
+operations per step over the step's works' stamps, nothing per yield (see "Measuring every step"
+in ``docs/auto.md`` for the cost). :class:`OverlapLedger` keeps the account over the steps so far,
 per configuration, and :meth:`OverlapLedger.summary` says in one line what DBO paid and why steps
 fell out (``DBORunner.report()``).
 """
@@ -15,7 +15,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..backends import CommRecord
+import numpy as np
+
 from ..dbo import RunStats
 from ..plan import PlanReason, StepRecord, StepTiming
 
@@ -50,38 +51,56 @@ def _union_sorted(intervals: list[tuple[float, float]]) -> float:
     return total + (cur_end - cur_start)
 
 
+def _union_np(start: np.ndarray, end: np.ndarray) -> float:
+    """:func:`union_s` of the intervals ``[start[i], end[i]]``, as array operations: the non-empty
+    ones in order of start (a run's issue times already are), the running maximum of their ends,
+    a span closing where a start passes it. The spans are summed in order (``cumsum``, not numpy's
+    pairwise ``sum``), as :func:`_union_sorted` adds them: the same float, bit for bit."""
+    keep = end > start
+    if not keep.all():
+        start, end = start[keep], end[keep]
+    n = start.size
+    if n == 0:
+        return 0.0
+    if n > 1 and not (start[1:] >= start[:-1]).all():
+        order = np.argsort(start, kind="stable")
+        start, end = start[order], end[order]
+    reach = np.maximum.accumulate(end)
+    opens = np.flatnonzero(start[1:] > reach[:-1])  # span k + 1 opens at opens[k] + 1
+    if not opens.size:
+        return float(reach[-1] - start[0])
+    spans = np.empty(opens.size + 1)
+    spans[0] = reach[opens[0]] - start[0]
+    spans[1:-1] = reach[opens[1:]] - start[opens[:-1] + 1]
+    spans[-1] = reach[-1] - start[opens[-1] + 1]
+    return float(np.cumsum(spans)[-1])
+
+
 def host_timing(stats: RunStats, step_s: float) -> StepTiming:
-    """The step's :class:`~asyncdbo.plan.StepTiming` from the host backend's comm records (a
+    """The step's :class:`~asyncdbo.plan.StepTiming` from the host backend's comm stamps (a
     backend that tracks none, an accelerator's, gives the step time alone).
 
     comm = union of [issue, ready]; waited = union of [first wait, ready] (a ubatch parked on the
     work); exposed = the kernel's time with every ubatch parked (capped at waited; all of waited
     with one ubatch); hidden by other ubatches = waited - exposed (parked, but another ubatch ran);
-    hidden by its own ubatch = comm - waited."""
-    comm: tuple[CommRecord, ...] = stats.comm
-    if not comm:
+    hidden by its own ubatch = comm - waited. Folded as arrays over the run's
+    :class:`~asyncdbo.backends.CommStamps`: no object per work (issue 46)."""
+    stamps = stats.stamps
+    if not len(stamps):
         if stats.time_asleep_s > 0:  # parked on something the backend does not track
             return StepTiming(step_s=step_s, num_ubatches=stats.num_ubatches)
         return StepTiming(step_s=step_s, num_ubatches=stats.num_ubatches, comm_s=0.0, exposed_s=0.0,
                           hidden_by_others_s=0.0, hidden_own_s=0.0, source="host")
-    flight: list[tuple[float, float]] = []
-    waits: list[tuple[float, float]] = []
-    add_flight, add_wait = flight.append, waits.append
-    for c in comm:  # CommRecord.t_end inlined: this loop is the part that grows with the works
-        end = c.t_done
-        if end is None:
-            continue
-        release = c.t_release
-        if release is not None and release > end:
-            end = release
-        add_flight((c.t_issue, end))
-        wait = c.t_wait
-        if wait is not None:
-            add_wait((wait, end))
-    flight.sort()  # in place: issue order is nearly sorted already
-    waits.sort()
-    comm_s = _union_sorted(flight)
-    waited = min(_union_sorted(waits), comm_s)
+    issue, done, release, wait = stamps.times()
+    ready = np.fmax(done, release)  # the later of completion and release (fmax: a NaN release is none)
+    landed = done == done  # not NaN: completed (a work still in flight is in neither union)
+    waited_on = wait == wait
+    if landed.all():
+        comm_s = _union_np(issue, ready)
+    else:
+        comm_s = _union_np(issue[landed], ready[landed])
+        waited_on &= landed
+    waited = min(_union_np(wait[waited_on], ready[waited_on]), comm_s)
     # One ubatch: nobody else can run while it waits, so all its waiting is exposed. The kernel's
     # asleep time is that same span read at other moments (after the kernel's own bookkeeping
     # around the park), which under load came out 20 us shorter and read as "hidden by others".

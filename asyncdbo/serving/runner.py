@@ -76,7 +76,7 @@ from ..plan import (
 from ..plan._checks import check_bool
 from ..plan.records import with_fields
 from ..plan.slices import CheckedOffsets, as_query_start_loc
-from .auto import OFF, Arm, AutoPolicy, group_choice, splittable_mask, threshold_prior
+from .auto import OFF, Arm, AutoPolicy, group_choice_lazy, splittable_mask, threshold_prior
 from .batch import Batch
 from .measure import OverlapLedger, shape_bucket, step_timing
 from .runner_config import RunnerConfig, StepResult, check_ep_group, check_model
@@ -289,12 +289,13 @@ class DBORunner:
             auto.observe(bucket, arm, max(last_R) * 1e-9 / max(tokens, 1))
         tokens = max(decision.num_tokens_across_dp)
         self._last = None
-        bucket, arm, evidence, refused = group_choice(auto, self._arms, decision, uniform_R, mask_R)
+        # the evidence of a settled choice is a snapshot the record puts in words when read
+        bucket, arm, evidence, refused = group_choice_lazy(auto, self._arms, decision, uniform_R, mask_R)
         if decision.should_ubatch and arm == OFF:
             # off by the policy's choice, or because the configuration it would run (pinned, or the
             # bucket's choice) cannot split this batch: the split policy's refusal, as a fixed runner's
             reason = PlanReason.AUTO_OFF if refused is None else PlanReason.POLICY_REFUSED
-            decision = with_fields(decision, should_ubatch=False, reason=reason, detail=evidence)
+            decision = with_fields(decision, should_ubatch=False, reason=reason, detail=str(evidence))
         if tokens > 0 and refused is None:  # a refused step ran off out of the schedule's turn: not a sample
             self._last = (bucket, arm, tokens)
         return plan_step(

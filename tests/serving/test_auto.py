@@ -540,6 +540,28 @@ async def test_without_a_dp_group_auto_explores_no_dispatch_variant() -> None:
         "ratio 1.056); N=2 balanced auto 900.00±0.00 (3, tie vs N=2 token auto 900.00±0.00 (3), ratio 1.000)")
 
 
+@pytest.mark.asyncio
+async def test_a_settled_steps_evidence_says_what_the_policy_knew_at_that_step_when_read_later() -> None:
+    """The runner leaves a settled choice's evidence to be put in words when read (issue 46): a
+    record read after later steps says what it said read at its own step (two runners alike,
+    one read at each step, one at the end), while the choice's samples change step by step."""
+    texts = []
+    for read_at_once in (True, False):
+        clock = VirtualClock()
+        model = ClockedModel(clock, {1: 1.0e-3, 2: 0.9e-3, 3: 0.95e-3, 4: 1.0e-3}, jitter=0.02, seed=5)
+        runner = DBORunner(model, RunnerConfig(tuning="auto", thresholds=ThresholdConfig(decode_threshold=32)),
+                           clock=clock)
+        records, seen = [], []
+        for batch in decode_batches(BatchBuilder(CACHE), [64] * 30):
+            records.append((await runner.step(batch)).record)
+            if read_at_once:
+                seen.append(records[-1].evidence)
+        texts.append(seen if read_at_once else [r.evidence for r in records])
+    assert texts[0] == texts[1]
+    settled = [t for t in texts[1] if ": best " in t]
+    assert len(settled) >= 8 and len(set(settled)) > 1  # the choice's samples moved
+
+
 def test_auto_refuses_a_model_built_for_fewer_ubatches() -> None:
     class Two(ClockedModel):
         max_ubatches = 2

@@ -143,3 +143,28 @@ def test_runner_records_what_each_step_exposed_and_hid_on_a_modeled_link(pool: R
         assert r["report"].startswith("4 steps: ")
         assert "N=2 token split 2 steps" in r["report"] and "off 2 steps" in r["report"]
         assert r["report"].endswith("ran unsplit: 2 steps with DBO off (disabled)")  # disabled on every rank: the vote says so
+
+
+def test_the_array_fold_gives_the_unions_of_union_s_bit_for_bit() -> None:
+    """host_timing folds the stamps as arrays; its unions are union_s's, to the last bit (the spans
+    added in the same order), on random intervals with ties, empty ones and works in flight."""
+    import random
+
+    rng = random.Random(46)
+    for trial in range(300):
+        comm, flight, waits = [], [], []
+        for _ in range(rng.randrange(0, 30)):
+            start = rng.choice([round(rng.uniform(0, 10), 1), rng.uniform(0, 10)])
+            end = rng.choice([start, start - 0.5, start + rng.uniform(0, 3)])
+            wait = rng.choice([None, start + rng.uniform(-0.1, 2)])
+            done = rng.random() > 0.1
+            comm.append(CommRecord(ub=0, what="w", nbytes=1, t_issue=start, t_done=end if done else None, t_wait=wait))
+            if done:
+                flight.append((start, end))
+                if wait is not None:
+                    waits.append((wait, end))
+        t = host_timing(_stats(tuple(comm), asleep=0.0), 1.0)
+        if not comm:
+            continue
+        assert t.comm_s == union_s(flight), trial
+        assert t.hidden_by_others_s == min(union_s(waits), union_s(flight)), trial
