@@ -116,6 +116,8 @@ class _Hooks(Instrument):
             if be._lost_overlap(LostOverlap("skipped-recv-hook", site, None, owner)):
                 ub.ctx_run(run_pending_hook, ub)  # the counterfactual: the hook runs before the yield
         seg = be._segment.get(ub.id, 0)
+        if request is SWITCH:
+            be._hooks_at_yield(ub, seg)
         if request is SWITCH and be._preissue:
             ub.ctx_run(be._issue_early, ub, seg)
         if request is None and be._deferred.get(ub.id):  # ended with a moved await still pending
@@ -273,6 +275,8 @@ class SimBackend(OpAccounting, StreamBackend):
         self._seg_end: dict[tuple[int, int, int], float] = {}  # (stream, ubatch, segment) -> end of its last op
         self._pending_reads: dict[int, SimHandle] = {}  # storage -> the background transfer that writes it
         self._deferred: dict[int, list[SimHandle]] = {}  # ubatch -> awaits a counterfactual moved past its yield
+        self._hook_out: dict[int, int] = {}  # ubatch -> its last segment that ended with its recv hook held by another
+        self._unreceived: dict[int, list[SimHandle]] = {}  # ubatch -> its transfers no stream waited on yet
         self.undeferred = set()
         self._written_at: dict[int, float] = {}
         self._comm_ids: set[int] = set()  # streams comm ran on (a wait on them is a wait on comm)

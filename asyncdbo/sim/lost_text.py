@@ -62,6 +62,17 @@ def describe(lo: Any, head: str) -> str:
             "run while the transfer was in flight: issue it before the wait (before the yield or the switch "
             "that waits)",
         ])
+    if lo.kind == "empty-recv-hook":
+        assert lo.other is not None
+        return "\n".join([
+            f"{head}: the recv hook of ubatch {lo.site.ubatch} received nothing",
+            *lo.site.lines("the transfer: "),
+            *lo.other.lines("first received by its owner: "),
+            f"    ubatch {lo.site.ubatch} yielded with a recv hook out after this send, and the hook ran without waiting "
+            "for the transfer, so its own wait received it instead (this fails whatever it cost here: with DeepEP's "
+            "low-latency kernels only the hook launches the receive): register the receive as the hook "
+            "(dbo_register_recv_hook(handle.stream_wait)), so the next ubatch launches it after queuing its own compute",
+        ])
     if lo.kind == "compute-on-comm-stream":
         return "\n".join([
             f"{head}: a compute kernel runs on stream {lo.site.stream}",

@@ -167,6 +167,8 @@ LOST_KINDS = {
     "record-after-yield": "the event carries the end of this ubatch's own work, as if recorded before the yield",
     "send-after-yield": "the send leaves when its data was ready, as if issued before the yield",
     "skipped-recv-hook": "the held recv hook runs at the yield, as if dbo_maybe_run_recv_hook() had been called",
+    "empty-recv-hook": "the ubatch that ran the hook waits for the transfer before its next yield, as a hook that "
+                       "receives would",
     "host-sync": "the host does not wait at that op",
     "comm-not-overlapped": "the await moves past the ubatch's next yield (the fixed schedule awaits the transfer once "
                            "the other ubatch ran); where its data is used before that yield, a yield before the await "
@@ -179,6 +181,11 @@ LOST_KINDS = {
                               "only), up to its first op that reads the transfer",
 }
 
+#: Kinds that fail the check whatever their counterfactual measured here: a host sync (a GPU pays
+#: it at any size) and a recv hook that received nothing (the receive a hook-based comm library
+#: launches only from its hook).
+ALWAYS_FAIL = frozenset({"host-sync", "empty-recv-hook"})
+
 
 @dataclass(frozen=True)
 class LostOverlap:
@@ -189,6 +196,8 @@ class LostOverlap:
     work the other ubatch queued meanwhile, and a wait on it waits for that work too: vLLM
     #38451), ``send-after-yield`` (a transfer whose data was ready before a yield, issued after
     it), ``skipped-recv-hook`` (a ubatch yielded while holding another's recv hook),
+    ``empty-recv-hook`` (under role streams, a recv hook another ubatch ran received nothing: the
+    owner's own wait was the first on the transfer it issued before yielding with the hook out),
     ``host-sync`` (a read to the host of a device result between yields: ``.item()``,
     ``.tolist()``, ``.cpu()``; the CPU stops launching for every ubatch), ``comm-not-overlapped``
     (a transfer issued and awaited with no yield between its data, its send and its use: no other

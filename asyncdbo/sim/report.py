@@ -7,7 +7,7 @@ from typing import Any
 
 from ..observe.intervals import hidden_seconds, union_seconds
 from .clock import Span
-from .races import DeadWait, LostOverlap, Race
+from .races import ALWAYS_FAIL, DeadWait, LostOverlap, Race
 
 __all__ = ["SimReport", "chrome_trace"]
 
@@ -62,9 +62,11 @@ class SimReport:
     def problems(self) -> list[object]:
         """Races and dead waits, plus lost overlap when the run was asked to fail on it (except a
         finding whose counterfactual run measured no cost at this size; a host sync between yields
-        fails whatever it cost here: a GPU pays it at any size)."""
+        fails whatever it cost here: a GPU pays it at any size; so does a recv hook that received
+        nothing: with a hook-based comm library, DeepEP's low-latency kernels, the hook is what
+        launches the receive, and without it the data never lands)."""
         lost: list[object] = [lo for lo in self.lost_overlaps
-                              if lo.kind == "host-sync" or lo.cost_s is None or lo.cost_s > 0] \
+                              if lo.kind in ALWAYS_FAIL or lo.cost_s is None or lo.cost_s > 0] \
             if "lost-overlap" in self.fail_on else []
         return [*self.races, *self.dead_waits, *lost]
 

@@ -49,8 +49,8 @@ class SimHandle:
     the ubatch running it wait for the transfer's completion; a transfer that already holds the
     issuing comm stream until it completes needs nothing more. Never parks."""
 
-    __slots__ = ("backend", "event", "nbytes", "owner", "owner_waited", "site", "t_done", "t_start", "watch", "what",
-                 "writes")
+    __slots__ = ("backend", "event", "nbytes", "owner", "owner_waited", "received", "seg", "site", "t_done", "t_start",
+                 "watch", "what", "writes")
     backend: Transfers | None
 
     def __init__(self, what: str, nbytes: int, t_start: float, t_done: float, *, backend: Transfers | None = None,
@@ -60,6 +60,8 @@ class SimHandle:
         self.watch: Watch | None = None
         self.owner: int | None = None  # the ubatch that issued it
         self.owner_waited = False  # whether the owner itself waited on it (not only another's recv hook)
+        self.received = False  # whether any stream waited on it yet (the owner's or another ubatch's)
+        self.seg = 0  # the owner's segment when it was issued
         self.site: Site | None = None
 
     def done(self) -> bool:
@@ -84,7 +86,10 @@ class SimHandle:
                 if self.writes & self.backend._watch.keys():
                     self.backend._used(ub, set(self.writes))
                 if ub.id == self.owner:
+                    if not self.received:
+                        self.backend._own_receive(ub, self)
                     self.owner_waited = True
+                self.received = True
                 self.backend.wait(ub.ext.stream, self.event)
                 for k in self.writes:  # the rows are usable from here on
                     self.backend._seg_of[k] = min(self.backend._seg_of.get(k, NOT_YET), self.backend._segment[ub.id])
@@ -158,6 +163,9 @@ class Transfers:
     fix: frozenset[tuple[str, str]]
     _deferred: dict[int, list[SimHandle]]
     undeferred: set[tuple[str, str]]
+    _policy: str
+    _hook_out: dict[int, int]
+    _unreceived: dict[int, list[SimHandle]]
 
     _comm_ids: set[int]
     plain: bool
@@ -209,6 +217,39 @@ class Transfers:
                 self._watch.pop(other, None)
             if ub.id == w.ubatch and self._segment[ub.id] == w.segment:
                 self._lost_overlap(LostOverlap("comm-not-overlapped", w.site, None, None))
+
+    def _holds_hook_of(self, owner: int) -> bool:
+        """Whether some ubatch still holds an unrun recv hook of ``owner``."""
+        for u in self._run.ubatches:
+            held = getattr(getattr(u.ext, "recv_hook", None), "__self__", None)
+            if held is not None and owner in getattr(held, "owners", (getattr(held, "owner", None),)):
+                return True
+        return False
+
+    def _hooks_at_yield(self, ub: Any, seg: int) -> None:
+        """At ``ub``'s yield under role streams: note whether another ubatch holds a recv hook of it
+        (``empty-recv-hook``); in that kind's counterfactual, wait here for the receives of the
+        hooks that ran meanwhile and received nothing, as a hook that receives would have."""
+        if self._policy != "role" or not self._multi:
+            return
+        for owner, pending in self._unreceived.items():
+            pending[:] = [h for h in pending if not h.received]
+            if owner == ub.id or self._holds_hook_of(owner):
+                continue
+            for h in pending:
+                fixed = h.site is not None and ("empty-recv-hook", h.site.place) in self.fix
+                if fixed and self._hook_out.get(owner) == h.seg:
+                    ub.ctx_run(h._wait_now)
+        if self._holds_hook_of(ub.id):
+            self._hook_out[ub.id] = seg
+
+    def _own_receive(self, ub: Any, h: SimHandle) -> None:
+        """The owner's own wait is the first on ``h``: where it yielded after issuing ``h`` with a
+        recv hook held by another ubatch, and that hook has run, the hook received nothing."""
+        if (self._policy == "role" and self._multi and h.site is not None and self._hook_out.get(ub.id) == h.seg
+                and self._segment.get(ub.id, 0) > h.seg and not self._holds_hook_of(ub.id)):
+            wait = self._site(ub, ub.ext.stream, f"wait on {h.what}")
+            self._lost_overlap(LostOverlap("empty-recv-hook", h.site, wait, None))
 
     def wait(self, stream: VStream, event: VEvent) -> None:
         raise NotImplementedError
@@ -357,7 +398,9 @@ class Transfers:
         done = VEvent(recorded=True, t=end, clock=self._clocks.record(bg.id), by=replace(site, stream=bg.name))
         done.stream_id = bg.id
         handle = SimHandle(what, int(wire), start, end, backend=self, event=done, writes=frozenset(writes))
-        handle.owner, handle.site = ub.id, replace(site, stream=bg.name)
+        handle.owner, handle.site, handle.seg = ub.id, replace(site, stream=bg.name), self._segment.get(ub.id, 0)
+        if self._policy == "role":  # empty-recv-hook: only a shared stream makes a hook the receive
+            self._unreceived.setdefault(ub.id, []).append(handle)
         for k in writes:
             self._pending_reads[k] = handle
         return handle

@@ -82,9 +82,8 @@ def perf_mutants(schedule: str, policy: str) -> Iterator[PerfMutant]:
                          "skipped-recv-hook")
 
 
-#: Issue 50's performance mutants that no named lost-overlap kind catches: (schedule, policy, name).
-#: They need the general lost-overlap finding (comm exposed while another ubatch had work), not
-#: built yet; tests/sim/test_sim_perf_mutants.py keeps them as strict xfails.
+#: Issue 50's performance mutants that the named lost-overlap kinds used to miss: (schedule, policy,
+#: name); tests/sim/test_sim_perf_mutants.py pins the kind each is found as now.
 MISSED = [("ht", "role", "combine on the compute stream"), ("ht", "role", "no yield around the combine"),
           ("ht", "role", "shared expert after the combine's sync"), ("ll", "role", "shared expert after the combine"),
           ("ll", "role", "no-op recv hooks")]
