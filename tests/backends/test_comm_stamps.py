@@ -8,6 +8,7 @@ from dataclasses import fields
 from typing import Any
 
 import pytest
+from _host_works import HandWork
 
 from asyncdbo import dbo_submit, dbo_yield
 from asyncdbo._core import VirtualClock
@@ -19,35 +20,10 @@ from asyncdbo.serving.measure import host_timing
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
 
-class _Future:
-    """The part of a torch future the host backend uses, completed by the test (no torch, no gloo)."""
-
-    def __init__(self) -> None:
-        self.callbacks: list[Any] = []
-
-    def add_done_callback(self, fn: Any) -> None:
-        self.callbacks.append(fn)
-
-    def value(self) -> None:
-        return None
-
-    def complete(self) -> None:
-        for fn in self.callbacks:
-            fn(self)
-
-
-class _Work:
-    def __init__(self) -> None:
-        self.fut = _Future()
-
-    def get_future(self) -> _Future:
-        return self.fut
-
-
-async def _run(clock: VirtualClock) -> tuple[RunStats, list[Any], _Work]:
+async def _run(clock: VirtualClock) -> tuple[RunStats, list[Any], HandWork]:
     """ub0 issues a dispatch at 1 and waits for it from 2; ub1 completes it at 3 and issues a send
     at 3 that the run leaves in flight (returned, to complete later)."""
-    dispatch, send = _Work(), _Work()
+    dispatch, send = HandWork(), HandWork()
     handles: list[Any] = []
 
     async def fwd(i: int) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _host_works import HandWork
 
 from asyncdbo import dbo_yield, run_ubatches
 from asyncdbo.dbo import shell
@@ -210,27 +211,6 @@ async def test_restart_refuses_a_run_that_is_not_finished_or_has_another_size() 
     assert (run.name, await run.drive()) == ("again", [None, None])
 
 
-class _Future:
-    """The part of a torch future the host backend uses, completed by the test (no torch)."""
-
-    def __init__(self) -> None:
-        self.callbacks: list[Any] = []
-
-    def add_done_callback(self, fn: Any) -> None:
-        self.callbacks.append(fn)
-
-    def value(self) -> None:
-        return None
-
-
-class _Work:
-    def __init__(self) -> None:
-        self.fut = _Future()
-
-    def get_future(self) -> _Future:
-        return self.fut
-
-
 @pytest.mark.parametrize("submitter", [0, 1])  # ubatch policy: the first or the second comm stream is busy
 @pytest.mark.parametrize("policy", ["role", "ubatch"])
 async def test_a_kept_shell_hands_its_host_streams_to_the_next_run_emptied(policy: str, submitter: int) -> None:
@@ -241,7 +221,7 @@ async def test_a_kept_shell_hands_its_host_streams_to_the_next_run_emptied(polic
     from asyncdbo import dbo_submit, dbo_switch_to_comm
 
     seen: list[tuple[int, int, bool]] = []
-    work = _Work()
+    work = HandWork()
 
     async def fwd(i: int, submit: bool) -> int:
         lane = get_ubatch().ext  # type: ignore[union-attr]
@@ -281,7 +261,7 @@ async def test_host_streams_taken_out_of_a_run_are_never_handed_to_another() -> 
     from asyncdbo import dbo_submit, dbo_switch_to_comm
 
     kept: list[Any] = []
-    work = _Work()
+    work = HandWork()
 
     async def fwd(i: int, keep: bool) -> int:
         lane = get_ubatch().ext  # type: ignore[union-attr]
