@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from ..backends.links import LinkSpec, link_spec
 from .devices import DeviceSpec, device_spec
 
-__all__ = ["DENSE_SHAPES", "DenseShape", "DensePrediction", "all_reduce_s", "layer_stages", "predict_dense_tp",
-           "ubatches_makespan"]
+__all__ = ["DENSE_SHAPES", "DenseShape", "DensePrediction", "all_reduce_s", "dense_shape", "layer_stages",
+           "predict_dense_tp", "ubatches_makespan"]
 
 
 @dataclass(frozen=True)
@@ -132,16 +132,23 @@ def all_reduce_s(link: LinkSpec, tp: int, nbytes: float) -> float:
     return 2 * (tp - 1) * link.latency_s + 2 * (tp - 1) / tp * nbytes / link.bandwidth_Bps
 
 
+def dense_shape(model: str | DenseShape, tp: int) -> DenseShape:
+    """``model`` (a :data:`DENSE_SHAPES` name or a shape), refused unless its heads and MLP
+    columns divide over ``tp`` ranks."""
+    m = DENSE_SHAPES[model] if isinstance(model, str) else model
+    if tp < 1 or m.heads % tp or m.intermediate % tp:
+        raise ValueError(f"{m.name}'s {m.heads} heads and {m.intermediate} intermediate columns do not divide over "
+                         f"TP {tp}; use a TP size that divides both")
+    return m
+
+
 def predict_dense_tp(model: str | DenseShape, *, tp: int, device: str | DeviceSpec = "h100",
                      link: str | LinkSpec = "nvlink", requests: int, length: int, decode: bool,
                      comm_sm_share: float = 0.15) -> DensePrediction:
     """Serial and two-ubatch DBO step time of a dense model on ``tp`` ranks (module docstring):
     a prefill of ``requests`` prompts of ``length`` tokens, or a decode step of ``requests``
     requests at context ``length``."""
-    m = DENSE_SHAPES[model] if isinstance(model, str) else model
-    if m.heads % tp or m.intermediate % tp:
-        raise ValueError(f"{m.name}'s {m.heads} heads and {m.intermediate} intermediate columns do not divide over "
-                         f"TP {tp}; use a TP size that divides both")
+    m = dense_shape(model, tp)
     if requests < 2 or not 0 <= comm_sm_share < 1:
         raise ValueError(f"predict_dense_tp needs requests >= 2 (two ubatches) and comm_sm_share in [0, 1) "
                          f"(got {requests}, {comm_sm_share})")

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..backends.links import LinkSpec, link_spec
 from ..serving.auto_config import OFF, Arm, AutoConfig
-from .dense_tp import DENSE_SHAPES, DenseShape, all_reduce_s, layer_stages, ubatches_makespan
+from .dense_tp import DenseShape, all_reduce_s, dense_shape, layer_stages, ubatches_makespan
 from .devices import DeviceSpec, device_spec
 from .shapes import Request
 from .workload import StepSims
@@ -59,11 +59,7 @@ class DenseStepSims(StepSims):
 
     def __init__(self, *, model: str | DenseShape, tp: int, device: str | DeviceSpec = "h100",
                  link: str | LinkSpec = "nvlink", comm_sm_share: float = 0.15) -> None:
-        self.shape = DENSE_SHAPES[model] if isinstance(model, str) else model
-        m = self.shape
-        if tp < 1 or m.heads % tp or m.intermediate % tp:
-            raise ValueError(f"{m.name}'s {m.heads} heads and {m.intermediate} intermediate columns do not divide over "
-                             f"TP {tp}; use a TP size that divides both")
+        self.shape = dense_shape(model, tp)
         self.tp, self.device, self.link = tp, device_spec(device), link_spec(link)
         self.comm_sm_share = comm_sm_share
         self.cache: dict[Any, list[float]] = {}
