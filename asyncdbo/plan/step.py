@@ -184,6 +184,7 @@ def plan_step(
     config: str = "",
     evidence: str | object = "",
     max_seq_len: str = "ubatch",
+    uniform_decode: bool | None = None,
 ) -> StepPlan:
     """Plan one step: decide whether to microbatch, and if so how.
 
@@ -207,6 +208,9 @@ def plan_step(
     a str, or an object whose ``str()`` the record makes its text on the first read).
     ``max_seq_len``: each ubatch's metadata carries its own longest request (``"ubatch"``) or the
     whole step's (``"batch"``, vLLM's rule: :func:`~asyncdbo.plan.split_attn_metadata`).
+    ``uniform_decode``: :func:`~asyncdbo.plan.is_uniform_decode` of these offsets with the
+    thresholds' ``num_spec_tokens``, where the caller made it already (a runner needs it for its
+    ledger too); None makes it here.
     """
     # Any truthy value would pass for a flag (enabled="no" voted yes); checked before the vote, like the rest.
     check_bool("plan_step() ", "enabled", enabled)
@@ -235,7 +239,8 @@ def plan_step(
         step = stats.num_steps if stats is not None else 0
 
     # the uniform-decode test once per step: the threshold's, and whether the cut below can be kept
-    uniform = (enabled or decision is not None) and is_uniform_decode(offsets, thresholds.num_spec_tokens)
+    uniform = (enabled or decision is not None) and (
+        is_uniform_decode(offsets, thresholds.num_spec_tokens) if uniform_decode is None else uniform_decode)
     key: tuple[Any, ...] | None = None
     cut: _Cut | None = None
     if uniform and (dp_group is None if decision is None else decision.should_ubatch):

@@ -211,7 +211,7 @@ class DBORunner:
         qsl = CheckedOffsets(as_query_start_loc(batch.attn.query_start_loc_cpu))
         uniform = is_uniform_decode(qsl, cfg.thresholds.num_spec_tokens)
         if self.auto is None:
-            plan, dispatch = self._plan(batch, qsl, enabled), cfg.dispatch
+            plan, dispatch = self._plan(batch, qsl, uniform, enabled), cfg.dispatch
         else:
             plan, arm = self._plan_auto(batch, qsl, uniform, enabled, last_ns)
             dispatch = _arm_dispatch(arm, cfg.dispatch)
@@ -222,7 +222,7 @@ class DBORunner:
             dispatch = "split"
         return plan, dispatch, t0, uniform
 
-    def _plan(self, batch: Batch, qsl: CheckedOffsets, enabled: bool) -> StepPlan:
+    def _plan(self, batch: Batch, qsl: CheckedOffsets, uniform: bool, enabled: bool) -> StepPlan:
         cfg, sync = self.cfg, self.sync
         return plan_step(
             qsl,
@@ -237,6 +237,7 @@ class DBORunner:
             max_imbalance=cfg.max_imbalance,
             min_share=cfg.min_share,
             max_seq_len=cfg.max_seq_len,
+            uniform_decode=uniform,
             step=self._num_planned,
             max_ubatches=getattr(self.model, "max_ubatches", None),
         )

@@ -367,3 +367,14 @@ def test_two_ranks_apply_the_v2_rule_through_one_vote_and_refuse_mixed_rules(poo
     msg = ("ranks vote with different ThresholdConfig.dp_rule (rank 0: 'each_rank', rank 1: 'smallest_rank'); every "
            "rank of the DP group must apply the same rule: pass one ThresholdConfig to all of them")
     assert pool.run(_mismatched_rules) == [msg, msg]
+
+
+def test_a_callers_uniform_decode_test_plans_as_plan_steps_own() -> None:
+    """A runner makes the uniform-decode test once per step and hands it over: the same plans."""
+    from asyncdbo.plan import is_uniform_decode
+
+    for qsl in (list(range(41)), prefill(30, 1, 9), list(range(0, 81, 2))):
+        for th in (LOW, ThresholdConfig(num_spec_tokens=1, decode_threshold=4)):
+            own = plan_step(qsl, thresholds=th)
+            given = plan_step(qsl, thresholds=th, uniform_decode=is_uniform_decode(qsl, th.num_spec_tokens))
+            assert (given.microbatched, given.slices, given.record) == (own.microbatched, own.slices, own.record)
