@@ -97,11 +97,6 @@ def _build(layer: Any, group: Any) -> Any:
                      "EP group that returns one")
 
 
-def _cuts(tokens: int, ubatches: int) -> list[int]:
-    step = -(-tokens // ubatches)
-    return [min(step, tokens - i * step) for i in range(ubatches)]
-
-
 async def check_layer(
     layer: Any,
     *,
@@ -135,6 +130,7 @@ async def check_layer(
         raise ValueError(f"every token count must be >= ubatches ({ubatches}) so each ubatch gets a token (got "
                          f"{list(tokens)})")
     from ..dbo import run_ubatches
+    from ..plan import split_tokens
     from ..dist import ubatch_groups
 
     rows: list[LayerRow] = []
@@ -151,7 +147,8 @@ async def check_layer(
         for n in tokens:
             x_TD = torch.randn(n, width, generator=gen).to(dtype)
             reports: list[SimReport] = []
-            for parts, plain in (([n], False), (_cuts(n, ubatches), False), ([n], True)):
+            cut = [s.num_tokens for s in split_tokens([0, n], ubatches, n)]  # the planner's token split
+            for parts, plain in (([n], False), (cut, False), ([n], True)):
                 def make(_plain: bool = plain, **overrides: Any) -> SimBackend:
                     return SimBackend(**{**dict(device=device, link=link, comm=comm, host=host, check_races=check_races,
                                                 fail_on=fail_on, plain=_plain), **overrides})

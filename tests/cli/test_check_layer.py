@@ -118,3 +118,25 @@ def test_findings_of_one_run_are_also_costed_together(tmp_path: object, capsys: 
     assert re.search(r"^role streams, 1024 tokens: the lost overlap costs [\d.]+ us of this run together \(a run "
                      r"with every finding fixed at once\)$", out, re.M), out
     assert "lost overlap (host-sync, costs " in out and "lost overlap (unneeded-comm-wait, costs " in out
+
+
+@pytest.mark.timeout(120)
+def test_every_ubatch_gets_tokens_cut_as_the_planner_cuts_them() -> None:
+    """4 tokens in 3 ubatches: the planner's token split, 1 + 1 + 2 (a ceiling cut left the third
+    ubatch empty, though the check requires a token per ubatch)."""
+    from asyncdbo import dbo_yield
+
+    class Sizes:
+        hidden_size = 8
+
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        async def forward(self, x_TD: object) -> object:
+            self.seen.append(x_TD.shape[0])  # type: ignore[attr-defined]
+            await dbo_yield("layer")
+            return x_TD
+
+    layer = Sizes()
+    asyncio.run(check_layer(layer, tokens=[4], ubatches=3, ep=1, host="none"))
+    assert layer.seen == [4, 1, 1, 2, 4]  # serial, the three ubatches, the plain serial run
