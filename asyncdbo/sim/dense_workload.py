@@ -62,10 +62,9 @@ class DenseStepSims(StepSims):
         self.shape = dense_shape(model, tp)
         self.tp, self.device, self.link = tp, device_spec(device), link_spec(link)
         self.comm_sm_share = comm_sm_share
+        # what the replays read (StepSims.serial/split call timed): the cache and its count
         self.cache: dict[Any, list[float]] = {}
-        self.checked: set[int] = set()
         self.simulations = 0
-        self.stream_policy = "role"
 
     def timed(self, reqs: list[Request], splits: list[list[int]], shape: str) -> list[float]:
         """Per-layer seconds of ``reqs`` under each split (``shape`` is the MoE sim's; unused)."""
