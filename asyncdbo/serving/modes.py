@@ -61,11 +61,14 @@ class ModeComparison:
     ``base_s``/``other_s``: each step's measured seconds."""
 
     names: tuple[str, str]
-    same_steps: bool
-    reason: str
+    reason: str  # "" where the runs took the same steps
     base_s: tuple[float, ...]
     other_s: tuple[float, ...]
     output_tokens: tuple[int, int] = (0, 0)  # each run's output tokens
+
+    @property
+    def same_steps(self) -> bool:
+        return not self.reason
 
     @property
     def tokens_per_s(self) -> tuple[float, float]:
@@ -130,5 +133,5 @@ def compare_modes(base: EngineReport, other: EngineReport, *, names: tuple[str, 
         reason = f"{a} ran {len(ta)} steps and {b} {len(tb)}, so they batched the trace differently; {_WHY}"
     elif (k := next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)) is not None:
         reason = f"step {k} ran {ta[k]} tokens under {a} and {tb[k]} under {b}, so they batched the trace differently; {_WHY}"
-    return ModeComparison(names=names, same_steps=not reason, reason=reason, base_s=tuple(base.step_s),
+    return ModeComparison(names=names, reason=reason, base_s=tuple(base.step_s),
                           other_s=tuple(other.step_s), output_tokens=(base.output_tokens, other.output_tokens))
