@@ -22,8 +22,6 @@ from .metadata import (
     SplitKind as SplitKind,
     merge_outputs as merge_outputs,
     slice_tokens as slice_tokens,
-    split_attn_metadata as split_attn_metadata,
-    split_extra as split_extra,
 )
 from .records import (
     PlanReason as PlanReason,
@@ -44,7 +42,8 @@ from .slices import (
     split_tokens as split_tokens,
     whole_batch_slice as whole_batch_slice,
 )
-from .step import StepPlan as StepPlan, check_max_ubatches as check_max_ubatches, plan_step as plan_step
+from .split import split_attn_metadata as split_attn_metadata, split_extra as split_extra
+from .step import ShapePlanner as ShapePlanner, StepPlan as StepPlan, check_max_ubatches as check_max_ubatches, plan_step as plan_step
 
 __all__ = (
     "AttentionMetadata",
@@ -55,6 +54,7 @@ __all__ = (
     "RankVote",
     "RecoveryVote",
     "SplitKind",
+    "ShapePlanner",
     "SplitPolicy",
     "StepPlan",
     "StepRecord",

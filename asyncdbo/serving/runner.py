@@ -64,6 +64,7 @@ from ..plan import (
     PlanStats,
     RankVote,
     StepPlan,
+    ShapePlanner,
     StepRecord,
     UBatchSlice,
     agree_across_dp,
@@ -144,6 +145,12 @@ class DBORunner:
         self.auto: AutoPolicy | None = (
             AutoPolicy(space, threshold_prior(cfg.thresholds, space)) if cfg.tuning == "auto" else None)
         self._arms = space.arms()
+        # A fixed runner without a DP group plans from the shapes it kept (ShapePlanner): nothing but
+        # the offsets goes into its cut, so a repeated shape is cut by its template.
+        self._shapes = (ShapePlanner(num_ubatches=cfg.num_ubatches, policy=cfg.policy, thresholds=cfg.thresholds,
+                                     min_share=cfg.min_share, max_seq_len=cfg.max_seq_len,
+                                     max_ubatches=getattr(model, "max_ubatches", None))
+                        if cfg.tuning != "auto" and dp_group is None else None)
         self._uniform_masks: dict[int, int] = {}  # splittable_mask of a uniform decode batch, by len(qsl)
         self._config_names: dict[int, str] = {}  # a fixed runner's record.config by ubatch count (0: off)
         self._own_decisions: dict[tuple[int, bool, bool], DPDecision] = {}  # see _plan_auto (no DP group)
@@ -207,6 +214,11 @@ class DBORunner:
         enabled = cfg.enabled if enabled is None else enabled
         self._last_ns, last_ns = -1, self._last_ns  # a step that fails measures nothing
         dispatch: DispatchMode
+        if self._shapes is not None:
+            check_max_ubatches(cfg.num_ubatches, getattr(self.model, "max_ubatches", None))
+            plan, uniform = self._shapes.plan(batch.attn, enabled=enabled, step=self._num_planned)
+            self._num_planned += 1
+            return plan, "split", t0, uniform  # no DP group: split (below)
         # the offsets checked once per step: the planners below take them as they are
         qsl = CheckedOffsets(as_query_start_loc(batch.attn.query_start_loc_cpu))
         uniform = is_uniform_decode(qsl, cfg.thresholds.num_spec_tokens)
