@@ -4,9 +4,12 @@ A trivial model (each ubatch yields once and returns one logit per token) runs s
 one-token requests (64, 256, 1024) at N = 2 on the host backend, one process, no DP group. Per
 step, process CPU time (``time.process_time_ns``):
 
-- ``step``: ``DBORunner.step`` end to end; ``fixed``: step - run_ubatches, the runner's own cost;
+- ``step``: ``DBORunner.step`` end to end, in a pass of its own (the parts below come from a second
+  pass with a timer around each: the timers' own cost stays out of ``step``); ``fixed``: step -
+  run_ubatches, the runner's own cost;
 - ``plan``: the runner's plan (``_plan_any``: the offsets' check, thresholds, the cut, the
-  attention metadata and its checks), of it ``split``: the per-ubatch metadata (``split_checked``);
+  attention metadata and its checks), of it ``split``: the per-ubatch metadata (``split_checked``,
+  or where the split keeps templates, ``SplitTemplate.apply``);
 - ``measure``: the runner's measurement (``step_timing`` or, at older commits, ``host_timing``,
   and ``_measured``: the timing, the record, the ledger);
 - ``merge``: the merge of the ubatches' outputs (``merge_outputs``);
@@ -32,6 +35,8 @@ raw per-round numbers as JSON too.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import statistics
@@ -111,26 +116,35 @@ async def _parts(sizes: list[int], steps: int) -> dict[str, Any]:
                     spent[part] += time.process_time_ns() - c0
             return wrapped
 
+        for _ in range(20):
+            res = await runner.step(batch)
+        assert res.plan.microbatched, res.plan.record
+        c0 = time.process_time_ns()  # the step as it is, then its parts (their timers cost time too)
+        for _ in range(steps):
+            await runner.step(batch)
+        step_ns = time.process_time_ns() - c0
         runner._plan_any = timed("plan", runner._plan_any)  # type: ignore[method-assign]
         runner._measured = timed("measure", runner._measured)  # type: ignore[method-assign]
         timing_fn = "step_timing" if hasattr(runner_mod, "step_timing") else "host_timing"
-        saved = [(runner_mod, timing_fn, "measure"), (runner_mod, "merge_outputs", "merge"),
-                 (step_mod, "split_checked", "split")]
+        saved = [(runner_mod, timing_fn, "measure"), (runner_mod, "merge_outputs", "merge")]
+        # the per-ubatch metadata: split_checked at earlier commits, the kept template's apply after
+        split_mod = importlib.import_module("asyncdbo.plan.split") if importlib.util.find_spec(
+            "asyncdbo.plan.split") else None
+        saved.append((split_mod.SplitTemplate, "apply", "split") if split_mod is not None
+                     else (step_mod, "split_checked", "split"))
         originals = [getattr(mod, name) for mod, name, _ in saved]
         for (mod, name, part), fn in zip(saved, originals):
             setattr(mod, name, timed(part, fn))
         try:
             for _ in range(20):
-                res = await runner.step(batch)
-            assert res.plan.microbatched, res.plan.record
+                await runner.step(batch)
             spent.update(plan=0, split=0, measure=0, merge=0)
-            c0 = time.process_time_ns()
             for _ in range(steps):
                 await runner.step(batch)
-            step_ns = time.process_time_ns() - c0
         finally:
             for (mod, name, _), fn in zip(saved, originals):
                 setattr(mod, name, fn)
+            del runner._plan_any, runner._measured
         # the kernel beneath: a prepared run of the same ubatches
         plan = res.plan
         args = [(batch.input_ids_T[s.padded_token_slice], batch.positions_T[s.padded_token_slice], meta)
@@ -261,7 +275,9 @@ async def _measure61(steps: int) -> dict[str, float]:
     batch = _batch(64)
     runner = DBORunner(_Trivial(), _config())
     plan = runner._plan_any(batch, None)[0]
-    takes_uniform = "uniform" in inspect.signature(runner._measured).parameters
+    params = list(inspect.signature(runner._measured).parameters)
+    takes_uniform = "uniform" in params
+    first: Any = batch.num_tokens if params[0] == "num_tokens" else batch  # (its first argument at later commits)
     measure = getattr(runner_mod, "step_timing", None)
 
     def once(i: int) -> None:
@@ -270,9 +286,9 @@ async def _measure61(steps: int) -> dict[str, float]:
                   else getattr(runner_mod, "host_timing")(stats, 2e-2))
         measured: Any = runner._measured
         if takes_uniform:
-            measured(batch, plan, timing, True)
+            measured(first, plan, timing, True)
         else:
-            measured(batch, plan, timing)
+            measured(first, plan, timing)
 
     for i in range(20):
         once(i)

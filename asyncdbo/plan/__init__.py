@@ -43,7 +43,8 @@ from .slices import (
     whole_batch_slice as whole_batch_slice,
 )
 from .split import split_attn_metadata as split_attn_metadata, split_extra as split_extra
-from .step import ShapePlanner as ShapePlanner, StepPlan as StepPlan, check_max_ubatches as check_max_ubatches, plan_step as plan_step
+from .planner import ShapePlanner as ShapePlanner
+from .step import StepPlan as StepPlan, check_max_ubatches as check_max_ubatches, plan_step as plan_step
 
 __all__ = (
     "AttentionMetadata",

@@ -214,14 +214,15 @@ def merge_outputs(outputs: Sequence[Output], slices: Sequence[UBatchSlice], num_
     Each output's dim 0 holds that ubatch's real tokens first (then optional padding).  Tuple
     outputs (e.g. hidden states plus auxiliary hidden states) are merged element-wise.
     """
-    if len(outputs) != len(slices):
+    if len(outputs) != len(slices) or not outputs:
         raise ValueError(f"got {len(outputs)} outputs for {len(slices)} ubatches; pass one per ubatch")
-    total = sum(s.num_tokens for s in slices)
+    sizes = [s.token_slice.stop - s.token_slice.start for s in slices]
+    total = sum(sizes)
     if total != num_tokens_unpadded:
         raise ValueError(
             f"the slices hold {total} real tokens but num_tokens_unpadded is {num_tokens_unpadded}"
         )
-    if all(isinstance(o, tuple) for o in outputs):
+    if isinstance(outputs[0], tuple) and all(isinstance(o, tuple) for o in outputs):
         arity = {len(o) for o in outputs}
         if len(arity) != 1:
             raise ValueError(f"tuple outputs differ in length across ubatches ({sorted(arity)})")
@@ -230,12 +231,14 @@ def merge_outputs(outputs: Sequence[Output], slices: Sequence[UBatchSlice], num_
             for i in range(arity.pop())
         )
     parts: list[torch.Tensor] = []
-    for k, (o, s) in enumerate(zip(outputs, slices)):
-        if not isinstance(o, torch.Tensor):
-            raise ValueError(f"output of ubatch {k} is a {type(o).__name__}; expected a tensor or a tuple of tensors")
-        if o.shape[0] < s.num_tokens:
-            raise ValueError(
-                f"output of ubatch {k} has {o.shape[0]} rows but the ubatch has {s.num_tokens} real tokens"
-            )
-        parts.append(o if o.shape[0] == s.num_tokens else o[: s.num_tokens])  # no padding: no view to make
+    for k, (o, n) in enumerate(zip(outputs, sizes)):
+        if not isinstance(o, torch.Tensor) or not o.dim():
+            what = "a 0-d tensor" if isinstance(o, torch.Tensor) else f"a {type(o).__name__}"
+            raise ValueError(f"output of ubatch {k} is {what}; expected a tensor with a row per token or a tuple of them")
+        rows = o.shape[0]
+        if rows != n:  # padding rows (fewer than the real tokens is an error)
+            if rows < n:
+                raise ValueError(f"output of ubatch {k} has {rows} rows but the ubatch has {n} real tokens")
+            o = o[:n]
+        parts.append(o)
     return torch.cat(parts, dim=0)

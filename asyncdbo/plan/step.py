@@ -25,21 +25,20 @@ from .dp import (
     threshold_verdict,
 )
 from .metadata import AttentionMetadata, check_max_seq_len
-from .split import SplitTemplate, split_checked
+from .split import split_checked
 from .validate import check_slices
 from .records import PlanReason, PlanStats, RankVote, StepRecord, log_record
 from .slices import (
     SPLIT_POLICIES,
     CheckedOffsets,
     SplitPolicy,
-    _INT_DTYPES,
     UBatchSlice,
     as_query_start_loc,
     plan_slices,
     whole_batch_slice,
 )
 
-__all__ = ["ShapePlanner", "StepPlan", "check_max_ubatches", "plan_step"]
+__all__ = ["StepPlan", "check_max_ubatches", "plan_step"]
 
 
 def check_max_ubatches(num_ubatches: int, max_ubatches: int | None) -> None:
@@ -281,82 +280,3 @@ def _record(cut: _Cut, step: int, policy: str, decision: DPDecision | None, conf
                         evidence)  # type: ignore[arg-type]  # a str when read (StepRecord.evidence)
     log_record(record)
     return record
-
-
-@dataclass(frozen=True, slots=True)
-class _Shape:
-    """What :class:`ShapePlanner` decided for one step's offsets: the offsets (checked), whether
-    they are a uniform decode, the cut and the metadata split's template (None: not split)."""
-
-    offsets: CheckedOffsets
-    uniform: bool
-    cut: _Cut
-    template: SplitTemplate[Any] | None
-
-
-class ShapePlanner:
-    """:func:`plan_step` of one rank without a DP group, for one configuration, with what it
-    decides from a step's offsets alone kept per offsets: a step whose ``query_start_loc_cpu``
-    holds offsets planned before (a decode step keeps its request count, a serving loop repeats
-    its shapes) reads them once, as a key, and cuts only its own tensors (``seq_lens``,
-    ``block_table``, ``slot_mapping``) by the kept template. The checks of the offsets, the
-    threshold test and the cut ran when the shape was first seen, on the same values. Its plans
-    equal ``plan_step``'s with the same arguments (tests/plan/test_shape_planner.py).
-
-    The arguments are ``plan_step``'s and checked as it checks them, once. ``capacity``: shapes
-    kept (the oldest half is dropped when full)."""
-
-    def __init__(self, *, num_ubatches: int = 2, policy: SplitPolicy = "token",
-                 thresholds: ThresholdConfig = ThresholdConfig(), min_share: float = 0.48,
-                 max_seq_len: str = "ubatch", max_ubatches: int | None = None, capacity: int = 256) -> None:
-        check_thresholds("ShapePlanner thresholds", thresholds)
-        check_max_seq_len("ShapePlanner", max_seq_len)
-        if num_ubatches < 1:
-            raise ValueError(f"num_ubatches ({num_ubatches}) must be at least 1")
-        check_max_ubatches(num_ubatches, max_ubatches)
-        if policy not in SPLIT_POLICIES:
-            raise ValueError(f"unknown split policy {policy!r}; use one of {SPLIT_POLICIES}")
-        if not 0.0 <= min_share <= 0.5:
-            raise ValueError(f"min_share ({min_share}) must lie in [0, 0.5]")
-        if capacity < 1:
-            raise ValueError(f"capacity ({capacity}) must be at least 1")
-        self.num_ubatches, self.policy, self.thresholds = num_ubatches, policy, thresholds
-        self.min_share, self.max_seq_len, self.capacity = min_share, max_seq_len, capacity
-        self._shapes: dict[tuple[Any, ...], _Shape] = {}
-
-    def plan(self, attn_metadata: AttentionMetadata, *, enabled: bool = True, step: int = 0,
-             config: str = "") -> tuple[StepPlan, bool]:
-        """The plan of a step with this metadata (as ``plan_step(attn_metadata.query_start_loc_cpu,
-        attn_metadata=attn_metadata, ...)`` plans it) and whether its offsets are a uniform decode."""
-        check_bool("ShapePlanner.plan() ", "enabled", enabled)
-        qsl_t = attn_metadata.query_start_loc_cpu
-        key = None
-        # Only an integer CPU tensor's values are a key: floats equal to ints hash alike.
-        if type(qsl_t) is torch.Tensor and qsl_t.dtype in _INT_DTYPES and qsl_t.is_cpu and qsl_t.dim() == 1:
-            key = (tuple(qsl_t.tolist()), qsl_t.dtype, bool(enabled))
-            shape = self._shapes.get(key)
-        if key is None or shape is None:
-            shape = self._new_shape(attn_metadata, bool(enabled))
-            if key is not None:
-                if len(self._shapes) >= self.capacity:
-                    for old in list(self._shapes)[: max(1, self.capacity // 2)]:
-                        del self._shapes[old]
-                self._shapes[key] = shape
-        cut = shape.cut
-        if attn_metadata.num_actual_tokens != shape.offsets[-1]:
-            raise ValueError(
-                f"attn_metadata has {attn_metadata.num_actual_tokens} tokens but query_start_loc has "
-                f"{shape.offsets[-1]}; plan with the metadata's query_start_loc_cpu"
-            )
-        metas = (tuple(shape.template.apply(attn_metadata, self.max_seq_len)) if shape.template is not None
-                 else (attn_metadata,))
-        record = _record(cut, step, self.policy, None, config, "")
-        return StepPlan(cut[0], cut[4], cut[3], metas, record, None), shape.uniform
-
-    def _new_shape(self, attn_metadata: AttentionMetadata, enabled: bool) -> _Shape:
-        offsets = CheckedOffsets(as_query_start_loc(attn_metadata.query_start_loc_cpu))
-        uniform = is_uniform_decode(offsets, self.thresholds.num_spec_tokens)
-        cut = _vote_and_cut(offsets, uniform and enabled, self.num_ubatches, self.policy, self.thresholds, enabled,
-                            offsets[-1] == 0, None, self.min_share, None, None, None, None)
-        template = SplitTemplate.make(attn_metadata.query_start_loc_cpu, cut[4], cut[5]) if cut[0] else None
-        return _Shape(offsets, uniform, cut, template)

@@ -76,6 +76,7 @@ from ..plan import (
 )
 from ..plan._checks import check_bool
 from ..plan.records import with_fields
+from ..plan.planner import Offsets
 from ..plan.slices import CheckedOffsets, as_query_start_loc
 from .auto import OFF, Arm, AutoPolicy, group_choice_lazy, splittable_mask, threshold_prior
 from .batch import Batch
@@ -151,7 +152,8 @@ class DBORunner:
                                      min_share=cfg.min_share, max_seq_len=cfg.max_seq_len,
                                      max_ubatches=getattr(model, "max_ubatches", None))
                         if cfg.tuning != "auto" and dp_group is None else None)
-        self._uniform_masks: dict[int, int] = {}  # splittable_mask of a uniform decode batch, by len(qsl)
+        self._masks: dict[Any, int] = {}  # an "auto" runner's splittable_mask, by Offsets.key
+        self._planners: dict[Arm, ShapePlanner] = {}  # an "auto" runner's, per configuration (_arm_planner)
         self._config_names: dict[int, str] = {}  # a fixed runner's record.config by ubatch count (0: off)
         self._own_decisions: dict[tuple[int, bool, bool], DPDecision] = {}  # see _plan_auto (no DP group)
         # What every rank's policy must share to choose alike (its search space and prior), as a
@@ -185,13 +187,15 @@ class DBORunner:
             raise TypeError(
                 f"step() takes an asyncdbo.serving.Batch, got {type(batch).__name__}; build one with "
                 "asyncdbo.serving.BatchBuilder(kv_cache_config).build([(request_id, new_token_ids), ...])")
-        check_bool("DBORunner.step() ", "enabled", enabled, none="None: RunnerConfig.enabled")
-        check_instrument(instrument)
+        if enabled is not None:
+            check_bool("DBORunner.step() ", "enabled", enabled, none="None: RunnerConfig.enabled")
         insts: list[Instrument] = [self.instrument] if self.instrument is not None else []
-        if isinstance(instrument, Instrument):
-            insts.append(instrument)
-        elif instrument is not None:
-            insts.extend(instrument)
+        if instrument is not None:
+            check_instrument(instrument)
+            if isinstance(instrument, Instrument):
+                insts.append(instrument)
+            else:
+                insts.extend(instrument)
         ran = False
         try:
             plan, dispatch, t0, uniform = self._plan_any(batch, enabled)
@@ -219,13 +223,15 @@ class DBORunner:
             plan, uniform = self._shapes.plan(batch.attn, enabled=enabled, step=self._num_planned)
             self._num_planned += 1
             return plan, "split", t0, uniform  # no DP group: split (below)
-        # the offsets checked once per step: the planners below take them as they are
-        qsl = CheckedOffsets(as_query_start_loc(batch.attn.query_start_loc_cpu))
-        uniform = is_uniform_decode(qsl, cfg.thresholds.num_spec_tokens)
         if self.auto is None:
+            # the offsets checked once per step: the planners below take them as they are
+            qsl = CheckedOffsets(as_query_start_loc(batch.attn.query_start_loc_cpu))
+            uniform = is_uniform_decode(qsl, cfg.thresholds.num_spec_tokens)
             plan, dispatch = self._plan(batch, qsl, uniform, enabled), cfg.dispatch
         else:
-            plan, arm = self._plan_auto(batch, qsl, uniform, enabled, last_ns)
+            offsets = self._arm_planner(self._arms[0]).offsets(batch.attn)
+            uniform = offsets.uniform
+            plan, arm = self._plan_auto(batch, offsets, enabled, last_ns)
             dispatch = _arm_dispatch(arm, cfg.dispatch)
         self._num_planned += 1
         if self.dp_group is None:
@@ -233,6 +239,16 @@ class DBORunner:
             # is this rank's alone): split in every mode (RunnerConfig).
             dispatch = "split"
         return plan, dispatch, t0, uniform
+
+    def _arm_planner(self, arm: Arm) -> ShapePlanner:
+        """The planner of ``arm``'s configuration (an ``"auto"`` runner's; made on first use)."""
+        planner = self._planners.get(arm)
+        if planner is None:
+            cfg = self.cfg
+            planner = self._planners[arm] = ShapePlanner(
+                num_ubatches=arm.num_ubatches, policy=arm.split, thresholds=cfg.thresholds, min_share=cfg.min_share,
+                max_seq_len=cfg.max_seq_len)
+        return planner
 
     def _plan(self, batch: Batch, qsl: CheckedOffsets, uniform: bool, enabled: bool) -> StepPlan:
         cfg, sync = self.cfg, self.sync
@@ -254,22 +270,22 @@ class DBORunner:
             max_ubatches=getattr(self.model, "max_ubatches", None),
         )
 
-    def _plan_auto(self, batch: Batch, qsl: CheckedOffsets, uniform: bool, enabled: bool,
-                   last_ns: int) -> tuple[StepPlan, Arm]:
+    def _plan_auto(self, batch: Batch, offsets: Offsets, enabled: bool, last_ns: int) -> tuple[StepPlan, Arm]:
         """The ``"auto"`` step and the configuration it runs: ONE vote carries each rank's plan
         inputs and its last step time; every rank feeds the same group measurement to its policy and
         picks the same configuration from the same table (see :mod:`asyncdbo.serving.auto`)."""
         cfg, auto = self.cfg, self.auto
         assert auto is not None
+        qsl, uniform = offsets.checked, offsets.uniform
         num_tokens = qsl[-1]
-        if uniform:  # a uniform decode's offsets follow from its request count: its mask too
-            mask = self._uniform_masks.get(len(qsl), -1)
-            if mask < 0:
-                if len(self._uniform_masks) >= 4096:
-                    self._uniform_masks.clear()
-                mask = self._uniform_masks[len(qsl)] = splittable_mask(qsl, self._arms, cfg.min_share)
-        else:
+        # which configurations can split these offsets: a function of the offsets, kept with them
+        mask = self._masks.get(offsets.key, -1) if offsets.key is not None else -1
+        if mask < 0:
             mask = splittable_mask(qsl, self._arms, cfg.min_share)
+            if offsets.key is not None:
+                if len(self._masks) >= 256:
+                    self._masks.clear()
+                self._masks[offsets.key] = mask
         is_idle = batch.num_tokens == 0
         sync = self.sync
         if self.dp_group is not None:
@@ -311,60 +327,52 @@ class DBORunner:
             decision = with_fields(decision, should_ubatch=False, reason=reason, detail=str(evidence))
         if tokens > 0 and refused is None:  # a refused step ran off out of the schedule's turn: not a sample
             self._last = (bucket, arm, tokens)
-        return plan_step(
-            qsl,
-            num_ubatches=arm.num_ubatches,
-            policy=arm.split,
-            enabled=enabled,
-            is_idle=batch.num_tokens == 0,
-            attn_metadata=batch.attn,
-            device=self.device,
-            min_share=cfg.min_share,
-            max_seq_len=cfg.max_seq_len,
-            step=self._num_planned,
-            max_ubatches=getattr(self.model, "max_ubatches", None),
-            decision=decision,
-            config=arm.label,
-            evidence=evidence,
-        ), arm
+        check_max_ubatches(arm.num_ubatches, getattr(self.model, "max_ubatches", None))
+        plan, _ = self._arm_planner(arm).plan(batch.attn, enabled=enabled, step=self._num_planned, config=arm.label,
+                                              decision=decision, evidence=evidence, offsets=offsets)
+        return plan, arm
 
     async def _run(self, batch: Batch, plan: StepPlan, dispatch: DispatchMode, insts: list[Instrument],
                    t0: float, uniform: bool) -> StepResult:
-        cfg = self.cfg
-        pad = plan.num_tokens_padded - batch.num_tokens
+        num_tokens = batch.attn.num_actual_tokens
+        pad = plan.num_tokens_padded - num_tokens
         ids_P, pos_P = batch.input_ids_T, batch.positions_T
         if pad:
             # Padding tokens: id 0 at position 0; they write no K/V (no slot) and are dropped.
             ids_P = torch.cat([ids_P, ids_P.new_zeros(pad)])
             pos_P = torch.cat([pos_P, pos_P.new_zeros(pad)])
-        args = [
-            (ids_P[s.padded_token_slice], pos_P[s.padded_token_slice], meta, s)
-            for s, meta in zip(plan.slices, plan.attn_metadata)
-        ]
-        async def ubatch_forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
-                                 ub_slice: UBatchSlice) -> torch.Tensor:
-            _SLICE.set(ub_slice)  # this ubatch's context only
-            out = self.model.forward(ids, pos, meta)
-            if not inspect.isawaitable(out):
-                raise TypeError(
-                    f"{type(self.model).__name__}.forward returned {type(out).__name__}, not an awaitable: DBORunner "
-                    "awaits it once per ubatch under the DBO loop; write `async def forward(self, input_ids_T, "
-                    "positions_T, attn)` (its yield points hand the CPU to the other ubatches)")
-            return await out
-
+        args = [(ids_P[s.padded_token_slice], pos_P[s.padded_token_slice], meta, s)
+                for s, meta in zip(plan.slices, plan.attn_metadata)]
         for inst in insts:
             mark_step = getattr(inst, "mark_step", None)  # a Tracer labels the run with the record
             if mark_step is not None:
                 mark_step(plan.record)
-        run = self._prepared().run_ubatches_with_stats(ubatch_forward, args, name=f"step{plan.record.step}",
+        run = self._prepared().run_ubatches_with_stats(self._ubatch_forward, args, name=f"step{plan.record.step}",
                                                        instrument=insts or None)
-        with _dispatch_block(plan, cfg.policy if self.auto is None else plan.record.policy, dispatch):
+        if dispatch == "split":  # (no dispatch options to set)
             outputs, stats = await run
-        logits_TV = merge_outputs(outputs, plan.slices, batch.num_tokens)
+        else:
+            with _dispatch_block(plan, self.cfg.policy if self.auto is None else plan.record.policy, dispatch):
+                outputs, stats = await run
+        logits_TV = merge_outputs(outputs, plan.slices, num_tokens)
         assert isinstance(logits_TV, torch.Tensor), type(logits_TV)  # one tensor in, one out
         step_s = self.clock.now() - t0
-        plan = self._measured(batch, plan, step_timing(stats, step_s, plan.record.step, cfg.measure_every), uniform)
+        plan = self._measured(num_tokens, plan, step_timing(stats, step_s, plan.record.step, self.cfg.measure_every),
+                              uniform, bool(insts))
         return StepResult(logits_TV=logits_TV, plan=plan, step_s=step_s, stats=stats)
+
+    async def _ubatch_forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+                              ub_slice: UBatchSlice) -> torch.Tensor:
+        """One ubatch of a step: ``model.forward`` in the ubatch's own context, which carries its
+        slice (:func:`current_slice`)."""
+        _SLICE.set(ub_slice)  # this ubatch's context only
+        out = self.model.forward(ids, pos, meta)
+        if not inspect.isawaitable(out):
+            raise TypeError(
+                f"{type(self.model).__name__}.forward returned {type(out).__name__}, not an awaitable: DBORunner "
+                "awaits it once per ubatch under the DBO loop; write `async def forward(self, input_ids_T, "
+                "positions_T, attn)` (its yield points hand the CPU to the other ubatches)")
+        return await out
 
     def _prepared(self) -> PreparedRun:
         """The runs' options and backend, set up once (asyncdbo.dbo.prepared): a step names its run
@@ -377,10 +385,11 @@ class DBORunner:
                                             watchdog_s=cfg.watchdog_s)
         return runs
 
-    def _measured(self, batch: Batch, plan: StepPlan, timing: Any, uniform: bool) -> StepPlan:
+    def _measured(self, num_tokens: int, plan: StepPlan, timing: Any, uniform: bool, seen: bool = True) -> StepPlan:
         """The plan with its record carrying the configuration it ran and ``timing``; counted in
         the ledger under the step's shape bucket (from the DP vote where there is one; ``uniform``:
-        this rank's batch is a uniform decode)."""
+        this rank's batch is a uniform decode; ``num_tokens``: its real tokens; ``seen``: an
+        instrument was given the plan's record before the run)."""
         cfg = self.cfg
         config = plan.record.config
         if not config:
@@ -388,10 +397,18 @@ class DBORunner:
             config = self._config_names.get(n, "")
             if not config:
                 config = self._config_names[n] = f"N={n} {cfg.policy} {cfg.dispatch}" if n else "off"
-        record = with_fields(plan.record, config=config, timing=timing)
-        tokens = max(plan.decision.num_tokens_across_dp) if plan.decision is not None else batch.num_tokens
-        self.ledger.add(record, batch.num_tokens, shape_bucket(tokens, uniform))
-        return with_fields(plan, record=record)
+        record = plan.record
+        if seen:  # an instrument holds the record as it was before the run: a new one
+            record = with_fields(record, config=config, timing=timing)
+            plan = with_fields(plan, record=record)
+        else:
+            # Made for this step and held by nothing else yet (plan_step and ShapePlanner make a new
+            # record every step): its last two fields set as its own __init__ sets them, no copy.
+            object.__setattr__(record, "config", config)
+            object.__setattr__(record, "timing", timing)
+        tokens = max(plan.decision.num_tokens_across_dp) if plan.decision is not None else num_tokens
+        self.ledger.add(record, num_tokens, shape_bucket(tokens, uniform))
+        return plan
 
 
 def _local_info(num_tokens: int, enabled: bool, is_idle: bool) -> LocalStepInfo:

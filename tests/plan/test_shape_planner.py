@@ -176,3 +176,16 @@ def test_enabled_must_be_a_bool() -> None:
     planner = ShapePlanner(thresholds=LOW)
     with pytest.raises(TypeError, match="enabled"):
         planner.plan(_batch(random.Random(0), [1, 1]), enabled="no")  # type: ignore[arg-type]
+
+
+def test_planners_of_other_configurations_share_offsets_but_not_their_cuts() -> None:
+    """An "auto" runner reads a step's offsets once and hands them to the planner of the
+    configuration it chose: each planner cuts them its own way."""
+    meta = _batch(random.Random(11), [1] * 12)
+    two, three = ShapePlanner(num_ubatches=2, thresholds=LOW), ShapePlanner(num_ubatches=3, thresholds=LOW)
+    offsets = two.offsets(meta)
+    for _ in range(2):
+        for planner, n in ((two, 2), (three, 3), (two, 2)):
+            plan, _ = planner.plan(meta, offsets=offsets)
+            _assert_same_plan(plan, plan_step(meta.query_start_loc_cpu, num_ubatches=n, thresholds=LOW,
+                                              attn_metadata=meta))
