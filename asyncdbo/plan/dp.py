@@ -46,13 +46,13 @@ import itertools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import torch
 
 from .._core import AsyncDBOException
 from ._checks import check_config, check_int
-from .records import PlanReason, RankVote
+from .records import PlanReason, RankVote, text_on_read
 from .slices import as_query_start_loc
 
 __all__ = [
@@ -228,6 +228,12 @@ class DPDecision:
     rank: int
     world_size: int
     extra: tuple[tuple[int, ...], ...] = ()  # the ``extra`` rows of the vote, each with one entry per rank
+    #: ``detail`` as stored (text_on_read below): a str, or a snapshot whose str() is the text
+    _raw_detail: ClassVar[Any]
+
+
+# an "auto" step off by the policy's choice carries the choice's evidence as its detail (StepRecord)
+text_on_read(DPDecision, "detail")
 
 
 def decide_from_votes(

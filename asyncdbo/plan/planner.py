@@ -24,7 +24,7 @@ from .slices import _INT_DTYPES, SPLIT_POLICIES, CheckedOffsets, SplitPolicy, as
 from .split import SplitTemplate
 from .step import StepPlan, _Cut, _record, _vote_and_cut, check_max_ubatches
 
-__all__ = ["Offsets", "ShapePlanner"]
+__all__ = ["Offsets", "ShapePlanner", "remember"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +42,9 @@ class Offsets:
     key: tuple[Any, ...] | None
     checked: CheckedOffsets
     uniform: bool
-    #: the cuts of these offsets, by what else goes into one (the planner, the flag, the caller's decision)
-    shapes: dict[Any, _Shape] = field(default_factory=dict, compare=False, repr=False)
+    #: what is derived from these offsets alone, kept with them by its user's key: the planners'
+    #: cuts (by planner, flag and the caller's decision), an "auto" runner's split mask and own vote
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 class ShapePlanner:
@@ -110,23 +111,30 @@ class ShapePlanner:
         given = None if decision is None else (decision.should_ubatch and self.num_ubatches > 1,
                                                decision.num_tokens_padded)
         key = (self, bool(enabled), given)  # (offsets may be shared by planners of other configurations)
-        shape = offsets.shapes.get(key)
+        shape = offsets.memo.get(key)
         if shape is None:
             cut = _vote_and_cut(qsl, offsets.uniform and (bool(enabled) or decision is not None), self.num_ubatches,
                                 self.policy, self.thresholds, bool(enabled), qsl[-1] == 0, None, self.min_share,
                                 None, None, None, decision)
             shape = _Shape(cut, SplitTemplate.make(attn_metadata.query_start_loc_cpu, cut[4], cut[5]) if cut[0] else None)
-            if offsets.key is not None:  # (offsets that are no key are planned every step)
-                if len(offsets.shapes) >= 16:  # (a DP decision's padded total may vary from step to step)
-                    offsets.shapes.clear()
-                offsets.shapes[key] = shape
+            remember(offsets, key, shape)
         cut = shape.cut
         if decision is not None:
-            cut = (cut[0], decision.reason, decision.detail, *cut[3:])
+            cut = (cut[0], decision.reason, decision._raw_detail, *cut[3:])  # (its text when read)
         metas = (tuple(shape.template.apply(attn_metadata, self.max_seq_len)) if shape.template is not None
                  else (attn_metadata,))
         record = _record(cut, step, self.policy, decision, config, evidence)
         return StepPlan(cut[0], cut[4], cut[3], metas, record, decision), offsets.uniform
+
+
+def remember(offsets: Offsets, key: Any, value: Any) -> None:
+    """Keep ``value`` with ``offsets`` under ``key`` (what follows from them alone), unless they are
+    no key (planned anew every step). At most 16 things are kept per offsets: a DP decision's
+    padded total, part of a planner's key, may vary from step to step."""
+    if offsets.key is not None:
+        if len(offsets.memo) >= 16:
+            offsets.memo.clear()
+        offsets.memo[key] = value
 
 
 def _keep(cache: dict[Any, Any], key: Any, value: Any, capacity: int) -> None:

@@ -92,9 +92,9 @@ class StepRecord:
 
     ``config`` names the configuration the step ran (e.g. ``'N=2 token auto'``, ``'off'``),
     ``timing`` its measured cost (None until the runner fills it in), ``evidence`` why the
-    ``"auto"`` policy chose it (empty under a fixed configuration). ``evidence`` may be given as
-    an object whose ``str()`` is the text (a snapshot of what it says): the text is made on its
-    first read, and read as a ``str`` (the runner leaves it to a reader, issue 46).
+    ``"auto"`` policy chose it (empty under a fixed configuration). ``evidence`` and ``detail`` may
+    be given as an object whose ``str()`` is the text (a snapshot of what it says): the text is
+    made on its first read, and read as a ``str`` (the runner leaves it to a reader, issue 46).
     """
 
     step: int
@@ -133,8 +133,18 @@ class _TextOnRead:
         self.raw.__set__(obj, value)
 
 
-setattr(StepRecord, "evidence", _TextOnRead(StepRecord.__dict__["evidence"]))
-setattr(StepRecord, "_raw_evidence", StepRecord.__dict__["evidence"].raw)
+def text_on_read(cls: type, name: str) -> None:
+    """Make slot field ``name`` of the frozen dataclass ``cls`` a :class:`_TextOnRead` (a str on
+    every read, made on the first), with ``_raw_NAME`` reading what is stored."""
+    text = _TextOnRead(cls.__dict__[name])
+    setattr(cls, name, text)
+    setattr(cls, f"_raw_{name}", text.raw)
+
+
+# A record's evidence, and the detail of an "auto" step off by the policy's choice, are that
+# choice's evidence: a snapshot whose text is made only when someone reads it.
+text_on_read(StepRecord, "evidence")
+text_on_read(StepRecord, "detail")
 
 
 def log_record(rec: StepRecord) -> None:

@@ -129,7 +129,7 @@ def _vote_and_cut(
     if decision is not None:  # the caller voted: no threshold test, no second vote (LocalStepInfo's check)
         if num_tokens_padded is not None and num_tokens_padded < qsl[-1]:
             raise ValueError(f"num_tokens_padded ({num_tokens_padded}) is below num_tokens_unpadded ({qsl[-1]})")
-        microbatched, reason, detail = decision.should_ubatch and num_ubatches > 1, decision.reason, decision.detail
+        microbatched, reason, detail = decision.should_ubatch and num_ubatches > 1, decision.reason, decision._raw_detail
         padded = decision.num_tokens_padded if microbatched else (
             qsl[-1] if num_tokens_padded is None else num_tokens_padded)
     else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from ..dist.fused import DISPATCH_MODES, DispatchMode
 from ..plan import SplitPolicy, ThresholdConfig
@@ -26,6 +26,10 @@ class Arm:
     num_ubatches: int
     split: SplitPolicy = "token"
     dispatch: DispatchMode = "auto"
+    # set per instance by __post_init__ (not fields)
+    _key: ClassVar[tuple[int, str, str]]
+    _hash: ClassVar[int]
+    _label: ClassVar[str]
 
     def __post_init__(self) -> None:
         n = self.num_ubatches
@@ -37,11 +41,27 @@ class Arm:
             raise ValueError(f"Arm split {self.split!r}: use one of {SPLIT_POLICIES}")
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"Arm dispatch {self.dispatch!r}: use one of {DISPATCH_MODES}")
+        # An arm is compared, hashed and named several times in every "auto" step: each made once
+        # (the dataclass's own would build the field tuple and the text on every call).
+        key = (n, self.split, self.dispatch)
+        object.__setattr__(self, "_key", key)
+        object.__setattr__(self, "_hash", hash(key))
+        object.__setattr__(self, "_label", "off" if n == 1 else f"N={n} {self.split} {self.dispatch}")
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(other) is not Arm:
+            return NotImplemented
+        return self._key == other._key
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def label(self) -> str:
         """``'off'`` or e.g. ``'N=2 token auto'`` (what :attr:`StepRecord.config` says)."""
-        return "off" if self.num_ubatches == 1 else f"N={self.num_ubatches} {self.split} {self.dispatch}"
+        return self._label
 
 
 OFF = Arm(1)

@@ -58,7 +58,6 @@ from ..dist.fused import DispatchMode, dispatch_options
 from ..dist.recovery import StepSync, step_sync
 from ..plan import (
     AttentionMetadata,
-    DPDecision,
     LocalStepInfo,
     PlanReason,
     PlanStats,
@@ -76,7 +75,7 @@ from ..plan import (
 )
 from ..plan._checks import check_bool
 from ..plan.records import with_fields
-from ..plan.planner import Offsets
+from ..plan.planner import Offsets, remember
 from ..plan.slices import CheckedOffsets, as_query_start_loc
 from .auto import OFF, Arm, AutoPolicy, group_choice_lazy, splittable_mask, threshold_prior
 from .batch import Batch
@@ -152,10 +151,11 @@ class DBORunner:
                                      min_share=cfg.min_share, max_seq_len=cfg.max_seq_len,
                                      max_ubatches=getattr(model, "max_ubatches", None))
                         if cfg.tuning != "auto" and dp_group is None else None)
-        self._masks: dict[Any, int] = {}  # an "auto" runner's splittable_mask, by Offsets.key
+        # an "auto" runner's keys of what it keeps with a step's offsets (Offsets.memo): its split
+        # mask, its own one-rank vote with the flag False and True
+        self._memo_mask, self._memo_vote = object(), (object(), object())
         self._planners: dict[Arm, ShapePlanner] = {}  # an "auto" runner's, per configuration (_arm_planner)
         self._config_names: dict[int, str] = {}  # a fixed runner's record.config by ubatch count (0: off)
-        self._own_decisions: dict[tuple[int, bool, bool], DPDecision] = {}  # see _plan_auto (no DP group)
         # What every rank's policy must share to choose alike (its search space and prior), as a
         # number the vote carries: ranks with other settings are refused, not left to diverge.
         self._auto_print = zlib.crc32(repr((space, cfg.thresholds, cfg.min_share)).encode())
@@ -279,13 +279,11 @@ class DBORunner:
         qsl, uniform = offsets.checked, offsets.uniform
         num_tokens = qsl[-1]
         # which configurations can split these offsets: a function of the offsets, kept with them
-        mask = self._masks.get(offsets.key, -1) if offsets.key is not None else -1
+        memo = offsets.memo
+        mask = memo.get(self._memo_mask, -1)
         if mask < 0:
             mask = splittable_mask(qsl, self._arms, cfg.min_share)
-            if offsets.key is not None:
-                if len(self._masks) >= 256:
-                    self._masks.clear()
-                self._masks[offsets.key] = mask
+            remember(offsets, self._memo_mask, mask)
         is_idle = batch.num_tokens == 0
         sync = self.sync
         if self.dp_group is not None:
@@ -301,16 +299,14 @@ class DBORunner:
                     f"the DP ranks' tuning='auto' runners have different settings (fingerprints {by_rank}); "
                     "every rank must choose from the same RunnerConfig.auto, thresholds and min_share")
         else:
-            # One rank's vote decides from its own inputs alone: the same inputs, the same decision
-            # (immutable), kept instead of voting again every step.
-            key = (num_tokens, enabled, is_idle)
-            own = self._own_decisions.get(key)
+            # One rank's vote decides from its own inputs alone (its offsets and the flag): the same
+            # inputs, the same decision (immutable), kept with the offsets instead of voting again.
+            own = memo.get(self._memo_vote[1 if enabled else 0])
             if own is None:
                 local = _local_info(num_tokens, enabled, is_idle)
                 vote = RankVote(0, local.vote, local.reason, local.num_tokens_unpadded, local.padded)
-                if len(self._own_decisions) >= 4096:
-                    self._own_decisions.clear()
-                own = self._own_decisions[key] = decide_from_votes([vote], max_imbalance=cfg.max_imbalance)
+                own = decide_from_votes([vote], max_imbalance=cfg.max_imbalance)
+                remember(offsets, self._memo_vote[1 if enabled else 0], own)
             decision = own
             uniform_R, mask_R, last_R = (int(uniform),), (mask,), (last_ns,)
         if self._last is not None and min(last_R) >= 0:  # every rank measured the last step
@@ -324,7 +320,7 @@ class DBORunner:
             # off by the policy's choice, or because the configuration it would run (pinned, or the
             # bucket's choice) cannot split this batch: the split policy's refusal, as a fixed runner's
             reason = PlanReason.AUTO_OFF if refused is None else PlanReason.POLICY_REFUSED
-            decision = with_fields(decision, should_ubatch=False, reason=reason, detail=str(evidence))
+            decision = with_fields(decision, should_ubatch=False, reason=reason, detail=evidence)  # text when read
         if tokens > 0 and refused is None:  # a refused step ran off out of the schedule's turn: not a sample
             self._last = (bucket, arm, tokens)
         check_max_ubatches(arm.num_ubatches, getattr(self.model, "max_ubatches", None))

@@ -562,6 +562,29 @@ async def test_a_settled_steps_evidence_says_what_the_policy_knew_at_that_step_w
     assert len(settled) >= 8 and len(set(settled)) > 1  # the choice's samples moved
 
 
+@pytest.mark.asyncio
+async def test_a_step_off_by_the_policys_choice_says_why_in_its_detail_when_read_later() -> None:
+    """Settled on off, a step's detail (and its plan's decision's) is that choice's evidence, put
+    in words when read: read after later steps it says what it said at its own step."""
+    texts = []
+    for read_at_once in (True, False):
+        clock = VirtualClock()
+        model = ClockedModel(clock, {1: 0.8e-3, 2: 1.0e-3, 3: 1.1e-3, 4: 1.2e-3}, jitter=0.02, seed=7)  # off is fastest
+        runner = DBORunner(model, RunnerConfig(tuning="auto", thresholds=ThresholdConfig(decode_threshold=32)),
+                           clock=clock)
+        results, seen = [], []
+        for batch in decode_batches(BatchBuilder(CACHE), [64] * 30):
+            results.append(await runner.step(batch))
+            if read_at_once:
+                seen.append((results[-1].record.detail, results[-1].plan.decision.detail))
+        texts.append(seen if read_at_once else [(r.record.detail, r.plan.decision.detail) for r in results])
+    assert texts[0] == texts[1]
+    off = [(d, dd) for (d, dd), r in zip(texts[1], results) if r.record.reason is PlanReason.AUTO_OFF]
+    settled = [(d, dd) for d, dd in off if ": best off " in d]
+    assert all(type(d) is str and d == dd for d, dd in off) and len(settled) >= 8
+    assert len({d for d, _ in settled}) > 1  # off's samples moved
+
+
 def test_auto_refuses_a_model_built_for_fewer_ubatches() -> None:
     class Two(ClockedModel):
         max_ubatches = 2
