@@ -71,6 +71,8 @@ class ShapePlanner:
         self.num_ubatches, self.policy, self.thresholds = num_ubatches, policy, thresholds
         self.min_share, self.max_seq_len, self.capacity = min_share, max_seq_len, capacity
         self._offsets: dict[tuple[Any, ...], Offsets] = {}
+        # this planner's part of an Offsets.memo key (not the planner itself: no reference cycle)
+        self._memo_key = object()
 
     def offsets(self, attn_metadata: AttentionMetadata) -> Offsets:
         """The metadata's ``query_start_loc_cpu`` as :class:`Offsets`: checked (as
@@ -110,7 +112,7 @@ class ShapePlanner:
         # and detail go into the record only, below).
         given = None if decision is None else (decision.should_ubatch and self.num_ubatches > 1,
                                                decision.num_tokens_padded)
-        key = (self, bool(enabled), given)  # (offsets may be shared by planners of other configurations)
+        key = (self._memo_key, bool(enabled), given)  # (offsets may be shared by planners of other configurations)
         shape = offsets.memo.get(key)
         if shape is None:
             cut = _vote_and_cut(qsl, offsets.uniform and (bool(enabled) or decision is not None), self.num_ubatches,

@@ -189,3 +189,18 @@ def test_planners_of_other_configurations_share_offsets_but_not_their_cuts() -> 
             plan, _ = planner.plan(meta, offsets=offsets)
             _assert_same_plan(plan, plan_step(meta.query_start_loc_cpu, num_ubatches=n, thresholds=LOW,
                                               attn_metadata=meta))
+
+
+def test_a_planner_and_its_kept_shapes_are_freed_without_the_cycle_collector() -> None:
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        planner = ShapePlanner(num_ubatches=2, thresholds=LOW)
+        planner.plan(_batch(random.Random(1), [1] * 6))
+        gone = weakref.ref(planner)
+        del planner
+        assert gone() is None
+    finally:
+        gc.enable()
