@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from .._core import Clock, Instrument, MonotonicClock
+from .._core import Clock, Instrument, MonotonicClock, get_ubatch
 from ..dbo import PreparedRun, prepare_run
 from ..dbo.options import check_instrument
 from ..dist.fused import DispatchMode, dispatch_options
@@ -84,17 +84,26 @@ from .runner_config import RunnerConfig, StepResult, check_ep_group, check_model
 
 __all__ = ["DBORunner", "RunnerConfig", "StepResult", "current_slice"]
 
-# The plan slice of the running ubatch, set by the runner inside each ubatch's own context (so a
-# model can tell whether its first request continues one of the previous ubatch: see
+# The name of the running step's run and its plan slices, set by the runner around the run (the
+# ubatches' contexts are copies of the step's): a ubatch of that run holds the slice of its index, so
+# a model can tell whether its first request continues one of the previous ubatch (see
 # asyncdbo.models.mini). None outside a runner step.
-_SLICE: contextvars.ContextVar[UBatchSlice | None] = contextvars.ContextVar("asyncdbo_ubatch_slice", default=None)
+_STEP: contextvars.ContextVar[tuple[str, tuple[UBatchSlice, ...]] | None] = contextvars.ContextVar(
+    "asyncdbo_step_slices", default=None)
 
 
 def current_slice() -> UBatchSlice | None:
     """The :class:`~asyncdbo.plan.UBatchSlice` the running ubatch of a :class:`DBORunner` step
     holds (its token and request ranges, whether its first request continues the previous
-    ubatch's), or None outside a runner step. A step that falls back runs one whole-batch slice."""
-    return _SLICE.get()
+    ubatch's), or None outside a runner step's ubatches (a run a ubatch starts of its own
+    included). A step that falls back runs one whole-batch slice."""
+    step = _STEP.get()
+    if step is None:
+        return None
+    ub = get_ubatch()
+    if ub is None or ub.run.name != step[0]:
+        return None
+    return step[1][ub.id]
 
 logger = logging.getLogger("asyncdbo.serving")
 
@@ -154,7 +163,8 @@ class DBORunner:
         # an "auto" runner's keys of what it keeps with a step's offsets (Offsets.memo): its split
         # mask, its own one-rank vote with the flag False and True
         self._memo_mask, self._memo_vote = object(), (object(), object())
-        self._planners: dict[Arm, ShapePlanner] = {}  # an "auto" runner's, per configuration (_arm_planner)
+        self._planners: dict[Arm, ShapePlanner] = {}
+        self._async_def: dict[Any, bool] = {}  # see _is_async_def  # an "auto" runner's, per configuration (_arm_planner)
         self._config_names: dict[int, str] = {}  # a fixed runner's record.config by ubatch count (0: off)
         # What every rank's policy must share to choose alike (its search space and prior), as a
         # number the vote carries: ranks with other settings are refused, not left to diverge.
@@ -337,19 +347,28 @@ class DBORunner:
             # Padding tokens: id 0 at position 0; they write no K/V (no slot) and are dropped.
             ids_P = torch.cat([ids_P, ids_P.new_zeros(pad)])
             pos_P = torch.cat([pos_P, pos_P.new_zeros(pad)])
-        args = [(ids_P[s.padded_token_slice], pos_P[s.padded_token_slice], meta, s)
+        args = [(ids_P[s.padded_token_slice], pos_P[s.padded_token_slice], meta)
                 for s, meta in zip(plan.slices, plan.attn_metadata)]
         for inst in insts:
             mark_step = getattr(inst, "mark_step", None)  # a Tracer labels the run with the record
             if mark_step is not None:
                 mark_step(plan.record)
-        run = self._prepared().run_ubatches_with_stats(self._ubatch_forward, args, name=f"step{plan.record.step}",
-                                                       instrument=insts or None)
-        if dispatch == "split":  # (no dispatch options to set)
-            outputs, stats = await run
+        name = f"step{plan.record.step}"
+        forward = self.model.forward
+        if self._is_async_def(forward):  # the model's coroutines are the ubatches (no frame between)
+            run = self._prepared().run_ubatches_with_stats(forward, args, name=name, instrument=insts or None)
         else:
-            with _dispatch_block(plan, self.cfg.policy if self.auto is None else plan.record.policy, dispatch):
+            run = self._prepared().run_ubatches_with_stats(self._ubatch_forward, args, name=name,
+                                                           instrument=insts or None)
+        token = _STEP.set((name, plan.slices))  # before the run makes its ubatches' contexts
+        try:
+            if dispatch == "split":  # (no dispatch options to set)
                 outputs, stats = await run
+            else:
+                with _dispatch_block(plan, self.cfg.policy if self.auto is None else plan.record.policy, dispatch):
+                    outputs, stats = await run
+        finally:
+            _STEP.reset(token)
         logits_TV = merge_outputs(outputs, plan.slices, num_tokens)
         assert isinstance(logits_TV, torch.Tensor), type(logits_TV)  # one tensor in, one out
         step_s = self.clock.now() - t0
@@ -357,11 +376,9 @@ class DBORunner:
                               uniform, bool(insts))
         return StepResult(logits_TV=logits_TV, plan=plan, step_s=step_s, stats=stats)
 
-    async def _ubatch_forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
-                              ub_slice: UBatchSlice) -> torch.Tensor:
-        """One ubatch of a step: ``model.forward`` in the ubatch's own context, which carries its
-        slice (:func:`current_slice`)."""
-        _SLICE.set(ub_slice)  # this ubatch's context only
+    async def _ubatch_forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One ubatch of a step whose ``model.forward`` is not an ``async def`` (a function that
+        returns an awaitable): it is awaited here, or refused with what to write instead."""
         out = self.model.forward(ids, pos, meta)
         if not inspect.isawaitable(out):
             raise TypeError(
@@ -369,6 +386,14 @@ class DBORunner:
                 "awaits it once per ubatch under the DBO loop; write `async def forward(self, input_ids_T, "
                 "positions_T, attn)` (its yield points hand the CPU to the other ubatches)")
         return await out
+
+    def _is_async_def(self, forward: Any) -> bool:
+        """Whether ``forward`` (the model's bound ``forward``) is an ``async def``, kept per function."""
+        func = getattr(forward, "__func__", forward)
+        known = self._async_def.get(func)
+        if known is None:
+            known = self._async_def[func] = inspect.iscoroutinefunction(forward)
+        return known
 
     def _prepared(self) -> PreparedRun:
         """The runs' options and backend, set up once (asyncdbo.dbo.prepared): a step names its run
