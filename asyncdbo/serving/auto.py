@@ -437,19 +437,12 @@ def group_choice_lazy(policy: AutoPolicy, arms: Sequence[Arm], decision: DPDecis
                       mask_R: Sequence[int]) -> tuple[str, Arm, str | Evidence, Arm | None]:
     """:func:`group_choice`, a settled choice's evidence left as an :class:`Evidence` snapshot
     whose ``str()`` is the text (the runner's records make it on their first read)."""
-    ranks = decision.ranks
-    if len(ranks) == 1:  # one rank's vote (a runner without a DP group): its own batch
-        busy_one = ranks[0].vote != "idle"
-        bucket = shape_bucket(decision.num_tokens_across_dp[0], busy_one and bool(uniform_R[0]))
-        group_mask = mask_R[0] if busy_one else -1
-    else:
-        busy = [r for r, v in enumerate(ranks) if v.vote != "idle"]
-        bucket = shape_bucket(max(decision.num_tokens_across_dp, default=0),
-                              bool(busy) and all(uniform_R[r] for r in busy))
-        group_mask = -1
-        for r in busy:
-            group_mask &= mask_R[r]
+    busy = [r for r, v in enumerate(decision.ranks) if v.vote != "idle"]
+    bucket = shape_bucket(max(decision.num_tokens_across_dp, default=0), bool(busy) and all(uniform_R[r] for r in busy))
     if not decision.should_ubatch:
         return bucket, OFF, "", None
+    group_mask = -1
+    for r in busy:
+        group_mask &= mask_R[r]
     arm, evidence, refused = policy._choose(bucket, lambda a: bool(group_mask >> arms.index(a) & 1))
     return bucket, arm, evidence, refused

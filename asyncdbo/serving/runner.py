@@ -41,7 +41,6 @@ decode steps over a 512-token context; ``benchmarks/results/deterministic_*.md``
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import inspect
 import logging
@@ -51,7 +50,7 @@ from typing import Any
 
 import torch
 
-from .._core import Clock, Instrument, MonotonicClock, get_ubatch
+from .._core import Clock, Instrument, MonotonicClock
 from ..dbo import PreparedRun, prepare_run
 from ..dbo.options import check_instrument
 from ..dist.fused import DispatchMode, dispatch_options
@@ -65,7 +64,6 @@ from ..plan import (
     StepPlan,
     ShapePlanner,
     StepRecord,
-    UBatchSlice,
     agree_across_dp,
     check_max_ubatches,
     decide_from_votes,
@@ -81,29 +79,9 @@ from .auto import OFF, Arm, AutoPolicy, group_choice_lazy, splittable_mask, thre
 from .batch import Batch
 from .measure import OverlapLedger, shape_bucket, step_timing
 from .runner_config import RunnerConfig, StepResult, check_ep_group, check_model
+from .step_slices import RUNNING_STEP, current_slice
 
 __all__ = ["DBORunner", "RunnerConfig", "StepResult", "current_slice"]
-
-# The name of the running step's run and its plan slices, set by the runner around the run (the
-# ubatches' contexts are copies of the step's): a ubatch of that run holds the slice of its index, so
-# a model can tell whether its first request continues one of the previous ubatch (see
-# asyncdbo.models.mini). None outside a runner step.
-_STEP: contextvars.ContextVar[tuple[str, tuple[UBatchSlice, ...]] | None] = contextvars.ContextVar(
-    "asyncdbo_step_slices", default=None)
-
-
-def current_slice() -> UBatchSlice | None:
-    """The :class:`~asyncdbo.plan.UBatchSlice` the running ubatch of a :class:`DBORunner` step
-    holds (its token and request ranges, whether its first request continues the previous
-    ubatch's), or None outside a runner step's ubatches (a run a ubatch starts of its own
-    included). A step that falls back runs one whole-batch slice."""
-    step = _STEP.get()
-    if step is None:
-        return None
-    ub = get_ubatch()
-    if ub is None or ub.run.name != step[0]:
-        return None
-    return step[1][ub.id]
 
 logger = logging.getLogger("asyncdbo.serving")
 
@@ -360,7 +338,7 @@ class DBORunner:
         else:
             run = self._prepared().run_ubatches_with_stats(self._ubatch_forward, args, name=name,
                                                            instrument=insts or None)
-        token = _STEP.set((name, plan.slices))  # before the run makes its ubatches' contexts
+        token = RUNNING_STEP.set((name, plan.slices))  # before the run makes its ubatches' contexts
         try:
             if dispatch == "split":  # (no dispatch options to set)
                 outputs, stats = await run
@@ -368,7 +346,7 @@ class DBORunner:
                 with _dispatch_block(plan, self.cfg.policy if self.auto is None else plan.record.policy, dispatch):
                     outputs, stats = await run
         finally:
-            _STEP.reset(token)
+            RUNNING_STEP.reset(token)
         logits_TV = merge_outputs(outputs, plan.slices, num_tokens)
         assert isinstance(logits_TV, torch.Tensor), type(logits_TV)  # one tensor in, one out
         step_s = self.clock.now() - t0
