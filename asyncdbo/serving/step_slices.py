@@ -19,10 +19,10 @@ RUNNING_STEP: contextvars.ContextVar[tuple[str, tuple[UBatchSlice, ...]] | None]
 
 
 def current_slice() -> UBatchSlice | None:
-    """The :class:`~asyncdbo.plan.UBatchSlice` the running ubatch of a :class:`~asyncdbo.serving.DBORunner` step
-    holds (its token and request ranges, whether its first request continues the previous
-    ubatch's), or None outside a runner step's ubatches (a run a ubatch starts of its own
-    included). A step that falls back runs one whole-batch slice."""
+    """The :class:`~asyncdbo.plan.UBatchSlice` the running ubatch of a
+    :class:`~asyncdbo.serving.DBORunner` step holds (its token and request ranges, whether its
+    first request continues the previous ubatch's), or None outside a runner step's ubatches (a
+    run a ubatch starts of its own included). A step that falls back runs one whole-batch slice."""
     step = RUNNING_STEP.get()
     if step is None:
         return None
