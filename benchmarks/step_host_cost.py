@@ -18,7 +18,8 @@ step, process CPU time (``time.process_time_ns``):
 
 Then, at the first size: ``tuning="auto"`` settled on N = 2 and on off (a clock that makes the
 target the fastest), beside a fixed N = 2 runner and a plain off runner (``enabled=False``),
-interleaved in blocks of 10 steps; and the runner's measurement of a 61-layer step's 366 comm
+interleaved in blocks of 10 steps, each runner on the same clock class (``_ArmClock``: its own
+cost is not the policy's); and the runner's measurement of a 61-layer step's 366 comm
 works, the stats' records or stamps made in the timing as a run makes them, every step and, where
 the side has ``measure_every``, sampled every 16th step.
 
@@ -188,12 +189,16 @@ class _ArmClock:
 async def _auto(R: int, steps: int) -> dict[str, float]:
     """µs of CPU per step at ``R`` requests: a fixed N = 2 runner, ``tuning="auto"`` settled on
     N = 2 token, a plain off runner (``enabled=False``) and ``tuning="auto"`` settled on off,
-    interleaved in blocks of 10 steps."""
+    interleaved in blocks of 10 steps, each on an ``_ArmClock``."""
     from asyncdbo.serving import DBORunner
     from asyncdbo.serving.auto import OFF, Arm
 
     batch = _batch(R)
-    runners = {"fixed": DBORunner(_Trivial(), _config()), "off": DBORunner(_Trivial(), _config(enabled=False))}
+    runners = {}
+    for label, kw in (("fixed", {}), ("off", {"enabled": False})):
+        # the same clock as the auto runners' below (its now() costs more than a plain clock's)
+        clock = _ArmClock(Arm(2))
+        runners[label] = clock.runner = DBORunner(_Trivial(), _config(**kw), clock=clock)
     for label, target in (("auto", Arm(2)), ("auto off", OFF)):
         clock = _ArmClock(target)
         runner = runners[label] = DBORunner(_Trivial(), _config(tuning="auto"), clock=clock)
@@ -424,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"is part of `plan`; `rest` is step - plan - measure - merge - run_ubatches.\n\n"
                  f"`tuning=\"auto\"` at R = {sizes[0]}, settled (a clock under which its target runs each step in 1 ms "
                  f"and any other configuration in 1.5 ms, so it settles and stays), interleaved in blocks of 10 steps "
-                 f"with a fixed N = 2 runner and a plain off runner (`enabled=False`):\n\n")
+                 f"with a fixed N = 2 runner and a plain off runner (`enabled=False`), all four on the same clock class:\n\n")
     lines += auto_table(sides)
     lines.append("\nThe runner's measurement of a 61-layer step at N = 2 (366 comm works, their records or stamps made in the timing as the run's stats make them, "
                  "at `benchmarks/measure_cost.py`'s times): the run's stats (`_stats`), `host_timing` and `_measured` per step (`every step`), "
