@@ -204,3 +204,24 @@ def test_a_planner_and_its_kept_shapes_are_freed_without_the_cycle_collector() -
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_a_subclass_with_its_own_post_init_gets_it_run_for_each_ubatch() -> None:
+    """Such a class is built by ``dataclasses.replace`` (its own checks run), not by a copy of the
+    instance dict; the base class's O(requests) checks are skipped as for every ubatch."""
+    made: list[int] = []
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Checked(AttentionMetadata):
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            made.append(self.num_actual_tokens)
+
+    rng = random.Random(9)
+    planner = ShapePlanner(num_ubatches=2, thresholds=LOW)
+    for step in range(2):
+        meta = _batch(rng, [3, 5, 1, 7], cls=Checked)
+        made.clear()
+        plan, _ = planner.plan(meta, step=step)
+        assert made == [8, 8] and all(type(m) is Checked for m in plan.attn_metadata)
+        _assert_split_follows_the_rules(meta, plan.slices, plan.attn_metadata, "ubatch")
