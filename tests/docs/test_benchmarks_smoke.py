@@ -124,19 +124,20 @@ def test_switch_cost_quick(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_moe_step_quick() -> None:
-    """Two real gloo ranks run serial, asyncdbo (ht, ll, split and fused dispatch) and the three
-    thread-baton designs on one tiny case; the script exits 1 unless every design's logits equal
-    the serial ones bit for bit (deterministic mode)."""
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "moe_step.py"), "--quick"], capture_output=True, text=True, timeout=110, check=False
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_moe_step_quick(pool: RankPool, capsys: pytest.CaptureFixture[str]) -> None:
+    """The session's two gloo ranks run serial, asyncdbo (ht, ll, split and fused dispatch) and the
+    three thread-baton designs on one tiny case; the script exits 1 unless every design's logits
+    equal the serial ones bit for bit (deterministic mode)."""
+    import moe_step
+
+    rc = moe_step.main(["--quick"], pool=pool)
+    out = capsys.readouterr().out
+    assert rc == 0, out
     for design in ("serial", "asyncdbo ht", "asyncdbo ll", "asyncdbo ht fused", "asyncdbo ll fused", "threads vLLM",
                    "threads GPU-like", "threads handoff"):
-        assert f"| {design} |" in proc.stdout
-    assert "| ll | " in proc.stdout  # the split-vs-fused table
-    assert "Replay checks over 20 steps x ranks:" in proc.stdout  # 5 replayed designs x 2 steps x 2 ranks
+        assert f"| {design} |" in out
+    assert "| ll | " in out  # the split-vs-fused table
+    assert "Replay checks over 20 steps x ranks:" in out  # 5 replayed designs x 2 steps x 2 ranks
 
 
 @needs_git_history
@@ -162,15 +163,15 @@ def test_run_setup_quick() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_deterministic_quick() -> None:
-    """Two gloo ranks run serial and DBO with deterministic mode off and on; the script exits 1
-    unless every DBO step with the mode on equals its serial step bit for bit."""
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "deterministic.py"), "--quick"], capture_output=True, text=True, timeout=110,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    on_row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| decode 16 req/rank, 1 layer | on |"))
+def test_deterministic_quick(pool: RankPool, capsys: pytest.CaptureFixture[str]) -> None:
+    """The session's two gloo ranks run serial and DBO with deterministic mode off and on; the
+    script exits 1 unless every DBO step with the mode on equals its serial step bit for bit."""
+    import deterministic
+
+    rc = deterministic.main(["--quick"], pool=pool)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    on_row = next(ln for ln in out.splitlines() if ln.startswith("| decode 16 req/rank, 1 layer | on |"))
     assert on_row.endswith("| 0 |")
 
 
@@ -244,20 +245,20 @@ def test_auto_regime_runs_quick(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_compiled_segments_quick() -> None:
-    """Two gloo ranks run the Qwen3-MoE step eager and with every segment through torch.compile
-    (Dynamo's ``eager`` backend in --quick: tracing without inductor's minutes of compiling), and
-    the compiled model's logits are eager's."""
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "compiled_segments.py"), "--quick"], capture_output=True, text=True, timeout=170,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [ln.split("|") for ln in proc.stdout.splitlines() if ln.startswith("| prefill") or ln.startswith("| decode")]
+def test_compiled_segments_quick(pool: RankPool, capsys: pytest.CaptureFixture[str]) -> None:
+    """The session's two gloo ranks run the Qwen3-MoE step eager and with every segment through
+    torch.compile (Dynamo's ``eager`` backend in --quick: tracing without inductor's minutes of
+    compiling), and the compiled model's logits are eager's."""
+    import compiled_segments
+
+    rc = compiled_segments.main(["--quick"], pool=pool)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [ln.split("|") for ln in out.splitlines() if ln.startswith("| prefill") or ln.startswith("| decode")]
     assert [(r[1].strip(), r[2].strip()) for r in rows] == [
         ("prefill 24", "serial"), ("prefill 24", "dbo"), ("decode 4", "serial"), ("decode 4", "dbo")]
     assert all(float(r[-2]) == 0.0 for r in rows)  # Dynamo's eager backend runs the same ops
-    assert "| fixed cost: x + 1, one element |" in proc.stdout
+    assert "| fixed cost: x + 1, one element |" in out
 
 
 def test_auto_measured_refuses_an_unknown_link_by_name() -> None:
@@ -397,13 +398,15 @@ def test_memory_estimate_check_rows_set_the_cli_estimate_against_a_measured_peak
 
 
 @pytest.mark.timeout(120)
-def test_tp_dense_quick() -> None:
-    """Two gloo ranks run the dense TP demo's measurement on one small Llama, loopback and ib400."""
+def test_tp_dense_quick(pool: RankPool, capsys: pytest.CaptureFixture[str]) -> None:
+    """The session's two gloo ranks run the dense TP demo's measurement on one small Llama,
+    loopback and ib400."""
     pytest.importorskip("transformers")
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "tp_dense.py"), "--quick"], capture_output=True, text=True, timeout=110, check=False
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import tp_dense
+
+    rc = tp_dense.main(["--quick"], pool=pool)
+    out = capsys.readouterr().out
+    assert rc == 0, out
     for link in ("loopback", "ib400"):
         for phase in ("prefill", "decode"):
-            assert f"| llama | 2 | {link} | {phase} |" in proc.stdout, proc.stdout
+            assert f"| llama | 2 | {link} | {phase} |" in out, out
