@@ -3,13 +3,21 @@
 Benchmarks measure, tests assert: nothing here checks a time, only that each benchmark runs end
 to end on tiny sizes and that every handoff design hands over in strict round-robin order (a
 design that did not would be timing something else).
+
+Most scripts' ``main(argv)`` runs in this process (a fresh interpreter per script imported torch
+again, most of such a test's time), the ones with ranks on the session's shared 2 ranks
+(``main(..., pool=pool)``); what a script changes in the process (torch's threads, the asyncdbo
+logger's level) a fixture puts back. The ones that pin threads to cores or export and build a
+git revision run as ``python SCRIPT --quick``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -60,6 +68,18 @@ def test_the_git_check_tells_a_checkout_from_a_tree_without_history(tmp_path: Pa
     subprocess.run([*git, "-C", str(tree), "commit", "-q", "-m", "m"], check=True, capture_output=True, timeout=60)
     assert in_git_checkout(tree)
     assert not in_git_checkout(tree / "sub")  # a folder inside another repository
+
+
+@pytest.fixture
+def asyncdbo_log_level() -> Iterator[None]:
+    """The ``asyncdbo`` logger's level as it was, after a simulating benchmark run here quieted it
+    (its fake EP group's timeout note, once per point)."""
+    logger = logging.getLogger("asyncdbo")
+    before = logger.level
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 def _load(name: str) -> ModuleType:
@@ -176,39 +196,43 @@ def test_deterministic_quick(pool: RankPool, capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.timeout(120)
-def test_sync_free_quick() -> None:
+@pytest.mark.usefixtures("one_thread")  # the script sets torch to one thread: this process gets its own back
+def test_sync_free_quick(capsys: pytest.CaptureFixture[str]) -> None:
     """One small layer on both MoE paths: the sync-free one issues no host sync, computes the
     padding rows, and gives the exact path's output bit for bit (else the script exits 1)."""
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "sync_free.py"), "--quick"], capture_output=True, text=True, timeout=110,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = {ln.split(" | ")[1]: ln.split(" | ") for ln in proc.stdout.splitlines() if ln.startswith("| decode T=16 |")}
+    import sync_free
+
+    rc = sync_free.main(["--quick"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = {ln.split(" | ")[1]: ln.split(" | ") for ln in out.splitlines() if ln.startswith("| decode T=16 |")}
     # host syncs, torch ops, expert rows, equal: 16 tokens, top-2 of 8 experts
     assert rows["exact"][5] == "21" and rows["exact"][7] == "32" and rows["exact"][8] == "True |"
     assert rows["sync-free"][5] == "0" and rows["sync-free"][7] == "128" and rows["sync-free"][8] == "True |"
 
 
 @pytest.mark.timeout(120)
-def test_sim_sweep_quick_writes_table_and_plot(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "sim_sweep.py"), "--quick", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=110, check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| decode | 16 | ib400 |" in proc.stdout
+@pytest.mark.usefixtures("asyncdbo_log_level")
+def test_sim_sweep_quick_writes_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import sim_sweep
+
+    rc = sim_sweep.main(["--quick", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "| decode | 16 | ib400 |" in out
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".md", ".png"]
 
 
 @pytest.mark.timeout(120)
-def test_sim_calibrate_quick_scores_one_grid_point() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "sim_calibrate.py"), "--quick"], capture_output=True, text=True, timeout=110, check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| kernel overhead us | HBM eff 0.6 |" in proc.stdout
-    assert "Best: kernel_overhead_s = 6 us (small kernels a quarter of it), mem_efficiency = 0.6." in proc.stdout
+@pytest.mark.usefixtures("asyncdbo_log_level")
+def test_sim_calibrate_quick_scores_one_grid_point(capsys: pytest.CaptureFixture[str]) -> None:
+    import sim_calibrate
+
+    rc = sim_calibrate.main(["--quick"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "| kernel overhead us | HBM eff 0.6 |" in out
+    assert "Best: kernel_overhead_s = 6 us (small kernels a quarter of it), mem_efficiency = 0.6." in out
 
 
 def test_gpu_check_is_a_deprecated_wrapper_of_first_contact() -> None:
