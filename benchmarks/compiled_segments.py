@@ -179,7 +179,10 @@ def bench_rank(rank: int, world: int, sizes: dict[str, Any], cases: tuple[Case, 
                backend: str) -> dict[str, Any]:
     import asyncdbo
 
-    return asyncdbo.run(_rank_async, rank, sizes, cases, rounds, warmup, backend)
+    try:
+        return asyncdbo.run(_rank_async, rank, sizes, cases, rounds, warmup, backend)
+    finally:  # the rank may run other work next (the smoke test's shared ranks): no compiled code left behind
+        torch._dynamo.reset()
 
 
 def table(cases: tuple[Case, ...], per_rank: list[dict[str, Any]]) -> list[str]:
@@ -198,7 +201,12 @@ def table(cases: tuple[Case, ...], per_rank: list[dict[str, Any]]) -> list[str]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, pool: Any = None) -> int:
+    """``pool``: a live 2-rank :class:`asyncdbo.testing.RankPool` to run on, left open (the smoke
+    test hands it the suite's shared ranks; --quick's eager backend needs no compile threads);
+    default: start one and close it after."""
+    import contextlib
+
     import _progress
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -216,10 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     rounds, warmup = (1, 1) if args.quick else (args.rounds, 2)
     backend = args.backend or ("eager" if args.quick else "inductor")
     t_start = time.perf_counter()
-    # One inductor compile thread: no compile-worker subprocesses next to the ranks on a small machine.
     _progress.start(args.quiet, "calls on 2 ranks", 1)
     _progress.step(f"{len(cases)} case(s) x {rounds} round(s), eager and compiled ({backend}), in one call")
-    with RankPool(2, timeout_s=1800, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"}) as pool:
+    # One inductor compile thread: no compile-worker subprocesses next to the ranks on a small machine.
+    with (RankPool(2, timeout_s=1800, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"}) if pool is None
+          else contextlib.nullcontext(pool)) as pool:
         per_rank = pool.run(bench_rank, sizes, cases, rounds, warmup, backend)
     _progress.done()
     command = "python benchmarks/compiled_segments.py" + (" --quick" if args.quick else "") + (

@@ -340,7 +340,11 @@ FULL_CASES = [
 QUICK_CASES = [Case(name="decode 16 req/rank, 1 layer", shape="decode", tokens=16, layers=1, context=8, hidden=64, experts=4)]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, pool: Any = None) -> int:
+    """``pool``: a live 2-rank :class:`asyncdbo.testing.RankPool` to run on, left open (the smoke
+    test hands it the suite's shared ranks); default: start one and close it after."""
+    import contextlib
+
     import _progress
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -368,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_results: list[tuple[Any, dict[str, Any]]] = []
     extra = 0 if args.quick or args.hf else 2
     _progress.start(args.quiet, "cases on 2 ranks, then the probes", len(cases) + len(hf_cases) + extra)
-    with RankPool(2, timeout_s=900) as pool:
+    with RankPool(2, timeout_s=900) if pool is None else contextlib.nullcontext(pool) as pool:
         for case in cases:
             _progress.step(case.name)
             results.append((case, summarize(pool.run(bench_rank, case, steps, warmup))))

@@ -455,7 +455,9 @@ QUICK_CASES = [
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, pool: Any = None) -> int:
+    """``pool``: a live 2-rank :class:`asyncdbo.testing.RankPool` to run on, left open (the smoke
+    test hands it the suite's shared ranks); default: start one and close it after."""
     import _progress
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -464,8 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results, not with --quick)")
     _progress.add_quiet_flag(parser)
     args = parser.parse_args(argv)
-    # Large tensors through mmap, returned to the OS when freed: RSS then follows live memory.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    if pool is None:  # the ranks it starts: large tensors through mmap, returned to the OS when freed
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # (RSS then follows live memory)
     from _results import publish_results, results_preamble
 
     from asyncdbo.testing import RankPool
@@ -475,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     t_start = time.perf_counter()
     _progress.start(args.quiet, "cases on 2 ranks", len(cases))
-    with RankPool(2, timeout_s=600) as pool:
+    with RankPool(2, timeout_s=600) if pool is None else contextlib.nullcontext(pool) as pool:
         for case in cases:
             _progress.step(case.name)
             per_rank = pool.run(bench_rank, case, steps, warmup)

@@ -98,11 +98,11 @@ async def _case(tokens: int, rounds: int, hidden: int, experts: int, top_k: int,
     return {"med": med, "counts": counts, "equal": torch.equal(outs["exact"], outs["sync-free"])}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one small case, few rounds, print only")
     ap.add_argument("--rounds", type=int, default=30)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cases = [("decode", 64), ("prefill", 512)] if not args.quick else [("decode", 16)]
     rounds = 3 if args.quick else args.rounds

@@ -14,6 +14,8 @@ runs, its completion is released on the modeled link).  Thresholds are 1: every 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import platform
 import statistics
 import subprocess
@@ -45,14 +47,17 @@ def cell(pool: RankPool, ckpt: str, model: str, tp: int, link: str | None, args:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, *, pool: RankPool | None = None) -> int:
+    """``pool``: a live :class:`RankPool` for the TP size of its world size, left open (the smoke
+    test hands it the suite's shared 2 ranks: --quick runs TP 2 only); the other sizes start their
+    own pool and close it after."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     sizes, links, models = ((2,), (None, "ib400"), ("llama",)) if args.quick else \
         ((2, 4), (None, "ib400", "nvlink"), ("llama", "qwen3"))
     if args.quick:
@@ -60,7 +65,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [f"# Dense TP DBO on CPU (benchmarks/tp_dense.py), commit {commit}", "",
              f"`python benchmarks/tp_dense.py{' --quick' if args.quick else ''}` on {platform.machine()}, "
-             f"{torch.get_num_threads()} torch threads here, load {open('/proc/loadavg').read().split()[0]} at start; "
+             f"{torch.get_num_threads()} torch threads here, load {os.getloadavg()[0]:.2f} at start; "
              f"width {WIDTH}; {args.tokens} prompt tokens, {args.steps} decode steps, {args.repeats} repeats",
              "", "| model | TP | link | phase | serial ms | DBO ms | speedup (median) | min-max | N |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -70,9 +75,10 @@ def main() -> None:
             ckpt = f"{tmp}/{model}"
             tiny_hf_model(model, **WIDTH).save_pretrained(ckpt, max_shard_size="2MB")
             for tp in sizes:
-                with RankPool(tp, timeout_s=600) as pool:
+                shared = pool if pool is not None and pool.world_size == tp else None
+                with contextlib.nullcontext(shared) if shared else RankPool(tp, timeout_s=600) as ranks:
                     for link in links:
-                        lines += cell(pool, ckpt, model, tp, link, args)
+                        lines += cell(ranks, ckpt, model, tp, link, args)
                         print(lines[-2], lines[-1], sep="\n", file=sys.stderr)
     lines += ["", f"wall time {time.time() - t0:.0f} s"]
     text = "\n".join(lines) + "\n"
@@ -80,7 +86,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

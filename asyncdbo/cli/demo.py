@@ -28,7 +28,8 @@ import argparse
 import math
 import sys
 
-from .demo_config import LINK_CHOICES, START_TIMEOUT_S, DemoConfig, _config_from_args
+from . import demo_config
+from .demo_config import LINK_CHOICES, DemoConfig, _config_from_args
 from .demo_memory import check_memory, rank_bytes
 from .demo_run import _format as _format
 from .demo_run import _report, decode_chunks, demo_rank, error_line, passed, prefill_chunks, split_note, summarize
@@ -91,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..testing.ranks import RankError, RankPool
+    from ..testing.ranks import RankError
 
     if args.model in ("llama", "qwen3"):
         from .demo_tp import main_tp
@@ -119,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         # --timeout bounds every collective and every wait of a step (group timeout, watchdog),
         # not the run: a healthy run of any length finishes; a stuck rank fails its peers.
-        with RankPool(cfg.ranks, timeout_s=cfg.timeout_s, start_timeout_s=max(cfg.timeout_s, START_TIMEOUT_S)) as pool:
+        with demo_config.start_ranks(cfg.ranks, cfg.timeout_s) as pool:
             per_rank = pool.run(demo_rank, cfg, timeout_s=math.inf)
     except RankError as exc:
         progress.done()

@@ -1,20 +1,23 @@
-"""The ``asyncdbo demo`` configuration (:class:`DemoConfig`), its checks and its limits, and how
-the command line becomes one. The lowest of the demo's modules: ``demo_run`` runs it,
-``demo_memory`` sizes it, ``demo`` (the command) and its ``env``/``hf`` launchers read it."""
+"""The ``asyncdbo demo`` configuration (:class:`DemoConfig`), its checks and its limits, how the
+command line becomes one, and where the local ranks start (:func:`start_ranks`). The lowest of
+the demo's modules: ``demo_run`` runs it, ``demo_memory`` sizes it, ``demo`` (the command) and its
+``env``/``hf``/``tp`` launchers read it."""
 
 from __future__ import annotations
 
 import argparse
 import math
 from dataclasses import dataclass
-from typing import Any
-
+from typing import TYPE_CHECKING, Any
 
 from ..moe.config import Schedule
 from .inputs import check_timeout
 from .progress import wants_progress
 
-__all__ = ["DETERMINISTIC_CHOICES", "LINK_CHOICES", "MATCH_ATOL", "START_TIMEOUT_S", "DemoConfig"]
+if TYPE_CHECKING:
+    from ..testing.ranks import RankPool
+
+__all__ = ["DETERMINISTIC_CHOICES", "LINK_CHOICES", "MATCH_ATOL", "START_TIMEOUT_S", "DemoConfig", "start_ranks"]
 
 LINK_CHOICES = ("none", "nvlink", "ib400", "eth100")
 #: --deterministic: auto (MiniConfig's default: on for CPU tensors), on, off.
@@ -26,6 +29,16 @@ MATCH_ATOL = 1e-4
 #: Seconds the local ranks may take to start (spawn, import torch, join the group) on a loaded
 #: machine, however short --timeout is.
 START_TIMEOUT_S = 120.0
+
+
+def start_ranks(ranks: int, timeout_s: float) -> RankPool:
+    """The ``--launcher local`` demos' ranks (mini, ``--model``, ``--tp``), as a context manager:
+    a fresh :class:`asyncdbo.testing.RankPool` whose group timeout is ``--timeout`` (each wait, not
+    the run), closed when the run ends. The one place these demos start processes: the test suite
+    points it at its shared ranks (``tests/cli/conftest.py``)."""
+    from ..testing.ranks import RankPool
+
+    return RankPool(ranks, timeout_s=timeout_s, start_timeout_s=max(timeout_s, START_TIMEOUT_S))
 
 
 @dataclass(frozen=True, kw_only=True)

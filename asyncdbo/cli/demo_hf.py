@@ -305,8 +305,8 @@ def microbatched(per_rank: list[dict[str, Any]], steps: slice) -> tuple[int, int
 
 def main_hf(args: argparse.Namespace) -> int:
     """``asyncdbo demo --model ...``: start the ranks here, load, run, compare, print."""
-    from ..testing.ranks import RankError, RankPool
-    from .demo_config import START_TIMEOUT_S
+    from ..testing.ranks import RankError
+    from . import demo_config
     from .inputs import check_timeout
 
     try:
@@ -365,7 +365,7 @@ def main_hf(args: argparse.Namespace) -> int:
         try:
             # --timeout bounds each collective (the group's timeout), not the run.
             progress.note(f"starting {cfg.ranks} ranks, each loading its share of the checkpoint")
-            with RankPool(cfg.ranks, timeout_s=timeout_s, start_timeout_s=max(timeout_s, START_TIMEOUT_S)) as pool:
+            with demo_config.start_ranks(cfg.ranks, timeout_s) as pool:
                 per_rank = pool.run(hf_demo_rank, cfg, cfg.weights or tmp, timeout_s=math.inf)
         except RankError as exc:
             progress.done()

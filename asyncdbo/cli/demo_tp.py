@@ -186,8 +186,8 @@ def _report(cfg: TPDemoConfig, hf_model: Any, per_rank: list[dict[str, Any]], wh
 
 def main_tp(args: argparse.Namespace) -> int:
     """``asyncdbo demo --model llama|qwen3 --tp N``: start the ranks, load, run, compare, print."""
-    from ..testing.ranks import RankError, RankPool
-    from .demo_config import START_TIMEOUT_S
+    from ..testing.ranks import RankError
+    from . import demo_config
     from .demo_hf import _reference, _refuse_mini_only_flags
     from .inputs import check_timeout
 
@@ -225,7 +225,7 @@ def main_tp(args: argparse.Namespace) -> int:
             where = str(cfg.weights)
         try:
             progress.note(f"starting {cfg.tp} ranks, each loading its blocks of the checkpoint")
-            with RankPool(cfg.tp, timeout_s=timeout_s, start_timeout_s=max(timeout_s, START_TIMEOUT_S)) as pool:
+            with demo_config.start_ranks(cfg.tp, timeout_s) as pool:
                 per_rank = pool.run(tp_demo_rank, cfg, cfg.weights or tmp, timeout_s=math.inf)
         except RankError as exc:
             progress.done()

@@ -1,4 +1,5 @@
-"""``asyncdbo demo`` end to end: it starts its own ranks, prints the table, checks the outputs
+"""``asyncdbo demo`` end to end: it runs on its ranks (here the session's, through the demo's
+one seam: tests/cli/conftest.py; under torchrun, its own), prints the table, checks the outputs
 are bitwise equal (deterministic mode, the CPU default), writes a trace, says why a step did not
 microbatch, and turns bad flags into one error line with exit status 2."""
 
@@ -22,6 +23,7 @@ SMALL = ["--hidden", "64", "--layers", "1", "--experts", "4", "--steps", "2", "-
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("shared_demo_ranks")
 def test_demo_prints_the_table_on_a_modeled_link_and_writes_a_trace(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     rc = main(["demo", *SMALL, "--tokens", "512", "--schedule", "ll", "--stream-policy", "ubatch",
                "--link", "ib400", "--loop", "asyncio", "--trace", str(tmp_path)])
@@ -55,6 +57,7 @@ def test_demo_prints_the_table_on_a_modeled_link_and_writes_a_trace(capsys: pyte
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("shared_demo_ranks")
 def test_demo_decode_on_three_ranks_says_why_it_did_not_microbatch(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["demo", *SMALL, "--ranks", "3", "--experts", "6", "--tokens", "8", "--shape", "decode", "--context", "4"])
     out = capsys.readouterr().out
@@ -130,6 +133,7 @@ def test_the_demo_is_bitwise_equal_on_two_ranks(pool: RankPool, shape: str, sche
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("ranks", "shape"), [(1, "prefill"), (4, "decode")])
+@pytest.mark.usefixtures("shared_demo_ranks")
 def test_the_demo_prints_bitwise_equal_on_one_and_four_ranks(capsys: pytest.CaptureFixture[str], ranks: int, shape: str) -> None:
     rc = main(["demo", "--ranks", str(ranks), "--experts", "4", "--hidden", "64", "--layers", "1", "--steps", "1",
                "--warmup", "1", "--shape", shape, "--tokens", "64" if shape == "prefill" else "8", "--context", "8",

@@ -32,6 +32,7 @@ def mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
+@pytest.mark.usefixtures("shared_demo_ranks")
 def test_demo_runs_a_tiny_random_deepseek_v3_and_matches_transformers(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["demo", "--model", "deepseek-v3", *QUICK, "--schedule", "ll", "--loop", "asyncio"])
     out = capsys.readouterr().out
@@ -54,6 +55,7 @@ def test_demo_runs_a_tiny_random_deepseek_v3_and_matches_transformers(capsys: py
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
+@pytest.mark.usefixtures("shared_demo_ranks")
 def test_demo_loads_a_checkpoint_directory(capsys: pytest.CaptureFixture[str], mixtral_dir: Path) -> None:
     rc = main(["demo", "--model", "mixtral", "--weights", str(mixtral_dir), *QUICK, "--link", "ib400"])
     out = capsys.readouterr().out
@@ -68,6 +70,7 @@ def test_demo_loads_a_checkpoint_directory(capsys: pytest.CaptureFixture[str], m
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("shared_demo_ranks")
 def test_a_broken_checkpoint_fails_with_the_file_and_the_tensor(capsys: pytest.CaptureFixture[str],
                                                                  mixtral_dir: Path, tmp_path: Path) -> None:
     broken = Path(shutil.copytree(mixtral_dir, tmp_path / "broken"))

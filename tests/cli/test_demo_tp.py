@@ -14,6 +14,8 @@ pytest.importorskip("transformers")
 from asyncdbo.cli import main  # noqa: E402
 from asyncdbo.models.hf.reference import tiny_hf_model  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("shared_demo_ranks")  # the session's ranks (tests/cli/conftest.py)
+
 QUICK = ["--tokens", "48", "--steps", "2", "--warmup", "0", "--repeats", "2", "--prefill-threshold", "1",
          "--decode-threshold", "1", "-q"]
 

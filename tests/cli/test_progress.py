@@ -5,10 +5,10 @@ would: stderr is a TTY there, so the up-front "N ... to run" line and the ``[i/N
 appear, each status rewritten in place and erased before the real output. With ``-q``, or when
 stderr is a pipe, none of it is written.
 
-``demo`` and the benchmark run as ``python -m asyncdbo`` / ``python SCRIPT`` processes on the
-terminal; ``check`` computes in-process (no ranks), so it runs here with ``sys.stdout`` and
-``sys.stderr`` on the terminal (:func:`check_in_a_terminal`): a fresh interpreter per run
-imported torch again, most of such a test's time.
+``demo`` runs as a ``python -m asyncdbo`` process on the terminal (its ranks write there too);
+``check`` and the benchmark compute in-process (no ranks), so they run here with ``sys.stdout``
+and ``sys.stderr`` on the terminal (:func:`in_a_terminal`): a fresh interpreter per run imported
+torch again, most of such a test's time.
 """
 
 from __future__ import annotations
@@ -18,14 +18,19 @@ import pty
 import re
 import select
 import contextlib
+import logging
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
 from asyncdbo.cli import main as cli_main
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+sys.path.insert(0, BENCH)  # the benchmarks import their helpers as top-level modules
 
 CHECK = ["check", "--model", "qwen3-moe", "--hidden", "64", "--intermediate", "32", "--experts", "8", "--heads", "4",
          "--ep", "4", "--tokens", "16,32"]
@@ -33,12 +38,11 @@ DEMO = ["demo", "--hidden", "64", "--layers", "1", "--experts", "4", "--steps", 
 ERASE = "\r\x1b[K"
 
 
-def run_in_a_terminal(argv: list[str], timeout_s: float = 100.0, *, script: str | None = None) -> tuple[int, str]:
-    """``python -m asyncdbo *argv`` (or ``python SCRIPT *argv``) with stdin, stdout and stderr on a
-    pseudo-terminal; its exit status and everything it wrote (a terminal turns "\\n" into "\\r\\n")."""
+def run_in_a_terminal(argv: list[str], timeout_s: float = 100.0) -> tuple[int, str]:
+    """``python -m asyncdbo *argv`` with stdin, stdout and stderr on a pseudo-terminal; its exit
+    status and everything it wrote (a terminal turns "\\n" into "\\r\\n")."""
     master, slave = pty.openpty()
-    head = [script] if script is not None else ["-m", "asyncdbo"]
-    proc = subprocess.Popen([sys.executable, *head, *argv], stdin=slave, stdout=slave, stderr=slave,
+    proc = subprocess.Popen([sys.executable, "-m", "asyncdbo", *argv], stdin=slave, stdout=slave, stderr=slave,
                             close_fds=True)
     os.close(slave)
     out = b""
@@ -65,10 +69,11 @@ def run_in_a_terminal(argv: list[str], timeout_s: float = 100.0, *, script: str 
     return proc.returncode, out.decode().replace("\r\n", "\n")
 
 
-def check_in_a_terminal(argv: list[str]) -> tuple[int, str]:
-    """``asyncdbo.cli.main(argv)`` in this process with ``sys.stdout`` and ``sys.stderr`` on one
-    pseudo-terminal (both a TTY, in the order written, as in a shell); its status and everything
-    written there, read by a thread as it comes (a terminal's buffer is a few KiB)."""
+def in_a_terminal(argv: list[str], main: Callable[[list[str]], int] = cli_main) -> tuple[int, str]:
+    """``main(argv)`` (``asyncdbo.cli.main``, or a benchmark's) in this process with ``sys.stdout``
+    and ``sys.stderr`` on one pseudo-terminal (both a TTY, in the order written, as in a shell);
+    its status and everything written there, read by a thread as it comes (a terminal's buffer is
+    a few KiB)."""
     master, slave = pty.openpty()
     chunks: list[bytes] = []
 
@@ -88,7 +93,7 @@ def check_in_a_terminal(argv: list[str]) -> tuple[int, str]:
         with open(slave, "w", encoding="utf-8", closefd=True) as term:
             assert term.isatty()
             with contextlib.redirect_stdout(term), contextlib.redirect_stderr(term):
-                rc = cli_main(argv)
+                rc = main(argv)
     finally:
         reader.join(timeout=30)
         alive = reader.is_alive()
@@ -99,7 +104,7 @@ def check_in_a_terminal(argv: list[str]) -> tuple[int, str]:
 
 @pytest.mark.timeout(120)
 def test_check_says_how_many_configurations_and_which_one_runs() -> None:
-    rc, out = check_in_a_terminal(CHECK)
+    rc, out = in_a_terminal(CHECK)
     assert rc == 0, out
     lines = out.split("\n")
     assert lines[0] == "2 configurations (serial and DBO each) to run"  # before anything else
@@ -110,7 +115,7 @@ def test_check_says_how_many_configurations_and_which_one_runs() -> None:
 
 @pytest.mark.timeout(120)
 def test_check_with_q_prints_no_progress_on_a_terminal() -> None:
-    rc, out = check_in_a_terminal([*CHECK, "-q"])
+    rc, out = in_a_terminal([*CHECK, "-q"])
     assert rc == 0, out
     assert "to run" not in out and "[1/2]" not in out and "\x1b[K" not in out
     assert out.startswith("asyncdbo check: qwen3-moe: hidden 64")
@@ -173,23 +178,25 @@ def test_no_progress_when_stderr_is_not_a_terminal(capsys: pytest.CaptureFixture
 
 @pytest.mark.timeout(120)
 def test_check_workload_counts_its_steps() -> None:
-    rc, out = check_in_a_terminal(["check", "--workload", "synthetic", "--policy", "fixed", *CHECK[1:-2]])
+    rc, out = in_a_terminal(["check", "--workload", "synthetic", "--policy", "fixed", *CHECK[1:-2]])
     assert rc == 0, out
     assert "\n16 workload steps (each composition simulated once) to run\n" in out
     assert f"{ERASE}[1/16] fixed, role streams: step 1 of 16 ...{ERASE}[2/16] fixed, role streams: step 2 of 16 ..." in out
     assert f"[16/16] fixed, role streams: step 16 of 16 ...{ERASE}throughput, real tokens of all ranks" in out
 
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
-
-
 @pytest.mark.timeout(150)
 def test_a_benchmark_shows_its_progress_on_a_terminal_and_not_with_q(tmp_path: "os.PathLike[str]") -> None:
-    script = os.path.join(BENCH, "sim_sweep.py")
-    rc, out = run_in_a_terminal(["--quick", "--out", str(tmp_path)], timeout_s=140, script=script)
-    assert rc == 0, out
-    assert out.startswith("1 points to simulate (serial and DBO in 2 ubatches each) to run\n")
-    assert f"{ERASE}[1/1] decode, 16 tokens/rank, ib400 ...{ERASE}" in out
-    rc, out = run_in_a_terminal(["--quick", "-q"], timeout_s=140, script=script)  # no --out: -q alone matters
-    assert rc == 0, out
-    assert "\x1b[K" not in out and "to run" not in out
+    import sim_sweep
+
+    level = logging.getLogger("asyncdbo").level  # the script quiets the asyncdbo logger: put it back
+    try:
+        rc, out = in_a_terminal(["--quick", "--out", str(tmp_path)], sim_sweep.main)
+        assert rc == 0, out
+        assert out.startswith("1 points to simulate (serial and DBO in 2 ubatches each) to run\n")
+        assert f"{ERASE}[1/1] decode, 16 tokens/rank, ib400 ...{ERASE}" in out
+        rc, out = in_a_terminal(["--quick", "-q"], sim_sweep.main)  # no --out: -q alone matters
+        assert rc == 0, out
+        assert "\x1b[K" not in out and "to run" not in out
+    finally:
+        logging.getLogger("asyncdbo").setLevel(level)

@@ -13,9 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import gc
-import os
-import subprocess
-import sys
 import weakref
 from typing import Any
 
@@ -296,50 +293,6 @@ async def test_a_run_nested_in_a_ubatch_leaves_a_pending_cancel_of_the_task_to_t
     assert info.value.__notes__ == ["asyncdbo: run 'outer' took a cancel of its task that no wait had delivered (the run never waited on the event loop); "
                                     "its ubatches had finished, and their results were dropped"]
     assert task.uncancel() == 0
-
-
-_CTRL_C = r"""
-import asyncio, signal, sys
-from asyncdbo import dbo_yield, run_ubatches
-
-signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores it)
-where = sys.argv[1]
-
-def press(at):  # Ctrl-C: asyncio.run's handler cancels its main task
-    if at == where:
-        signal.raise_signal(signal.SIGINT)
-
-async def forward(i, step):
-    for k in range(3):
-        if i == 0 and k == 1 and step == 0:
-            press("in a step")
-        await dbo_yield()
-    return i
-
-async def serve():
-    for step in range(3):
-        if step == 1:
-            press("between steps")  # in the loop's own code, between steps 0 and 1
-        print(f"step {step}:", await run_ubatches(forward, [(0, step), (1, step)], name=f"step{step}"), flush=True)
-
-try:
-    asyncio.run(serve())
-except KeyboardInterrupt:
-    print("KeyboardInterrupt", flush=True)
-"""
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(("where", "printed"), [
-    ("in a step", "KeyboardInterrupt\n"),  # before: steps 0, 1 and 2 ran, then the interrupt
-    ("between steps", "step 0: [0, 1]\nKeyboardInterrupt\n"),  # before: the same
-])
-async def test_ctrl_c_in_or_between_steps_that_never_wait_interrupts_that_step(kernel_loop: str, where: str,
-                                                                              printed: str) -> None:
-    env = dict(os.environ, ASYNCDBO_PURE_PYTHON="1" if kernel_loop == "python" else "0")
-    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", _CTRL_C, where], capture_output=True,
-                                  text=True, timeout=100, env=env, check=False)
-    assert (out.stdout, out.returncode) == (printed, 0), out.stderr
 
 
 class KeepRun(Instrument):

@@ -12,7 +12,6 @@ import asyncio
 import inspect
 import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 from collections.abc import Callable
@@ -94,14 +93,6 @@ async def test_the_c_fast_paths_are_in_use_where_a_compiler_built_them() -> None
     for name, fast in primitives.FAST.items():
         assert getattr(asyncdbo, name) is fast
         assert fast.__wrapped__ is primitives.PURE[name]
-
-
-async def test_pure_python_on_request() -> None:
-    """``ASYNCDBO_PURE_PYTHON=1`` runs the Python primitives (the switch for debugging the C ones)."""
-    code = "import asyncdbo, asyncdbo.dbo.primitives as p; print(p.FAST is None, asyncdbo.dbo_yield is p.PURE['dbo_yield'])"
-    env = {**os.environ, "ASYNCDBO_PURE_PYTHON": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.split() == ["True", "True"]
 
 
 async def test_they_introspect_as_their_python_versions() -> None:

@@ -3,13 +3,21 @@
 Benchmarks measure, tests assert: nothing here checks a time, only that each benchmark runs end
 to end on tiny sizes and that every handoff design hands over in strict round-robin order (a
 design that did not would be timing something else).
+
+Most scripts' ``main(argv)`` runs in this process (a fresh interpreter per script imported torch
+again, most of such a test's time), the ones with ranks on the session's shared 2 ranks
+(``main(..., pool=pool)``); what a script changes in the process (torch's threads, the asyncdbo
+logger's level) a fixture puts back. The ones that pin threads to cores or export and build a
+git revision run as ``python SCRIPT --quick``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -60,6 +68,18 @@ def test_the_git_check_tells_a_checkout_from_a_tree_without_history(tmp_path: Pa
     subprocess.run([*git, "-C", str(tree), "commit", "-q", "-m", "m"], check=True, capture_output=True, timeout=60)
     assert in_git_checkout(tree)
     assert not in_git_checkout(tree / "sub")  # a folder inside another repository
+
+
+@pytest.fixture
+def asyncdbo_log_level() -> Iterator[None]:
+    """The ``asyncdbo`` logger's level as it was, after a simulating benchmark run here quieted it
+    (its fake EP group's timeout note, once per point)."""
+    logger = logging.getLogger("asyncdbo")
+    before = logger.level
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 def _load(name: str) -> ModuleType:
@@ -124,19 +144,20 @@ def test_switch_cost_quick(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_moe_step_quick() -> None:
-    """Two real gloo ranks run serial, asyncdbo (ht, ll, split and fused dispatch) and the three
-    thread-baton designs on one tiny case; the script exits 1 unless every design's logits equal
-    the serial ones bit for bit (deterministic mode)."""
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "moe_step.py"), "--quick"], capture_output=True, text=True, timeout=110, check=False
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_moe_step_quick(pool: RankPool, capsys: pytest.CaptureFixture[str]) -> None:
+    """The session's two gloo ranks run serial, asyncdbo (ht, ll, split and fused dispatch) and the
+    three thread-baton designs on one tiny case; the script exits 1 unless every design's logits
+    equal the serial ones bit for bit (deterministic mode)."""
+    import moe_step
+
+    rc = moe_step.main(["--quick"], pool=pool)
+    out = capsys.readouterr().out
+    assert rc == 0, out
     for design in ("serial", "asyncdbo ht", "asyncdbo ll", "asyncdbo ht fused", "asyncdbo ll fused", "threads vLLM",
                    "threads GPU-like", "threads handoff"):
-        assert f"| {design} |" in proc.stdout
-    assert "| ll | " in proc.stdout  # the split-vs-fused table
-    assert "Replay checks over 20 steps x ranks:" in proc.stdout  # 5 replayed designs x 2 steps x 2 ranks
+        assert f"| {design} |" in out
+    assert "| ll | " in out  # the split-vs-fused table
+    assert "Replay checks over 20 steps x ranks:" in out  # 5 replayed designs x 2 steps x 2 ranks
 
 
 @needs_git_history
@@ -162,52 +183,56 @@ def test_run_setup_quick() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_deterministic_quick() -> None:
-    """Two gloo ranks run serial and DBO with deterministic mode off and on; the script exits 1
-    unless every DBO step with the mode on equals its serial step bit for bit."""
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "deterministic.py"), "--quick"], capture_output=True, text=True, timeout=110,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    on_row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| decode 16 req/rank, 1 layer | on |"))
+def test_deterministic_quick(pool: RankPool, capsys: pytest.CaptureFixture[str]) -> None:
+    """The session's two gloo ranks run serial and DBO with deterministic mode off and on; the
+    script exits 1 unless every DBO step with the mode on equals its serial step bit for bit."""
+    import deterministic
+
+    rc = deterministic.main(["--quick"], pool=pool)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    on_row = next(ln for ln in out.splitlines() if ln.startswith("| decode 16 req/rank, 1 layer | on |"))
     assert on_row.endswith("| 0 |")
 
 
 @pytest.mark.timeout(120)
-def test_sync_free_quick() -> None:
+@pytest.mark.usefixtures("one_thread")  # the script sets torch to one thread: this process gets its own back
+def test_sync_free_quick(capsys: pytest.CaptureFixture[str]) -> None:
     """One small layer on both MoE paths: the sync-free one issues no host sync, computes the
     padding rows, and gives the exact path's output bit for bit (else the script exits 1)."""
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "sync_free.py"), "--quick"], capture_output=True, text=True, timeout=110,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = {ln.split(" | ")[1]: ln.split(" | ") for ln in proc.stdout.splitlines() if ln.startswith("| decode T=16 |")}
+    import sync_free
+
+    rc = sync_free.main(["--quick"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = {ln.split(" | ")[1]: ln.split(" | ") for ln in out.splitlines() if ln.startswith("| decode T=16 |")}
     # host syncs, torch ops, expert rows, equal: 16 tokens, top-2 of 8 experts
     assert rows["exact"][5] == "21" and rows["exact"][7] == "32" and rows["exact"][8] == "True |"
     assert rows["sync-free"][5] == "0" and rows["sync-free"][7] == "128" and rows["sync-free"][8] == "True |"
 
 
 @pytest.mark.timeout(120)
-def test_sim_sweep_quick_writes_table_and_plot(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "sim_sweep.py"), "--quick", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=110, check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| decode | 16 | ib400 |" in proc.stdout
+@pytest.mark.usefixtures("asyncdbo_log_level")
+def test_sim_sweep_quick_writes_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import sim_sweep
+
+    rc = sim_sweep.main(["--quick", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "| decode | 16 | ib400 |" in out
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".md", ".png"]
 
 
 @pytest.mark.timeout(120)
-def test_sim_calibrate_quick_scores_one_grid_point() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "sim_calibrate.py"), "--quick"], capture_output=True, text=True, timeout=110, check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| kernel overhead us | HBM eff 0.6 |" in proc.stdout
-    assert "Best: kernel_overhead_s = 6 us (small kernels a quarter of it), mem_efficiency = 0.6." in proc.stdout
+@pytest.mark.usefixtures("asyncdbo_log_level")
+def test_sim_calibrate_quick_scores_one_grid_point(capsys: pytest.CaptureFixture[str]) -> None:
+    import sim_calibrate
+
+    rc = sim_calibrate.main(["--quick"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "| kernel overhead us | HBM eff 0.6 |" in out
+    assert "Best: kernel_overhead_s = 6 us (small kernels a quarter of it), mem_efficiency = 0.6." in out
 
 
 def test_gpu_check_is_a_deprecated_wrapper_of_first_contact() -> None:
@@ -244,20 +269,20 @@ def test_auto_regime_runs_quick(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_compiled_segments_quick() -> None:
-    """Two gloo ranks run the Qwen3-MoE step eager and with every segment through torch.compile
-    (Dynamo's ``eager`` backend in --quick: tracing without inductor's minutes of compiling), and
-    the compiled model's logits are eager's."""
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "compiled_segments.py"), "--quick"], capture_output=True, text=True, timeout=170,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [ln.split("|") for ln in proc.stdout.splitlines() if ln.startswith("| prefill") or ln.startswith("| decode")]
+def test_compiled_segments_quick(pool: RankPool, capsys: pytest.CaptureFixture[str]) -> None:
+    """The session's two gloo ranks run the Qwen3-MoE step eager and with every segment through
+    torch.compile (Dynamo's ``eager`` backend in --quick: tracing without inductor's minutes of
+    compiling), and the compiled model's logits are eager's."""
+    import compiled_segments
+
+    rc = compiled_segments.main(["--quick"], pool=pool)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [ln.split("|") for ln in out.splitlines() if ln.startswith("| prefill") or ln.startswith("| decode")]
     assert [(r[1].strip(), r[2].strip()) for r in rows] == [
         ("prefill 24", "serial"), ("prefill 24", "dbo"), ("decode 4", "serial"), ("decode 4", "dbo")]
     assert all(float(r[-2]) == 0.0 for r in rows)  # Dynamo's eager backend runs the same ops
-    assert "| fixed cost: x + 1, one element |" in proc.stdout
+    assert "| fixed cost: x + 1, one element |" in out
 
 
 def test_auto_measured_refuses_an_unknown_link_by_name() -> None:
@@ -397,13 +422,15 @@ def test_memory_estimate_check_rows_set_the_cli_estimate_against_a_measured_peak
 
 
 @pytest.mark.timeout(120)
-def test_tp_dense_quick() -> None:
-    """Two gloo ranks run the dense TP demo's measurement on one small Llama, loopback and ib400."""
+def test_tp_dense_quick(pool: RankPool, capsys: pytest.CaptureFixture[str]) -> None:
+    """The session's two gloo ranks run the dense TP demo's measurement on one small Llama,
+    loopback and ib400."""
     pytest.importorskip("transformers")
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "tp_dense.py"), "--quick"], capture_output=True, text=True, timeout=110, check=False
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import tp_dense
+
+    rc = tp_dense.main(["--quick"], pool=pool)
+    out = capsys.readouterr().out
+    assert rc == 0, out
     for link in ("loopback", "ib400"):
         for phase in ("prefill", "decode"):
-            assert f"| llama | 2 | {link} | {phase} |" in proc.stdout, proc.stdout
+            assert f"| llama | 2 | {link} | {phase} |" in out, out

@@ -24,11 +24,20 @@ def _lines(out: Path) -> list[dict]:  # type: ignore[type-arg]
     return [json.loads(line) for line in (out / "first_contact.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One whole ``--dry-run`` (every step) for the tests that read its lines: its process and its
+    ``--out`` folder."""
+    out = tmp_path_factory.mktemp("dry_run")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)], capture_output=True,
+                          text=True, timeout=1750, check=False)
+    return proc, out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_dry_run_starts_every_step_and_writes_its_line(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)], capture_output=True,
-                          text=True, timeout=1750, check=False)
+def test_dry_run_starts_every_step_and_writes_its_line(dry_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    proc, tmp_path = dry_run
     lines = _lines(tmp_path)
     assert [ln["step"] for ln in lines] == STEPS, proc.stdout + proc.stderr
     assert [(ln["step"], ln["ok"], ln.get("error")) for ln in lines] == [(s, True, None) for s in STEPS], \
@@ -152,11 +161,11 @@ def test_the_carried_cp312_extensions_are_put_in_place_and_load_under_python_3_1
     assert json.loads(proc.stdout)["reason"].startswith("built from other C sources"), proc.stderr[-3000:]
 
 
-@pytest.mark.timeout(300)
-def test_the_tests_step_runs_with_plugin_autoload_off_and_its_plugins_named(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "tests", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=280, check=False)
-    (line,) = _lines(tmp_path)
+@pytest.mark.timeout(1800)  # alone (-k), it pays for the whole dry run
+def test_the_tests_step_runs_with_plugin_autoload_off_and_its_plugins_named(
+        dry_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    proc, tmp_path = dry_run
+    (line,) = [ln for ln in _lines(tmp_path) if ln["step"] == "tests"]
     assert line["ok"] and line["returncode"] == 0, (tmp_path / "steps.log").read_text()[-3000:]
     assert line["plugin_autoload"] is False and line["plugins"] == {"pytest_timeout": True, "pytest_asyncio": True}
     assert "-p pytest_timeout -p pytest_asyncio.plugin" in line["command"]

@@ -1,5 +1,8 @@
 """RankPool: results by rank, errors name the rank, failures end in bounded time, close ends all,
-and nothing it starts listens beyond loopback or needs a port that a squatter could take."""
+and nothing it starts listens beyond loopback or needs a port that a squatter could take.
+
+The tests of a healthy pool's properties take the session's shared pool (``pool``, tests/conftest.py,
+a plain ``RankPool(2)``); the tests of start-up, failure and close start their own."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import pickle
 import socket
 import stat
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -69,16 +72,6 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
-#: as tests/conftest.py: start-up on a loaded machine took over 30 s
-START_TIMEOUT_S = 180.0
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[RankPool]:
-    with RankPool(2, timeout_s=30.0, start_timeout_s=START_TIMEOUT_S) as p:
-        yield p
 
 
 def test_free_port_is_deprecated_because_its_port_can_be_taken_before_use() -> None:
