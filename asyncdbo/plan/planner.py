@@ -99,7 +99,8 @@ class ShapePlanner:
         attn_metadata=attn_metadata, ...)`` with these arguments plans it, and whether its offsets
         are a uniform decode. ``offsets``: :meth:`offsets` of this metadata, where the caller read
         them already."""
-        check_bool("ShapePlanner.plan() ", "enabled", enabled)
+        if enabled is not True and enabled is not False:
+            check_bool("ShapePlanner.plan() ", "enabled", enabled)
         if offsets is None:
             offsets = self.offsets(attn_metadata)
         qsl = offsets.checked

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, Union
+from typing import Any, Generic, NamedTuple, TypeVar, Union
 
 import numpy as np
 import torch
@@ -45,11 +45,12 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
-@dataclass(frozen=True, slots=True)
-class _Row:
+class _Row(NamedTuple):
     """One ubatch of a template: its request and token ranges, its offsets rebased to its first
-    token and clamped (a continuation's head and a truncated tail trimmed), its longest query, and
-    the tokens of its truncated last request that lie after it (0: not truncated)."""
+    token and clamped (a continuation's head and a truncated tail trimmed), its longest query, the
+    tokens of its truncated last request that lie after it (0: not truncated), and where the
+    template's ``reduceat`` holds its longest ``seq_len`` (-1: nowhere, cut on its own). A tuple:
+    a step unpacks each row at once."""
 
     r0: int
     r1: int
@@ -58,6 +59,7 @@ class _Row:
     q: np.ndarray
     max_query_len: int
     not_here: int
+    pick: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +70,9 @@ class SplitTemplate(Generic[M]):
     slices: tuple[UBatchSlice, ...]
     dtype: torch.dtype
     rows: tuple[_Row, ...]
-    #: Where ``np.maximum.reduceat`` of ``seq_lens`` at ``reduce_at`` holds each ubatch's longest
-    #: ``seq_len`` (-1: none, an empty or truncated ubatch, cut on its own); None: read per ubatch.
+    #: The indices of one ``np.maximum.reduceat`` of ``seq_lens`` giving the ubatches' longest
+    #: ``seq_len`` (each row's ``pick``); None: each is read on its own.
     reduce_at: np.ndarray | None
-    picks: tuple[int, ...]
 
     @staticmethod
     def make(qsl_cpu: torch.Tensor, slices: Sequence[UBatchSlice], flags: Sequence[tuple[bool, bool]]) -> SplitTemplate[Any]:
@@ -87,9 +88,11 @@ class SplitTemplate(Generic[M]):
             q[0] = max(q[0], 0)
             q[-1] = min(q[-1], num_tokens)
             max_q = int((q[1:] - q[:-1]).max()) if r1 > r0 else 0
-            rows.append(_Row(r0, r1, t0, t1, q, max_q, int(qsl_np[r1]) - t1 if truncated else 0))
+            rows.append(_Row(r0, r1, t0, t1, q, max_q, int(qsl_np[r1]) - t1 if truncated else 0, -1))
         at, picks = _reductions(rows, len(qsl_np) - 1)
-        return SplitTemplate(tuple(slices), qsl_cpu.dtype, tuple(rows), at, picks)
+        if at is not None:
+            rows = [row._replace(pick=p) for row, p in zip(rows, picks)]
+        return SplitTemplate(tuple(slices), qsl_cpu.dtype, tuple(rows), at)
 
     def apply(self, meta: M, max_seq_len: str = "ubatch") -> list[M]:
         """The ubatches' metadata of ``meta``, whose offsets are the template's (the caller's
@@ -106,31 +109,28 @@ class SplitTemplate(Generic[M]):
         # every ubatch's longest seq_len in one array operation where the template allows it
         maxes = np.maximum.reduceat(seq_np, self.reduce_at).tolist() if self.reduce_at is not None else None
         out: list[M] = []
-        for k, (row, s) in enumerate(zip(self.rows, self.slices)):
-            r0, r1, t0, t1 = row.r0, row.r1, row.t0, row.t1
-            qsl_cpu = torch.from_numpy(row.q.copy())  # a tensor of its own per step: a model may write it
-            if row.not_here:
+        for (r0, r1, t0, t1, q, max_q, not_here, pick), s in zip(self.rows, self.slices):
+            qsl_cpu = torch.from_numpy(q.copy())  # a tensor of its own per step: a model may write it
+            if not_here:
                 # The truncated head sees only the tokens written so far: drop the ones after this ubatch.
                 cut = seq_np[r0:r1].copy()
-                cut[-1] -= row.not_here
+                cut[-1] -= not_here
                 seq_cpu = torch.from_numpy(cut)
                 seq_max = int(cut.max())
             else:
                 seq_cpu = meta.seq_lens_cpu[r0:r1]
-                if r1 == r0:
-                    seq_max = 0
-                elif maxes is not None:
-                    seq_max = maxes[self.picks[k]]
+                if pick >= 0:
+                    seq_max = maxes[pick]  # type: ignore[index]
                 else:
-                    seq_max = int(seq_np[r0:r1].max())
+                    seq_max = int(seq_np[r0:r1].max()) if r1 > r0 else 0
             qsl = meta.query_start_loc[r0 : r1 + 1].sub(t0).clamp_(0, t1 - t0) if dev_qsl else qsl_cpu
             if not dev_seq:
                 seq = seq_cpu
             else:
                 seq = meta.seq_lens[r0:r1]
-                if row.not_here:
+                if not_here:
                     seq = seq.clone()
-                    seq[-1] -= row.not_here
+                    seq[-1] -= not_here
             changes: dict[str, Any] = {
                 "query_start_loc": qsl,
                 "query_start_loc_cpu": qsl_cpu,
@@ -138,19 +138,19 @@ class SplitTemplate(Generic[M]):
                 "seq_lens_cpu": seq_cpu,
                 "block_table": meta.block_table[r0:r1],
                 "slot_mapping": meta.slot_mapping[t0:t1],
-                "max_query_len": row.max_query_len,
+                "max_query_len": max_q,
                 "max_seq_len": seq_max if batch_max is None else batch_max,
                 "num_actual_tokens": t1 - t0,
             }
-            for name, kind in rules.items():
-                changes[name] = _split_one(getattr(meta, name), kind, s)
+            if rules:
+                for name, kind in rules.items():
+                    changes[name] = _split_one(getattr(meta, name), kind, s)
             if plain:
                 # What dataclasses.replace does for a class whose fields are all set by __init__ and
-                # whose __post_init__ is the base's (skipped here: trusted), at a fraction of its cost.
+                # whose __post_init__ is the base's (skipped here: trusted), at a fraction of its cost
+                # (the dict set at once: the frozen class's own setattr refuses it).
                 new = object.__new__(cls)
-                d = vars(new)
-                d.update(base)
-                d.update(changes)
+                object.__setattr__(new, "__dict__", {**base, **changes})
                 out.append(new)
             else:
                 trusted, _TRUSTED.on = getattr(_TRUSTED, "on", False), True
