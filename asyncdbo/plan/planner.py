@@ -20,9 +20,9 @@ import torch
 from ._checks import check_bool
 from .dp import DPDecision, ThresholdConfig, check_thresholds, is_uniform_decode
 from .metadata import AttentionMetadata, check_max_seq_len
-from .slices import _INT_DTYPES, SPLIT_POLICIES, CheckedOffsets, SplitPolicy, as_query_start_loc
+from .slices import _INT_DTYPES, CheckedOffsets, SplitPolicy, as_query_start_loc
 from .split import SplitTemplate
-from .step import StepPlan, _Cut, _record, _vote_and_cut, check_max_ubatches
+from .step import StepPlan, _Cut, _record, _vote_and_cut, check_cut_settings
 
 __all__ = ["Offsets", "ShapePlanner", "remember"]
 
@@ -59,13 +59,7 @@ class ShapePlanner:
                  max_seq_len: str = "ubatch", max_ubatches: int | None = None, capacity: int = 256) -> None:
         check_thresholds("ShapePlanner thresholds", thresholds)
         check_max_seq_len("ShapePlanner", max_seq_len)
-        if num_ubatches < 1:
-            raise ValueError(f"num_ubatches ({num_ubatches}) must be at least 1")
-        check_max_ubatches(num_ubatches, max_ubatches)
-        if policy not in SPLIT_POLICIES:
-            raise ValueError(f"unknown split policy {policy!r}; use one of {SPLIT_POLICIES}")
-        if not 0.0 <= min_share <= 0.5:
-            raise ValueError(f"min_share ({min_share}) must lie in [0, 0.5]")
+        check_cut_settings(num_ubatches, policy, min_share, max_ubatches)
         if capacity < 1:
             raise ValueError(f"capacity ({capacity}) must be at least 1")
         self.num_ubatches, self.policy, self.thresholds = num_ubatches, policy, thresholds

@@ -53,6 +53,19 @@ def check_max_ubatches(num_ubatches: int, max_ubatches: int | None) -> None:
         )
 
 
+def check_cut_settings(num_ubatches: int, policy: str, min_share: float, max_ubatches: int | None) -> None:
+    """ValueError naming the bad value unless the cut's settings can cut a batch: at least one
+    ubatch and no more than the model's layers were built for, a known split policy, ``min_share``
+    in [0, 0.5]."""
+    if num_ubatches < 1:
+        raise ValueError(f"num_ubatches ({num_ubatches}) must be at least 1")
+    check_max_ubatches(num_ubatches, max_ubatches)
+    if policy not in SPLIT_POLICIES:
+        raise ValueError(f"unknown split policy {policy!r}; use one of {SPLIT_POLICIES}")
+    if not 0.0 <= min_share <= 0.5:
+        raise ValueError(f"min_share ({min_share}) must lie in [0, 0.5]")
+
+
 @dataclass(frozen=True, slots=True)
 class StepPlan:
     """The plan for one step.
@@ -224,13 +237,7 @@ def plan_step(
     else:  # checked once: the planners below take it unchecked
         offsets = CheckedOffsets(as_query_start_loc(query_start_loc))
     qsl = offsets
-    if num_ubatches < 1:
-        raise ValueError(f"num_ubatches ({num_ubatches}) must be at least 1")
-    check_max_ubatches(num_ubatches, max_ubatches)
-    if policy not in SPLIT_POLICIES:
-        raise ValueError(f"unknown split policy {policy!r}; use one of {SPLIT_POLICIES}")
-    if not 0.0 <= min_share <= 0.5:
-        raise ValueError(f"min_share ({min_share}) must lie in [0, 0.5]")
+    check_cut_settings(num_ubatches, policy, min_share, max_ubatches)
     if attn_metadata is not None and attn_metadata.num_actual_tokens != qsl[-1]:
         raise ValueError(
             f"attn_metadata has {attn_metadata.num_actual_tokens} tokens but query_start_loc has "
