@@ -113,15 +113,18 @@ class ShapePlanner:
             cut = _vote_and_cut(qsl, offsets.uniform and (bool(enabled) or decision is not None), self.num_ubatches,
                                 self.policy, self.thresholds, bool(enabled), qsl[-1] == 0, None, self.min_share,
                                 None, None, None, decision)
-            shape = _Shape(cut, SplitTemplate.make(attn_metadata.query_start_loc_cpu, cut[4], cut[5]) if cut[0] else None)
+            microbatched, _, _, _, slices, flags, *_ = cut
+            template = SplitTemplate.make(attn_metadata.query_start_loc_cpu, slices, flags) if microbatched else None
+            shape = _Shape(cut, template)
             remember(offsets, key, shape)
         cut = shape.cut
         if decision is not None:
             cut = (cut[0], decision.reason, decision._raw_detail, *cut[3:])  # (its text when read)
+        microbatched, _, _, padded, slices, *_ = cut
         metas = (tuple(shape.template.apply(attn_metadata, self.max_seq_len)) if shape.template is not None
                  else (attn_metadata,))
         record = _record(cut, step, self.policy, decision, config, evidence)
-        return StepPlan(cut[0], cut[4], cut[3], metas, record, decision), offsets.uniform
+        return StepPlan(microbatched, slices, padded, metas, record, decision), offsets.uniform
 
 
 def remember(offsets: Offsets, key: Any, value: Any) -> None:

@@ -64,11 +64,11 @@ class _Row(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class SplitTemplate(Generic[M]):
-    """What the split of metadata with these offsets (``dtype``: theirs) by ``slices`` is, before
-    any per-step tensor is read: made by :meth:`make` from slices :func:`check_slices` passed."""
+    """What the split of metadata with these offsets by ``slices`` is, before any per-step tensor
+    is read: made by :meth:`make` from slices :func:`check_slices` passed (each row's offsets keep
+    the dtype of the offsets they were cut from)."""
 
     slices: tuple[UBatchSlice, ...]
-    dtype: torch.dtype
     rows: tuple[_Row, ...]
     #: The indices of one ``np.maximum.reduceat`` of ``seq_lens`` giving the ubatches' longest
     #: ``seq_len`` (each row's ``pick``); None: each is read on its own.
@@ -92,7 +92,7 @@ class SplitTemplate(Generic[M]):
         at, picks = _reductions(rows, len(qsl_np) - 1)
         if at is not None:
             rows = [row._replace(pick=p) for row, p in zip(rows, picks)]
-        return SplitTemplate(tuple(slices), qsl_cpu.dtype, tuple(rows), at)
+        return SplitTemplate(tuple(slices), tuple(rows), at)
 
     def apply(self, meta: M, max_seq_len: str = "ubatch") -> list[M]:
         """The ubatches' metadata of ``meta``, whose offsets are the template's (the caller's

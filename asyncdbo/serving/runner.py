@@ -142,8 +142,8 @@ class DBORunner:
         # an "auto" runner's keys of what it keeps with a step's offsets (Offsets.memo): its split
         # mask, its own one-rank vote with the flag False and True
         self._memo_mask, self._memo_vote = object(), (object(), object())
-        self._planners: dict[Arm, ShapePlanner] = {}
-        self._async_def: dict[Any, bool] = {}  # see _is_async_def  # an "auto" runner's, per configuration (_arm_planner)
+        self._planners: dict[Arm, ShapePlanner] = {}  # an "auto" runner's, per configuration (_arm_planner)
+        self._async_def: dict[Any, bool] = {}  # see _is_async_def
         self._config_names: dict[int, str] = {}  # a fixed runner's record.config by ubatch count (0: off)
         # What every rank's policy must share to choose alike (its search space and prior), as a
         # number the vote carries: ranks with other settings are refused, not left to diverge.
@@ -218,6 +218,7 @@ class DBORunner:
             uniform = is_uniform_decode(qsl, cfg.thresholds.num_spec_tokens)
             plan, dispatch = self._plan(batch, qsl, uniform, enabled), cfg.dispatch
         else:
+            # (every configuration's planner reads offsets alike: with the runner's thresholds)
             offsets = self._arm_planner(self._arms[0]).offsets(batch.attn)
             uniform = offsets.uniform
             plan, arm = self._plan_auto(batch, offsets, enabled, last_ns)
